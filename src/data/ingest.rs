@@ -1,0 +1,236 @@
+//! Ingest: a recipe's sources → normalized, decontaminated, capped and weighted conversations, with
+//! counts of everything read, kept and dropped (by reason) for the stats and the inspection report.
+
+use std::collections::BTreeMap;
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use super::DataError;
+use super::conversation::Conversation;
+use super::decontam::{DecontamStats, EvalIndex};
+use super::readers::{Location, for_each_row, local_files};
+use super::recipe::{Recipe, SourceSpec};
+use crate::hub::{Hub, PulledRepo};
+
+#[derive(Debug, Default, Clone, PartialEq, Serialize)]
+pub struct SourceStats {
+    pub name: String,
+    pub files: Vec<String>,
+    pub rows_read: u64,
+    /// Rows that normalized cleanly and were not contaminated (before the cap and weight).
+    pub kept: u64,
+    /// Dropped rows by reason (missing_column, unknown_role, non_string_content, empty_conversation, no_assistant_turn).
+    pub dropped: BTreeMap<String, u64>,
+    pub decontamination: DecontamStats,
+    /// True when `max_rows` stopped the read early.
+    pub capped: bool,
+    pub weight: f64,
+    /// Conversations written after weighting.
+    pub emitted: u64,
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Serialize)]
+pub struct IngestStats {
+    pub recipe: String,
+    pub eval_sets: Vec<String>,
+    pub sources: Vec<SourceStats>,
+    pub rows_read: u64,
+    pub kept: u64,
+    pub dropped: u64,
+    pub contaminated: u64,
+    pub emitted: u64,
+    pub pulls: Vec<PulledRepo>,
+}
+
+impl IngestStats {
+    fn add(&mut self, s: SourceStats) {
+        self.rows_read += s.rows_read;
+        self.kept += s.kept;
+        self.dropped += s.dropped.values().sum::<u64>();
+        self.contaminated += s.decontamination.dropped;
+        self.emitted += s.emitted;
+        self.sources.push(s);
+    }
+
+    pub fn summary(&self) -> String {
+        format!(
+            "{}: read {} rows, kept {}, dropped {} bad, {} contaminated, wrote {} conversations",
+            self.recipe, self.rows_read, self.kept, self.dropped, self.contaminated, self.emitted
+        )
+    }
+}
+
+/// How many times a kept conversation is emitted under `weight`: the whole part always, the fractional
+/// part for a deterministic, seed-dependent subset of ids.
+pub fn copies(weight: f64, id: &str, seed: u64) -> u64 {
+    let whole = weight.floor();
+    let frac = weight - whole;
+    let mut n = whole as u64;
+    if frac > 0.0 {
+        let mut h = Sha256::new();
+        h.update(seed.to_le_bytes());
+        h.update(id.as_bytes());
+        let digest = h.finalize();
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&digest[..8]);
+        let unit = (u64::from_le_bytes(first) >> 11) as f64 / (1u64 << 53) as f64;
+        if unit < frac {
+            n += 1;
+        }
+    }
+    n
+}
+
+/// The local files of a source: pulled through the Hub for hub sources, listed for local ones.
+pub fn source_files(spec: &SourceSpec, base: &Path, hub: Option<&Hub>) -> Result<(Vec<PathBuf>, Option<PulledRepo>), DataError> {
+    if let Some(h) = &spec.hub {
+        let hub = match hub {
+            Some(hub) => hub,
+            None => return Err(DataError::Recipe { path: base.to_path_buf(), message: format!("source '{}' is on the Hub but no Hub client was given", spec.name) }),
+        };
+        let pulled = hub.pull(&h.spec())?;
+        let files = pulled.files.iter().map(|f| f.local.clone()).collect();
+        return Ok((files, Some(pulled)));
+    }
+    let path = spec.local_path(base).unwrap_or_default();
+    let files = local_files(&path, spec.format)?;
+    if files.is_empty() {
+        return Err(DataError::Text {
+            path,
+            location: format!("source '{}'", spec.name),
+            message: format!("no {:?} files found", spec.format).to_lowercase(),
+        });
+    }
+    Ok((files, None))
+}
+
+/// Reads one source's files, normalizing, decontaminating, capping and weighting, and hands each
+/// conversation to `sink`. A bad row is counted and skipped; a bad file stops with its error.
+pub fn ingest_source(
+    spec: &SourceSpec,
+    files: &[PathBuf],
+    eval: Option<&EvalIndex>,
+    seed: u64,
+    progress: &ProgressBar,
+    sink: &mut dyn FnMut(Conversation) -> Result<(), DataError>,
+) -> Result<SourceStats, DataError> {
+    let mut stats = SourceStats { name: spec.name.clone(), weight: spec.weight, ..Default::default() };
+    let columns = spec.schema.columns();
+    for file in files {
+        stats.files.push(file.display().to_string());
+        let stem = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let mut sink_error = None;
+        for_each_row(file, spec.format, Some(&columns), |row, location| {
+            stats.rows_read += 1;
+            progress.inc(1);
+            let fallback_id = format!("{}/{}#{}", spec.name, stem, location_key(location));
+            let conv = match spec.schema.normalize(&row, &spec.name, &fallback_id) {
+                Ok(c) => c,
+                Err(reason) => {
+                    *stats.dropped.entry(reason.label().to_string()).or_default() += 1;
+                    return ControlFlow::Continue(());
+                }
+            };
+            if let Some(hit) = eval.and_then(|e| e.check(&conv)) {
+                stats.decontamination.record(&hit);
+                return ControlFlow::Continue(());
+            }
+            if spec.max_rows.is_some_and(|cap| stats.kept >= cap) {
+                stats.capped = true;
+                return ControlFlow::Break(());
+            }
+            stats.kept += 1;
+            for k in 0..copies(spec.weight, &conv.id, seed) {
+                let mut copy = conv.clone();
+                if k > 0 {
+                    copy.id = format!("{}#{k}", conv.id);
+                }
+                if let Err(e) = sink(copy) {
+                    sink_error = Some(e);
+                    return ControlFlow::Break(());
+                }
+                stats.emitted += 1;
+            }
+            ControlFlow::Continue(())
+        })?;
+        if let Some(e) = sink_error {
+            return Err(e);
+        }
+        if stats.capped {
+            break;
+        }
+    }
+    Ok(stats)
+}
+
+fn location_key(location: Location) -> String {
+    match location {
+        Location::Row { row_group, row } => format!("rg{row_group}r{row}"),
+        Location::Line(n) => format!("l{n}"),
+        Location::Element(i) => format!("e{i}"),
+    }
+}
+
+/// Ingests the chosen sources of `recipe` into `sink`, with a progress line per source.
+pub fn ingest(
+    recipe: &Recipe,
+    sources: &[&SourceSpec],
+    hub: Option<&Hub>,
+    eval: Option<&EvalIndex>,
+    show_progress: bool,
+    sink: &mut dyn FnMut(Conversation) -> Result<(), DataError>,
+) -> Result<IngestStats, DataError> {
+    let mut stats = IngestStats {
+        recipe: recipe.name.clone(),
+        eval_sets: eval.map(|e| e.sources.clone()).unwrap_or_default(),
+        ..Default::default()
+    };
+    let base = recipe.base_dir();
+    for spec in sources {
+        let (files, pulled) = source_files(spec, &base, hub)?;
+        stats.pulls.extend(pulled);
+        let bar = if show_progress { ProgressBar::new_spinner() } else { ProgressBar::hidden() };
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {msg} {pos} rows ({per_sec})").unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        );
+        bar.set_message(spec.name.clone());
+        let s = ingest_source(spec, &files, eval, recipe.seed, &bar, sink)?;
+        bar.finish_and_clear();
+        if show_progress {
+            eprintln!(
+                "  {}: {} rows read, {} kept, {} dropped, {} contaminated, {} written",
+                s.name,
+                s.rows_read,
+                s.kept,
+                s.dropped.values().sum::<u64>(),
+                s.decontamination.dropped,
+                s.emitted
+            );
+        }
+        stats.add(s);
+    }
+    Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_repeat_and_subsample_deterministically() {
+        assert_eq!(copies(1.0, "a", 0), 1);
+        assert_eq!(copies(2.0, "a", 0), 2);
+        assert_eq!(copies(0.0, "a", 0), 0);
+        let ids: Vec<String> = (0..4000).map(|i| format!("id{i}")).collect();
+        let kept: u64 = ids.iter().map(|id| copies(0.25, id, 7)).sum();
+        assert!((900..1100).contains(&kept), "{kept}");
+        let again: u64 = ids.iter().map(|id| copies(0.25, id, 7)).sum();
+        assert_eq!(kept, again);
+        let extra: u64 = ids.iter().map(|id| copies(1.5, id, 7)).sum();
+        assert!((5800..6200).contains(&extra), "{extra}");
+    }
+}

@@ -1,0 +1,10 @@
+//! kiln: a supervised fine-tuning pipeline for terminal-agent language models, on burn.
+//!
+//! Stages and where they live (see docs/ and the README's stage table):
+//! `hub` (Hub access) → `data` (recipes, readers, normalization, decontamination) → later stages.
+//! `synth` makes the project's own sample data; `backend` names the burn backends compiled in.
+
+pub mod backend;
+pub mod data;
+pub mod hub;
+pub mod synth;

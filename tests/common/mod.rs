@@ -1,0 +1,198 @@
+//! Test helpers: a loopback server that answers the Hugging Face Hub's routes, and paths to the binary,
+//! the project's recipes and the shared reference data.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+
+pub fn kiln_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_kiln"))
+}
+
+pub fn project_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// ../shared/data/tb2lite beside the checkout (CI clones with shared/ beside it).
+pub fn shared_tb2lite() -> PathBuf {
+    project_dir().join("../shared/data/tb2lite")
+}
+
+/// One commit of a repo: path → bytes.
+pub type Tree = BTreeMap<String, Vec<u8>>;
+
+#[derive(Default, Clone)]
+pub struct FakeRepo {
+    /// Branch or tag → commit sha.
+    pub refs: BTreeMap<String, String>,
+    pub commits: BTreeMap<String, Tree>,
+    /// Requests need `Authorization: Bearer <token>`.
+    pub gated_token: Option<String>,
+    /// Paths listed by the API but answering 404 on download (a listing that went stale).
+    pub broken: Vec<String>,
+}
+
+impl FakeRepo {
+    /// A repo whose `main` points at one commit holding `files`.
+    pub fn single(commit: &str, files: Tree) -> FakeRepo {
+        let mut repo = FakeRepo::default();
+        repo.refs.insert("main".into(), commit.into());
+        repo.commits.insert(commit.into(), files);
+        repo
+    }
+}
+
+pub fn sha(label: &str) -> String {
+    let digest = hex::encode(Sha256::digest(label.as_bytes()));
+    digest[..40].to_string()
+}
+
+/// Serves `/api/{models,datasets}/<id>/revision/<rev>` and `[datasets/]<id>/resolve/<rev>/<path>` like the
+/// Hub: X-Repo-Commit and ETag headers, X-Error-Code on 4xx. Stops when dropped.
+pub struct FakeHub {
+    pub url: String,
+    pub requests: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl FakeHub {
+    /// `repos`: ("datasets" | "models", "owner/name") → repo.
+    pub fn start(repos: BTreeMap<(String, String), FakeRepo>) -> FakeHub {
+        let server = tiny_http::Server::http("127.0.0.1:0").expect("bind loopback");
+        let url = format!("http://{}", server.server_addr().to_ip().expect("ip address"));
+        let stop = Arc::new(AtomicBool::new(false));
+        let requests = Arc::new(AtomicUsize::new(0));
+        let repos = Arc::new(Mutex::new(repos));
+        let (stop2, requests2) = (stop.clone(), requests.clone());
+        let thread = std::thread::spawn(move || {
+            while !stop2.load(Ordering::SeqCst) {
+                let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(50)) else { continue };
+                requests2.fetch_add(1, Ordering::SeqCst);
+                let response = answer(&repos.lock().unwrap(), &req);
+                let _ = req.respond(response);
+            }
+        });
+        FakeHub { url, requests, stop, thread: Some(thread) }
+    }
+}
+
+impl Drop for FakeHub {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+type Response = tiny_http::Response<std::io::Cursor<Vec<u8>>>;
+
+fn header(name: &str, value: &str) -> tiny_http::Header {
+    tiny_http::Header::from_bytes(name.as_bytes(), value.as_bytes()).expect("valid header")
+}
+
+fn error(status: u16, code: &str, message: &str) -> Response {
+    tiny_http::Response::from_data(serde_json::json!({"error": message}).to_string().into_bytes())
+        .with_status_code(status)
+        .with_header(header("X-Error-Code", code))
+        .with_header(header("Content-Type", "application/json"))
+}
+
+fn decode(segment: &str) -> String {
+    let bytes = segment.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let Ok(v) = u8::from_str_radix(&segment[i + 1..i + 3], 16) {
+                out.push(v);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn answer(repos: &BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Request) -> Response {
+    let path = req.url().split('?').next().unwrap_or("").to_string();
+    let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let authorized = |repo: &FakeRepo| match &repo.gated_token {
+        None => true,
+        Some(token) => req
+            .headers()
+            .iter()
+            .any(|h| h.field.equiv("Authorization") && h.value.as_str() == format!("Bearer {token}")),
+    };
+    // API: /api/<plural>/<owner>/<name>/revision/<rev>
+    if parts.len() >= 6 && parts[0] == "api" && parts[4] == "revision" {
+        let key = (parts[1].to_string(), format!("{}/{}", parts[2], parts[3]));
+        let Some(repo) = repos.get(&key) else { return error(404, "RepoNotFound", "Repository not found") };
+        if !authorized(repo) {
+            return error(401, "GatedRepo", "Access to this repo is restricted");
+        }
+        let rev = decode(&parts[5..].join("/"));
+        let Some(commit) = resolve(repo, &rev) else { return error(404, "RevisionNotFound", "Invalid rev id") };
+        let siblings: Vec<_> = repo.commits[&commit].keys().map(|p| serde_json::json!({"rfilename": p})).collect();
+        let body = serde_json::json!({"id": key.1, "sha": commit, "siblings": siblings});
+        return tiny_http::Response::from_data(body.to_string().into_bytes())
+            .with_header(header("Content-Type", "application/json"));
+    }
+    // Files: [datasets/]<owner>/<name>/resolve/<rev>/<path…>
+    let (plural, rest) = if parts.first() == Some(&"datasets") { ("datasets", &parts[1..]) } else { ("models", &parts[..]) };
+    if rest.len() >= 5 && rest[2] == "resolve" {
+        let key = (plural.to_string(), format!("{}/{}", rest[0], rest[1]));
+        let Some(repo) = repos.get(&key) else { return error(404, "RepoNotFound", "Repository not found") };
+        if !authorized(repo) {
+            return error(401, "GatedRepo", "Access to this repo is restricted");
+        }
+        let Some(commit) = resolve(repo, &decode(rest[3])) else { return error(404, "RevisionNotFound", "Invalid rev id") };
+        let file = rest[4..].iter().map(|s| decode(s)).collect::<Vec<_>>().join("/");
+        let tree = &repo.commits[&commit];
+        let Some(bytes) = tree.get(&file).filter(|_| !repo.broken.contains(&file)) else {
+            return error(404, "EntryNotFound", "Entry not found");
+        };
+        // LFS-style files (parquet, safetensors) carry their sha256 as ETag; small files a git-style id.
+        let digest = hex::encode(Sha256::digest(bytes));
+        let etag = if file.ends_with(".parquet") || file.ends_with(".safetensors") { digest } else { digest[..40].to_string() };
+        let body = if req.method() == &tiny_http::Method::Head { Vec::new() } else { bytes.clone() };
+        let mut response = tiny_http::Response::from_data(body)
+            .with_header(header("ETag", &format!("\"{etag}\"")))
+            .with_header(header("X-Repo-Commit", &commit));
+        if req.method() == &tiny_http::Method::Head {
+            response = response.with_header(header("X-Linked-Size", &bytes.len().to_string()));
+        }
+        return response;
+    }
+    error(404, "NotFound", "no such route")
+}
+
+fn resolve(repo: &FakeRepo, rev: &str) -> Option<String> {
+    if repo.commits.contains_key(rev) {
+        return Some(rev.to_string());
+    }
+    repo.refs.get(rev).cloned()
+}
+
+/// Runs the kiln binary with `args` and `envs`, returning (success, stdout, stderr).
+pub fn run_kiln(args: &[&str], envs: &[(&str, &str)], cwd: &Path) -> (bool, String, String) {
+    let mut cmd = std::process::Command::new(kiln_bin());
+    cmd.args(args).current_dir(cwd);
+    for var in ["HF_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE", "HF_ENDPOINT", "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"] {
+        cmd.env_remove(var);
+    }
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run kiln");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}

@@ -1,0 +1,172 @@
+//! Readers on project-made fixtures of every format: good rows normalize, bad rows are counted by reason,
+//! bad files stop with an error naming the file and the row group / line / element.
+
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use indicatif::ProgressBar;
+use kiln::data::ingest::ingest_source;
+use kiln::data::readers::{Location, for_each_row};
+use kiln::data::recipe::SourceSpec;
+use kiln::data::{Conversation, DataError, Format, Role, SchemaMapping};
+use rand::SeedableRng;
+
+fn source(format: Format, schema: SchemaMapping) -> SourceSpec {
+    SourceSpec { name: "fixture".into(), format, hub: None, path: None, max_rows: None, weight: 1.0, license: None, schema }
+}
+
+fn run(spec: &SourceSpec, files: &[PathBuf]) -> Result<(kiln::data::ingest::SourceStats, Vec<Conversation>), DataError> {
+    let mut out = Vec::new();
+    let stats = ingest_source(spec, files, None, 0, &ProgressBar::hidden(), &mut |c| {
+        out.push(c);
+        Ok(())
+    })?;
+    Ok((stats, out))
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::File::create(&path).unwrap().write_all(text.as_bytes()).unwrap();
+    path
+}
+
+fn synth_conversations(n: usize) -> Vec<Conversation> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    (0..n).map(|i| kiln::synth::terminal::task(&mut rng, i).conversation(&format!("c{i}"), &format!("task_{i}"))).collect()
+}
+
+#[test]
+fn parquet_round_trips_list_of_struct_conversations_across_row_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.parquet");
+    let convs = synth_conversations(300); // three row groups of ≤128
+    kiln::synth::write_terminal_parquet(&path, &convs).unwrap();
+    let schema = SchemaMapping { id: Some("trial_name".into()), task: Some("task".into()), ..Default::default() };
+    let (stats, read) = run(&source(Format::Parquet, schema), &[path.clone()]).unwrap();
+    assert_eq!((stats.rows_read, stats.kept, stats.emitted), (300, 300, 300));
+    assert!(stats.dropped.is_empty());
+    assert_eq!(read[0].messages, convs[0].messages);
+    assert_eq!(read[299].task(), Some("task_299"));
+    assert_eq!(read[7].id, convs[7].meta["trial_name"].as_str().unwrap());
+
+    let mut groups = std::collections::BTreeSet::new();
+    for_each_row(&path, Format::Parquet, None, |_, loc| {
+        if let Location::Row { row_group, .. } = loc {
+            groups.insert(row_group);
+        }
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    assert_eq!(groups.len(), 3);
+}
+
+#[test]
+fn parquet_without_the_messages_column_names_the_columns_it_has() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.parquet");
+    kiln::synth::write_terminal_parquet(&path, &synth_conversations(2)).unwrap();
+    let schema = SchemaMapping { messages: "messages".into(), ..Default::default() };
+    let err = run(&source(Format::Parquet, schema), &[path]).unwrap_err().to_string();
+    assert!(err.contains("no column 'messages'") && err.contains("conversations, agent, task"), "{err}");
+}
+
+#[test]
+fn corrupt_parquet_names_the_file_and_row_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("broken.parquet");
+    kiln::synth::write_terminal_parquet(&path, &synth_conversations(300)).unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    let mid = bytes.len() / 2;
+    for b in &mut bytes[mid..mid + 4096] {
+        *b = 0x5a;
+    }
+    std::fs::write(&path, &bytes).unwrap();
+    let err = run(&source(Format::Parquet, SchemaMapping::default()), &[path]).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, DataError::Parquet { row_group: Some(_), .. }), "{text}");
+    assert!(text.contains("broken.parquet") && text.contains("row group"), "{text}");
+
+    let truncated = dir.path().join("truncated.parquet");
+    std::fs::write(&truncated, &bytes[..100]).unwrap();
+    let text = run(&source(Format::Parquet, SchemaMapping::default()), &[truncated]).unwrap_err().to_string();
+    assert!(text.contains("truncated.parquet") && text.contains("not a readable parquet file"), "{text}");
+}
+
+const GOOD_ROW: &str = r#"{"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}"#;
+
+#[test]
+fn jsonl_counts_each_bad_row_by_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = [
+        GOOD_ROW,
+        "",
+        r#"{"messages": []}"#,
+        r#"{"conversations": []}"#,
+        r#"{"conversations": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "a"}]}"#,
+        r#"{"conversations": [{"role": "user", "content": {"nested": 1}}, {"role": "assistant", "content": "a"}]}"#,
+        r#"{"conversations": [{"role": "user", "content": "no answer"}]}"#,
+        r#"{"conversations": [{"role": "human", "content": "q"}, {"role": "gpt", "content": "a"}]}"#,
+    ];
+    let path = write(dir.path(), "rows.jsonl", &rows.join("\n"));
+    let (stats, read) = run(&source(Format::Jsonl, SchemaMapping::default()), &[path]).unwrap();
+    assert_eq!(stats.rows_read, 7, "blank lines are not rows");
+    assert_eq!(stats.kept, 2);
+    let dropped: Vec<(&str, u64)> = stats.dropped.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    assert_eq!(
+        dropped,
+        [("empty_conversation", 1), ("missing_column", 1), ("no_assistant_turn", 1), ("non_string_content", 1), ("unknown_role", 1)]
+    );
+    assert_eq!(read[1].messages[0].role, Role::User);
+    assert_eq!(read[1].id, "fixture/rows.jsonl#l8");
+}
+
+#[test]
+fn malformed_jsonl_names_the_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "bad.jsonl", &format!("{GOOD_ROW}\n{GOOD_ROW}\n{{\"conversations\": [\n"));
+    let err = run(&source(Format::Jsonl, SchemaMapping::default()), &[path]).unwrap_err().to_string();
+    assert!(err.contains("bad.jsonl: line 3: invalid JSON"), "{err}");
+}
+
+#[test]
+fn json_arrays_stream_openbmb_rows_and_name_the_broken_element() {
+    let dir = tempfile::tempdir().unwrap();
+    let schema = SchemaMapping { role: "from".into(), content: "value".into(), id: Some("id".into()), ..Default::default() };
+    let good = r#"[
+ {"id": "a", "conversations": [{"from": "system", "value": "tools"}, {"from": "user", "value": "q"}, {"from": "assistant", "value": "Action: f"}, {"from": "function", "value": "{\"r\": 1}"}, {"from": "assistant", "value": "done"}]},
+ {"id": "b", "conversations": [{"from": "user", "value": "q"}]},
+ "not an object",
+ {"id": "c", "conversations": [{"from": "user", "value": "]},{"}, {"from": "assistant", "value": "ok"}]}
+]"#;
+    let path = write(dir.path(), "tools.json", good);
+    let (stats, read) = run(&source(Format::Json, schema.clone()), &[path]).unwrap();
+    assert_eq!((stats.rows_read, stats.kept), (4, 2));
+    assert_eq!(stats.dropped["no_assistant_turn"], 1);
+    assert_eq!(stats.dropped["missing_column"], 1);
+    assert_eq!(read[0].messages[3].role, Role::Tool);
+    assert_eq!(read[1].messages[0].content, "]},{");
+
+    let broken = write(dir.path(), "broken.json", r#"[{"id": "a", "conversations": []}, {"id": "b", "conversations": [}]"#);
+    let err = run(&source(Format::Json, schema.clone()), &[broken]).unwrap_err().to_string();
+    assert!(err.contains("broken.json: array element 1"), "{err}");
+
+    let cut = write(dir.path(), "cut.json", r#"[{"id": "a", "conversations": []}, {"id": "b", "conv"#);
+    let err = run(&source(Format::Json, schema), &[cut]).unwrap_err().to_string();
+    assert!(err.contains("cut.json: array element 1") && err.contains("end of file"), "{err}");
+}
+
+#[test]
+fn caps_and_weights_apply_after_drops() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines: Vec<String> = (0..50)
+        .map(|i| if i % 5 == 0 { r#"{"conversations": []}"#.to_string() } else { GOOD_ROW.replace("\"q\"", &format!("\"q{i}\"")) })
+        .collect();
+    let path = write(dir.path(), "rows.jsonl", &lines.join("\n"));
+    let mut spec = source(Format::Jsonl, SchemaMapping::default());
+    spec.max_rows = Some(12);
+    spec.weight = 2.0;
+    let (stats, read) = run(&spec, &[path]).unwrap();
+    assert_eq!((stats.kept, stats.emitted, stats.capped), (12, 24, true));
+    assert_eq!(read[1].id, format!("{}#1", read[0].id));
+}
