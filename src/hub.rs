@@ -492,6 +492,10 @@ fn describe_file(path: &str, local: &Path) -> Result<PulledFile, HubError> {
     Ok(PulledFile { path: path.to_string(), local: local.to_path_buf(), size, sha256 })
 }
 
+pub fn sha256_bytes(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
 pub fn sha256_file(path: &Path) -> std::io::Result<String> {
     let mut file = std::fs::File::open(path)?;
     let mut hasher = Sha256::new();

@@ -236,3 +236,26 @@ fn model_pulls_take_the_optional_files_the_repo_has() {
     let files: Vec<&str> = record[0]["files"].as_array().unwrap().iter().map(|f| f["path"].as_str().unwrap()).collect();
     assert_eq!(files, ["config.json", "model.safetensors", "tokenizer.json"]);
 }
+
+#[test]
+fn files_already_in_a_python_populated_cache_are_not_downloaded_again() {
+    let server = FakeHub::start(hub_repos());
+    let cache = tempfile::tempdir().unwrap();
+    // The layout huggingface_hub writes: blobs/<etag>, snapshots/<commit>/<path> → ../../blobs/<etag>, refs/main.
+    let folder = cache.path().join("datasets--gyung--LFM2-Terminal-SFT-Processed");
+    let bytes = terminal_parquet();
+    let etag = kiln::hub::sha256_bytes(&bytes);
+    std::fs::create_dir_all(folder.join("blobs")).unwrap();
+    std::fs::write(folder.join("blobs").join(&etag), &bytes).unwrap();
+    let snapshot = folder.join("snapshots").join(sha("B")).join("data");
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::os::unix::fs::symlink(format!("../../../blobs/{etag}"), snapshot.join("train-00000-of-00001.parquet")).unwrap();
+    std::fs::create_dir_all(folder.join("refs")).unwrap();
+    std::fs::write(folder.join("refs/main"), sha("B")).unwrap();
+
+    let hub = Hub::new(config(&server.url, cache.path(), false)).unwrap();
+    let pulled = hub.pull(&dataset_spec("main", &["data/*.parquet"])).unwrap();
+    assert_eq!(pulled.files[0].sha256, etag);
+    // One request: the revision lookup. The file itself came from the cache.
+    assert_eq!(server.requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
