@@ -126,7 +126,9 @@ pub struct HubConfig {
 }
 
 fn env_flag(name: &str) -> bool {
-    std::env::var(name).map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on")).unwrap_or(false)
+    std::env::var(name)
+        .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
+        .unwrap_or(false)
 }
 
 impl HubConfig {
@@ -153,7 +155,9 @@ impl HubConfig {
                 "no token is set: accept the repo's terms on its Hub page, then set HF_TOKEN or write the token to {}",
                 hf_hub::hf_home().join("token").display()
             ),
-            Some(src) => format!("the token from {src} was refused: check that it is valid and has access to this repo"),
+            Some(src) => {
+                format!("the token from {src} was refused: check that it is valid and has access to this repo")
+            }
         }
     }
 }
@@ -166,7 +170,8 @@ fn token_source() -> Option<String> {
     if std::env::var("HF_TOKEN").is_ok_and(|t| !t.is_empty()) {
         return Some("HF_TOKEN".into());
     }
-    let files = std::env::var("HF_TOKEN_PATH").ok().map(PathBuf::from).into_iter().chain([hf_hub::hf_home().join("token")]);
+    let files =
+        std::env::var("HF_TOKEN_PATH").ok().map(PathBuf::from).into_iter().chain([hf_hub::hf_home().join("token")]);
     for path in files {
         if std::fs::read_to_string(&path).is_ok_and(|t| !t.trim().is_empty()) {
             return Some(path.display().to_string());
@@ -208,7 +213,8 @@ impl Hub {
 
     /// Downloads (or finds in the cache) the files of `spec` and records what was pulled.
     pub fn pull(&self, spec: &RepoSpec) -> Result<PulledRepo, HubError> {
-        let patterns = Patterns { required: compile_patterns(&spec.files)?, optional: compile_patterns(&spec.optional_files)? };
+        let patterns =
+            Patterns { required: compile_patterns(&spec.files)?, optional: compile_patterns(&spec.optional_files)? };
         match &self.client {
             None => self.pull_from_cache(spec, &patterns),
             Some(client) => match spec.kind {
@@ -294,16 +300,15 @@ impl Hub {
             return Err(not_cached(String::new()));
         }
         let mut listing = Vec::new();
-        list_relative(&snapshot, &snapshot, &mut listing).map_err(|e| HubError::Io { path: snapshot.clone(), source: e })?;
+        list_relative(&snapshot, &snapshot, &mut listing)
+            .map_err(|e| HubError::Io { path: snapshot.clone(), source: e })?;
         listing.sort();
         let selected = select(spec, &listing, patterns).map_err(|e| match e {
             HubError::NoFilesMatch { pattern, .. } => not_cached(format!(", file '{pattern}'")),
             other => other,
         })?;
-        let files = selected
-            .iter()
-            .map(|path| describe_file(path, &snapshot.join(path)))
-            .collect::<Result<Vec<_>, _>>()?;
+        let files =
+            selected.iter().map(|path| describe_file(path, &snapshot.join(path))).collect::<Result<Vec<_>, _>>()?;
         Ok(PulledRepo {
             kind: spec.kind,
             repo: spec.repo.clone(),
@@ -388,7 +393,9 @@ fn name(repo: &str) -> &str {
 /// The Hub's machine-readable error code (`X-Error-Code`: RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo).
 fn error_code(err: &HFError) -> Option<String> {
     let ctx = match err {
-        HFError::Http { context } | HFError::AuthRequired { context } | HFError::Forbidden { context } => Some(context.as_ref()),
+        HFError::Http { context } | HFError::AuthRequired { context } | HFError::Forbidden { context } => {
+            Some(context.as_ref())
+        }
         HFError::RepoNotFound { context, .. }
         | HFError::RevisionNotFound { context, .. }
         | HFError::EntryNotFound { context, .. } => context.as_deref(),
@@ -482,9 +489,8 @@ fn list_relative(root: &Path, dir: &Path, out: &mut Vec<String>) -> std::io::Res
 fn describe_file(path: &str, local: &Path) -> Result<PulledFile, HubError> {
     let io = |source| HubError::Io { path: local.to_path_buf(), source };
     let size = std::fs::metadata(local).map_err(io)?.len();
-    let blob_name = std::fs::canonicalize(local)
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
+    let blob_name =
+        std::fs::canonicalize(local).ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
     let sha256 = match blob_name {
         Some(n) if n.len() == 64 && n.bytes().all(|b| b.is_ascii_hexdigit()) => n,
         _ => sha256_file(local).map_err(io)?,
@@ -563,7 +569,10 @@ mod tests {
     }
 
     fn patterns(s: &RepoSpec) -> Patterns {
-        Patterns { required: compile_patterns(&s.files).unwrap(), optional: compile_patterns(&s.optional_files).unwrap() }
+        Patterns {
+            required: compile_patterns(&s.files).unwrap(),
+            optional: compile_patterns(&s.optional_files).unwrap(),
+        }
     }
 
     #[test]
@@ -589,7 +598,10 @@ mod tests {
 
     #[test]
     fn cache_folder_names_match_python() {
-        assert_eq!(repo_folder(RepoKind::Dataset, "gyung/LFM2-Terminal-SFT-Processed"), "datasets--gyung--LFM2-Terminal-SFT-Processed");
+        assert_eq!(
+            repo_folder(RepoKind::Dataset, "gyung/LFM2-Terminal-SFT-Processed"),
+            "datasets--gyung--LFM2-Terminal-SFT-Processed"
+        );
         assert_eq!(repo_folder(RepoKind::Model, "LiquidAI/LFM2-350M"), "models--LiquidAI--LFM2-350M");
         assert!(is_commit_hash("0123456789abcdef0123456789abcdef01234567"));
         assert!(!is_commit_hash("main"));

@@ -14,7 +14,11 @@ use kiln::hub::{Hub, HubConfig, PulledRepo, RepoKind, RepoSpec};
 use kiln::synth::{SynthConfig, write_all};
 
 #[derive(Parser)]
-#[command(name = "kiln", version, about = "Fine-tune terminal-agent language models: Hub → native template → assistant-only loss → burn → eval → model card")]
+#[command(
+    name = "kiln",
+    version,
+    about = "Fine-tune terminal-agent language models: Hub → native template → assistant-only loss → burn → eval → model card"
+)]
 struct Cli {
     /// Folder of dataset recipes (`<name>.toml`).
     #[arg(long, global = true, env = "KILN_DATASETS", default_value = "datasets")]
@@ -163,7 +167,13 @@ fn pull(args: PullArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
             } else {
                 (args.files.clone(), vec![])
             };
-            vec![RepoSpec { kind: RepoKind::Model, repo: repo.clone(), revision: args.revision.clone(), files, optional_files }]
+            vec![RepoSpec {
+                kind: RepoKind::Model,
+                repo: repo.clone(),
+                revision: args.revision.clone(),
+                files,
+                optional_files,
+            }]
         }
         _ => bail!("say what to pull: --dataset <recipe> or --model <repo id>"),
     };
@@ -198,7 +208,8 @@ fn ingest_cmd(args: IngestArgs, datasets_dir: &Path, quiet: bool) -> Result<()> 
         Some(index)
     };
     let needs_hub = args.dataset.iter().map(|d| Recipe::find(d, datasets_dir)).collect::<Result<Vec<_>, _>>()?;
-    let hub = if needs_hub.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some())) { Some(hub(quiet)?) } else { None };
+    let hub =
+        if needs_hub.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some())) { Some(hub(quiet)?) } else { None };
 
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let conv_path = args.out.join("conversations.jsonl");
@@ -217,7 +228,6 @@ fn ingest_cmd(args: IngestArgs, datasets_dir: &Path, quiet: bool) -> Result<()> 
         eprintln!("{}", stats.summary());
         all.push(stats);
     }
-    drop(write);
     writer.flush().with_context(|| format!("writing {}", tmp_path.display()))?;
     drop(writer);
     std::fs::rename(&tmp_path, &conv_path).with_context(|| format!("moving {} into place", conv_path.display()))?;

@@ -13,7 +13,8 @@ use kiln::data::{EvalIndex, Format, SchemaMapping};
 use serde_json::{Value, json};
 
 fn eval_trajectories() -> Vec<Value> {
-    let text = std::fs::read_to_string(common::shared_tb2lite().join("eval_dataset.jsonl")).expect("../shared/data/tb2lite");
+    let text =
+        std::fs::read_to_string(common::shared_tb2lite().join("eval_dataset.jsonl")).expect("../shared/data/tb2lite");
     text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 

@@ -44,7 +44,11 @@ fn hub_repos() -> BTreeMap<(String, String), FakeRepo> {
 
     let mut model = FakeRepo::single(
         &sha("M"),
-        tree(&[("config.json", b"{\"model_type\": \"lfm2\"}"), ("model.safetensors", b"weights"), ("tokenizer.json", b"{}")]),
+        tree(&[
+            ("config.json", b"{\"model_type\": \"lfm2\"}"),
+            ("model.safetensors", b"weights"),
+            ("tokenizer.json", b"{}"),
+        ]),
     );
     model.broken.push("tokenizer.json".into());
     let gated = {
@@ -187,7 +191,8 @@ fn kiln_pull_dataset_downloads_then_reruns_from_cache_and_fails_clearly_offline(
     let datasets_str = datasets.to_str().unwrap();
     let out = home.path().join("pull.json");
     let env = [("HF_ENDPOINT", server.url.as_str()), ("HF_HOME", home_str)];
-    let args = ["--quiet", "--datasets-dir", datasets_str, "pull", "--dataset", "terminal", "--out", out.to_str().unwrap()];
+    let args =
+        ["--quiet", "--datasets-dir", datasets_str, "pull", "--dataset", "terminal", "--out", out.to_str().unwrap()];
 
     let (ok, _, stderr) = run_kiln(&args, &env, home.path());
     assert!(ok, "{stderr}");
@@ -249,7 +254,8 @@ fn files_already_in_a_python_populated_cache_are_not_downloaded_again() {
     std::fs::write(folder.join("blobs").join(&etag), &bytes).unwrap();
     let snapshot = folder.join("snapshots").join(sha("B")).join("data");
     std::fs::create_dir_all(&snapshot).unwrap();
-    std::os::unix::fs::symlink(format!("../../../blobs/{etag}"), snapshot.join("train-00000-of-00001.parquet")).unwrap();
+    std::os::unix::fs::symlink(format!("../../../blobs/{etag}"), snapshot.join("train-00000-of-00001.parquet"))
+        .unwrap();
     std::fs::create_dir_all(folder.join("refs")).unwrap();
     std::fs::write(folder.join("refs/main"), sha("B")).unwrap();
 

@@ -13,10 +13,22 @@ use kiln::data::{Conversation, DataError, Format, Role, SchemaMapping};
 use rand::SeedableRng;
 
 fn source(format: Format, schema: SchemaMapping) -> SourceSpec {
-    SourceSpec { name: "fixture".into(), format, hub: None, path: None, max_rows: None, weight: 1.0, license: None, schema }
+    SourceSpec {
+        name: "fixture".into(),
+        format,
+        hub: None,
+        path: None,
+        max_rows: None,
+        weight: 1.0,
+        license: None,
+        schema,
+    }
 }
 
-fn run(spec: &SourceSpec, files: &[PathBuf]) -> Result<(kiln::data::ingest::SourceStats, Vec<Conversation>), DataError> {
+fn run(
+    spec: &SourceSpec,
+    files: &[PathBuf],
+) -> Result<(kiln::data::ingest::SourceStats, Vec<Conversation>), DataError> {
     let mut out = Vec::new();
     let stats = ingest_source(spec, files, None, 0, &ProgressBar::hidden(), &mut |c| {
         out.push(c);
@@ -33,7 +45,9 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
 
 fn synth_conversations(n: usize) -> Vec<Conversation> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-    (0..n).map(|i| kiln::synth::terminal::task(&mut rng, i).conversation(&format!("c{i}"), &format!("task_{i}"))).collect()
+    (0..n)
+        .map(|i| kiln::synth::terminal::task(&mut rng, i).conversation(&format!("c{i}"), &format!("task_{i}")))
+        .collect()
 }
 
 #[test]
@@ -43,7 +57,7 @@ fn parquet_round_trips_list_of_struct_conversations_across_row_groups() {
     let convs = synth_conversations(300); // three row groups of ≤128
     kiln::synth::write_terminal_parquet(&path, &convs).unwrap();
     let schema = SchemaMapping { id: Some("trial_name".into()), task: Some("task".into()), ..Default::default() };
-    let (stats, read) = run(&source(Format::Parquet, schema), &[path.clone()]).unwrap();
+    let (stats, read) = run(&source(Format::Parquet, schema), std::slice::from_ref(&path)).unwrap();
     assert_eq!((stats.rows_read, stats.kept, stats.emitted), (300, 300, 300));
     assert!(stats.dropped.is_empty());
     assert_eq!(read[0].messages, convs[0].messages);
@@ -93,7 +107,8 @@ fn corrupt_parquet_names_the_file_and_row_group() {
     assert!(text.contains("truncated.parquet") && text.contains("not a readable parquet file"), "{text}");
 }
 
-const GOOD_ROW: &str = r#"{"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}"#;
+const GOOD_ROW: &str =
+    r#"{"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}"#;
 
 #[test]
 fn jsonl_counts_each_bad_row_by_reason() {
@@ -115,7 +130,13 @@ fn jsonl_counts_each_bad_row_by_reason() {
     let dropped: Vec<(&str, u64)> = stats.dropped.iter().map(|(k, v)| (k.as_str(), *v)).collect();
     assert_eq!(
         dropped,
-        [("empty_conversation", 1), ("missing_column", 1), ("no_assistant_turn", 1), ("non_string_content", 1), ("unknown_role", 1)]
+        [
+            ("empty_conversation", 1),
+            ("missing_column", 1),
+            ("no_assistant_turn", 1),
+            ("non_string_content", 1),
+            ("unknown_role", 1)
+        ]
     );
     assert_eq!(read[1].messages[0].role, Role::User);
     assert_eq!(read[1].id, "fixture/rows.jsonl#l8");
@@ -132,7 +153,8 @@ fn malformed_jsonl_names_the_line() {
 #[test]
 fn json_arrays_stream_openbmb_rows_and_name_the_broken_element() {
     let dir = tempfile::tempdir().unwrap();
-    let schema = SchemaMapping { role: "from".into(), content: "value".into(), id: Some("id".into()), ..Default::default() };
+    let schema =
+        SchemaMapping { role: "from".into(), content: "value".into(), id: Some("id".into()), ..Default::default() };
     let good = r#"[
  {"id": "a", "conversations": [{"from": "system", "value": "tools"}, {"from": "user", "value": "q"}, {"from": "assistant", "value": "Action: f"}, {"from": "function", "value": "{\"r\": 1}"}, {"from": "assistant", "value": "done"}]},
  {"id": "b", "conversations": [{"from": "user", "value": "q"}]},
@@ -147,7 +169,8 @@ fn json_arrays_stream_openbmb_rows_and_name_the_broken_element() {
     assert_eq!(read[0].messages[3].role, Role::Tool);
     assert_eq!(read[1].messages[0].content, "]},{");
 
-    let broken = write(dir.path(), "broken.json", r#"[{"id": "a", "conversations": []}, {"id": "b", "conversations": [}]"#);
+    let broken =
+        write(dir.path(), "broken.json", r#"[{"id": "a", "conversations": []}, {"id": "b", "conversations": [}]"#);
     let err = run(&source(Format::Json, schema.clone()), &[broken]).unwrap_err().to_string();
     assert!(err.contains("broken.json: array element 1"), "{err}");
 
@@ -160,7 +183,13 @@ fn json_arrays_stream_openbmb_rows_and_name_the_broken_element() {
 fn caps_and_weights_apply_after_drops() {
     let dir = tempfile::tempdir().unwrap();
     let lines: Vec<String> = (0..50)
-        .map(|i| if i % 5 == 0 { r#"{"conversations": []}"#.to_string() } else { GOOD_ROW.replace("\"q\"", &format!("\"q{i}\"")) })
+        .map(|i| {
+            if i % 5 == 0 {
+                r#"{"conversations": []}"#.to_string()
+            } else {
+                GOOD_ROW.replace("\"q\"", &format!("\"q{i}\""))
+            }
+        })
         .collect();
     let path = write(dir.path(), "rows.jsonl", &lines.join("\n"));
     let mut spec = source(Format::Jsonl, SchemaMapping::default());

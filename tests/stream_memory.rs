@@ -54,7 +54,12 @@ fn a_300_mb_json_array_streams_in_bounded_memory() {
         max_rows: None,
         weight: 1.0,
         license: None,
-        schema: SchemaMapping { role: "from".into(), content: "value".into(), id: Some("id".into()), ..Default::default() },
+        schema: SchemaMapping {
+            role: "from".into(),
+            content: "value".into(),
+            id: Some("id".into()),
+            ..Default::default()
+        },
     };
     let mut seen = 0u64;
     let stats = ingest_source(&spec, &[path], None, 0, &ProgressBar::hidden(), &mut |_| {

@@ -26,7 +26,11 @@ fn synth_is_deterministic_and_the_committed_samples_are_current() {
     for name in ["terminal.parquet", "terminal_heldout.jsonl", "replay.jsonl", "toolbench.json"] {
         let first = std::fs::read(a.path().join(name)).unwrap();
         assert_eq!(first, std::fs::read(b.path().join(name)).unwrap(), "{name} differs between runs");
-        assert_eq!(first, std::fs::read(committed.join(name)).unwrap(), "datasets/samples/{name} is stale: run `make samples`");
+        assert_eq!(
+            first,
+            std::fs::read(committed.join(name)).unwrap(),
+            "datasets/samples/{name} is stale: run `make samples`"
+        );
     }
 }
 
@@ -74,7 +78,24 @@ fn replay_records_follow_the_tb2lite_schema() {
     let tasks: std::collections::BTreeSet<&str> = records.iter().map(|r| r["task_id"].as_str().unwrap()).collect();
     assert!(tasks.len() >= 20);
     for r in &records {
-        for key in ["task_id", "sample_idx", "step_idx", "total_steps", "is_final_step", "source", "source_group", "messages", "prompt", "ref_raw", "ref_commands", "ref_command_units", "ref_analysis", "ref_plan", "ref_task_complete", "ref_parse_ok"] {
+        for key in [
+            "task_id",
+            "sample_idx",
+            "step_idx",
+            "total_steps",
+            "is_final_step",
+            "source",
+            "source_group",
+            "messages",
+            "prompt",
+            "ref_raw",
+            "ref_commands",
+            "ref_command_units",
+            "ref_analysis",
+            "ref_plan",
+            "ref_task_complete",
+            "ref_parse_ok",
+        ] {
             assert!(r.get(key).is_some(), "missing {key}");
         }
         let messages = r["messages"].as_array().unwrap();
@@ -84,8 +105,12 @@ fn replay_records_follow_the_tb2lite_schema() {
         let raw = r["ref_raw"].as_str().unwrap();
         let json_part = &raw[raw.find('{').unwrap()..=raw.rfind('}').unwrap()];
         let action: Value = serde_json::from_str(json_part).unwrap();
-        let keystrokes: Vec<String> =
-            action["commands"].as_array().unwrap().iter().map(|c| c["keystrokes"].as_str().unwrap().to_string()).collect();
+        let keystrokes: Vec<String> = action["commands"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["keystrokes"].as_str().unwrap().to_string())
+            .collect();
         assert_eq!(serde_json::to_value(command_units(&keystrokes)).unwrap(), r["ref_command_units"]);
         assert!(!keystrokes.is_empty());
     }

@@ -79,10 +79,8 @@ mod tests {
     fn list_of_structs_becomes_list_of_objects() {
         let roles: ArrayRef = Arc::new(StringArray::from(vec!["user", "assistant", "user"]));
         let contents: ArrayRef = Arc::new(StringArray::from(vec![Some("q"), Some("a"), None]));
-        let fields = Fields::from(vec![
-            Field::new("role", DataType::Utf8, false),
-            Field::new("content", DataType::Utf8, true),
-        ]);
+        let fields =
+            Fields::from(vec![Field::new("role", DataType::Utf8, false), Field::new("content", DataType::Utf8, true)]);
         let structs = StructArray::new(fields.clone(), vec![roles, contents], None);
         let lists = ListArray::new(
             Arc::new(Field::new("item", DataType::Struct(fields), true)),

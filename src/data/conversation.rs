@@ -20,9 +20,7 @@ impl Role {
             "system" | "developer" => Role::System,
             "user" | "human" | "prompter" => Role::User,
             "assistant" | "gpt" | "model" | "bot" | "chatgpt" | "ai" => Role::Assistant,
-            "tool" | "function" | "observation" | "ipython" | "tool_response" | "function_response" => {
-                Role::Tool
-            }
+            "tool" | "function" | "observation" | "ipython" | "tool_response" | "function_response" => Role::Tool,
             _ => return None,
         };
         Some(role)

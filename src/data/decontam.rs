@@ -64,12 +64,8 @@ impl EvalIndex {
 
     pub fn add_record(&mut self, record: &Value) {
         let task_name = record.get("task").and_then(Value::as_str);
-        let label = record
-            .get("task_id")
-            .and_then(Value::as_str)
-            .or(task_name)
-            .unwrap_or("unnamed eval task")
-            .to_string();
+        let label =
+            record.get("task_id").and_then(Value::as_str).or(task_name).unwrap_or("unnamed eval task").to_string();
         if let Some(name) = task_name.filter(|n| !n.is_empty()) {
             self.task_names.entry(name.to_string()).or_insert_with(|| label.clone());
         }
@@ -163,8 +159,12 @@ mod tests {
     #[test]
     fn matches_by_task_name_and_normalized_first_message() {
         let mut index = EvalIndex::default();
-        index.add_record(&json!({"task": "security_task_0233", "conversations": [{"role": "user", "content": "Fix  the\nserver"}]}));
-        index.add_record(&json!({"task_id": "task-007", "messages": [{"role": "user", "content": "Count lines\tin a.txt"}]}));
+        index.add_record(
+            &json!({"task": "security_task_0233", "conversations": [{"role": "user", "content": "Fix  the\nserver"}]}),
+        );
+        index.add_record(
+            &json!({"task_id": "task-007", "messages": [{"role": "user", "content": "Count lines\tin a.txt"}]}),
+        );
 
         let by_name = index.check(&conv(Some("security_task_0233"), "something else")).unwrap();
         assert_eq!(by_name, Hit { eval_task: "security_task_0233".into(), by: MatchKind::TaskName });

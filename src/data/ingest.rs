@@ -86,11 +86,20 @@ pub fn copies(weight: f64, id: &str, seed: u64) -> u64 {
 }
 
 /// The local files of a source: pulled through the Hub for hub sources, listed for local ones.
-pub fn source_files(spec: &SourceSpec, base: &Path, hub: Option<&Hub>) -> Result<(Vec<PathBuf>, Option<PulledRepo>), DataError> {
+pub fn source_files(
+    spec: &SourceSpec,
+    base: &Path,
+    hub: Option<&Hub>,
+) -> Result<(Vec<PathBuf>, Option<PulledRepo>), DataError> {
     if let Some(h) = &spec.hub {
         let hub = match hub {
             Some(hub) => hub,
-            None => return Err(DataError::Recipe { path: base.to_path_buf(), message: format!("source '{}' is on the Hub but no Hub client was given", spec.name) }),
+            None => {
+                return Err(DataError::Recipe {
+                    path: base.to_path_buf(),
+                    message: format!("source '{}' is on the Hub but no Hub client was given", spec.name),
+                });
+            }
         };
         let pulled = hub.pull(&h.spec())?;
         let files = pulled.files.iter().map(|f| f.local.clone()).collect();
@@ -195,7 +204,8 @@ pub fn ingest(
         stats.pulls.extend(pulled);
         let bar = if show_progress { ProgressBar::new_spinner() } else { ProgressBar::hidden() };
         bar.set_style(
-            ProgressStyle::with_template("{spinner} {msg} {pos} rows ({per_sec})").unwrap_or_else(|_| ProgressStyle::default_spinner()),
+            ProgressStyle::with_template("{spinner} {msg} {pos} rows ({per_sec})")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
         );
         bar.set_message(spec.name.clone());
         let s = ingest_source(spec, &files, eval, recipe.seed, &bar, sink)?;

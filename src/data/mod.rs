@@ -35,5 +35,11 @@ pub enum DataError {
     #[error("recipe {path}: {message}")]
     Recipe { path: PathBuf, message: String },
     #[error(transparent)]
-    Hub(#[from] crate::hub::HubError),
+    Hub(Box<crate::hub::HubError>),
+}
+
+impl From<crate::hub::HubError> for DataError {
+    fn from(e: crate::hub::HubError) -> Self {
+        DataError::Hub(Box::new(e))
+    }
 }

@@ -204,7 +204,8 @@ fn read_json_array(
     let mut visited = 0u64;
     loop {
         let index = elements.index;
-        let err = |offset: u64, message: String| DataError::JsonArray { path: path.to_path_buf(), index, offset, message };
+        let err =
+            |offset: u64, message: String| DataError::JsonArray { path: path.to_path_buf(), index, offset, message };
         let start = match elements.next_raw(&mut buf) {
             Ok(Some(start)) => start,
             Ok(None) => return Ok(visited),

@@ -122,8 +122,8 @@ impl Recipe {
 
     pub fn load(path: &Path) -> Result<Recipe, DataError> {
         let text = std::fs::read_to_string(path).map_err(|e| DataError::Io { path: path.to_path_buf(), source: e })?;
-        let mut recipe: Recipe =
-            toml::from_str(&text).map_err(|e| DataError::Recipe { path: path.to_path_buf(), message: e.to_string() })?;
+        let mut recipe: Recipe = toml::from_str(&text)
+            .map_err(|e| DataError::Recipe { path: path.to_path_buf(), message: e.to_string() })?;
         recipe.path = path.to_path_buf();
         recipe.validate()?;
         Ok(recipe)

@@ -146,10 +146,10 @@ impl SchemaMapping {
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| fallback_id.to_string());
         let mut meta = Map::new();
-        if let Some(task_col) = &self.task {
-            if let Some(v) = obj.get(task_col).filter(|v| !v.is_null()) {
-                meta.insert("task".into(), v.clone());
-            }
+        if let Some(task_col) = &self.task
+            && let Some(v) = obj.get(task_col).filter(|v| !v.is_null())
+        {
+            meta.insert("task".into(), v.clone());
         }
         for col in &self.meta {
             if let Some(v) = obj.get(col).filter(|v| !v.is_null()) {
@@ -244,11 +244,7 @@ mod tests {
 
     #[test]
     fn keeps_task_and_meta_and_reasoning() {
-        let mapping = SchemaMapping {
-            task: Some("task".into()),
-            meta: vec!["episode".into()],
-            ..Default::default()
-        };
+        let mapping = SchemaMapping { task: Some("task".into()), meta: vec!["episode".into()], ..Default::default() };
         let row = json!({"task": "t-1", "episode": "episode-3", "conversations": [
             {"role": "user", "content": "do"},
             {"role": "assistant", "content": "done", "reasoning_content": "why"}]});

@@ -55,7 +55,11 @@ pub struct SynthSummary {
 }
 
 /// Draws task `index` until `accept` takes it; a family too small for the request is an error, not a hang.
-fn draw(rng: &mut ChaCha8Rng, index: usize, mut accept: impl FnMut(&terminal::Task) -> bool) -> Result<terminal::Task, SynthError> {
+fn draw(
+    rng: &mut ChaCha8Rng,
+    index: usize,
+    mut accept: impl FnMut(&terminal::Task) -> bool,
+) -> Result<terminal::Task, SynthError> {
     const ATTEMPTS: usize = 1000;
     let mut family = "";
     for _ in 0..ATTEMPTS {
@@ -186,10 +190,8 @@ const ROW_GROUP_ROWS: usize = 128;
 /// Writes conversations with the Terminus-2 corpus columns: `conversations: list<struct<role, content>>`,
 /// `agent`, `task`, `episode`, `trial_name`, `source_group`, `family`.
 pub fn write_terminal_parquet(path: &Path, convs: &[Conversation]) -> Result<(), SynthError> {
-    let message_fields = Fields::from(vec![
-        Field::new("role", DataType::Utf8, false),
-        Field::new("content", DataType::Utf8, false),
-    ]);
+    let message_fields =
+        Fields::from(vec![Field::new("role", DataType::Utf8, false), Field::new("content", DataType::Utf8, false)]);
     let mut conversations = ListBuilder::new(StructBuilder::from_fields(message_fields.clone(), 0))
         .with_field(Arc::new(Field::new("item", DataType::Struct(message_fields), true)));
     let meta_columns = ["task", "episode", "trial_name", "source_group", "family"];

@@ -34,7 +34,8 @@ fn flatten(messages: &[Value]) -> String {
 /// The replay records of one held-out task.
 pub fn records(task: &Task, sample_idx: usize, task_id: &str) -> Vec<Value> {
     let conv = task.conversation(task_id, task_id);
-    let messages: Vec<Value> = conv.messages.iter().map(|m| json!({"role": m.role.as_str(), "content": m.content})).collect();
+    let messages: Vec<Value> =
+        conv.messages.iter().map(|m| json!({"role": m.role.as_str(), "content": m.content})).collect();
     let total_steps = task.steps.len();
     let mut out = Vec::new();
     for (step_idx, step) in task.steps.iter().enumerate() {

@@ -121,13 +121,33 @@ impl Task {
     }
 }
 
-const DIRS: &[&str] = &["data", "logs", "reports", "inputs", "records", "exports", "archive", "staging", "metrics", "shared"];
-const STEMS: &[&str] =
-    &["sales", "users", "events", "orders", "inventory", "access", "server", "notes", "results", "payments", "sensors", "tickets"];
+const DIRS: &[&str] =
+    &["data", "logs", "reports", "inputs", "records", "exports", "archive", "staging", "metrics", "shared"];
+const STEMS: &[&str] = &[
+    "sales",
+    "users",
+    "events",
+    "orders",
+    "inventory",
+    "access",
+    "server",
+    "notes",
+    "results",
+    "payments",
+    "sensors",
+    "tickets",
+];
 const PATTERNS: &[&str] = &["ERROR", "WARN", "timeout", "failed", "denied", "GET", "POST", "404", "500", "retry"];
-const WORDS: &[&str] = &["alpha", "beta", "gamma", "delta", "staging", "production", "legacy", "v1", "v2", "draft", "final"];
-const PACKAGES: &[(&str, &str)] =
-    &[("requests", "2.31.0"), ("numpy", "1.26.4"), ("pyyaml", "6.0.1"), ("flask", "3.0.2"), ("pandas", "2.2.1"), ("click", "8.1.7")];
+const WORDS: &[&str] =
+    &["alpha", "beta", "gamma", "delta", "staging", "production", "legacy", "v1", "v2", "draft", "final"];
+const PACKAGES: &[(&str, &str)] = &[
+    ("requests", "2.31.0"),
+    ("numpy", "1.26.4"),
+    ("pyyaml", "6.0.1"),
+    ("flask", "3.0.2"),
+    ("pandas", "2.2.1"),
+    ("click", "8.1.7"),
+];
 
 struct Ctx<'a> {
     rng: &'a mut ChaCha8Rng,
@@ -142,7 +162,10 @@ impl Ctx<'_> {
     }
     /// An `ls -la` listing of `files` (name, size) as the terminal would print it.
     fn listing(&mut self, files: &[(String, u32)]) -> String {
-        let mut out = format!("total {}\ndrwxr-xr-x 2 root root 4096 Jan  1 10:44 .\ndrwxr-xr-x 8 root root 4096 Jan  1 10:44 ..", files.len() * 4);
+        let mut out = format!(
+            "total {}\ndrwxr-xr-x 2 root root 4096 Jan  1 10:44 .\ndrwxr-xr-x 8 root root 4096 Jan  1 10:44 ..",
+            files.len() * 4
+        );
         for (name, size) in files {
             let day = self.num(1, 28);
             out.push_str(&format!("\n-rw-r--r-- 1 root root {size:>5} Jan {day:>2} 09:{:02} {name}", self.num(0, 59)));
@@ -155,7 +178,9 @@ impl Ctx<'_> {
 fn explore(ctx: &mut Ctx, dir: &str, files: &[(String, u32)], goal: &str) -> Step {
     let listing = ctx.listing(files);
     Step::new(
-        format!("The task is about {dir}. Before changing anything I should see which files are there.\nI will list /app/{dir}."),
+        format!(
+            "The task is about {dir}. Before changing anything I should see which files are there.\nI will list /app/{dir}."
+        ),
         format!("Nothing has been run yet. The task concerns /app/{dir}; {goal}."),
         format!("List /app/{dir} to confirm the files the task mentions."),
         &[(&format!("ls -la /app/{dir}"), &listing)],
@@ -176,7 +201,14 @@ fn others(ctx: &mut Ctx, keep: &str, ext: &str) -> Vec<(String, u32)> {
 }
 
 /// Counting families: run a command that prints a number, then write that number to the answer file.
-fn counting(ctx: &mut Ctx, family: &'static str, group: &'static str, what: &str, ext: &str, command: impl Fn(&str) -> String) -> Task {
+fn counting(
+    ctx: &mut Ctx,
+    family: &'static str,
+    group: &'static str,
+    what: &str,
+    ext: &str,
+    command: impl Fn(&str) -> String,
+) -> Task {
     let dir = ctx.pick(DIRS);
     let file = format!("{}.{ext}", ctx.pick(STEMS));
     let answer = format!("/app/{}.txt", ctx.pick(&["answer", "count", "result", "total"]));
@@ -277,7 +309,9 @@ fn count_files(c: &mut Ctx) -> Task {
     let steps = vec![
         explore(c, dir, &files, &format!("I need to count the .{ext} files under it")),
         Step::new(
-            format!("The listing only shows the top level; .{ext} files may sit in subfolders, so `find` is the right tool."),
+            format!(
+                "The listing only shows the top level; .{ext} files may sit in subfolders, so `find` is the right tool."
+            ),
             format!("/app/{dir} exists. The .{ext} files still need counting, including subfolders."),
             format!("Count the .{ext} files with `{cmd}`."),
             &[(&cmd, &n.to_string())],
@@ -294,7 +328,9 @@ fn count_files(c: &mut Ctx) -> Task {
     Task {
         family: "count_files",
         group: "file_operations",
-        description: format!("Count the .{ext} files under /app/{dir} (subfolders included) and write the count to {answer}."),
+        description: format!(
+            "Count the .{ext} files under /app/{dir} (subfolders included) and write the count to {answer}."
+        ),
         steps,
     }
 }
@@ -308,14 +344,21 @@ fn largest_file(c: &mut Ctx) -> Task {
     let steps = vec![
         explore(c, dir, &files, "I need the name of its largest file"),
         Step::new(
-            format!("From the sizes in the listing, {biggest} is the largest file. I confirm with `ls -S` and save the name."),
+            format!(
+                "From the sizes in the listing, {biggest} is the largest file. I confirm with `ls -S` and save the name."
+            ),
             format!("The listing shows the sizes; {biggest} is the largest."),
             format!("Write the name of the largest file to {answer} using `ls -S`, then show it."),
             &[(&format!("ls -S /app/{dir} | head -n 1 > {answer}"), ""), (&format!("cat {answer}"), &biggest)],
             true,
         ),
     ];
-    Task { family: "largest_file", group: "file_operations", description: format!("Write the name of the largest file in /app/{dir} to {answer}."), steps }
+    Task {
+        family: "largest_file",
+        group: "file_operations",
+        description: format!("Write the name of the largest file in /app/{dir} to {answer}."),
+        steps,
+    }
 }
 fn replace_text(c: &mut Ctx) -> Task {
     let dir = c.pick(DIRS);
@@ -602,7 +645,10 @@ fn run_tests(c: &mut Ctx) -> Task {
         format!("Run the tests in /app/tests/test_{module}.py with pytest and report how many passed."),
         &format!("run test_{module}.py"),
         (format!("python3 -m pytest -q /app/tests/test_{module}.py"), format!("{n} passed in 0.{millis:02}s")),
-        (format!("python3 -m pytest -q /app/tests/test_{module}.py | tail -n 1 > /app/test_summary.txt"), String::new()),
+        (
+            format!("python3 -m pytest -q /app/tests/test_{module}.py | tail -n 1 > /app/test_summary.txt"),
+            String::new(),
+        ),
     )
 }
 fn git_commit(c: &mut Ctx) -> Task {
@@ -618,10 +664,7 @@ fn git_commit(c: &mut Ctx) -> Task {
         files,
         format!("Initialise a git repository in /app/{dir} and commit all files with the message '{msg}'."),
         &format!("commit /app/{dir} as '{msg}'"),
-        (
-            format!("cd /app/{dir} && git init -q && git add -A && git commit -q -m '{msg}'"),
-            String::new(),
-        ),
+        (format!("cd /app/{dir} && git init -q && git add -A && git commit -q -m '{msg}'"), String::new()),
         ("git log --oneline".into(), format!("{hash:07x} {msg}")),
     )
 }

@@ -15,7 +15,11 @@ struct Tool {
 
 const TOOLS: &[Tool] = &[
     Tool { name: "get_weather", description: "Current weather for a city.", params: &["city"] },
-    Tool { name: "convert_currency", description: "Convert an amount between currencies.", params: &["amount", "from", "to"] },
+    Tool {
+        name: "convert_currency",
+        description: "Convert an amount between currencies.",
+        params: &["amount", "from", "to"],
+    },
     Tool { name: "stock_quote", description: "Latest price of a stock ticker.", params: &["symbol"] },
     Tool { name: "city_timezone", description: "Time zone and local time of a city.", params: &["city"] },
     Tool { name: "translate_text", description: "Translate text into a target language.", params: &["text", "target"] },
@@ -26,8 +30,11 @@ const CITIES: &[&str] = &["Paris", "Lagos", "Osaka", "Lima", "Oslo", "Austin", "
 const CURRENCIES: &[&str] = &["USD", "EUR", "JPY", "GBP", "INR", "BRL"];
 const TICKERS: &[&str] = &["ACME", "GLOBX", "INITECH", "UMBR", "HOOLI", "STARK"];
 const AUTHORS: &[&str] = &["Ursula K. Le Guin", "Chinua Achebe", "Haruki Murakami", "Toni Morrison", "Italo Calvino"];
-const PHRASES: &[(&str, &str, &str)] =
-    &[("good morning", "French", "bonjour"), ("thank you", "Spanish", "gracias"), ("see you soon", "German", "bis bald")];
+const PHRASES: &[(&str, &str, &str)] = &[
+    ("good morning", "French", "bonjour"),
+    ("thank you", "Spanish", "gracias"),
+    ("see you soon", "German", "bis bald"),
+];
 
 fn system_prompt(tools: &[&Tool]) -> String {
     let specs: Vec<Value> = tools
@@ -60,34 +67,64 @@ fn request(rng: &mut ChaCha8Rng, tool: &Tool) -> (String, Value, Value, String) 
             let city = pick(rng, CITIES);
             let t = rng.random_range(-5..38);
             let sky = pick(rng, &["sunny", "cloudy", "raining", "windy"]);
-            (format!("What's the weather like in {city} right now?"), json!({"city": city}), json!({"temperature_c": t, "conditions": sky}), format!("It is {t}°C and {sky} in {city}."))
+            (
+                format!("What's the weather like in {city} right now?"),
+                json!({"city": city}),
+                json!({"temperature_c": t, "conditions": sky}),
+                format!("It is {t}°C and {sky} in {city}."),
+            )
         }
         "convert_currency" => {
             let (from, to) = (pick(rng, CURRENCIES), pick(rng, CURRENCIES));
             let amount = rng.random_range(5..5000);
             let value = (amount as f64 * rng.random_range(0.01..150.0) * 100.0).round() / 100.0;
-            (format!("How much is {amount} {from} in {to}?"), json!({"amount": amount.to_string(), "from": from, "to": to}), json!({"result": value}), format!("{amount} {from} is {value} {to}."))
+            (
+                format!("How much is {amount} {from} in {to}?"),
+                json!({"amount": amount.to_string(), "from": from, "to": to}),
+                json!({"result": value}),
+                format!("{amount} {from} is {value} {to}."),
+            )
         }
         "stock_quote" => {
             let symbol = pick(rng, TICKERS);
             let price = (rng.random_range(1.0..900.0) * 100.0f64).round() / 100.0;
-            (format!("What is {symbol} trading at?"), json!({"symbol": symbol}), json!({"symbol": symbol, "price": price}), format!("{symbol} is trading at {price}."))
+            (
+                format!("What is {symbol} trading at?"),
+                json!({"symbol": symbol}),
+                json!({"symbol": symbol, "price": price}),
+                format!("{symbol} is trading at {price}."),
+            )
         }
         "city_timezone" => {
             let city = pick(rng, CITIES);
             let (h, m) = (rng.random_range(0..24), rng.random_range(0..60));
             let tz = format!("UTC{:+}", rng.random_range(-10..12));
-            (format!("What time is it in {city}?"), json!({"city": city}), json!({"timezone": tz, "local_time": format!("{h:02}:{m:02}")}), format!("It is {h:02}:{m:02} in {city} ({tz})."))
+            (
+                format!("What time is it in {city}?"),
+                json!({"city": city}),
+                json!({"timezone": tz, "local_time": format!("{h:02}:{m:02}")}),
+                format!("It is {h:02}:{m:02} in {city} ({tz})."),
+            )
         }
         "translate_text" => {
             let (text, lang, out) = *PHRASES.choose(rng).expect("non-empty");
-            (format!("How do I say '{text}' in {lang}?"), json!({"text": text, "target": lang}), json!({"translation": out}), format!("'{text}' in {lang} is '{out}'."))
+            (
+                format!("How do I say '{text}' in {lang}?"),
+                json!({"text": text, "target": lang}),
+                json!({"translation": out}),
+                format!("'{text}' in {lang} is '{out}'."),
+            )
         }
         _ => {
             let author = pick(rng, AUTHORS);
             let n = rng.random_range(1..4);
             let titles: Vec<String> = (1..=n).map(|i| format!("Book {i} by {author}")).collect();
-            (format!("Find me some books by {author}."), json!({"author": author}), json!({"books": titles}), format!("Books by {author}: {}.", titles.join(", ")))
+            (
+                format!("Find me some books by {author}."),
+                json!({"author": author}),
+                json!({"books": titles}),
+                format!("Books by {author}: {}.", titles.join(", ")),
+            )
         }
     }
 }
@@ -110,7 +147,8 @@ pub fn conversation(rng: &mut ChaCha8Rng, index: usize) -> Value {
     }
     turns.push(json!({"from": "user", "value": asks.join(" ")}));
     for (name, args, response) in calls {
-        turns.push(json!({"from": "assistant", "value": call(&format!("I should call {name} for this."), name, &args)}));
+        turns
+            .push(json!({"from": "assistant", "value": call(&format!("I should call {name} for this."), name, &args)}));
         turns.push(json!({"from": "function", "value": result(response)}));
     }
     let final_answer = answers.join(" ");

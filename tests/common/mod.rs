@@ -110,12 +110,13 @@ fn decode(segment: &str) -> String {
     let mut out = Vec::new();
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'%' && i + 2 < bytes.len() {
-            if let Ok(v) = u8::from_str_radix(&segment[i + 1..i + 3], 16) {
-                out.push(v);
-                i += 3;
-                continue;
-            }
+        if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && let Ok(v) = u8::from_str_radix(&segment[i + 1..i + 3], 16)
+        {
+            out.push(v);
+            i += 3;
+            continue;
         }
         out.push(bytes[i]);
         i += 1;
@@ -148,14 +149,17 @@ fn answer(repos: &BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Request
             .with_header(header("Content-Type", "application/json"));
     }
     // Files: [datasets/]<owner>/<name>/resolve/<rev>/<path…>
-    let (plural, rest) = if parts.first() == Some(&"datasets") { ("datasets", &parts[1..]) } else { ("models", &parts[..]) };
+    let (plural, rest) =
+        if parts.first() == Some(&"datasets") { ("datasets", &parts[1..]) } else { ("models", &parts[..]) };
     if rest.len() >= 5 && rest[2] == "resolve" {
         let key = (plural.to_string(), format!("{}/{}", rest[0], rest[1]));
         let Some(repo) = repos.get(&key) else { return error(404, "RepoNotFound", "Repository not found") };
         if !authorized(repo) {
             return error(401, "GatedRepo", "Access to this repo is restricted");
         }
-        let Some(commit) = resolve(repo, &decode(rest[3])) else { return error(404, "RevisionNotFound", "Invalid rev id") };
+        let Some(commit) = resolve(repo, &decode(rest[3])) else {
+            return error(404, "RevisionNotFound", "Invalid rev id");
+        };
         let file = rest[4..].iter().map(|s| decode(s)).collect::<Vec<_>>().join("/");
         let tree = &repo.commits[&commit];
         let Some(bytes) = tree.get(&file).filter(|_| !repo.broken.contains(&file)) else {
@@ -163,7 +167,11 @@ fn answer(repos: &BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Request
         };
         // LFS-style files (parquet, safetensors) carry their sha256 as ETag; small files a git-style id.
         let digest = hex::encode(Sha256::digest(bytes));
-        let etag = if file.ends_with(".parquet") || file.ends_with(".safetensors") { digest } else { digest[..40].to_string() };
+        let etag = if file.ends_with(".parquet") || file.ends_with(".safetensors") {
+            digest
+        } else {
+            digest[..40].to_string()
+        };
         let body = if req.method() == &tiny_http::Method::Head { Vec::new() } else { bytes.clone() };
         let mut response = tiny_http::Response::from_data(body)
             .with_header(header("ETag", &format!("\"{etag}\"")))
@@ -187,12 +195,25 @@ fn resolve(repo: &FakeRepo, rev: &str) -> Option<String> {
 pub fn run_kiln(args: &[&str], envs: &[(&str, &str)], cwd: &Path) -> (bool, String, String) {
     let mut cmd = std::process::Command::new(kiln_bin());
     cmd.args(args).current_dir(cwd);
-    for var in ["HF_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE", "HF_ENDPOINT", "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"] {
+    for var in [
+        "HF_TOKEN",
+        "HF_TOKEN_PATH",
+        "HF_HUB_OFFLINE",
+        "HF_ENDPOINT",
+        "HF_HOME",
+        "HF_HUB_CACHE",
+        "HUGGINGFACE_HUB_CACHE",
+        "XDG_CACHE_HOME",
+    ] {
         cmd.env_remove(var);
     }
     for (k, v) in envs {
         cmd.env(k, v);
     }
     let out = cmd.output().expect("run kiln");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
