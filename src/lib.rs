@@ -1,10 +1,13 @@
 //! kiln: a supervised fine-tuning pipeline for terminal-agent language models, on burn.
 //!
-//! Stages and where they live (see docs/ and the README's stage table):
-//! `hub` (Hub access) → `data` (recipes, readers, normalization, decontamination) → later stages.
-//! `synth` makes the project's own sample data; `backend` names the burn backends compiled in.
+//! Stages and where they live (see the README's stage table): `hub` (Hub access) → `data` (recipes,
+//! readers, normalization, decontamination) → `chat` (native templates, thinking policy, supervised spans)
+//! → `tokens` (tokenizer, token masks, shards, `prepare`). `synth` makes the project's own sample data;
+//! `backend` names the burn backends compiled in.
 
 pub mod backend;
+pub mod chat;
 pub mod data;
 pub mod hub;
 pub mod synth;
+pub mod tokens;

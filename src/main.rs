@@ -8,10 +8,15 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
+use kiln::chat::{ChatInput, ChatTemplate, PinnedClock, SampleMode, SamplePolicy, Thinking, build_samples};
 use kiln::data::ingest::ingest;
 use kiln::data::{Conversation, DataError, EvalIndex, Recipe};
 use kiln::hub::{Hub, HubConfig, PulledRepo, RepoKind, RepoSpec};
 use kiln::synth::{SynthConfig, write_all};
+use kiln::tokens::mask::{Truncation, ansi_view, tokenize_sample};
+use kiln::tokens::prepare::{PrepareConfig, prepare};
+use kiln::tokens::shards::Layout;
+use kiln::tokens::{TextTokenizer, TokenSample};
 
 #[derive(Parser)]
 #[command(
@@ -38,6 +43,12 @@ enum Command {
     Ingest(IngestArgs),
     /// Write the project's synthetic sample data (terminal, toolbench, held-out replay set).
     Synth(SynthArgs),
+    /// Render conversations with a model's chat template into text, token ids and loss masks.
+    Render(RenderArgs),
+    /// Turn normalized conversations into token shards with assistant-only loss masks, and stats.
+    Prepare(PrepareArgs),
+    /// Train the offline default's byte-level BPE tokenizer on conversations.
+    Tokenizer(TokenizerArgs),
     /// Show the build's backends and the Hub settings in effect.
     Info,
 }
@@ -95,6 +106,87 @@ struct SynthArgs {
     toolbench: Option<usize>,
 }
 
+/// How conversations become samples (shared by render and prepare).
+#[derive(Args)]
+struct TemplateArgs {
+    /// A model directory (tokenizer.json + tokenizer_config.json / chat_template.jinja) or a model name
+    /// with a directory in configs/models/.
+    #[arg(long)]
+    model: String,
+    /// Use this chat template file instead of the model's.
+    #[arg(long)]
+    template: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "auto")]
+    mode: SampleMode,
+    #[arg(long, value_enum, default_value = "strip-history")]
+    thinking: Thinking,
+    /// The date templates see through strftime_now (YYYY-MM-DD); default: today, recorded in the output.
+    #[arg(long)]
+    date: Option<String>,
+    /// Template variables as KEY=JSON (e.g. enable_thinking=false), repeatable.
+    #[arg(long = "template-var", value_parser = parse_var)]
+    vars: Vec<(String, serde_json::Value)>,
+    /// The token that closes an assistant turn (default: read from the tokenizer).
+    #[arg(long)]
+    end_of_turn: Option<String>,
+}
+
+fn parse_var(s: &str) -> Result<(String, serde_json::Value), String> {
+    let (k, v) = s.split_once('=').ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))?;
+    let value = serde_json::from_str(v).unwrap_or_else(|_| serde_json::Value::String(v.to_string()));
+    Ok((k.to_string(), value))
+}
+
+#[derive(Args)]
+struct RenderArgs {
+    #[command(flatten)]
+    template: TemplateArgs,
+    /// JSON lines of {"id"?, "messages": [...], "tools"?: [...]}.
+    #[arg(long)]
+    input: PathBuf,
+    /// One line per sample: {"id", "text", "input_ids", "loss_mask"}.
+    #[arg(long)]
+    out: PathBuf,
+    /// Render each input as a prompt for the next assistant turn (mask all 0).
+    #[arg(long)]
+    generation_prompt: bool,
+    /// Do not print the colored view of the first sample.
+    #[arg(long)]
+    no_view: bool,
+}
+
+#[derive(Args)]
+struct PrepareArgs {
+    #[command(flatten)]
+    template: TemplateArgs,
+    /// Normalized conversations (ingest's conversations.jsonl).
+    #[arg(long)]
+    data: PathBuf,
+    /// Output folder for the shards and stats.json.
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 4096)]
+    seq_len: usize,
+    #[arg(long, value_enum, default_value = "packed")]
+    layout: Layout,
+    #[arg(long, value_enum, default_value = "drop")]
+    truncation: Truncation,
+}
+
+#[derive(Args)]
+struct TokenizerArgs {
+    /// Conversations (JSON lines with messages) to train on.
+    #[arg(long, required = true)]
+    data: Vec<PathBuf>,
+    #[arg(long, default_value_t = 4096)]
+    vocab_size: usize,
+    #[arg(long, default_value_t = 8192)]
+    max_length: usize,
+    /// Output model directory (tokenizer.json, tokenizer_config.json).
+    #[arg(long)]
+    out: PathBuf,
+}
+
 /// Model files a fine-tune needs; weights in either layout, tokenizer and template in every known place.
 const MODEL_FILES: &[&str] = &[
     "generation_config.json",
@@ -122,6 +214,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Pull(args) => pull(args, &cli.datasets_dir, cli.quiet),
         Command::Ingest(args) => ingest_cmd(args, &cli.datasets_dir, cli.quiet),
         Command::Synth(args) => synth(args),
+        Command::Render(args) => render(args, cli.quiet),
+        Command::Prepare(args) => prepare_cmd(args, cli.quiet),
+        Command::Tokenizer(args) => tokenizer_cmd(args),
         Command::Info => info(),
     }
 }
@@ -279,4 +374,142 @@ fn info() -> Result<()> {
         },
     });
     write_json(None, &report)
+}
+
+/// A model directory, or a name with a directory under configs/models/.
+fn model_dir(model: &str) -> Result<PathBuf> {
+    let direct = PathBuf::from(model);
+    if direct.is_dir() {
+        return Ok(direct);
+    }
+    let named = Path::new("configs/models").join(model);
+    if named.is_dir() {
+        return Ok(named);
+    }
+    bail!("model '{model}' is neither a directory nor a folder in configs/models/")
+}
+
+struct Loaded {
+    template: ChatTemplate,
+    tokenizer: TextTokenizer,
+    policy: SamplePolicy,
+    date: String,
+}
+
+fn load_template(args: &TemplateArgs) -> Result<Loaded> {
+    let dir = model_dir(&args.model)?;
+    let date = args.date.clone().unwrap_or_else(|| chrono::Local::now().format("%Y-%m-%d").to_string());
+    let clock = PinnedClock::parse(&date).with_context(|| format!("--date {date:?} is not YYYY-MM-DD"))?;
+    let template = ChatTemplate::load(&dir, args.template.as_deref(), clock)?;
+    let tokenizer = TextTokenizer::load(&dir, &template.special, args.end_of_turn.as_deref())?;
+    let policy = SamplePolicy { mode: args.mode, thinking: args.thinking, kwargs: args.vars.iter().cloned().collect() };
+    Ok(Loaded { template, tokenizer, policy, date })
+}
+
+fn render(args: RenderArgs, quiet: bool) -> Result<()> {
+    let loaded = load_template(&args.template)?;
+    let text = std::fs::read_to_string(&args.input).with_context(|| format!("reading {}", args.input.display()))?;
+    let mut out = BufWriter::new(File::create(&args.out).with_context(|| format!("creating {}", args.out.display()))?);
+    let mut first: Option<TokenSample> = None;
+    let mut count = 0usize;
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let mut input: ChatInput = serde_json::from_str(line)
+            .with_context(|| format!("{}: line {}: not a conversation", args.input.display(), i + 1))?;
+        if input.id.is_empty() {
+            input.id = format!("line-{}", i + 1);
+        }
+        let samples: Vec<(String, TokenSample)> = if args.generation_prompt {
+            let rendered = loaded
+                .template
+                .render(&input.messages, input.tools.as_ref(), true, &loaded.policy.kwargs)
+                .with_context(|| format!("conversation '{}'", input.id))?;
+            let (ids, _) = loaded.tokenizer.encode(&rendered.text)?;
+            let mask = vec![0; ids.len()];
+            vec![(rendered.text, TokenSample { id: input.id.clone(), input_ids: ids, loss_mask: mask })]
+        } else {
+            build_samples(&loaded.template, &input, &loaded.policy)?
+                .iter()
+                .map(|s| Ok((s.text.clone(), tokenize_sample(&loaded.tokenizer, s)?)))
+                .collect::<Result<_>>()?
+        };
+        for (text, sample) in samples {
+            let row = serde_json::json!({"id": sample.id, "text": text, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask});
+            serde_json::to_writer(&mut out, &row)?;
+            out.write_all(b"\n")?;
+            count += 1;
+            if first.is_none() {
+                first = Some(sample);
+            }
+        }
+    }
+    out.flush()?;
+    if let (Some(sample), false) = (&first, args.no_view || quiet) {
+        eprintln!("{}\n", ansi_view(&loaded.tokenizer, sample));
+        eprintln!(
+            "(green: supervised, {} of {} tokens; template {} sha256 {:.12})",
+            sample.supervised(),
+            sample.input_ids.len(),
+            loaded.template.source.origin,
+            loaded.template.source.sha256
+        );
+    }
+    eprintln!("render: {count} samples → {} (template date {})", args.out.display(), loaded.date);
+    Ok(())
+}
+
+fn prepare_cmd(args: PrepareArgs, quiet: bool) -> Result<()> {
+    let started = Instant::now();
+    let loaded = load_template(&args.template)?;
+    let config = PrepareConfig {
+        seq_len: args.seq_len,
+        layout: args.layout,
+        truncation: args.truncation,
+        policy: loaded.policy.clone(),
+        chunk: 256,
+        template_date: loaded.date.clone(),
+    };
+    let bar = if quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new_spinner() };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} prepare {pos} conversations ({per_sec}) {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+    );
+    let stats = prepare(&args.data, &loaded.template, &loaded.tokenizer, &config, &args.out, &bar)?;
+    bar.finish_and_clear();
+    for e in &stats.error_examples {
+        eprintln!("  skipped: {e}");
+    }
+    if stats.samples == 0 {
+        bail!(
+            "prepare produced no sample from {} ({} conversations): see the errors above",
+            args.data.display(),
+            stats.conversations
+        );
+    }
+    eprintln!(
+        "prepare: {} ({:.1}s; stats in {})",
+        stats.summary(),
+        started.elapsed().as_secs_f64(),
+        args.out.join("stats.json").display()
+    );
+    Ok(())
+}
+
+fn tokenizer_cmd(args: TokenizerArgs) -> Result<()> {
+    let mut texts = Vec::new();
+    for path in &args.data {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let input: ChatInput =
+                serde_json::from_str(line).with_context(|| format!("{}: line {}", path.display(), i + 1))?;
+            for m in &input.messages {
+                if let Some(c) = m.get("content").and_then(|c| c.as_str()) {
+                    texts.push(c.to_string());
+                }
+            }
+        }
+    }
+    let tokenizer = kiln::tokens::bpe::train_bpe(texts.into_iter(), args.vocab_size)?;
+    kiln::tokens::bpe::write_tokenizer_files(&args.out, &tokenizer, args.max_length)?;
+    eprintln!("tokenizer: {} tokens → {}", tokenizer.get_vocab_size(true), args.out.join("tokenizer.json").display());
+    Ok(())
 }

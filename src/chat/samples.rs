@@ -1,0 +1,329 @@
+//! From a conversation to supervised text samples: the thinking policy (what becomes of `<think>` blocks in
+//! history and in targets), the sample mode (one sample per conversation or one per assistant turn), and the
+//! byte spans each sample supervises — from `{% generation %}` blocks where the template has them, else by
+//! rendering the prompt (with the generation prompt) and the prompt plus the turn and taking the difference.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::ChatError;
+use super::template::{ChatTemplate, Rendered};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum SampleMode {
+    /// One sample, every assistant turn supervised (only exact when the template renders history as inference will).
+    Conversation,
+    /// One sample per assistant turn, rendered as at that turn's inference time, only that turn supervised.
+    PerTurn,
+    /// Per-turn semantics, merged into one conversation sample whenever every turn renders identically there.
+    Auto,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Thinking {
+    /// Strip thinking from history turns; keep it in the supervised turn.
+    StripHistory,
+    /// Keep thinking everywhere (the template may still drop it).
+    Keep,
+    /// Strip thinking from history and from the supervised turn.
+    Drop,
+}
+
+/// How conversations become samples: the model config's template policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplePolicy {
+    pub mode: SampleMode,
+    pub thinking: Thinking,
+    /// Extra template variables (`enable_thinking`, `preserve_thinking`, …).
+    #[serde(default)]
+    pub kwargs: Map<String, Value>,
+}
+
+impl Default for SamplePolicy {
+    fn default() -> Self {
+        SamplePolicy { mode: SampleMode::Auto, thinking: Thinking::StripHistory, kwargs: Map::new() }
+    }
+}
+
+/// A conversation as the template sees it: raw JSON messages (tool calls and all) and optional tools.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatInput {
+    #[serde(default)]
+    pub id: String,
+    pub messages: Vec<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+}
+
+impl From<&crate::data::Conversation> for ChatInput {
+    fn from(c: &crate::data::Conversation) -> Self {
+        let messages = c
+            .messages
+            .iter()
+            .map(|m| {
+                let mut obj = Map::new();
+                obj.insert("role".into(), Value::String(m.role.as_str().into()));
+                obj.insert("content".into(), Value::String(m.content.clone()));
+                if let Some(r) = &m.reasoning {
+                    obj.insert("reasoning_content".into(), Value::String(r.clone()));
+                }
+                Value::Object(obj)
+            })
+            .collect();
+        ChatInput { id: c.id.clone(), messages, tools: None, source: Some(c.source.clone()) }
+    }
+}
+
+/// One rendered training sample and what it supervises.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TextSample {
+    pub id: String,
+    pub text: String,
+    /// Byte ranges of `text` that are trained on.
+    pub targets: Vec<Range<usize>>,
+    /// Message indices of the supervised assistant turns.
+    pub turns: Vec<usize>,
+    /// `<think>` blocks removed by the policy.
+    pub thinking_stripped: usize,
+    /// Turns trained in a form that differs from their inference-time rendering (forced conversation mode).
+    pub turns_unlike_inference: usize,
+}
+
+const THINK_OPEN: &str = "<think>";
+const THINK_CLOSE: &str = "</think>";
+const CHANNEL_OPEN: &str = "<|channel>";
+const CHANNEL_CLOSE: &str = "<channel|>";
+
+/// Removes `<think>…</think>` blocks (and Gemma's `<|channel>…<channel|>` segments) from a message's text;
+/// text after a bare `</think>` (thinking opened by the prompt) is kept alone. When anything was removed the
+/// rest is trimmed, as the LFM2.5 and Qwen3.5 templates do. Returns the text and the blocks removed.
+pub fn strip_thinking(content: &str) -> (String, usize) {
+    let mut removed = 0;
+    let mut text = content.to_string();
+    for (open, close) in [(THINK_OPEN, THINK_CLOSE), (CHANNEL_OPEN, CHANNEL_CLOSE)] {
+        while let Some(start) = text.find(open) {
+            let Some(rel_end) = text[start..].find(close) else { break };
+            text.replace_range(start..start + rel_end + close.len(), "");
+            removed += 1;
+        }
+    }
+    if let Some(end) = text.rfind(THINK_CLOSE) {
+        text = text[end + THINK_CLOSE.len()..].to_string();
+        removed += 1;
+    }
+    if removed > 0 {
+        text = text.trim().to_string();
+    }
+    (text, removed)
+}
+
+fn role(m: &Value) -> &str {
+    m.get("role").and_then(Value::as_str).unwrap_or("")
+}
+
+/// Strips thinking from one message (content and separate reasoning fields); returns blocks removed.
+fn strip_message(m: &mut Value) -> usize {
+    let Some(obj) = m.as_object_mut() else { return 0 };
+    let mut removed = 0;
+    for key in ["reasoning_content", "reasoning", "thinking"] {
+        if obj.remove(key).is_some_and(|v| v.as_str().is_some_and(|s| !s.is_empty())) {
+            removed += 1;
+        }
+    }
+    if let Some(Value::String(content)) = obj.get_mut("content") {
+        let (stripped, n) = strip_thinking(content);
+        if n > 0 {
+            *content = stripped;
+            removed += n;
+        }
+    }
+    removed
+}
+
+/// The messages of the sample whose supervised turn is `target`, with the thinking policy applied:
+/// assistant turns before `target` are history.
+fn policy_messages(messages: &[Value], target: usize, thinking: Thinking) -> (Vec<Value>, usize) {
+    let mut out: Vec<Value> = messages[..=target].to_vec();
+    let mut stripped = 0;
+    for (i, m) in out.iter_mut().enumerate() {
+        if role(m) != "assistant" {
+            continue;
+        }
+        let strip = match thinking {
+            Thinking::Keep => false,
+            Thinking::StripHistory => i < target,
+            Thinking::Drop => true,
+        };
+        if strip {
+            stripped += strip_message(m);
+        }
+    }
+    (out, stripped)
+}
+
+/// All messages with the thinking policy applied as one sample sees them: assistant turns before the last user
+/// message are history, later ones are targets.
+fn conversation_messages(messages: &[Value], thinking: Thinking) -> (Vec<Value>, usize) {
+    let last_user = messages.iter().rposition(|m| role(m) == "user");
+    let mut out = messages.to_vec();
+    let mut stripped = 0;
+    for (i, m) in out.iter_mut().enumerate() {
+        let history = last_user.is_some_and(|u| i < u);
+        let strip = match thinking {
+            Thinking::Keep => false,
+            Thinking::StripHistory => history,
+            Thinking::Drop => true,
+        };
+        if role(m) == "assistant" && strip {
+            stripped += strip_message(m);
+        }
+    }
+    (out, stripped)
+}
+
+struct Renderer<'a> {
+    template: &'a ChatTemplate,
+    input: &'a ChatInput,
+    kwargs: &'a Map<String, Value>,
+}
+
+impl Renderer<'_> {
+    fn render(&self, messages: &[Value], generation_prompt: bool) -> Result<Rendered, ChatError> {
+        self.template
+            .render(messages, self.input.tools.as_ref(), generation_prompt, self.kwargs)
+            .map_err(|e| self.locate(messages, e))
+    }
+
+    /// Names the conversation and the first message whose prefix no longer renders.
+    fn locate(&self, messages: &[Value], err: ChatError) -> ChatError {
+        let message_index = (1..=messages.len())
+            .find(|&n| self.template.render(&messages[..n], self.input.tools.as_ref(), false, self.kwargs).is_err())
+            .map(|n| n - 1);
+        ChatError::Sample { id: self.input.id.clone(), message_index, source: Box::new(err) }
+    }
+
+    /// The supervised byte span of the last message (an assistant turn) of `messages`, and the full render.
+    fn target_span(&self, messages: &[Value]) -> Result<(Rendered, Range<usize>), ChatError> {
+        let full = self.render(messages, false)?;
+        let turn = messages.len() - 1;
+        let no_target = |why: &str| ChatError::Sample {
+            id: self.input.id.clone(),
+            message_index: Some(turn),
+            source: Box::new(ChatError::Mask(why.to_string())),
+        };
+        let span = if self.template.has_generation {
+            full.spans
+                .last()
+                .cloned()
+                .ok_or_else(|| no_target("the template marked no {% generation %} block for this turn"))?
+        } else {
+            let prompt = self.render(&messages[..turn], true)?;
+            if !full.text.starts_with(&prompt.text) {
+                return Err(no_target(
+                    "the prompt with the generation prompt is not a prefix of prompt + turn: this template cannot be masked by the prefix rule",
+                ));
+            }
+            prompt.text.len()..full.text.len()
+        };
+        if span.is_empty() {
+            return Err(no_target("the supervised turn renders to no text"));
+        }
+        Ok((full, span))
+    }
+}
+
+/// Builds the samples of one conversation under `policy`.
+pub fn build_samples(
+    template: &ChatTemplate,
+    input: &ChatInput,
+    policy: &SamplePolicy,
+) -> Result<Vec<TextSample>, ChatError> {
+    let renderer = Renderer { template, input, kwargs: &policy.kwargs };
+    let turns: Vec<usize> =
+        input.messages.iter().enumerate().filter(|(_, m)| role(m) == "assistant").map(|(i, _)| i).collect();
+    if turns.is_empty() {
+        return Err(ChatError::Sample {
+            id: input.id.clone(),
+            message_index: None,
+            source: Box::new(ChatError::Mask("no assistant turn to supervise".into())),
+        });
+    }
+    // Each turn as its own inference-time sample.
+    let mut per_turn = Vec::with_capacity(turns.len());
+    for &t in &turns {
+        let (messages, stripped) = policy_messages(&input.messages, t, policy.thinking);
+        let (rendered, span) = renderer.target_span(&messages)?;
+        per_turn.push(TextSample {
+            id: if turns.len() == 1 { input.id.clone() } else { format!("{}@{t}", input.id) },
+            text: rendered.text,
+            targets: vec![span],
+            turns: vec![t],
+            thinking_stripped: stripped,
+            turns_unlike_inference: 0,
+        });
+    }
+    if policy.mode == SampleMode::PerTurn || turns.len() == 1 {
+        return Ok(per_turn);
+    }
+    // The whole conversation: assistant turns before the last user message are history to the template.
+    let (messages, stripped) = conversation_messages(&input.messages, policy.thinking);
+    let full = renderer.render(&messages, false)?;
+    let identical = per_turn.iter().all(|s| full.text.starts_with(&s.text));
+    if identical {
+        // Every turn renders in the full conversation exactly as at its own inference time: one sample.
+        return Ok(vec![TextSample {
+            id: input.id.clone(),
+            text: full.text,
+            targets: per_turn.iter().flat_map(|s| s.targets.clone()).collect(),
+            turns: turns.clone(),
+            thinking_stripped: stripped,
+            turns_unlike_inference: 0,
+        }]);
+    }
+    if policy.mode == SampleMode::Auto {
+        return Ok(per_turn);
+    }
+    // Forced conversation mode on a template that renders history unlike inference: train it, but count it.
+    let targets = if template.has_generation {
+        full.spans.clone()
+    } else {
+        let mut spans = Vec::new();
+        for &t in &turns {
+            let prompt = renderer.render(&messages[..t], true)?;
+            let upto = renderer.render(&messages[..=t], false)?;
+            if full.text.starts_with(&upto.text) && upto.text.starts_with(&prompt.text) {
+                spans.push(prompt.text.len()..upto.text.len());
+            }
+        }
+        spans
+    };
+    let unlike = per_turn.iter().filter(|s| !full.text.starts_with(&s.text)).count();
+    Ok(vec![TextSample {
+        id: input.id.clone(),
+        text: full.text,
+        targets,
+        turns,
+        thinking_stripped: stripped,
+        turns_unlike_inference: unlike,
+    }])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_think_blocks_and_channels() {
+        assert_eq!(strip_thinking("<think>\nplan\n</think>\n\n{\"a\": 1}"), ("{\"a\": 1}".to_string(), 1));
+        assert_eq!(strip_thinking("reasoning opened by the prompt</think>\n\nanswer"), ("answer".to_string(), 1));
+        assert_eq!(strip_thinking("<|channel>thought\nhm<channel|>Final"), ("Final".to_string(), 1));
+        assert_eq!(strip_thinking("no thinking here "), ("no thinking here ".to_string(), 0));
+        assert_eq!(strip_thinking("<think>a</think>x<think>b</think>y").1, 2);
+    }
+}

@@ -1,0 +1,200 @@
+//! `prepare`: normalized conversations → rendered samples → tokens and masks → shards, streamed in chunks
+//! (memory bounded by the chunk, whatever the corpus), rendered and tokenized on all cores, with stats.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+
+use indicatif::ProgressBar;
+use rayon::prelude::*;
+use serde::Serialize;
+
+use super::TokenError;
+use super::mask::{Truncation, tokenize_sample, truncate};
+use super::shards::{Layout, ShardWriter};
+use super::tokenizer::{TextTokenizer, TokenizerInfo};
+use crate::chat::{ChatInput, ChatTemplate, SamplePolicy, TemplateSource, build_samples};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PrepareConfig {
+    pub seq_len: usize,
+    pub layout: Layout,
+    pub truncation: Truncation,
+    pub policy: SamplePolicy,
+    /// Conversations rendered per parallel chunk.
+    pub chunk: usize,
+    /// The date `strftime_now` returns in templates, pinned so renders are reproducible.
+    pub template_date: String,
+}
+
+/// `data/stats.json`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PrepareStats {
+    pub conversations: u64,
+    pub samples: u64,
+    pub tokens: u64,
+    pub supervised_tokens: u64,
+    pub padding_tokens: u64,
+    pub rows: u64,
+    pub truncated: u64,
+    /// Conversations or samples left out, by reason (template_error, mask_error, too_long).
+    pub dropped: BTreeMap<String, u64>,
+    /// The first few errors, so a person can see what went wrong without rerunning.
+    pub error_examples: Vec<String>,
+    pub thinking_blocks_stripped: u64,
+    /// Turns trained in a form unlike their inference-time rendering (only in forced conversation mode).
+    pub turns_unlike_inference: u64,
+    pub per_source: BTreeMap<String, SourceCounts>,
+    pub template: Option<TemplateSource>,
+    pub tokenizer: Option<TokenizerInfo>,
+    pub config: Option<PrepareConfig>,
+    pub shards: Vec<PathBuf>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SourceCounts {
+    pub samples: u64,
+    pub tokens: u64,
+    pub supervised_tokens: u64,
+}
+
+const MAX_ERROR_EXAMPLES: usize = 10;
+
+impl PrepareStats {
+    fn drop(&mut self, reason: &str, message: String) {
+        *self.dropped.entry(reason.to_string()).or_default() += 1;
+        if self.error_examples.len() < MAX_ERROR_EXAMPLES {
+            self.error_examples.push(message);
+        }
+    }
+
+    pub fn summary(&self) -> String {
+        let dropped: u64 = self.dropped.values().sum();
+        let share = if self.tokens > 0 { 100.0 * self.supervised_tokens as f64 / self.tokens as f64 } else { 0.0 };
+        format!(
+            "{} conversations → {} samples, {} tokens ({share:.1}% supervised) in {} rows; {dropped} dropped, {} truncated",
+            self.conversations, self.samples, self.tokens, self.rows, self.truncated
+        )
+    }
+}
+
+/// What one conversation turned into, computed in parallel.
+enum Outcome {
+    Samples {
+        source: String,
+        samples: Vec<(super::TokenSample, bool)>,
+        stripped: usize,
+        unlike: usize,
+        dropped_long: usize,
+    },
+    Failed {
+        reason: &'static str,
+        message: String,
+    },
+}
+
+fn process(template: &ChatTemplate, tok: &TextTokenizer, cfg: &PrepareConfig, input: &ChatInput) -> Outcome {
+    let samples = match build_samples(template, input, &cfg.policy) {
+        Ok(s) => s,
+        Err(e) => return Outcome::Failed { reason: "template_error", message: e.to_string() },
+    };
+    let mut out = Vec::with_capacity(samples.len());
+    let (mut stripped, mut unlike, mut dropped_long) = (0, 0, 0);
+    for s in &samples {
+        stripped += s.thinking_stripped;
+        unlike += s.turns_unlike_inference;
+        let tokens = match tokenize_sample(tok, s) {
+            Ok(t) => t,
+            Err(e) => return Outcome::Failed { reason: "mask_error", message: e.to_string() },
+        };
+        match truncate(tokens, cfg.seq_len, cfg.truncation) {
+            Some(t) => out.push(t),
+            None => dropped_long += 1,
+        }
+    }
+    Outcome::Samples { source: input.source.clone().unwrap_or_default(), samples: out, stripped, unlike, dropped_long }
+}
+
+/// Reads conversations (JSON lines of `{id, messages, tools?, source?}`, which ingest's output is) from
+/// `input`, writes shards and `stats.json` into `out_dir`.
+pub fn prepare(
+    input: &Path,
+    template: &ChatTemplate,
+    tok: &TextTokenizer,
+    cfg: &PrepareConfig,
+    out_dir: &Path,
+    progress: &ProgressBar,
+) -> Result<PrepareStats, TokenError> {
+    let file = File::open(input).map_err(|e| TokenError::Io { path: input.to_path_buf(), source: e })?;
+    let mut lines = BufReader::with_capacity(1 << 20, file).lines();
+    let mut writer = ShardWriter::new(out_dir, cfg.layout, cfg.seq_len, tok.pad_id)?;
+    let mut stats = PrepareStats {
+        template: Some(template.source.clone()),
+        tokenizer: Some(tok.info()),
+        config: Some(cfg.clone()),
+        ..Default::default()
+    };
+    let mut line_no = 0usize;
+    loop {
+        let mut chunk = Vec::with_capacity(cfg.chunk);
+        for line in lines.by_ref() {
+            line_no += 1;
+            let line = line.map_err(|e| TokenError::Io { path: input.to_path_buf(), source: e })?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            let mut conv: ChatInput = serde_json::from_str(&line).map_err(|e| TokenError::Input {
+                path: input.to_path_buf(),
+                line: line_no,
+                message: e.to_string(),
+            })?;
+            if conv.id.is_empty() {
+                conv.id = format!("line-{line_no}");
+            }
+            chunk.push(conv);
+            if chunk.len() >= cfg.chunk {
+                break;
+            }
+        }
+        if chunk.is_empty() {
+            break;
+        }
+        let outcomes: Vec<Outcome> = chunk.par_iter().map(|c| process(template, tok, cfg, c)).collect();
+        for outcome in outcomes {
+            stats.conversations += 1;
+            progress.inc(1);
+            match outcome {
+                Outcome::Failed { reason, message } => stats.drop(reason, message),
+                Outcome::Samples { source, samples, stripped, unlike, dropped_long } => {
+                    stats.thinking_blocks_stripped += stripped as u64;
+                    stats.turns_unlike_inference += unlike as u64;
+                    for _ in 0..dropped_long {
+                        stats.drop("too_long", format!("a sample longer than {} tokens", cfg.seq_len));
+                    }
+                    let counts = stats.per_source.entry(source.clone()).or_default();
+                    for (sample, truncated) in &samples {
+                        let supervised = sample.supervised() as u64;
+                        counts.samples += 1;
+                        counts.tokens += sample.input_ids.len() as u64;
+                        counts.supervised_tokens += supervised;
+                        stats.samples += 1;
+                        stats.tokens += sample.input_ids.len() as u64;
+                        stats.supervised_tokens += supervised;
+                        stats.truncated += u64::from(*truncated);
+                        writer.add(sample, &source)?;
+                    }
+                }
+            }
+        }
+    }
+    let shard_stats = writer.finish()?;
+    stats.rows = shard_stats.rows;
+    stats.padding_tokens = shard_stats.padding_tokens;
+    stats.shards = shard_stats.files;
+    let stats_path = out_dir.join("stats.json");
+    let text = serde_json::to_string_pretty(&stats)
+        .map_err(|e| TokenError::Shard { path: stats_path.clone(), message: e.to_string() })?;
+    std::fs::write(&stats_path, text + "\n").map_err(|e| TokenError::Io { path: stats_path, source: e })?;
+    Ok(stats)
+}
