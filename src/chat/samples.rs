@@ -225,9 +225,13 @@ impl Renderer<'_> {
         } else {
             let prompt = self.render(&messages[..turn], true)?;
             if !full.text.starts_with(&prompt.text) {
-                return Err(no_target(
-                    "the prompt with the generation prompt is not a prefix of prompt + turn: this template cannot be masked by the prefix rule",
-                ));
+                let at = full.text.bytes().zip(prompt.text.bytes()).take_while(|(a, b)| a == b).count();
+                let excerpt = |t: &str| t.get(at..).unwrap_or("").chars().take(40).collect::<String>();
+                return Err(no_target(&format!(
+                    "the generation prompt ends {:?} but the turn renders {:?} there: training it would teach what inference never prompts (set enable_thinking to match the data, or use --thinking drop)",
+                    excerpt(&prompt.text),
+                    excerpt(&full.text)
+                )));
             }
             prompt.text.len()..full.text.len()
         };

@@ -1,0 +1,199 @@
+//! Mask invariants on every sample of the fixture conversations, for the real templates and every sample
+//! mode and thinking policy: something is supervised, every supervised turn ends with the end-of-turn
+//! token, no user or tool text is supervised, and history thinking is gone where the policy strips it.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use kiln::chat::{
+    ChatInput, ChatTemplate, PinnedClock, SampleMode, SamplePolicy, SpecialTokens, TemplateSource, Thinking,
+    build_samples,
+};
+use kiln::tokens::{TextTokenizer, tokenize_sample};
+use serde_json::Value;
+
+fn fixture_conversations() -> Vec<(ChatInput, serde_json::Map<String, Value>)> {
+    let path = common::project_dir().join("tests/fixtures/templates/conversations.json");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    v["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let input = ChatInput {
+                id: c["name"].as_str().unwrap().to_string(),
+                messages: c["messages"].as_array().unwrap().clone(),
+                tools: Some(c["tools"].clone()).filter(|t| !t.is_null()),
+                source: None,
+            };
+            (input, c["kwargs"].as_object().unwrap().clone())
+        })
+        .collect()
+}
+
+/// (template file, tokenizer folder or None, special tokens)
+fn setups() -> Vec<(&'static str, Option<PathBuf>, BTreeMap<String, String>)> {
+    let lfm: BTreeMap<String, String> =
+        [("bos_token", "<|startoftext|>"), ("eos_token", "<|im_end|>"), ("pad_token", "<|pad|>")]
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+    let qwen: BTreeMap<String, String> =
+        [("eos_token", "<|im_end|>")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let tiny = common::project_dir().join("configs/models/tiny");
+    let qwen_tok = common::project_dir().join("../shared/tokenizers/qwen3.5-derived");
+    vec![
+        ("lfm2.5.jinja", Some(tiny.clone()), lfm.clone()),
+        ("lfm2.jinja", Some(tiny.clone()), lfm.clone()),
+        ("lfm2_training.trl.jinja", Some(tiny.clone()), lfm.clone()),
+        ("lfm2.5_vl_450m_older.jinja", Some(tiny), lfm),
+        ("qwen3_5.jinja", Some(qwen_tok.clone()), qwen.clone()),
+        ("qwen3_5_small_nothink.jinja", Some(qwen_tok.clone()), qwen.clone()),
+        ("qwen3_5_think_training.trl.jinja", Some(qwen_tok), qwen),
+    ]
+}
+
+fn content_of(m: &Value) -> String {
+    match &m["content"] {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts.iter().filter_map(|p| p["text"].as_str()).collect(),
+        _ => String::new(),
+    }
+}
+
+/// Text that is reasoning in a history turn: think blocks in content and separate reasoning fields.
+fn reasoning_of(m: &Value) -> Vec<String> {
+    let mut out: Vec<String> = ["reasoning_content", "reasoning", "thinking"]
+        .iter()
+        .filter_map(|k| m[*k].as_str().map(str::to_string))
+        .collect();
+    let c = content_of(m);
+    if let (Some(s), Some(e)) = (c.find("<think>"), c.find("</think>")) {
+        out.push(c[s + 7..e].trim().to_string());
+    }
+    out.retain(|r| r.len() >= 2);
+    out
+}
+
+#[test]
+fn every_sample_satisfies_the_mask_invariants() {
+    let clock = PinnedClock::parse("2026-01-01").unwrap();
+    let convs = fixture_conversations();
+    let mut samples_checked = 0;
+    for (file, tok_dir, special) in setups() {
+        let source = TemplateSource::from_file(&common::project_dir().join("../shared/templates").join(file)).unwrap();
+        let template = ChatTemplate::new(source, SpecialTokens(special.clone()), clock).unwrap();
+        let tok = tok_dir.map(|d| TextTokenizer::load(&d, &SpecialTokens(special.clone()), None).unwrap());
+        for mode in [SampleMode::Auto, SampleMode::PerTurn, SampleMode::Conversation] {
+            for thinking in [Thinking::StripHistory, Thinking::Keep, Thinking::Drop] {
+                for (input, kwargs) in &convs {
+                    let policy = SamplePolicy { mode, thinking, kwargs: kwargs.clone() };
+                    let at = format!("{file} {mode:?} {thinking:?} {}", input.id);
+                    let samples = match build_samples(&template, input, &policy) {
+                        Ok(s) => s,
+                        // Conversations a template rejects (raise_exception) or without an assistant turn.
+                        Err(e) => {
+                            let text = e.to_string();
+                            assert!(
+                                text.contains("raised")
+                                    || text.contains("no assistant turn")
+                                    || text.contains("inference never prompts"),
+                                "{at}: {text}"
+                            );
+                            continue;
+                        }
+                    };
+                    for s in &samples {
+                        samples_checked += 1;
+                        assert!(!s.targets.is_empty(), "{at}: no target");
+                        for m in input.messages.iter().filter(|m| matches!(m["role"].as_str(), Some("user" | "tool"))) {
+                            let c = content_of(m);
+                            if c.trim().len() < 8 {
+                                continue;
+                            }
+                            for (pos, _) in s.text.match_indices(c.trim()) {
+                                let hit = pos..pos + c.trim().len();
+                                assert!(
+                                    !s.targets.iter().any(|t| t.start < hit.end && hit.start < t.end),
+                                    "{at}: user/tool text {:?} is supervised",
+                                    c
+                                );
+                            }
+                        }
+                        if mode == SampleMode::PerTurn && thinking != Thinking::Keep {
+                            let target = s.turns[0];
+                            let history = &s.text[..s.targets[0].start];
+                            for m in input.messages[..target].iter().filter(|m| m["role"] == "assistant") {
+                                for r in reasoning_of(m) {
+                                    assert!(!history.contains(&r), "{at}: history thinking {r:?} survived stripping");
+                                }
+                            }
+                        }
+                        if let Some(tok) = &tok {
+                            let t = tokenize_sample(tok, s).unwrap_or_else(|e| panic!("{at}: {e}"));
+                            assert!(t.supervised() > 0);
+                            let last = t.loss_mask.iter().rposition(|&m| m == 1).unwrap();
+                            let tail = tok.decode(&t.input_ids[last..=last]);
+                            assert!(
+                                t.input_ids[last] == tok.end_of_turn_id || tail.trim().is_empty(),
+                                "{at}: ends with {tail:?}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(samples_checked > 1000, "{samples_checked}");
+}
+
+#[test]
+fn auto_mode_trains_each_turn_as_inference_renders_it() {
+    // LFM2.5 drops history reasoning: per-turn samples. Without reasoning every turn renders the same in
+    // the whole conversation: one sample supervising all turns.
+    let clock = PinnedClock::parse("2026-01-01").unwrap();
+    let special: BTreeMap<String, String> =
+        [("bos_token".to_string(), "<|startoftext|>".to_string())].into_iter().collect();
+    let source = TemplateSource::from_file(&common::project_dir().join("../shared/templates/lfm2.5.jinja")).unwrap();
+    let template = ChatTemplate::new(source, SpecialTokens(special), clock).unwrap();
+    let convs = fixture_conversations();
+    let get = |name: &str| convs.iter().find(|(c, _)| c.id == name).unwrap().0.clone();
+    let policy = SamplePolicy::default();
+    let thinking = build_samples(&template, &get("reasoning_content"), &policy).unwrap();
+    assert_eq!(thinking.len(), 2, "one sample per turn");
+    assert!(thinking[1].text.contains("<think>Explain.</think>It is prime."));
+    assert!(!thinking[1].text.contains("Lucky."), "history reasoning is stripped");
+    let plain = build_samples(&template, &get("multi"), &policy).unwrap();
+    assert_eq!(plain.len(), 1);
+    assert_eq!(plain[0].targets.len(), 3);
+    // Forced conversation mode on reasoning data trains turns unlike inference, and says so.
+    let forced = SamplePolicy { mode: SampleMode::Conversation, ..SamplePolicy::default() };
+    let merged = build_samples(&template, &get("reasoning_content"), &forced).unwrap();
+    assert_eq!(merged.len(), 1);
+    assert_eq!(merged[0].turns_unlike_inference, 1);
+}
+
+#[test]
+fn a_raising_template_names_the_conversation_and_message() {
+    let clock = PinnedClock::parse("2026-01-01").unwrap();
+    let source = TemplateSource::new(
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}{{ raise_exception('System message must be at the beginning.') }}{% endif %}{{ m.content }}{% endfor %}".into(),
+        "inline".into(),
+    );
+    let template = ChatTemplate::new(source, SpecialTokens::default(), clock).unwrap();
+    let input = ChatInput {
+        id: "conv-7".into(),
+        messages: serde_json::from_str(r#"[{"role":"user","content":"a"},{"role":"assistant","content":"b"},{"role":"system","content":"late"},{"role":"assistant","content":"c"}]"#).unwrap(),
+        tools: None,
+        source: None,
+    };
+    let err = build_samples(&template, &input, &SamplePolicy { mode: SampleMode::Conversation, ..Default::default() })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("conversation 'conv-7', message 2") && err.contains("System message must be at the beginning"),
+        "{err}"
+    );
+}
