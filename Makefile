@@ -19,24 +19,31 @@ SAMPLES := datasets/samples
 build:
 	$(CARGO) build --release $(FEATURES)
 
-# The stages implemented so far: pull (Hub sources; none for the offline default) and ingest
-# (normalized, decontaminated conversations). Later stages join as they land (see README's stage table).
+# The stages implemented so far: pull (Hub sources; none for the offline default), ingest (normalized,
+# decontaminated conversations) and prepare (native template, assistant-only masks, token shards).
+# Later stages join as they land (see the README's stage table).
 sft: build
 	@test -f $(SAMPLES)/terminal.parquet || $(KILN) synth --out $(SAMPLES)
 	$(KILN) ingest --dataset terminal-synth,toolbench-synth \
 		--decontaminate $(SAMPLES)/replay.jsonl --decontaminate $(SAMPLES)/terminal_heldout.jsonl \
 		--out runs/$(RUN)/data
+	$(KILN) prepare --model $(MODEL) --data runs/$(RUN)/data/conversations.jsonl --out runs/$(RUN)/data \
+		--seq-len 2048 --date 2026-01-01
 
-# Regenerate the committed synthetic samples (deterministic: the result must equal what is committed).
-samples:
-	$(CARGO) run --release -- synth --out $(SAMPLES)
+# Regenerate the committed synthetic samples and the tiny model's tokenizer (both deterministic: the
+# result must equal what is committed; tests check it).
+samples: build
+	$(KILN) synth --out $(SAMPLES)
+	$(KILN) --quiet ingest --dataset terminal-synth,toolbench-synth --out runs/samples
+	$(KILN) tokenizer --data runs/samples/conversations.jsonl --out configs/models/tiny
 
 test:
 	$(CARGO) test --all-targets
 	$(CARGO) check --all-targets --features cuda
 
-bench:
-	@echo "no benchmarks yet: the trainer issue adds them"; exit 1
+# Benchmarks (figures go to docs/BENCHMARKS.md): prepare throughput, kiln vs transformers.
+bench: build
+	KILN=$(KILN) tests/bench/prepare.sh
 
 clean:
 	$(CARGO) clean

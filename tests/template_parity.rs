@@ -9,7 +9,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use kiln::chat::{ChatTemplate, PinnedClock, SpecialTokens, TemplateSource};
+use kiln::tokens::TextTokenizer;
 use kiln::tokens::mask::mask_from_spans;
+use kiln::tokens::tokenizer::SegmentCache;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
@@ -56,7 +58,9 @@ fn spans_json(spans: &[std::ops::Range<usize>]) -> Value {
 /// Checks every fixture whose family is in `families`; returns the mismatches found.
 fn check(families: &[&str]) -> Vec<String> {
     let (convs, clock) = conversations();
-    let mut tokenizers: BTreeMap<String, Option<tokenizers::Tokenizer>> = BTreeMap::new();
+    let mut tokenizers: BTreeMap<String, Option<std::rc::Rc<TextTokenizer>>> = BTreeMap::new();
+    // Segment caches are per tokenizer: the same text has other ids under another vocabulary.
+    let mut caches: BTreeMap<String, SegmentCache> = BTreeMap::new();
     let mut problems = Vec::new();
     let mut checked = 0;
     let (mut tokens_checked, mut masks_checked) = (0, 0);
@@ -81,7 +85,10 @@ fn check(families: &[&str]) -> Vec<String> {
         let tokenizer = fixture["tokenizer"].as_str().map(|rel| {
             tokenizers
                 .entry(rel.to_string())
-                .or_insert_with(|| tokenizers::Tokenizer::from_file(common::project_dir().join("..").join(rel)).ok())
+                .or_insert_with(|| {
+                    let dir = common::project_dir().join("..").join(rel).parent().unwrap().to_path_buf();
+                    TextTokenizer::load(&dir, &SpecialTokens::default(), None).ok().map(std::rc::Rc::new)
+                })
                 .clone()
         });
         for (case, conv) in fixture["cases"].as_array().unwrap().iter().zip(&convs) {
@@ -148,15 +155,19 @@ fn check(families: &[&str]) -> Vec<String> {
                 }
             }
             if let (Some(Some(tok)), Some(want_ids)) = (&tokenizer, case.get("input_ids")) {
-                let enc = tok.encode(full.text.as_str(), false).unwrap();
+                let cache = caches.entry(fixture["tokenizer"].as_str().unwrap_or_default().to_string()).or_default();
+                let (ids, offsets) = tok.encode_cached(&full.text, cache).unwrap();
                 tokens_checked += 1;
-                if serde_json::json!(enc.get_ids()) != *want_ids {
+                if (ids.clone(), offsets.clone()) != tok.encode(&full.text).unwrap() {
+                    problems.push(format!("{at}: segment-cached tokenization differs from one-pass tokenization"));
+                }
+                if serde_json::json!(ids) != *want_ids {
                     problems.push(format!("{at}: token ids differ"));
                     continue;
                 }
                 if let Some(want_mask) = case.get("assistant_masks") {
                     masks_checked += 1;
-                    let mask = mask_from_spans(enc.get_offsets(), &full.spans);
+                    let mask = mask_from_spans(&offsets, &full.spans);
                     if serde_json::json!(mask) != *want_mask {
                         problems.push(format!("{at}: assistant mask differs\n kiln: {mask:?}\n   hf: {want_mask}"));
                     }

@@ -8,7 +8,7 @@ use std::ops::Range;
 use serde::Serialize;
 
 use super::TokenError;
-use super::tokenizer::TextTokenizer;
+use super::tokenizer::{SegmentCache, TextTokenizer};
 use crate::chat::TextSample;
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -34,7 +34,16 @@ pub fn mask_from_spans(offsets: &[(usize, usize)], spans: &[Range<usize>]) -> Ve
 
 /// Tokenizes a rendered sample once and masks it; checks each supervised turn ends in the end-of-turn token.
 pub fn tokenize_sample(tok: &TextTokenizer, sample: &TextSample) -> Result<TokenSample, TokenError> {
-    let (ids, offsets) = tok.encode(&sample.text)?;
+    tokenize_sample_cached(tok, sample, &mut SegmentCache::new())
+}
+
+/// `tokenize_sample` sharing tokenized segments with the other samples of the same conversation.
+pub fn tokenize_sample_cached(
+    tok: &TextTokenizer,
+    sample: &TextSample,
+    cache: &mut SegmentCache,
+) -> Result<TokenSample, TokenError> {
+    let (ids, offsets) = tok.encode_cached(&sample.text, cache)?;
     let mask = mask_from_spans(&offsets, &sample.targets);
     let fail = |message: String| TokenError::Mask { id: sample.id.clone(), message };
     for span in &sample.targets {
@@ -77,7 +86,8 @@ pub fn truncate(sample: TokenSample, max_len: usize, rule: Truncation) -> Option
         Truncation::KeepTarget => {
             let cut = sample.input_ids.len() - max_len;
             let first_supervised = sample.loss_mask.iter().position(|&m| m == 1)?;
-            if first_supervised < cut {
+            // Keep at least one prompt token before the target: a sample that starts supervised has no context.
+            if first_supervised <= cut {
                 return None;
             }
             Some((

@@ -11,8 +11,9 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use super::TokenError;
-use super::mask::{Truncation, tokenize_sample, truncate};
+use super::mask::{Truncation, tokenize_sample_cached, truncate};
 use super::shards::{Layout, ShardWriter};
+use super::tokenizer::SegmentCache;
 use super::tokenizer::{TextTokenizer, TokenizerInfo};
 use crate::chat::{ChatInput, ChatTemplate, SamplePolicy, TemplateSource, build_samples};
 
@@ -50,6 +51,9 @@ pub struct PrepareStats {
     pub tokenizer: Option<TokenizerInfo>,
     pub config: Option<PrepareConfig>,
     pub shards: Vec<PathBuf>,
+    pub wall_seconds: f64,
+    /// Peak resident memory of the process, where the OS reports it.
+    pub peak_rss_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -72,9 +76,16 @@ impl PrepareStats {
     pub fn summary(&self) -> String {
         let dropped: u64 = self.dropped.values().sum();
         let share = if self.tokens > 0 { 100.0 * self.supervised_tokens as f64 / self.tokens as f64 } else { 0.0 };
+        let secs = self.wall_seconds.max(1e-9);
         format!(
-            "{} conversations → {} samples, {} tokens ({share:.1}% supervised) in {} rows; {dropped} dropped, {} truncated",
-            self.conversations, self.samples, self.tokens, self.rows, self.truncated
+            "{} conversations → {} samples, {} tokens ({share:.1}% supervised) in {} rows; {dropped} dropped, {} truncated; {:.0} conversations/s, {:.0} tokens/s",
+            self.conversations,
+            self.samples,
+            self.tokens,
+            self.rows,
+            self.truncated,
+            self.conversations as f64 / secs,
+            self.tokens as f64 / secs
         )
     }
 }
@@ -101,10 +112,11 @@ fn process(template: &ChatTemplate, tok: &TextTokenizer, cfg: &PrepareConfig, in
     };
     let mut out = Vec::with_capacity(samples.len());
     let (mut stripped, mut unlike, mut dropped_long) = (0, 0, 0);
+    let mut cache = SegmentCache::new();
     for s in &samples {
         stripped += s.thinking_stripped;
         unlike += s.turns_unlike_inference;
-        let tokens = match tokenize_sample(tok, s) {
+        let tokens = match tokenize_sample_cached(tok, s, &mut cache) {
             Ok(t) => t,
             Err(e) => return Outcome::Failed { reason: "mask_error", message: e.to_string() },
         };
@@ -135,6 +147,7 @@ pub fn prepare(
         config: Some(cfg.clone()),
         ..Default::default()
     };
+    let started = std::time::Instant::now();
     let mut line_no = 0usize;
     loop {
         let mut chunk = Vec::with_capacity(cfg.chunk);
@@ -192,6 +205,8 @@ pub fn prepare(
     stats.rows = shard_stats.rows;
     stats.padding_tokens = shard_stats.padding_tokens;
     stats.shards = shard_stats.files;
+    stats.wall_seconds = started.elapsed().as_secs_f64();
+    stats.peak_rss_bytes = crate::data::readers::peak_rss_bytes();
     let stats_path = out_dir.join("stats.json");
     let text = serde_json::to_string_pretty(&stats)
         .map_err(|e| TokenError::Shard { path: stats_path.clone(), message: e.to_string() })?;

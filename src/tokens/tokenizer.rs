@@ -1,7 +1,10 @@
 //! The checkpoint's tokenizer (`tokenizer.json` through the tokenizers crate) and the special ids the
 //! pipeline needs, read from the checkpoint's own files — never hard-coded.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+
+use aho_corasick::{AhoCorasick, MatchKind};
 
 use serde::Serialize;
 
@@ -22,6 +25,29 @@ pub struct TextTokenizer {
     pub eos_id: Option<u32>,
     /// Padding id: `pad_token`, else `eos_token`, else the end-of-turn token.
     pub pad_id: u32,
+    /// Finds the added tokens the text can be cut at (see `encode_cached`); `None` disables the cache.
+    splitter: Option<(AhoCorasick, Vec<u32>)>,
+}
+
+/// Token ids with byte offsets of one text segment, cached across the samples of a conversation.
+pub type SegmentCache = HashMap<String, (Vec<u32>, Vec<(usize, usize)>)>;
+
+/// The added tokens text can be cut at without changing the tokenization: matched verbatim (not
+/// normalized) and without whitespace stripping or word-boundary rules. None if there are none.
+fn added_token_splitter(tok: &tokenizers::Tokenizer) -> Option<(AhoCorasick, Vec<u32>)> {
+    let mut tokens: Vec<(String, u32)> = tok
+        .get_added_tokens_decoder()
+        .into_iter()
+        .filter(|(_, t)| !t.normalized && !t.lstrip && !t.rstrip && !t.single_word && !t.content.is_empty())
+        .map(|(id, t)| (t.content, id))
+        .collect();
+    if tokens.is_empty() {
+        return None;
+    }
+    tokens.sort();
+    let finder =
+        AhoCorasick::builder().match_kind(MatchKind::LeftmostLongest).build(tokens.iter().map(|(c, _)| c)).ok()?;
+    Some((finder, tokens.into_iter().map(|(_, id)| id).collect()))
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -59,6 +85,7 @@ impl TextTokenizer {
                     message: "no end-of-turn token: none of <|im_end|>, <turn|>, <end_of_turn>, <|eot_id|> or eos_token is in the vocabulary; set end_of_turn in the model config".into(),
                 })?,
         };
+        let splitter = added_token_splitter(&inner);
         let bos_id = special.get("bos_token").and_then(id);
         let eos_id = special.get("eos_token").and_then(id);
         let pad_id = special.get("pad_token").and_then(id).or(eos_id).unwrap_or(end_of_turn_id);
@@ -71,7 +98,48 @@ impl TextTokenizer {
             bos_id,
             eos_id,
             pad_id,
+            splitter,
         })
+    }
+
+    /// `encode`, but each stretch of text between added tokens is tokenized once per `cache`: the
+    /// tokenizer splits on added tokens before anything else, so the pieces tokenize independently and the
+    /// history shared by a conversation's per-turn samples is not tokenized again for every turn.
+    pub fn encode_cached(
+        &self,
+        text: &str,
+        cache: &mut SegmentCache,
+    ) -> Result<(Vec<u32>, Vec<(usize, usize)>), TokenError> {
+        let Some((finder, ids_of)) = &self.splitter else { return self.encode(text) };
+        let mut ids = Vec::new();
+        let mut offsets = Vec::new();
+        let mut pos = 0;
+        let mut piece = |start: usize,
+                         end: usize,
+                         ids: &mut Vec<u32>,
+                         offsets: &mut Vec<(usize, usize)>|
+         -> Result<(), TokenError> {
+            if start == end {
+                return Ok(());
+            }
+            let segment = &text[start..end];
+            if !cache.contains_key(segment) {
+                let encoded = self.encode(segment)?;
+                cache.insert(segment.to_string(), encoded);
+            }
+            let (seg_ids, seg_offsets) = &cache[segment];
+            ids.extend_from_slice(seg_ids);
+            offsets.extend(seg_offsets.iter().map(|&(a, b)| (a + start, b + start)));
+            Ok(())
+        };
+        for m in finder.find_iter(text) {
+            piece(pos, m.start(), &mut ids, &mut offsets)?;
+            ids.push(ids_of[m.pattern().as_usize()]);
+            offsets.push((m.start(), m.end()));
+            pos = m.end();
+        }
+        piece(pos, text.len(), &mut ids, &mut offsets)?;
+        Ok((ids, offsets))
     }
 
     /// Token ids and byte offsets of `text`, without added special tokens (templates emit BOS themselves).

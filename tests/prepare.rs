@@ -1,0 +1,235 @@
+//! `kiln prepare` on the synthetic samples and on real-format trajectories: shards whose contents equal
+//! the stats, masks that supervise assistant tokens only, and truncation counted.
+
+mod common;
+
+use std::path::Path;
+
+use common::{project_dir, run_kiln};
+use kiln::tokens::shards::{Row, read_shard};
+use serde_json::Value;
+
+fn ingest(recipes: &str, out: &Path) {
+    let (ok, _, stderr) =
+        run_kiln(&["--quiet", "ingest", "--dataset", recipes, "--out", out.to_str().unwrap()], &[], &project_dir());
+    assert!(ok, "{stderr}");
+}
+
+fn shard_rows(stats: &Value) -> Vec<Row> {
+    stats["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| read_shard(Path::new(p.as_str().unwrap())).unwrap())
+        .collect()
+}
+
+/// The stats must be what the shards hold.
+fn check_stats_against_shards(stats: &Value, seq_len: Option<usize>) {
+    let rows = shard_rows(stats);
+    assert_eq!(rows.len() as u64, stats["rows"].as_u64().unwrap());
+    let tokens: u64 = rows.iter().map(|r| r.used() as u64).sum();
+    let supervised: u64 = rows.iter().map(|r| r.loss_mask.iter().map(|&m| m as u64).sum::<u64>()).sum();
+    let total: u64 = rows.iter().map(|r| r.input_ids.len() as u64).sum();
+    let docs: u64 = rows.iter().map(|r| r.doc_lengths.len() as u64).sum();
+    assert_eq!(tokens, stats["tokens"].as_u64().unwrap());
+    assert_eq!(supervised, stats["supervised_tokens"].as_u64().unwrap());
+    assert_eq!(total - tokens, stats["padding_tokens"].as_u64().unwrap());
+    assert_eq!(docs, stats["samples"].as_u64().unwrap());
+    for r in &rows {
+        if let Some(n) = seq_len {
+            assert_eq!(r.input_ids.len(), n);
+        }
+        assert!(r.loss_mask[r.used()..].iter().all(|&m| m == 0), "padding is never supervised");
+        let mut start = 0;
+        for &len in &r.doc_lengths {
+            let doc = &r.loss_mask[start..start + len as usize];
+            assert!(doc.contains(&1), "every document supervises something");
+            assert_eq!(doc[0], 0, "a document never starts supervised (the prompt comes first)");
+            start += len as usize;
+        }
+    }
+}
+
+#[test]
+fn prepares_the_synthetic_samples_into_packed_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    ingest("terminal-synth,toolbench-synth", &data);
+    let (ok, _, stderr) = run_kiln(
+        &[
+            "--quiet",
+            "prepare",
+            "--model",
+            "tiny",
+            "--data",
+            data.join("conversations.jsonl").to_str().unwrap(),
+            "--out",
+            data.to_str().unwrap(),
+            "--seq-len",
+            "2048",
+            "--date",
+            "2026-01-01",
+        ],
+        &[],
+        &project_dir(),
+    );
+    assert!(ok, "{stderr}");
+    let stats: Value = serde_json::from_str(&std::fs::read_to_string(data.join("stats.json")).unwrap()).unwrap();
+    assert_eq!(stats["conversations"], 800);
+    assert!(stats["dropped"].as_object().unwrap().is_empty(), "{}", stats["dropped"]);
+    // Terminal trajectories keep thinking only in the supervised turn: one sample per assistant turn.
+    assert_eq!(stats["per_source"]["terminal"]["samples"].as_u64().unwrap(), 1300);
+    assert!(stats["thinking_blocks_stripped"].as_u64().unwrap() > 0);
+    assert_eq!(stats["template"]["origin"], "configs/models/tiny/chat_template.jinja");
+    assert_eq!(stats["config"]["template_date"], "2026-01-01");
+    check_stats_against_shards(&stats, Some(2048));
+}
+
+/// A model folder with a real template and tokenizer from ../shared.
+fn qwen_model_dir(dir: &Path) -> std::path::PathBuf {
+    let model = dir.join("qwen3.5");
+    std::fs::create_dir_all(&model).unwrap();
+    let shared = project_dir().join("../shared");
+    std::os::unix::fs::symlink(
+        shared.join("tokenizers/qwen3.5-derived/tokenizer.json").canonicalize().unwrap(),
+        model.join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::copy(shared.join("templates/qwen3_5.jinja"), model.join("chat_template.jinja")).unwrap();
+    std::fs::write(model.join("tokenizer_config.json"), r#"{"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}"#)
+        .unwrap();
+    model
+}
+
+#[test]
+fn prepares_real_terminal_trajectories_with_a_real_template_and_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    // The first 8 real trajectories, in their Hub schema.
+    let text = std::fs::read_to_string(common::shared_tb2lite().join("eval_dataset.jsonl")).unwrap();
+    let rows: Vec<&str> = text.lines().take(8).collect();
+    let raw = dir.path().join("real.jsonl");
+    std::fs::write(&raw, rows.join("\n")).unwrap();
+    let recipe = dir.path().join("real.toml");
+    std::fs::write(&recipe, "name = \"real\"\n[[source]]\nname = \"terminal\"\nformat = \"jsonl\"\npath = \"real.jsonl\"\n[source.schema]\ntask = \"task\"\nid = \"trial_name\"\n").unwrap();
+    let data = dir.path().join("data");
+    ingest(recipe.to_str().unwrap(), &data);
+    let model = qwen_model_dir(dir.path());
+    let run = |extra: &[&str], out: &Path| -> Value {
+        let conv = data.join("conversations.jsonl");
+        let mut args = vec!["--quiet", "prepare", "--model", model.to_str().unwrap(), "--data", conv.to_str().unwrap()];
+        args.extend(["--out", out.to_str().unwrap(), "--date", "2026-01-01"]);
+        args.extend_from_slice(extra);
+        let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
+        assert!(ok, "{stderr}");
+        serde_json::from_str(&std::fs::read_to_string(out.join("stats.json")).unwrap()).unwrap()
+    };
+    let assistant_turns: u64 = rows
+        .iter()
+        .map(|r| {
+            serde_json::from_str::<Value>(r).unwrap()["conversations"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|m| m["role"] == "assistant")
+                .count() as u64
+        })
+        .sum();
+
+    let full = run(&["--seq-len", "32768", "--layout", "bucketed"], &dir.path().join("full"));
+    assert_eq!(
+        full["samples"].as_u64().unwrap(),
+        assistant_turns,
+        "Qwen3.5 drops history reasoning: one sample per turn"
+    );
+    assert!(full["dropped"].as_object().unwrap().is_empty(), "{}", full["error_examples"]);
+    check_stats_against_shards(&full, None);
+
+    // At 4096 tokens long samples are dropped (counted), or kept with their history cut.
+    let dropped = run(&["--seq-len", "4096", "--truncation", "drop"], &dir.path().join("drop"));
+    let too_long = dropped["dropped"]["too_long"].as_u64().unwrap();
+    assert!(too_long > 0);
+    assert_eq!(dropped["samples"].as_u64().unwrap() + too_long, assistant_turns);
+    let kept = run(&["--seq-len", "4096", "--truncation", "keep-target"], &dir.path().join("keep"));
+    assert!(kept["truncated"].as_u64().unwrap() > 0);
+    assert!(kept["samples"].as_u64().unwrap() > dropped["samples"].as_u64().unwrap());
+    check_stats_against_shards(&kept, Some(4096));
+}
+
+#[test]
+fn kiln_render_writes_text_ids_and_masks_and_generation_prompts() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.jsonl");
+    std::fs::write(
+        &input,
+        concat!(
+            r#"{"id": "a", "messages": [{"role": "user", "content": "ls?"}, {"role": "assistant", "content": "<think>list</think>ls -la"}]}"#,
+            "\n",
+            r#"{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}"#,
+            "\n"
+        ),
+    )
+    .unwrap();
+    let out = dir.path().join("out.jsonl");
+    let args = [
+        "render",
+        "--model",
+        "tiny",
+        "--input",
+        input.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--date",
+        "2026-01-01",
+        "--mode",
+        "per-turn",
+    ];
+    let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
+    // The second conversation has no assistant turn: rendering it for training is an error that names it.
+    assert!(!ok && stderr.contains("line-2") && stderr.contains("no assistant turn"), "{stderr}");
+
+    let mut prompt_args = args.to_vec();
+    prompt_args.push("--generation-prompt");
+    let (ok, _, stderr) = run_kiln(&prompt_args, &[], &project_dir());
+    assert!(ok, "{stderr}");
+    let lines: Vec<Value> =
+        std::fs::read_to_string(&out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2);
+    assert!(lines[1]["text"].as_str().unwrap().ends_with("<|im_start|>assistant\n"));
+    assert!(lines[1]["loss_mask"].as_array().unwrap().iter().all(|m| m == 0));
+
+    std::fs::write(&input, std::fs::read_to_string(&input).unwrap().lines().next().unwrap()).unwrap();
+    let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("supervised"), "the colored view is printed: {stderr}");
+    let line: Value = serde_json::from_str(std::fs::read_to_string(&out).unwrap().lines().next().unwrap()).unwrap();
+    let text = line["text"].as_str().unwrap();
+    assert_eq!(
+        text,
+        "<|startoftext|><|im_start|>user\nls?<|im_end|>\n<|im_start|>assistant\n<think>list</think>ls -la<|im_end|>\n"
+    );
+    let ids = line["input_ids"].as_array().unwrap();
+    let mask = line["loss_mask"].as_array().unwrap();
+    assert_eq!(ids.len(), mask.len());
+    assert_eq!(mask.iter().filter(|m| *m == 1).count() > 3, true);
+    assert_eq!(mask.last().unwrap(), 1, "the newline after <|im_end|> is inside the generation block");
+}
+
+#[test]
+fn the_tiny_tokenizer_is_reproducible_from_the_samples() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    ingest("terminal-synth,toolbench-synth", &data);
+    let out = dir.path().join("tok");
+    let conv = data.join("conversations.jsonl");
+    let (ok, _, stderr) =
+        run_kiln(&["tokenizer", "--data", conv.to_str().unwrap(), "--out", out.to_str().unwrap()], &[], &project_dir());
+    assert!(ok, "{stderr}");
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        assert_eq!(
+            std::fs::read(out.join(file)).unwrap(),
+            std::fs::read(project_dir().join("configs/models/tiny").join(file)).unwrap(),
+            "configs/models/tiny/{file} is stale: run `make samples`"
+        );
+    }
+}
