@@ -9,5 +9,6 @@ pub mod backend;
 pub mod chat;
 pub mod data;
 pub mod hub;
+pub mod models;
 pub mod synth;
 pub mod tokens;

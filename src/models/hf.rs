@@ -1,0 +1,264 @@
+//! The bridge to Hugging Face checkpoint names: which model parameter is which checkpoint tensor, in which
+//! layout (Linear weights transposed, conv kernels reshaped, fused experts split per expert), and export of
+//! a model as an HF directory transformers and vLLM load as-is.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::Tensor;
+use safetensors::Dtype;
+
+use super::ModelError;
+use super::lfm2::{FeedForward, Lfm2Model, Mixer};
+use super::weights::HostTensor;
+
+/// How a parameter (burn layout) relates to its checkpoint tensor(s).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum HfView {
+    Same,
+    /// burn Linear `[in, out]` ↔ PyTorch `[out, in]`.
+    Transpose,
+    /// `[hidden, L]` ↔ `[hidden, 1, L]`.
+    ConvKernel,
+    /// Expert `e`'s gate (w1) / up (w3) half of fused `gate_up [E, H, 2F]`, or its down (w2) of `down [E, F, H]`.
+    ExpertW1(usize),
+    ExpertW3(usize),
+    ExpertW2(usize),
+}
+
+#[derive(Debug, Clone)]
+pub struct HfEntry {
+    pub key: String,
+    pub id: ParamId,
+    pub view: HfView,
+}
+
+fn entry<B: Backend, const D: usize>(key: String, p: &Param<Tensor<B, D>>, view: HfView) -> HfEntry {
+    HfEntry { key, id: p.id, view }
+}
+
+impl<B: Backend> Lfm2Model<B> {
+    /// Every checkpoint tensor of this model, in the per-expert layout the released checkpoints use.
+    pub fn hf_entries(&self) -> Vec<HfEntry> {
+        let mut out = vec![entry("model.embed_tokens.weight".into(), &self.embed_tokens, HfView::Same)];
+        for (i, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            out.push(entry(format!("{p}.operator_norm.weight"), &layer.operator_norm.weight, HfView::Same));
+            out.push(entry(format!("{p}.ffn_norm.weight"), &layer.ffn_norm.weight, HfView::Same));
+            match &layer.mixer {
+                Mixer::Conv(c) => {
+                    out.push(entry(format!("{p}.conv.in_proj.weight"), &c.in_proj.weight, HfView::Transpose));
+                    out.push(entry(format!("{p}.conv.conv.weight"), &c.conv, HfView::ConvKernel));
+                    if let Some(b) = &c.conv_bias {
+                        out.push(entry(format!("{p}.conv.conv.bias"), b, HfView::Same));
+                    }
+                    out.push(entry(format!("{p}.conv.out_proj.weight"), &c.out_proj.weight, HfView::Transpose));
+                }
+                Mixer::Attention(a) => {
+                    for (name, lin) in [("q_proj", &a.q_proj), ("k_proj", &a.k_proj), ("v_proj", &a.v_proj), ("out_proj", &a.out_proj)] {
+                        out.push(entry(format!("{p}.self_attn.{name}.weight"), &lin.weight, HfView::Transpose));
+                    }
+                    out.push(entry(format!("{p}.self_attn.q_layernorm.weight"), &a.q_layernorm.weight, HfView::Same));
+                    out.push(entry(format!("{p}.self_attn.k_layernorm.weight"), &a.k_layernorm.weight, HfView::Same));
+                }
+            }
+            match &layer.feed_forward {
+                FeedForward::Dense(m) => {
+                    for (name, lin) in [("w1", &m.w1), ("w3", &m.w3), ("w2", &m.w2)] {
+                        out.push(entry(format!("{p}.feed_forward.{name}.weight"), &lin.weight, HfView::Transpose));
+                    }
+                }
+                FeedForward::Moe(m) => {
+                    out.push(entry(format!("{p}.feed_forward.gate.weight"), &m.gate.weight, HfView::Transpose));
+                    if let Some(b) = &m.expert_bias {
+                        out.push(entry(format!("{p}.feed_forward.expert_bias"), b, HfView::Same));
+                    }
+                    for e in 0..m.gate_up.dims()[0] {
+                        let k = format!("{p}.feed_forward.experts.{e}");
+                        out.push(entry(format!("{k}.w1.weight"), &m.gate_up, HfView::ExpertW1(e)));
+                        out.push(entry(format!("{k}.w3.weight"), &m.gate_up, HfView::ExpertW3(e)));
+                        out.push(entry(format!("{k}.w2.weight"), &m.down, HfView::ExpertW2(e)));
+                    }
+                }
+            }
+        }
+        out.push(entry("model.embedding_norm.weight".into(), &self.embedding_norm.weight, HfView::Same));
+        if let Some(head) = &self.lm_head {
+            out.push(entry("lm_head.weight".into(), head, HfView::Same));
+        }
+        out
+    }
+}
+
+fn transpose2(t: &HostTensor) -> HostTensor {
+    let (r, c) = (t.shape[0], t.shape[1]);
+    let mut data = vec![0.0; r * c];
+    for i in 0..r {
+        for j in 0..c {
+            data[j * r + i] = t.data[i * c + j];
+        }
+    }
+    HostTensor { shape: vec![c, r], data }
+}
+
+/// The checkpoint tensor of `view` from its parameter's value (burn layout).
+pub fn to_hf(view: HfView, t: &HostTensor) -> HostTensor {
+    match view {
+        HfView::Same => HostTensor { shape: t.shape.clone(), data: t.data.clone() },
+        HfView::Transpose => transpose2(t),
+        HfView::ConvKernel => HostTensor { shape: vec![t.shape[0], 1, t.shape[1]], data: t.data.clone() },
+        HfView::ExpertW1(e) | HfView::ExpertW3(e) | HfView::ExpertW2(e) => {
+            // gate_up: [E, H, 2F]; down: [E, F, H]
+            let (rows, cols) = (t.shape[1], t.shape[2]);
+            let block = &t.data[e * rows * cols..(e + 1) * rows * cols];
+            let (c0, width) = match view {
+                HfView::ExpertW1(_) => (0, cols / 2),
+                HfView::ExpertW3(_) => (cols / 2, cols / 2),
+                _ => (0, cols),
+            };
+            let mut data = Vec::with_capacity(rows * width);
+            for r in 0..rows {
+                data.extend_from_slice(&block[r * cols + c0..r * cols + c0 + width]);
+            }
+            transpose2(&HostTensor { shape: vec![rows, width], data })
+        }
+    }
+}
+
+fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> HostTensor {
+    let shape = t.dims().to_vec();
+    let data = t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+    HostTensor { shape, data }
+}
+
+/// Parameter values by id.
+struct ValueCollector(HashMap<ParamId, HostTensor>);
+
+impl<B: Backend> ModuleVisitor<B> for ValueCollector {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.0.insert(param.id, host(param.val()));
+    }
+}
+
+/// Gradients by parameter id.
+struct GradCollector<'a, B: AutodiffBackend> {
+    grads: &'a B::Gradients,
+    out: HashMap<ParamId, HostTensor>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for GradCollector<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = param.val().grad(self.grads) {
+            self.out.insert(param.id, host(g));
+        }
+    }
+}
+
+/// The model's tensors under their checkpoint names and layouts.
+pub fn hf_tensors<B: Backend>(model: &Lfm2Model<B>) -> BTreeMap<String, HostTensor> {
+    let mut values = ValueCollector(HashMap::new());
+    model.visit(&mut values);
+    model.hf_entries().into_iter().filter_map(|e| Some((e.key, to_hf(e.view, values.0.get(&e.id)?)))).collect()
+}
+
+/// Gradients under checkpoint names and layouts (parameters without a gradient are left out).
+pub fn hf_gradients<B: AutodiffBackend>(model: &Lfm2Model<B>, grads: &B::Gradients) -> BTreeMap<String, HostTensor> {
+    let mut collector = GradCollector::<B> { grads, out: HashMap::new() };
+    model.visit(&mut collector);
+    model.hf_entries().into_iter().filter_map(|e| Some((e.key, to_hf(e.view, collector.out.get(&e.id)?)))).collect()
+}
+
+/// Safetensors shard size limit, as transformers' `save_pretrained` default (5 GB).
+pub const SHARD_BYTES: usize = 5_000_000_000;
+
+/// The on-disk dtype of an export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ExportDtype {
+    F32,
+    Bf16,
+}
+
+fn encode(t: &HostTensor, dtype: ExportDtype) -> Vec<u8> {
+    match dtype {
+        ExportDtype::F32 => t.data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ExportDtype::Bf16 => t.data.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+    }
+}
+
+/// Files copied from the source checkpoint beside the weights (those that exist).
+pub const COMPANION_FILES: &[&str] = &[
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+];
+
+/// Writes `tensors` as `model.safetensors` (or `model-0000k-of-0000n.safetensors` shards past
+/// `shard_bytes`, with `model.safetensors.index.json`), metadata `format = pt`, and copies the companion
+/// files of `source_dir`. `keep_dtype` keeps the source dtype of tensors stored in f32 (e.g. fp32 buffers).
+pub fn export_dir(
+    tensors: &BTreeMap<String, HostTensor>,
+    source_dir: &Path,
+    out_dir: &Path,
+    dtype: ExportDtype,
+    keep_f32: &dyn Fn(&str) -> bool,
+    shard_bytes: usize,
+) -> Result<Vec<std::path::PathBuf>, ModelError> {
+    std::fs::create_dir_all(out_dir).map_err(|e| ModelError::io(out_dir, e))?;
+    // Plan shards in key order.
+    let mut shards: Vec<Vec<(&String, Vec<u8>, Dtype, Vec<usize>)>> = vec![Vec::new()];
+    let mut current = 0usize;
+    for (key, t) in tensors {
+        let d = if keep_f32(key) { ExportDtype::F32 } else { dtype };
+        let bytes = encode(t, d);
+        if current > 0 && current + bytes.len() > shard_bytes {
+            shards.push(Vec::new());
+            current = 0;
+        }
+        current += bytes.len();
+        let st = match d {
+            ExportDtype::F32 => Dtype::F32,
+            ExportDtype::Bf16 => Dtype::BF16,
+        };
+        shards.last_mut().expect("one shard").push((key, bytes, st, t.shape.clone()));
+    }
+    let n = shards.len();
+    let mut written = Vec::new();
+    let mut weight_map = serde_json::Map::new();
+    let mut total = 0usize;
+    for (i, shard) in shards.iter().enumerate() {
+        let name = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{:05}.safetensors", i + 1, n) };
+        let path = out_dir.join(&name);
+        let views: Vec<(String, safetensors::tensor::TensorView)> = shard
+            .iter()
+            .map(|(k, bytes, st, shape)| {
+                total += bytes.len();
+                weight_map.insert((*k).clone(), serde_json::Value::String(name.clone()));
+                safetensors::tensor::TensorView::new(*st, shape.clone(), bytes).map(|v| ((*k).clone(), v))
+            })
+            .collect::<Result<_, _>>()
+            .map_err(|e| ModelError::Weights { path: path.clone(), message: e.to_string() })?;
+        let metadata: Option<std::collections::HashMap<String, String>> = Some([("format".to_string(), "pt".to_string())].into());
+        safetensors::serialize_to_file(views, metadata, &path).map_err(|e| ModelError::Weights { path: path.clone(), message: e.to_string() })?;
+        written.push(path);
+    }
+    if n > 1 {
+        let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        let path = out_dir.join("model.safetensors.index.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&index).unwrap_or_default() + "\n").map_err(|e| ModelError::io(&path, e))?;
+        written.push(path);
+    }
+    for file in COMPANION_FILES {
+        let src = source_dir.join(file);
+        if src.is_file() {
+            let dst = out_dir.join(file);
+            std::fs::copy(&src, &dst).map_err(|e| ModelError::io(&dst, e))?;
+        }
+    }
+    Ok(written)
+}

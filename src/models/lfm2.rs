@@ -1,0 +1,362 @@
+//! LiquidAI LFM2 / LFM2.5 (dense) and LFM2-MoE (LFM2.5-8B-A1B): per layer operator_norm → short causal
+//! conv or GQA attention → residual → ffn_norm → SwiGLU or sparse MoE → residual; final `embedding_norm`;
+//! tied head. Module and weight names mirror the checkpoint's (`model.layers.{i}.conv.in_proj`, …).
+
+use burn::module::{Module, Param};
+use burn::nn::Linear;
+use burn::tensor::activation::{sigmoid, silu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::IndexingUpdateOp;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use super::config::{LayerKind, Lfm2Config};
+use super::layers::{RmsNorm, SequenceLayout, SwiGlu, apply_rope, rope_tables};
+use super::weights::{HostTensor, WeightStore};
+
+/// The gated short convolution: `in_proj` → B | C | x, `y = conv(B·x)` (depthwise, causal, kernel L),
+/// `out_proj(C·y)`.
+#[derive(Module, Debug)]
+pub struct ShortConv<B: Backend> {
+    pub in_proj: Linear<B>,
+    /// Depthwise kernel `[hidden, L]` (the checkpoint's `[hidden, 1, L]` without the group axis).
+    pub conv: Param<Tensor<B, 2>>,
+    pub conv_bias: Option<Param<Tensor<B, 1>>>,
+    pub out_proj: Linear<B>,
+}
+
+impl<B: Backend> ShortConv<B> {
+    pub fn forward(&self, x: Tensor<B, 3>, lag_masks: &[Tensor<B, 3>]) -> Tensor<B, 3> {
+        let [batch, seq, _] = x.dims();
+        let bcx = self.in_proj.forward(x);
+        let parts = bcx.chunk(3, 2);
+        let (b, c, xx) = (parts[0].clone(), parts[1].clone(), parts[2].clone());
+        let bx = b * xx;
+        let hidden = bx.dims()[2];
+        let kernel = self.conv.val();
+        let taps = kernel.dims()[1];
+        // y[t] = Σ_lag w[L-1-lag] · bx[t-lag], with bx[t-lag] zero before the document starts.
+        let mut y = bx.clone() * kernel.clone().narrow(1, taps - 1, 1).reshape([1, 1, hidden]);
+        for lag in 1..taps.min(seq + 1) {
+            if lag >= seq {
+                break;
+            }
+            let shifted = Tensor::cat(vec![Tensor::zeros([batch, lag, hidden], &bx.device()), bx.clone().narrow(1, 0, seq - lag)], 1);
+            let w = kernel.clone().narrow(1, taps - 1 - lag, 1).reshape([1, 1, hidden]);
+            y = y + shifted * lag_masks[lag - 1].clone() * w;
+        }
+        if let Some(bias) = &self.conv_bias {
+            y = y + bias.val().reshape([1, 1, hidden]);
+        }
+        self.out_proj.forward(c * y)
+    }
+}
+
+/// Grouped-query attention with per-head RMSNorm on q and k before RoPE.
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    pub q_proj: Linear<B>,
+    pub k_proj: Linear<B>,
+    pub v_proj: Linear<B>,
+    pub out_proj: Linear<B>,
+    pub q_layernorm: RmsNorm<B>,
+    pub k_layernorm: RmsNorm<B>,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl<B: Backend> Attention<B> {
+    pub fn forward(&self, x: Tensor<B, 3>, cos: &Tensor<B, 4>, sin: &Tensor<B, 4>, mask: &Tensor<B, 4>) -> Tensor<B, 3> {
+        let [batch, seq, _] = x.dims();
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let heads = |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, hd]).swap_dims(1, 2);
+        let q = heads(self.q_layernorm.forward(self.q_proj.forward(x.clone()).reshape([batch, seq, nh, hd])).reshape([batch, seq, nh * hd]), nh);
+        let k = heads(self.k_layernorm.forward(self.k_proj.forward(x.clone()).reshape([batch, seq, nkv, hd])).reshape([batch, seq, nkv * hd]), nkv);
+        let v = heads(self.v_proj.forward(x), nkv);
+        let q = apply_rope(q, cos, sin);
+        let k = apply_rope(k, cos, sin);
+        // Each kv head serves nh/nkv consecutive query heads (repeat_interleave).
+        let repeat = |t: Tensor<B, 4>| {
+            if nh == nkv {
+                t
+            } else {
+                t.unsqueeze_dim::<5>(2).repeat_dim(2, nh / nkv).reshape([batch, nh, seq, hd])
+            }
+        };
+        let (k, v) = (repeat(k), repeat(v));
+        let scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask.clone();
+        let out = softmax(scores, 3).matmul(v);
+        self.out_proj.forward(out.swap_dims(1, 2).reshape([batch, seq, nh * hd]))
+    }
+}
+
+/// Sparse MoE: sigmoid router, top-k chosen on `p + expert_bias` (selection only), weights renormalized and
+/// scaled; experts kept fused (`gate_up [E, H, 2F]`, `down [E, F, H]`) and run on their tokens only.
+#[derive(Module, Debug)]
+pub struct MoeBlock<B: Backend> {
+    pub gate: Linear<B>,
+    pub expert_bias: Option<Param<Tensor<B, 1>>>,
+    pub gate_up: Param<Tensor<B, 3>>,
+    pub down: Param<Tensor<B, 3>>,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+    pub routed_scaling_factor: f64,
+}
+
+impl<B: Backend> MoeBlock<B> {
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [batch, seq, hidden] = x.dims();
+        let tokens = batch * seq;
+        let x = x.reshape([tokens, hidden]);
+        let probs = sigmoid(self.gate.forward(x.clone()));
+        let choice = match &self.expert_bias {
+            Some(bias) => probs.clone() + bias.val().unsqueeze::<2>(),
+            None => probs.clone(),
+        };
+        let (_, selected) = choice.detach().topk_with_indices(self.top_k, 1);
+        let mut weights = probs.gather(1, selected.clone());
+        if self.norm_topk_prob {
+            weights = weights.clone() / (weights.sum_dim(1) + 1e-6);
+        }
+        weights = weights * self.routed_scaling_factor;
+        let flat_weights = weights.reshape([tokens * self.top_k]);
+        let chosen: Vec<i64> = selected.into_data().convert::<i64>().to_vec().unwrap_or_default();
+        let experts = self.gate_up.dims()[0];
+        let ff = self.down.dims()[1];
+        let device = x.device();
+        let mut out = Tensor::<B, 2>::zeros([tokens, hidden], &device);
+        // Group tokens by expert on the host, then one batched matmul pair per expert that has tokens.
+        let mut rows: Vec<Vec<i64>> = vec![Vec::new(); experts];
+        let mut slots: Vec<Vec<i64>> = vec![Vec::new(); experts];
+        for (slot, &e) in chosen.iter().enumerate() {
+            rows[e as usize].push((slot / self.top_k) as i64);
+            slots[e as usize].push(slot as i64);
+        }
+        for e in 0..experts {
+            if rows[e].is_empty() {
+                continue;
+            }
+            let n = rows[e].len();
+            let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(rows[e].clone(), [n]), &device);
+            let slot = Tensor::<B, 1, Int>::from_data(TensorData::new(slots[e].clone(), [n]), &device);
+            let xe = x.clone().select(0, idx.clone());
+            let gate_up = self.gate_up.val().narrow(0, e, 1).reshape([hidden, 2 * ff]);
+            let h = xe.matmul(gate_up);
+            let act = silu(h.clone().narrow(1, 0, ff)) * h.narrow(1, ff, ff);
+            let ye = act.matmul(self.down.val().narrow(0, e, 1).reshape([ff, hidden]));
+            let we = flat_weights.clone().select(0, slot).reshape([n, 1]);
+            out = out.select_assign(0, idx, ye * we, IndexingUpdateOp::Add);
+        }
+        out.reshape([batch, seq, hidden])
+    }
+}
+
+#[derive(Module, Debug)]
+pub enum Mixer<B: Backend> {
+    Conv(ShortConv<B>),
+    Attention(Attention<B>),
+}
+
+#[derive(Module, Debug)]
+pub enum FeedForward<B: Backend> {
+    Dense(SwiGlu<B>),
+    Moe(MoeBlock<B>),
+}
+
+#[derive(Module, Debug)]
+pub struct DecoderLayer<B: Backend> {
+    pub operator_norm: RmsNorm<B>,
+    pub mixer: Mixer<B>,
+    pub ffn_norm: RmsNorm<B>,
+    pub feed_forward: FeedForward<B>,
+}
+
+#[derive(Module, Debug)]
+pub struct Lfm2Model<B: Backend> {
+    pub embed_tokens: Param<Tensor<B, 2>>,
+    pub layers: Vec<DecoderLayer<B>>,
+    pub embedding_norm: RmsNorm<B>,
+    /// `None` when the head is tied to `embed_tokens`.
+    pub lm_head: Option<Param<Tensor<B, 2>>>,
+    pub head_dim: usize,
+    pub rope_theta: f64,
+}
+
+impl<B: Backend> Lfm2Model<B> {
+    /// Logits `[batch, seq, vocab]` for `ids [batch, seq]` laid out as `layout` says.
+    pub fn forward(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
+        let device = ids.device();
+        let [batch, seq] = ids.dims();
+        let hidden = self.embed_tokens.dims()[1];
+        let mut h = self.embed_tokens.val().select(0, ids.reshape([batch * seq])).reshape([batch, seq, hidden]);
+        let needs_attention = self.layers.iter().any(|l| matches!(l.mixer, Mixer::Attention(_)));
+        let (cos, sin, mask) = if needs_attention {
+            let (cos, sin) = rope_tables::<B>(layout, self.head_dim, self.rope_theta, &device);
+            (Some(cos), Some(sin), Some(layout.attention_mask::<B>(&device)))
+        } else {
+            (None, None, None)
+        };
+        let max_lag = self
+            .layers
+            .iter()
+            .filter_map(|l| match &l.mixer {
+                Mixer::Conv(c) => Some(c.conv.dims()[1] - 1),
+                Mixer::Attention(_) => None,
+            })
+            .max()
+            .unwrap_or(0);
+        let lag_masks: Vec<Tensor<B, 3>> = (1..=max_lag).map(|lag| layout.lag_mask::<B>(lag, &device)).collect();
+        for layer in &self.layers {
+            let x = layer.operator_norm.forward(h.clone());
+            let y = match &layer.mixer {
+                Mixer::Conv(conv) => conv.forward(x, &lag_masks),
+                Mixer::Attention(attn) => attn.forward(
+                    x,
+                    cos.as_ref().expect("tables built for attention"),
+                    sin.as_ref().expect("tables built for attention"),
+                    mask.as_ref().expect("mask built for attention"),
+                ),
+            };
+            h = h + y;
+            let x = layer.ffn_norm.forward(h.clone());
+            let y = match &layer.feed_forward {
+                FeedForward::Dense(mlp) => mlp.forward(x),
+                FeedForward::Moe(moe) => moe.forward(x),
+            };
+            h = h + y;
+        }
+        let h = self.embedding_norm.forward(h);
+        let head = match &self.lm_head {
+            Some(w) => w.val(),
+            None => self.embed_tokens.val(),
+        };
+        h.matmul(head.transpose().unsqueeze::<3>())
+    }
+}
+
+// ---- construction from a checkpoint ----------------------------------------------------------------
+
+fn tensor<B: Backend, const D: usize>(t: HostTensor, device: &B::Device) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(t.data, t.shape), device)
+}
+
+/// A PyTorch Linear `[out, in]` as burn's `[in, out]`.
+fn linear<B: Backend>(store: &WeightStore, key: &str, d_in: usize, d_out: usize, device: &B::Device) -> Linear<B> {
+    let w: Tensor<B, 2> = tensor(store.take(&format!("{key}.weight"), &[d_out, d_in]), device);
+    let bias = store.take_optional(&format!("{key}.bias"), &[d_out]).map(|b| Param::from_tensor(tensor::<B, 1>(b, device)));
+    Linear { weight: Param::from_tensor(w.transpose()), bias }
+}
+
+fn norm<B: Backend>(store: &WeightStore, key: &str, dim: usize, eps: f64, device: &B::Device) -> RmsNorm<B> {
+    RmsNorm { weight: Param::from_tensor(tensor(store.take(&format!("{key}.weight"), &[dim]), device)), eps }
+}
+
+fn swiglu<B: Backend>(store: &WeightStore, key: &str, hidden: usize, ff: usize, device: &B::Device) -> SwiGlu<B> {
+    SwiGlu {
+        w1: linear(store, &format!("{key}.w1"), hidden, ff, device),
+        w3: linear(store, &format!("{key}.w3"), hidden, ff, device),
+        w2: linear(store, &format!("{key}.w2"), ff, hidden, device),
+    }
+}
+
+/// Experts in either layout on disk: per expert (`experts.{e}.w1/w3/w2`) or fused as transformers writes
+/// (`experts.gate_up_proj [E, 2F, H]`, `experts.down_proj [E, H, F]`). Kept fused, in burn's in→out layout.
+fn experts<B: Backend>(store: &WeightStore, key: &str, e: usize, hidden: usize, ff: usize, device: &B::Device) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    let fused = format!("{key}.experts.gate_up_proj");
+    if store.contains(&fused) {
+        let gate_up: Tensor<B, 3> = tensor(store.take(&fused, &[e, 2 * ff, hidden]), device);
+        let down: Tensor<B, 3> = tensor(store.take(&format!("{key}.experts.down_proj"), &[e, hidden, ff]), device);
+        return (gate_up.swap_dims(1, 2), down.swap_dims(1, 2));
+    }
+    let mut gate_ups = Vec::with_capacity(e);
+    let mut downs = Vec::with_capacity(e);
+    for i in 0..e {
+        let w1: Tensor<B, 2> = tensor(store.take(&format!("{key}.experts.{i}.w1.weight"), &[ff, hidden]), device);
+        let w3: Tensor<B, 2> = tensor(store.take(&format!("{key}.experts.{i}.w3.weight"), &[ff, hidden]), device);
+        let w2: Tensor<B, 2> = tensor(store.take(&format!("{key}.experts.{i}.w2.weight"), &[hidden, ff]), device);
+        gate_ups.push(Tensor::cat(vec![w1, w3], 0).transpose().unsqueeze::<3>());
+        downs.push(w2.transpose().unsqueeze::<3>());
+    }
+    (Tensor::cat(gate_ups, 0), Tensor::cat(downs, 0))
+}
+
+impl<B: Backend> Lfm2Model<B> {
+    /// Builds the model from a checkpoint's tensors; every missing, unexpected or misshapen key is listed.
+    pub fn from_store(config: &Lfm2Config, store: &WeightStore, device: &B::Device) -> Result<Self, super::ModelError> {
+        let (h, eps) = (config.hidden_size, config.norm_eps);
+        let (nh, nkv, hd) = (config.num_attention_heads, config.num_key_value_heads, config.head_dim);
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for (i, kind) in config.layer_types.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let mixer = match kind {
+                LayerKind::Conv => {
+                    let taps = config.conv_l_cache;
+                    let w: Tensor<B, 3> = tensor(store.take(&format!("{p}.conv.conv.weight"), &[h, 1, taps]), device);
+                    Mixer::Conv(ShortConv {
+                        in_proj: linear(store, &format!("{p}.conv.in_proj"), h, 3 * h, device),
+                        conv: Param::from_tensor(w.reshape([h, taps])),
+                        conv_bias: store
+                            .take_optional(&format!("{p}.conv.conv.bias"), &[h])
+                            .map(|b| Param::from_tensor(tensor(b, device))),
+                        out_proj: linear(store, &format!("{p}.conv.out_proj"), h, h, device),
+                    })
+                }
+                LayerKind::FullAttention => Mixer::Attention(Attention {
+                    q_proj: linear(store, &format!("{p}.self_attn.q_proj"), h, nh * hd, device),
+                    k_proj: linear(store, &format!("{p}.self_attn.k_proj"), h, nkv * hd, device),
+                    v_proj: linear(store, &format!("{p}.self_attn.v_proj"), h, nkv * hd, device),
+                    out_proj: linear(store, &format!("{p}.self_attn.out_proj"), nh * hd, h, device),
+                    q_layernorm: norm(store, &format!("{p}.self_attn.q_layernorm"), hd, eps, device),
+                    k_layernorm: norm(store, &format!("{p}.self_attn.k_layernorm"), hd, eps, device),
+                    num_heads: nh,
+                    num_kv_heads: nkv,
+                    head_dim: hd,
+                }),
+            };
+            let feed_forward = match &config.moe {
+                Some(moe) if config.is_moe_layer(i) => {
+                    let key = format!("{p}.feed_forward");
+                    let (gate_up, down) = experts(store, &key, moe.num_experts, h, moe.moe_intermediate_size, device);
+                    FeedForward::Moe(MoeBlock {
+                        gate: linear(store, &format!("{key}.gate"), h, moe.num_experts, device),
+                        expert_bias: if moe.use_expert_bias {
+                            Some(Param::from_tensor(tensor(store.take(&format!("{key}.expert_bias"), &[moe.num_experts]), device)))
+                        } else {
+                            None
+                        },
+                        gate_up: Param::from_tensor(gate_up),
+                        down: Param::from_tensor(down),
+                        top_k: moe.num_experts_per_tok,
+                        norm_topk_prob: moe.norm_topk_prob,
+                        routed_scaling_factor: moe.routed_scaling_factor,
+                    })
+                }
+                _ => FeedForward::Dense(swiglu(store, &format!("{p}.feed_forward"), h, config.ff_dim, device)),
+            };
+            layers.push(DecoderLayer {
+                operator_norm: norm(store, &format!("{p}.operator_norm"), h, eps, device),
+                mixer,
+                ffn_norm: norm(store, &format!("{p}.ffn_norm"), h, eps, device),
+                feed_forward,
+            });
+        }
+        let embed_tokens = Param::from_tensor(tensor(store.take("model.embed_tokens.weight", &[config.vocab_size, h]), device));
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(Param::from_tensor(tensor(store.take("lm_head.weight", &[config.vocab_size, h]), device)))
+        };
+        let model = Lfm2Model {
+            embed_tokens,
+            layers,
+            embedding_norm: norm(store, "model.embedding_norm", h, eps, device),
+            lm_head,
+            head_dim: hd,
+            rope_theta: config.rope_theta,
+        };
+        // A tied checkpoint may still carry lm_head.weight (a copy); it is not a separate parameter here.
+        let ignored: &[&str] = if config.tie_word_embeddings { &["lm_head.weight"] } else { &[] };
+        store.finish(ignored)?;
+        Ok(model)
+    }
+}

@@ -1,0 +1,161 @@
+//! Reading checkpoints: HF safetensors, one file or sharded with `model.safetensors.index.json`, memory-
+//! mapped, f32 / bf16 / f16 widened to f32 on read. Keys are handed out once so that what a model did not
+//! ask for (unexpected) and what it asked for but the files lack (missing) can both be listed.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use super::ModelError;
+
+pub struct WeightStore {
+    dir: PathBuf,
+    files: Vec<(PathBuf, Mmap)>,
+    /// key → (file index, dtype, shape)
+    index: BTreeMap<String, (usize, Dtype, Vec<usize>)>,
+    taken: RefCell<BTreeSet<String>>,
+    missing: RefCell<Vec<String>>,
+    mismatched: RefCell<Vec<String>>,
+}
+
+/// A tensor read as f32, row-major.
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+impl WeightStore {
+    /// Opens `model.safetensors`, or the shards listed in `model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let shard_names: Vec<String> = if index_path.is_file() {
+            let text = std::fs::read_to_string(&index_path).map_err(|e| ModelError::io(&index_path, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::Weights { path: index_path.clone(), message: e.to_string() })?;
+            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::Weights {
+                path: index_path.clone(),
+                message: "no `weight_map` object".into(),
+            })?;
+            let names: BTreeSet<String> = map.values().filter_map(|f| f.as_str().map(str::to_string)).collect();
+            names.into_iter().collect()
+        } else if single.is_file() {
+            vec!["model.safetensors".into()]
+        } else {
+            return Err(ModelError::Weights {
+                path: dir.to_path_buf(),
+                message: "no model.safetensors and no model.safetensors.index.json".into(),
+            });
+        };
+        let mut files = Vec::new();
+        let mut index = BTreeMap::new();
+        for name in shard_names {
+            let path = dir.join(&name);
+            let file = File::open(&path).map_err(|e| ModelError::Weights { path: path.clone(), message: format!("shard missing or unreadable: {e}") })?;
+            // Safety: the file is only read; a checkpoint rewritten underneath a running job is out of scope.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(&path, e))?;
+            let tensors = SafeTensors::deserialize(&mmap)
+                .map_err(|e| ModelError::Weights { path: path.clone(), message: format!("not a readable safetensors file: {e}") })?;
+            for (key, view) in tensors.tensors() {
+                index.insert(key, (files.len(), view.dtype(), view.shape().to_vec()));
+            }
+            drop(tensors);
+            files.push((path, mmap));
+        }
+        Ok(WeightStore {
+            dir: dir.to_path_buf(),
+            files,
+            index,
+            taken: RefCell::new(BTreeSet::new()),
+            missing: RefCell::new(Vec::new()),
+            mismatched: RefCell::new(Vec::new()),
+        })
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = &String> {
+        self.index.keys()
+    }
+
+    pub fn contains(&self, key: &str) -> bool {
+        self.index.contains_key(key)
+    }
+
+    pub fn shape(&self, key: &str) -> Option<&[usize]> {
+        self.index.get(key).map(|(_, _, s)| s.as_slice())
+    }
+
+    pub fn dtype(&self, key: &str) -> Option<Dtype> {
+        self.index.get(key).map(|(_, d, _)| *d)
+    }
+
+    /// Reads `key`, which must have `shape`; a missing key or another shape is recorded and a zero tensor
+    /// returned so that loading goes on and `finish` can list every problem at once.
+    pub fn take(&self, key: &str, shape: &[usize]) -> HostTensor {
+        let zeros = || HostTensor { shape: shape.to_vec(), data: vec![0.0; shape.iter().product()] };
+        let Some((file, dtype, actual)) = self.index.get(key) else {
+            self.missing.borrow_mut().push(key.to_string());
+            return zeros();
+        };
+        self.taken.borrow_mut().insert(key.to_string());
+        if actual.as_slice() != shape {
+            self.mismatched.borrow_mut().push(format!("{key}: checkpoint {actual:?}, model expects {shape:?}"));
+            return zeros();
+        }
+        match self.read(*file, key, *dtype) {
+            Ok(data) => HostTensor { shape: shape.to_vec(), data },
+            Err(message) => {
+                self.mismatched.borrow_mut().push(format!("{key}: {message}"));
+                zeros()
+            }
+        }
+    }
+
+    /// Reads `key` if present (optional buffers), with the same shape rule.
+    pub fn take_optional(&self, key: &str, shape: &[usize]) -> Option<HostTensor> {
+        self.contains(key).then(|| self.take(key, shape))
+    }
+
+    fn read(&self, file: usize, key: &str, dtype: Dtype) -> Result<Vec<f32>, String> {
+        let tensors = SafeTensors::deserialize(&self.files[file].1).map_err(|e| e.to_string())?;
+        let view = tensors.tensor(key).map_err(|e| e.to_string())?;
+        let bytes = view.data();
+        Ok(match dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            other => return Err(format!("dtype {other:?} is not a float type kiln loads")),
+        })
+    }
+
+    /// Ends loading: every key must have been taken (bar `ignored`), none missing, all shapes right.
+    pub fn finish(&self, ignored: &[&str]) -> Result<(), ModelError> {
+        let taken = self.taken.borrow();
+        let unexpected: Vec<String> =
+            self.index.keys().filter(|k| !taken.contains(*k) && !ignored.contains(&k.as_str())).cloned().collect();
+        let missing = self.missing.borrow().clone();
+        let mismatched = self.mismatched.borrow().clone();
+        if unexpected.is_empty() && missing.is_empty() && mismatched.is_empty() {
+            return Ok(());
+        }
+        let list = |v: &[String]| if v.len() > 20 { format!("{} … and {} more", v[..20].join(", "), v.len() - 20) } else { v.join(", ") };
+        let mut parts = Vec::new();
+        if !missing.is_empty() {
+            parts.push(format!("missing keys ({}): {}", missing.len(), list(&missing)));
+        }
+        if !unexpected.is_empty() {
+            parts.push(format!("unexpected keys ({}): {}", unexpected.len(), list(&unexpected)));
+        }
+        if !mismatched.is_empty() {
+            parts.push(format!("wrong tensors ({}): {}", mismatched.len(), list(&mismatched)));
+        }
+        Err(ModelError::Weights { path: self.dir.clone(), message: parts.join("; ") })
+    }
+
+    pub fn files(&self) -> Vec<&Path> {
+        self.files.iter().map(|(p, _)| p.as_path()).collect()
+    }
+}

@@ -1,0 +1,267 @@
+//! LFM2 and LFM2-MoE against transformers 5.23.0 on tiny random-init checkpoints
+//! (tests/fixtures/lfm2/make_fixtures.py): f32 logits within 1e-4, a row packed with two documents equal to
+//! each document run alone, gradients of a masked cross-entropy within 1e-4 relative, both expert layouts,
+//! export → reload bit-identical, and clear errors for broken checkpoints.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use kiln::models::hf::{ExportDtype, export_dir, hf_gradients, hf_tensors};
+use kiln::models::{Lfm2Model, SequenceLayout, load_lfm2};
+use safetensors::SafeTensors;
+
+type Cpu = Flex<f32>;
+type Train = Autodiff<Cpu>;
+
+fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lfm2").join(name)
+}
+
+struct Fixture {
+    ids: (Vec<i64>, Vec<usize>),
+    mask: Vec<i64>,
+    logits: (Vec<f32>, Vec<usize>),
+    packed_ids: Vec<i64>,
+    packed_logits: Vec<f32>,
+    loss: f32,
+    grads: BTreeMap<String, (Vec<f32>, Vec<usize>)>,
+}
+
+fn read_f32(t: &safetensors::tensor::TensorView) -> Vec<f32> {
+    t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn read_i64(t: &safetensors::tensor::TensorView) -> Vec<i64> {
+    t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+fn fixture(name: &str) -> Fixture {
+    let bytes = std::fs::read(fixture_dir(name).join("fixture.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let get = |k: &str| st.tensor(k).unwrap();
+    let mut grads = BTreeMap::new();
+    for k in st.names() {
+        if let Some(key) = k.strip_prefix("grad.") {
+            let t = get(k);
+            grads.insert(key.to_string(), (read_f32(&t), t.shape().to_vec()));
+        }
+    }
+    Fixture {
+        ids: (read_i64(&get("input_ids")), get("input_ids").shape().to_vec()),
+        mask: read_i64(&get("loss_mask")),
+        logits: (read_f32(&get("logits")), get("logits").shape().to_vec()),
+        packed_ids: read_i64(&get("packed_ids")),
+        packed_logits: read_f32(&get("packed_logits")),
+        loss: read_f32(&get("loss"))[0],
+        grads,
+    }
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn ids_tensor<B: Backend>(ids: &[i64], shape: [usize; 2], device: &B::Device) -> Tensor<B, 2, Int> {
+    Tensor::from_data(TensorData::new(ids.to_vec(), shape), device)
+}
+
+fn logits_of<B: Backend>(model: &Lfm2Model<B>, ids: &[i64], shape: [usize; 2], layout: &SequenceLayout) -> Vec<f32> {
+    let device = Default::default();
+    model.forward(ids_tensor::<B>(ids, shape, &device), layout).into_data().convert::<f32>().to_vec().unwrap()
+}
+
+fn check_logits(name: &str) {
+    let f = fixture(name);
+    let device = Default::default();
+    let (_, model) = load_lfm2::<Cpu>(&fixture_dir(name), &device).unwrap();
+    let shape = [f.ids.1[0], f.ids.1[1]];
+    let got = logits_of(&model, &f.ids.0, shape, &SequenceLayout::single(shape[0], shape[1]));
+    assert_eq!(f.logits.1, [shape[0], shape[1], 256]);
+    let err = max_abs_diff(&got, &f.logits.0);
+    let peak = f.logits.0.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    eprintln!("{name}: logits max-abs error {err:.2e} (logits up to {peak:.2})");
+    assert!(err <= 1e-4, "{name}: logits max-abs error {err}");
+
+    let packed = SequenceLayout::from_doc_lengths(&[vec![5, 7]], 12);
+    let got = logits_of(&model, &f.packed_ids, [1, 12], &packed);
+    let err = max_abs_diff(&got, &f.packed_logits);
+    assert!(err <= 1e-4, "{name}: packed documents leak into each other (max-abs {err})");
+}
+
+#[test]
+fn lfm2_logits_match_transformers() {
+    check_logits("lfm2-tiny");
+}
+
+#[test]
+fn lfm2_moe_logits_match_transformers() {
+    check_logits("lfm2-moe-tiny");
+}
+
+/// Mean next-token cross-entropy over supervised positions, in f32.
+fn masked_ce<B: Backend>(logits: Tensor<B, 3>, ids: &[i64], mask: &[i64], shape: [usize; 2]) -> Tensor<B, 1> {
+    let [b, s] = shape;
+    let v = logits.dims()[2];
+    let device = logits.device();
+    let logp = log_softmax(logits.narrow(1, 0, s - 1), 2);
+    let targets: Vec<i64> = (0..b).flat_map(|r| (1..s).map(move |t| (r, t))).map(|(r, t)| ids[r * s + t]).collect();
+    let weights: Vec<f32> = (0..b).flat_map(|r| (1..s).map(move |t| (r, t))).map(|(r, t)| mask[r * s + t] as f32).collect();
+    let count: f32 = weights.iter().sum();
+    let target = Tensor::<B, 3, Int>::from_data(TensorData::new(targets, [b, s - 1, 1]), &device);
+    let nll = logp.gather(2, target).neg().reshape([b * (s - 1)]);
+    let w = Tensor::<B, 1>::from_data(TensorData::new(weights, [b * (s - 1)]), &device);
+    let _ = v;
+    (nll * w).sum() / count
+}
+
+fn check_gradients(name: &str) {
+    let f = fixture(name);
+    let device = Default::default();
+    let (_, model) = load_lfm2::<Train>(&fixture_dir(name), &device).unwrap();
+    let shape = [f.ids.1[0], f.ids.1[1]];
+    let logits = model.forward(ids_tensor::<Train>(&f.ids.0, shape, &device), &SequenceLayout::single(shape[0], shape[1]));
+    let loss = masked_ce(logits, &f.ids.0, &f.mask, shape);
+    let value: f32 = loss.clone().into_data().convert::<f32>().to_vec::<f32>().unwrap()[0];
+    assert!((value - f.loss).abs() <= 1e-4, "{name}: loss {value} vs {}", f.loss);
+    let grads = loss.backward();
+    let ours = hf_gradients(&model, &grads);
+    assert!(!f.grads.is_empty());
+    for (key, (want, shape)) in &f.grads {
+        let got = ours.get(key).unwrap_or_else(|| panic!("{name}: no gradient for {key}"));
+        assert_eq!(&got.shape, shape, "{key}");
+        let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-12);
+        let err = max_abs_diff(&got.data, want) / scale;
+        assert!(err <= 1e-4, "{name}: gradient of {key} off by {err} (relative to its max)");
+    }
+}
+
+#[test]
+fn lfm2_gradients_match_transformers() {
+    check_gradients("lfm2-tiny");
+}
+
+#[test]
+fn lfm2_moe_gradients_match_transformers() {
+    check_gradients("lfm2-moe-tiny");
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
+    }
+}
+
+#[test]
+fn fused_expert_layout_loads_to_the_same_model() {
+    // Rewrite the per-expert checkpoint in the fused layout transformers uses in memory.
+    let dir = tempfile::tempdir().unwrap();
+    copy_dir(&fixture_dir("lfm2-moe-tiny"), dir.path());
+    let bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: BTreeMap<String, (Vec<u8>, Vec<usize>)> = BTreeMap::new();
+    let mut fused: BTreeMap<String, BTreeMap<usize, BTreeMap<String, Vec<f32>>>> = BTreeMap::new();
+    let (ff, hidden) = (32, 64);
+    for (key, view) in st.tensors() {
+        if let Some(pos) = key.find(".experts.") {
+            let prefix = key[..pos].to_string();
+            let rest: Vec<&str> = key[pos + 9..].split('.').collect();
+            fused.entry(prefix).or_default().entry(rest[0].parse().unwrap()).or_default().insert(rest[1].to_string(), read_f32(&view));
+        } else {
+            out.insert(key, (view.data().to_vec(), view.shape().to_vec()));
+        }
+    }
+    for (prefix, experts) in fused {
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        for (_, w) in experts.iter() {
+            gate_up.extend(&w["w1"]);
+            gate_up.extend(&w["w3"]);
+            down.extend(&w["w2"]);
+        }
+        let e = experts.len();
+        let to_bytes = |v: Vec<f32>| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        out.insert(format!("{prefix}.experts.gate_up_proj"), (to_bytes(gate_up), vec![e, 2 * ff, hidden]));
+        out.insert(format!("{prefix}.experts.down_proj"), (to_bytes(down), vec![e, hidden, ff]));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = out
+        .iter()
+        .map(|(k, (b, s))| (k.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+
+    let device = Default::default();
+    let (_, fused_model) = load_lfm2::<Cpu>(dir.path(), &device).unwrap();
+    let (_, per_expert) = load_lfm2::<Cpu>(&fixture_dir("lfm2-moe-tiny"), &device).unwrap();
+    let f = fixture("lfm2-moe-tiny");
+    let layout = SequenceLayout::single(2, 12);
+    assert_eq!(logits_of(&fused_model, &f.ids.0, [2, 12], &layout), logits_of(&per_expert, &f.ids.0, [2, 12], &layout));
+}
+
+#[test]
+fn export_then_reload_is_bit_identical() {
+    for name in ["lfm2-tiny", "lfm2-moe-tiny"] {
+        let device = Default::default();
+        let src = fixture_dir(name);
+        let (_, model) = load_lfm2::<Cpu>(&src, &device).unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let tensors = hf_tensors(&model);
+        // Tiny shards force the sharded layout with its index.
+        let files = export_dir(&tensors, &src, out.path(), ExportDtype::F32, &|_| false, 200_000).unwrap();
+        assert!(out.path().join("model.safetensors.index.json").is_file() && files.len() > 2, "{files:?}");
+        assert!(out.path().join("config.json").is_file());
+        // Same key set as the source checkpoint, same bytes after a reload.
+        let src_bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let src_keys: std::collections::BTreeSet<String> = SafeTensors::deserialize(&src_bytes).unwrap().names().into_iter().map(str::to_string).collect();
+        assert_eq!(tensors.keys().cloned().collect::<std::collections::BTreeSet<_>>(), src_keys, "{name}");
+        let (_, again) = load_lfm2::<Cpu>(out.path(), &device).unwrap();
+        let again_tensors = hf_tensors(&again);
+        for (k, t) in &tensors {
+            assert_eq!(t.data, again_tensors[k].data, "{name}: {k}");
+        }
+    }
+}
+
+#[test]
+fn broken_checkpoints_fail_with_what_and_where() {
+    let device = burn::backend::flex::FlexDevice;
+    let dir = tempfile::tempdir().unwrap();
+    copy_dir(&fixture_dir("lfm2-tiny"), dir.path());
+    let weights = dir.path().join("model.safetensors");
+    let full = std::fs::read(&weights).unwrap();
+
+    std::fs::write(&weights, &full[..full.len() / 2]).unwrap();
+    let err = load_lfm2::<Cpu>(dir.path(), &device).unwrap_err().to_string();
+    assert!(err.contains("model.safetensors") && err.contains("not a readable safetensors file"), "{err}");
+
+    // Wrong shapes and missing keys are listed together.
+    let st = SafeTensors::deserialize(&full).unwrap();
+    let mut kept: Vec<(String, safetensors::tensor::TensorView)> = st.tensors().into_iter().filter(|(k, _)| !k.ends_with("layers.1.self_attn.q_proj.weight")).collect();
+    let bad = vec![0u8; 4 * 10];
+    kept.retain(|(k, _)| k != "model.embedding_norm.weight");
+    kept.push(("model.embedding_norm.weight".into(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![10], &bad).unwrap()));
+    kept.push(("model.layers.9.extra.weight".into(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![10], &bad).unwrap()));
+    safetensors::serialize_to_file(kept, None, &weights).unwrap();
+    let err = load_lfm2::<Cpu>(dir.path(), &device).unwrap_err().to_string();
+    assert!(err.contains("missing keys (1): model.layers.1.self_attn.q_proj.weight"), "{err}");
+    assert!(err.contains("unexpected keys (1): model.layers.9.extra.weight"), "{err}");
+    assert!(err.contains("model.embedding_norm.weight: checkpoint [10], model expects [64]"), "{err}");
+
+    // A sharded checkpoint whose shard is gone.
+    let sharded = tempfile::tempdir().unwrap();
+    let (_, model) = load_lfm2::<Cpu>(&fixture_dir("lfm2-tiny"), &device).unwrap();
+    export_dir(&hf_tensors(&model), &fixture_dir("lfm2-tiny"), sharded.path(), ExportDtype::F32, &|_| false, 200_000).unwrap();
+    std::fs::remove_file(sharded.path().join("model-00002-of-00005.safetensors")).ok();
+    let err = load_lfm2::<Cpu>(sharded.path(), &device).unwrap_err().to_string();
+    assert!(err.contains("model-0000") && err.contains("shard missing"), "{err}");
+
+    // Unknown architecture.
+    std::fs::write(dir.path().join("config.json"), r#"{"model_type": "mamba"}"#).unwrap();
+    let err = load_lfm2::<Cpu>(dir.path(), &device).unwrap_err().to_string();
+    assert!(err.contains("'mamba' is not supported") && err.contains("lfm2, lfm2_moe"), "{err}");
+}
