@@ -49,6 +49,14 @@ enum Command {
     Prepare(PrepareArgs),
     /// Train the offline default's byte-level BPE tokenizer on conversations.
     Tokenizer(TokenizerArgs),
+    /// One forward pass of a checkpoint; writes the logits as safetensors (tensor `logits`, f32, [seq, vocab]).
+    Logits(LogitsArgs),
+    /// Greedy generation with the cached decoder.
+    Generate(GenerateArgs),
+    /// Load a checkpoint and write it back as an HF directory (dtype, sharding), as the trainer exports.
+    Convert(ConvertArgs),
+    /// Write a seeded random-init checkpoint for a config.json (the offline default's tiny model).
+    InitModel(InitModelArgs),
     /// Show the build's backends and the Hub settings in effect.
     Info,
 }
@@ -187,6 +195,66 @@ struct TokenizerArgs {
     out: PathBuf,
 }
 
+#[derive(Args)]
+struct ModelDirArgs {
+    /// An HF checkpoint directory (config.json, safetensors, tokenizer files).
+    #[arg(long)]
+    model_dir: PathBuf,
+    /// Where to compute: cpu, or cuda (builds with --features cuda).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+#[derive(Args)]
+struct LogitsArgs {
+    #[command(flatten)]
+    model: ModelDirArgs,
+    /// Token ids, comma-separated.
+    #[arg(long, value_delimiter = ',', conflicts_with = "text")]
+    ids: Vec<u32>,
+    /// Text, tokenized with the checkpoint's tokenizer (no special tokens added).
+    #[arg(long)]
+    text: Option<String>,
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelDirArgs,
+    #[arg(long)]
+    prompt: String,
+    /// Render the prompt as one user message with the checkpoint's chat template and generation prompt.
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+}
+
+#[derive(Args)]
+struct InitModelArgs {
+    /// A folder with config.json and the tokenizer / template files to ship beside the weights.
+    #[arg(long)]
+    from: PathBuf,
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: kiln::models::hf::ExportDtype,
+}
+
+#[derive(Args)]
+struct ConvertArgs {
+    #[command(flatten)]
+    model: ModelDirArgs,
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, value_enum, default_value = "bf16")]
+    dtype: kiln::models::hf::ExportDtype,
+}
+
 /// Model files a fine-tune needs; weights in either layout, tokenizer and template in every known place.
 const MODEL_FILES: &[&str] = &[
     "generation_config.json",
@@ -217,6 +285,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Render(args) => render(args, cli.quiet),
         Command::Prepare(args) => prepare_cmd(args, cli.quiet),
         Command::Tokenizer(args) => tokenizer_cmd(args),
+        Command::Logits(args) => on_device(&args.model.device.clone(), Job::Logits(args)),
+        Command::Generate(args) => on_device(&args.model.device.clone(), Job::Generate(args)),
+        Command::Convert(args) => on_device(&args.model.device.clone(), Job::Convert(args)),
+        Command::InitModel(args) => init_model(args),
         Command::Info => info(),
     }
 }
@@ -511,5 +583,125 @@ fn tokenizer_cmd(args: TokenizerArgs) -> Result<()> {
     let tokenizer = kiln::tokens::bpe::train_bpe(texts.into_iter(), args.vocab_size)?;
     kiln::tokens::bpe::write_tokenizer_files(&args.out, &tokenizer, args.max_length)?;
     eprintln!("tokenizer: {} tokens → {}", tokenizer.get_vocab_size(true), args.out.join("tokenizer.json").display());
+    Ok(())
+}
+
+enum Job {
+    Logits(LogitsArgs),
+    Generate(GenerateArgs),
+    Convert(ConvertArgs),
+}
+
+/// Runs a model job on the requested backend.
+fn on_device(device: &str, job: Job) -> Result<()> {
+    match device {
+        "cpu" => run_job::<kiln::backend::Cpu>(&Default::default(), job),
+        #[cfg(feature = "cuda")]
+        "cuda" => run_job::<kiln::backend::Gpu>(&Default::default(), job),
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => bail!("this kiln was built without CUDA: rebuild with `cargo build --release --features cuda`"),
+        other => bail!("unknown device '{other}': use cpu or cuda"),
+    }
+}
+
+fn model_tokenizer(dir: &Path) -> Result<(TextTokenizer, kiln::chat::SpecialTokens)> {
+    let special = kiln::chat::SpecialTokens::load(dir)?;
+    Ok((TextTokenizer::load(dir, &special, None)?, special))
+}
+
+fn run_job<B: burn::tensor::backend::Backend>(device: &B::Device, job: Job) -> Result<()> {
+    use burn::tensor::{Int, Tensor, TensorData};
+    use kiln::models::{SequenceLayout, load_lfm2};
+    match job {
+        Job::Logits(args) => {
+            let dir = &args.model.model_dir;
+            let ids: Vec<u32> = match &args.text {
+                Some(text) => model_tokenizer(dir)?.0.encode(text)?.0,
+                None => args.ids.clone(),
+            };
+            if ids.is_empty() {
+                bail!("nothing to run: give --ids or --text");
+            }
+            let (config, model) = load_lfm2::<B>(dir, device)?;
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= config.vocab_size) {
+                bail!("token id {bad} is outside the vocabulary ({} ids)", config.vocab_size);
+            }
+            let n = ids.len();
+            let input = Tensor::<B, 2, Int>::from_data(
+                TensorData::new(ids.iter().map(|&i| i as i64).collect::<Vec<_>>(), [1, n]),
+                device,
+            );
+            let logits = model.forward(input, &SequenceLayout::single(1, n));
+            let vocab = logits.dims()[2];
+            let data: Vec<f32> = logits.into_data().convert::<f32>().to_vec().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+            let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n, vocab], &bytes)?;
+            safetensors::serialize_to_file(vec![("logits".to_string(), view)], None, &args.out)
+                .with_context(|| format!("writing {}", args.out.display()))?;
+            eprintln!("logits: [{n}, {vocab}] → {}", args.out.display());
+        }
+        Job::Generate(args) => {
+            let dir = &args.model.model_dir;
+            let (tokenizer, special) = model_tokenizer(dir)?;
+            let text = if args.chat {
+                let template = ChatTemplate::new(
+                    kiln::chat::template::find_template(dir, None, None)?,
+                    special,
+                    PinnedClock::now(),
+                )?;
+                let messages = vec![serde_json::json!({"role": "user", "content": args.prompt})];
+                template.render(&messages, None, true, &serde_json::Map::new())?.text
+            } else {
+                args.prompt.clone()
+            };
+            let prompt = tokenizer.encode(&text)?.0;
+            let (config, model) = load_lfm2::<B>(dir, device)?;
+            let mut stop = vec![tokenizer.end_of_turn_id];
+            stop.extend(config.eos_token_id);
+            let started = Instant::now();
+            let out = model.generate_greedy(&[prompt], args.max_tokens, &stop, device);
+            let generated = &out[0];
+            println!("{}", tokenizer.decode(generated));
+            eprintln!("generate: {} tokens in {:.2}s", generated.len(), started.elapsed().as_secs_f64());
+        }
+        Job::Convert(args) => {
+            let dir = &args.model.model_dir;
+            let (_, model) = load_lfm2::<B>(dir, device)?;
+            let tensors = kiln::models::hf::hf_tensors(&model);
+            // fp32 buffers (expert_bias) stay fp32 in bf16 exports, as in the released checkpoints.
+            let keep_f32 = |k: &str| k.ends_with("expert_bias");
+            let files = kiln::models::hf::export_dir(
+                &tensors,
+                dir,
+                &args.out,
+                args.dtype,
+                &keep_f32,
+                kiln::models::hf::SHARD_BYTES,
+            )?;
+            eprintln!("convert: {} tensors → {} ({} files)", tensors.len(), args.out.display(), files.len());
+        }
+    }
+    Ok(())
+}
+
+fn init_model(args: InitModelArgs) -> Result<()> {
+    use kiln::models::{Lfm2Config, Lfm2Model, RandomInit};
+    let config_path = args.from.join("config.json");
+    let config = Lfm2Config::from_file(&config_path)?;
+    let raw: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_path)?)?;
+    let std = raw.get("initializer_range").and_then(|v| v.as_f64()).unwrap_or(0.02);
+    let device = Default::default();
+    let model = Lfm2Model::<kiln::backend::Cpu>::from_source(&config, &RandomInit { seed: args.seed, std }, &device)?;
+    let tensors = kiln::models::hf::hf_tensors(&model);
+    let params: usize = tensors.values().map(|t| t.data.len()).sum();
+    kiln::models::hf::export_dir(
+        &tensors,
+        &args.from,
+        &args.out,
+        args.dtype,
+        &|k: &str| k.ends_with("expert_bias"),
+        kiln::models::hf::SHARD_BYTES,
+    )?;
+    eprintln!("init-model: {} ({params} parameters, seed {}) → {}", config.model_type, args.seed, args.out.display());
     Ok(())
 }

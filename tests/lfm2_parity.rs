@@ -110,7 +110,8 @@ fn masked_ce<B: Backend>(logits: Tensor<B, 3>, ids: &[i64], mask: &[i64], shape:
     let device = logits.device();
     let logp = log_softmax(logits.narrow(1, 0, s - 1), 2);
     let targets: Vec<i64> = (0..b).flat_map(|r| (1..s).map(move |t| (r, t))).map(|(r, t)| ids[r * s + t]).collect();
-    let weights: Vec<f32> = (0..b).flat_map(|r| (1..s).map(move |t| (r, t))).map(|(r, t)| mask[r * s + t] as f32).collect();
+    let weights: Vec<f32> =
+        (0..b).flat_map(|r| (1..s).map(move |t| (r, t))).map(|(r, t)| mask[r * s + t] as f32).collect();
     let count: f32 = weights.iter().sum();
     let target = Tensor::<B, 3, Int>::from_data(TensorData::new(targets, [b, s - 1, 1]), &device);
     let nll = logp.gather(2, target).neg().reshape([b * (s - 1)]);
@@ -124,7 +125,8 @@ fn check_gradients(name: &str) {
     let device = Default::default();
     let (_, model) = load_lfm2::<Train>(&fixture_dir(name), &device).unwrap();
     let shape = [f.ids.1[0], f.ids.1[1]];
-    let logits = model.forward(ids_tensor::<Train>(&f.ids.0, shape, &device), &SequenceLayout::single(shape[0], shape[1]));
+    let logits =
+        model.forward(ids_tensor::<Train>(&f.ids.0, shape, &device), &SequenceLayout::single(shape[0], shape[1]));
     let loss = masked_ce(logits, &f.ids.0, &f.mask, shape);
     let value: f32 = loss.clone().into_data().convert::<f32>().to_vec::<f32>().unwrap()[0];
     assert!((value - f.loss).abs() <= 1e-4, "{name}: loss {value} vs {}", f.loss);
@@ -172,7 +174,12 @@ fn fused_expert_layout_loads_to_the_same_model() {
         if let Some(pos) = key.find(".experts.") {
             let prefix = key[..pos].to_string();
             let rest: Vec<&str> = key[pos + 9..].split('.').collect();
-            fused.entry(prefix).or_default().entry(rest[0].parse().unwrap()).or_default().insert(rest[1].to_string(), read_f32(&view));
+            fused
+                .entry(prefix)
+                .or_default()
+                .entry(rest[0].parse().unwrap())
+                .or_default()
+                .insert(rest[1].to_string(), read_f32(&view));
         } else {
             out.insert(key, (view.data().to_vec(), view.shape().to_vec()));
         }
@@ -191,7 +198,9 @@ fn fused_expert_layout_loads_to_the_same_model() {
     }
     let views: Vec<(String, safetensors::tensor::TensorView)> = out
         .iter()
-        .map(|(k, (b, s))| (k.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap()))
+        .map(|(k, (b, s))| {
+            (k.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
+        })
         .collect();
     safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
 
@@ -217,7 +226,8 @@ fn export_then_reload_is_bit_identical() {
         assert!(out.path().join("config.json").is_file());
         // Same key set as the source checkpoint, same bytes after a reload.
         let src_bytes = std::fs::read(src.join("model.safetensors")).unwrap();
-        let src_keys: std::collections::BTreeSet<String> = SafeTensors::deserialize(&src_bytes).unwrap().names().into_iter().map(str::to_string).collect();
+        let src_keys: std::collections::BTreeSet<String> =
+            SafeTensors::deserialize(&src_bytes).unwrap().names().into_iter().map(str::to_string).collect();
         assert_eq!(tensors.keys().cloned().collect::<std::collections::BTreeSet<_>>(), src_keys, "{name}");
         let (_, again) = load_lfm2::<Cpu>(out.path(), &device).unwrap();
         let again_tensors = hf_tensors(&again);
@@ -241,11 +251,18 @@ fn broken_checkpoints_fail_with_what_and_where() {
 
     // Wrong shapes and missing keys are listed together.
     let st = SafeTensors::deserialize(&full).unwrap();
-    let mut kept: Vec<(String, safetensors::tensor::TensorView)> = st.tensors().into_iter().filter(|(k, _)| !k.ends_with("layers.1.self_attn.q_proj.weight")).collect();
+    let mut kept: Vec<(String, safetensors::tensor::TensorView)> =
+        st.tensors().into_iter().filter(|(k, _)| !k.ends_with("layers.1.self_attn.q_proj.weight")).collect();
     let bad = vec![0u8; 4 * 10];
     kept.retain(|(k, _)| k != "model.embedding_norm.weight");
-    kept.push(("model.embedding_norm.weight".into(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![10], &bad).unwrap()));
-    kept.push(("model.layers.9.extra.weight".into(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![10], &bad).unwrap()));
+    kept.push((
+        "model.embedding_norm.weight".into(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![10], &bad).unwrap(),
+    ));
+    kept.push((
+        "model.layers.9.extra.weight".into(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![10], &bad).unwrap(),
+    ));
     safetensors::serialize_to_file(kept, None, &weights).unwrap();
     let err = load_lfm2::<Cpu>(dir.path(), &device).unwrap_err().to_string();
     assert!(err.contains("missing keys (1): model.layers.1.self_attn.q_proj.weight"), "{err}");
@@ -255,7 +272,8 @@ fn broken_checkpoints_fail_with_what_and_where() {
     // A sharded checkpoint whose shard is gone.
     let sharded = tempfile::tempdir().unwrap();
     let (_, model) = load_lfm2::<Cpu>(&fixture_dir("lfm2-tiny"), &device).unwrap();
-    export_dir(&hf_tensors(&model), &fixture_dir("lfm2-tiny"), sharded.path(), ExportDtype::F32, &|_| false, 200_000).unwrap();
+    export_dir(&hf_tensors(&model), &fixture_dir("lfm2-tiny"), sharded.path(), ExportDtype::F32, &|_| false, 200_000)
+        .unwrap();
     std::fs::remove_file(sharded.path().join("model-00002-of-00005.safetensors")).ok();
     let err = load_lfm2::<Cpu>(sharded.path(), &device).unwrap_err().to_string();
     assert!(err.contains("model-0000") && err.contains("shard missing"), "{err}");
@@ -264,4 +282,65 @@ fn broken_checkpoints_fail_with_what_and_where() {
     std::fs::write(dir.path().join("config.json"), r#"{"model_type": "mamba"}"#).unwrap();
     let err = load_lfm2::<Cpu>(dir.path(), &device).unwrap_err().to_string();
     assert!(err.contains("'mamba' is not supported") && err.contains("lfm2, lfm2_moe"), "{err}");
+}
+
+fn check_cached_decoding(name: &str) {
+    use kiln::models::decode::DecodeCache;
+    let device = Default::default();
+    let (_, model) = load_lfm2::<Cpu>(&fixture_dir(name), &device).unwrap();
+    let f = fixture(name);
+    let row: Vec<i64> = f.ids.0[..12].to_vec();
+    let full = logits_of(&model, &row, [1, 12], &SequenceLayout::single(1, 12));
+    let vocab = 256;
+    // Prefill 5 tokens, then one token at a time: every step's logits equal the full forward's.
+    let mut cache = DecodeCache::new(&model, 1, &device);
+    let prefill = model.forward_cached(ids_tensor::<Cpu>(&row[..5], [1, 5], &device), &[vec![true; 5]], &mut cache);
+    let got: Vec<f32> = prefill.into_data().convert::<f32>().to_vec().unwrap();
+    assert!(max_abs_diff(&got, &full[..5 * vocab]) <= 1e-4, "{name}: prefill");
+    for t in 5..12 {
+        let step = model.forward_cached(ids_tensor::<Cpu>(&row[t..=t], [1, 1], &device), &[vec![true]], &mut cache);
+        let got: Vec<f32> = step.into_data().convert::<f32>().to_vec().unwrap();
+        let err = max_abs_diff(&got, &full[t * vocab..(t + 1) * vocab]);
+        assert!(err <= 1e-4, "{name}: step {t} differs by {err}");
+    }
+    assert_eq!(cache.lengths(), [12]);
+
+    // Prompts of different lengths in one batch: each row's last logits equal that prompt alone.
+    let prompts: Vec<Vec<u32>> =
+        vec![row[..5].iter().map(|&x| x as u32).collect(), row[2..11].iter().map(|&x| x as u32).collect()];
+    let mut cache = DecodeCache::new(&model, 2, &device);
+    let mut ids = vec![0i64; 4];
+    ids.extend(prompts[0].iter().map(|&x| x as i64));
+    ids.extend(prompts[1].iter().map(|&x| x as i64));
+    let valid = vec![[vec![false; 4], vec![true; 5]].concat(), vec![true; 9]];
+    let batched: Vec<f32> = model
+        .forward_cached(ids_tensor::<Cpu>(&ids, [2, 9], &device), &valid, &mut cache)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .unwrap();
+    for (r, p) in prompts.iter().enumerate() {
+        let alone_ids: Vec<i64> = p.iter().map(|&x| x as i64).collect();
+        let alone = logits_of(&model, &alone_ids, [1, p.len()], &SequenceLayout::single(1, p.len()));
+        let last_alone = &alone[(p.len() - 1) * vocab..];
+        let last_batched = &batched[(r * 9 + 8) * vocab..(r * 9 + 9) * vocab];
+        assert!(max_abs_diff(last_alone, last_batched) <= 1e-4, "{name}: row {r} of a padded batch differs");
+    }
+    // Greedy generation of the batch equals generating each prompt alone.
+    let together = model.generate_greedy(&prompts, 6, &[], &device);
+    for (r, p) in prompts.iter().enumerate() {
+        let alone = model.generate_greedy(std::slice::from_ref(p), 6, &[], &device);
+        assert_eq!(together[r], alone[0], "{name}: row {r}");
+        assert_eq!(together[r].len(), 6);
+    }
+}
+
+#[test]
+fn lfm2_cached_decoding_equals_full_forward() {
+    check_cached_decoding("lfm2-tiny");
+}
+
+#[test]
+fn lfm2_moe_cached_decoding_equals_full_forward() {
+    check_cached_decoding("lfm2-moe-tiny");
 }

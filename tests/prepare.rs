@@ -211,7 +211,7 @@ fn kiln_render_writes_text_ids_and_masks_and_generation_prompts() {
     let ids = line["input_ids"].as_array().unwrap();
     let mask = line["loss_mask"].as_array().unwrap();
     assert_eq!(ids.len(), mask.len());
-    assert_eq!(mask.iter().filter(|m| *m == 1).count() > 3, true);
+    assert!(mask.iter().filter(|m| *m == 1).count() > 3);
     assert_eq!(mask.last().unwrap(), 1, "the newline after <|im_end|> is inside the generation block");
 }
 

@@ -204,7 +204,7 @@ fn write_json(v: &Value, style: &JsonStyle, level: usize, out: &mut String) {
         ValueKind::Map => {
             let mut keys: Vec<Value> = v.try_iter().map(|it| it.collect()).unwrap_or_default();
             if style.sort_keys {
-                keys.sort_by_key(|k| str(k));
+                keys.sort_by_key(str);
             }
             if keys.is_empty() {
                 out.push_str("{}");

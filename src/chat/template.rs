@@ -185,7 +185,7 @@ impl ChatTemplate {
         kwargs: &Map<String, Value>,
     ) -> Result<Rendered, ChatError> {
         let prepared: Vec<Value> = messages.iter().map(prepare_message).collect();
-        if let Some(i) = prepared.iter().position(|m| contains_sentinel(m)) {
+        if let Some(i) = prepared.iter().position(contains_sentinel) {
             return Err(ChatError::Input {
                 message_index: i,
                 message: "contains a reserved private-use character (U+E000 or U+E001)".into(),

@@ -98,17 +98,15 @@ pub fn effective_ff_dim(intermediate: usize, auto_adjust: bool, multiplier: Opti
 impl Lfm2Config {
     pub fn from_file(path: &Path) -> Result<Self, ModelError> {
         let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
-        let v: Value = serde_json::from_str(&text).map_err(|e| ModelError::Config { path: path.to_path_buf(), message: e.to_string() })?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::Config { path: path.to_path_buf(), message: e.to_string() })?;
         Self::from_json(&v).map_err(|message| ModelError::Config { path: path.to_path_buf(), message })
     }
 
     pub fn from_json(v: &Value) -> Result<Self, String> {
         let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or_default().to_string();
         if !SUPPORTED.contains(&model_type.as_str()) {
-            return Err(format!(
-                "model_type '{model_type}' is not supported; supported: {}",
-                SUPPORTED.join(", ")
-            ));
+            return Err(format!("model_type '{model_type}' is not supported; supported: {}", SUPPORTED.join(", ")));
         }
         let need = |keys: &[&str]| usize_of(v, keys).ok_or_else(|| format!("missing `{}`", keys[0]));
         let hidden_size = need(&["hidden_size"])?;
@@ -147,7 +145,9 @@ impl Lfm2Config {
                     .iter()
                     .filter_map(|x| x.as_u64().map(|i| i as usize))
                     .collect();
-                (0..num_hidden_layers).map(|i| if idxs.contains(&i) { LayerKind::FullAttention } else { LayerKind::Conv }).collect()
+                (0..num_hidden_layers)
+                    .map(|i| if idxs.contains(&i) { LayerKind::FullAttention } else { LayerKind::Conv })
+                    .collect()
             }
         };
         if layer_types.len() != num_hidden_layers {

@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use safetensors::Dtype;
 
 use super::ModelError;
@@ -57,7 +57,9 @@ impl<B: Backend> Lfm2Model<B> {
                     out.push(entry(format!("{p}.conv.out_proj.weight"), &c.out_proj.weight, HfView::Transpose));
                 }
                 Mixer::Attention(a) => {
-                    for (name, lin) in [("q_proj", &a.q_proj), ("k_proj", &a.k_proj), ("v_proj", &a.v_proj), ("out_proj", &a.out_proj)] {
+                    for (name, lin) in
+                        [("q_proj", &a.q_proj), ("k_proj", &a.k_proj), ("v_proj", &a.v_proj), ("out_proj", &a.out_proj)]
+                    {
                         out.push(entry(format!("{p}.self_attn.{name}.weight"), &lin.weight, HfView::Transpose));
                     }
                     out.push(entry(format!("{p}.self_attn.q_layernorm.weight"), &a.q_layernorm.weight, HfView::Same));
@@ -170,6 +172,9 @@ pub fn hf_gradients<B: AutodiffBackend>(model: &Lfm2Model<B>, grads: &B::Gradien
     model.hf_entries().into_iter().filter_map(|e| Some((e.key, to_hf(e.view, collector.out.get(&e.id)?)))).collect()
 }
 
+/// One tensor planned into a shard: name, encoded bytes, dtype, shape.
+type ShardEntry<'a> = (&'a String, Vec<u8>, Dtype, Vec<usize>);
+
 /// Safetensors shard size limit, as transformers' `save_pretrained` default (5 GB).
 pub const SHARD_BYTES: usize = 5_000_000_000;
 
@@ -211,7 +216,7 @@ pub fn export_dir(
 ) -> Result<Vec<std::path::PathBuf>, ModelError> {
     std::fs::create_dir_all(out_dir).map_err(|e| ModelError::io(out_dir, e))?;
     // Plan shards in key order.
-    let mut shards: Vec<Vec<(&String, Vec<u8>, Dtype, Vec<usize>)>> = vec![Vec::new()];
+    let mut shards: Vec<Vec<ShardEntry>> = vec![Vec::new()];
     let mut current = 0usize;
     for (key, t) in tensors {
         let d = if keep_f32(key) { ExportDtype::F32 } else { dtype };
@@ -232,7 +237,11 @@ pub fn export_dir(
     let mut weight_map = serde_json::Map::new();
     let mut total = 0usize;
     for (i, shard) in shards.iter().enumerate() {
-        let name = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{:05}.safetensors", i + 1, n) };
+        let name = if n == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+        };
         let path = out_dir.join(&name);
         let views: Vec<(String, safetensors::tensor::TensorView)> = shard
             .iter()
@@ -243,14 +252,17 @@ pub fn export_dir(
             })
             .collect::<Result<_, _>>()
             .map_err(|e| ModelError::Weights { path: path.clone(), message: e.to_string() })?;
-        let metadata: Option<std::collections::HashMap<String, String>> = Some([("format".to_string(), "pt".to_string())].into());
-        safetensors::serialize_to_file(views, metadata, &path).map_err(|e| ModelError::Weights { path: path.clone(), message: e.to_string() })?;
+        let metadata: Option<std::collections::HashMap<String, String>> =
+            Some([("format".to_string(), "pt".to_string())].into());
+        safetensors::serialize_to_file(views, metadata, &path)
+            .map_err(|e| ModelError::Weights { path: path.clone(), message: e.to_string() })?;
         written.push(path);
     }
     if n > 1 {
         let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
         let path = out_dir.join("model.safetensors.index.json");
-        std::fs::write(&path, serde_json::to_string_pretty(&index).unwrap_or_default() + "\n").map_err(|e| ModelError::io(&path, e))?;
+        std::fs::write(&path, serde_json::to_string_pretty(&index).unwrap_or_default() + "\n")
+            .map_err(|e| ModelError::io(&path, e))?;
         written.push(path);
     }
     for file in COMPANION_FILES {

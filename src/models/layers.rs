@@ -106,7 +106,12 @@ impl SequenceLayout {
 }
 
 /// `cos` and `sin` tables `[batch, 1, seq, head_dim]` for the layout's positions, HF's `cat(freqs, freqs)` form.
-pub fn rope_tables<B: Backend>(layout: &SequenceLayout, head_dim: usize, theta: f64, device: &B::Device) -> (Tensor<B, 4>, Tensor<B, 4>) {
+pub fn rope_tables<B: Backend>(
+    layout: &SequenceLayout,
+    head_dim: usize,
+    theta: f64,
+    device: &B::Device,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
     let half = head_dim / 2;
     let inv_freq: Vec<f32> = (0..half).map(|i| (1.0 / theta.powf((2 * i) as f64 / head_dim as f64)) as f32).collect();
     let n = layout.positions.len();

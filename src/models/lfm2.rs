@@ -4,14 +4,14 @@
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
+use burn::tensor::IndexingUpdateOp;
 use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::IndexingUpdateOp;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use super::config::{LayerKind, Lfm2Config};
 use super::layers::{RmsNorm, SequenceLayout, SwiGlu, apply_rope, rope_tables};
-use super::weights::{HostTensor, WeightStore};
+use super::weights::{HostTensor, TensorSource};
 
 /// The gated short convolution: `in_proj` → B | C | x, `y = conv(B·x)` (depthwise, causal, kernel L),
 /// `out_proj(C·y)`.
@@ -40,7 +40,10 @@ impl<B: Backend> ShortConv<B> {
             if lag >= seq {
                 break;
             }
-            let shifted = Tensor::cat(vec![Tensor::zeros([batch, lag, hidden], &bx.device()), bx.clone().narrow(1, 0, seq - lag)], 1);
+            let shifted = Tensor::cat(
+                vec![Tensor::zeros([batch, lag, hidden], &bx.device()), bx.clone().narrow(1, 0, seq - lag)],
+                1,
+            );
             let w = kernel.clone().narrow(1, taps - 1 - lag, 1).reshape([1, 1, hidden]);
             y = y + shifted * lag_masks[lag - 1].clone() * w;
         }
@@ -66,22 +69,38 @@ pub struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
-    pub fn forward(&self, x: Tensor<B, 3>, cos: &Tensor<B, 4>, sin: &Tensor<B, 4>, mask: &Tensor<B, 4>) -> Tensor<B, 3> {
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+        mask: &Tensor<B, 4>,
+    ) -> Tensor<B, 3> {
         let [batch, seq, _] = x.dims();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let heads = |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, hd]).swap_dims(1, 2);
-        let q = heads(self.q_layernorm.forward(self.q_proj.forward(x.clone()).reshape([batch, seq, nh, hd])).reshape([batch, seq, nh * hd]), nh);
-        let k = heads(self.k_layernorm.forward(self.k_proj.forward(x.clone()).reshape([batch, seq, nkv, hd])).reshape([batch, seq, nkv * hd]), nkv);
+        let q = heads(
+            self.q_layernorm.forward(self.q_proj.forward(x.clone()).reshape([batch, seq, nh, hd])).reshape([
+                batch,
+                seq,
+                nh * hd,
+            ]),
+            nh,
+        );
+        let k = heads(
+            self.k_layernorm.forward(self.k_proj.forward(x.clone()).reshape([batch, seq, nkv, hd])).reshape([
+                batch,
+                seq,
+                nkv * hd,
+            ]),
+            nkv,
+        );
         let v = heads(self.v_proj.forward(x), nkv);
         let q = apply_rope(q, cos, sin);
         let k = apply_rope(k, cos, sin);
         // Each kv head serves nh/nkv consecutive query heads (repeat_interleave).
         let repeat = |t: Tensor<B, 4>| {
-            if nh == nkv {
-                t
-            } else {
-                t.unsqueeze_dim::<5>(2).repeat_dim(2, nh / nkv).reshape([batch, nh, seq, hd])
-            }
+            if nh == nkv { t } else { t.unsqueeze_dim::<5>(2).repeat_dim(2, nh / nkv).reshape([batch, nh, seq, hd]) }
         };
         let (k, v) = (repeat(k), repeat(v));
         let scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask.clone();
@@ -152,12 +171,14 @@ impl<B: Backend> MoeBlock<B> {
 }
 
 #[derive(Module, Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum Mixer<B: Backend> {
     Conv(ShortConv<B>),
     Attention(Attention<B>),
 }
 
 #[derive(Module, Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum FeedForward<B: Backend> {
     Dense(SwiGlu<B>),
     Moe(MoeBlock<B>),
@@ -241,17 +262,18 @@ fn tensor<B: Backend, const D: usize>(t: HostTensor, device: &B::Device) -> Tens
 }
 
 /// A PyTorch Linear `[out, in]` as burn's `[in, out]`.
-fn linear<B: Backend>(store: &WeightStore, key: &str, d_in: usize, d_out: usize, device: &B::Device) -> Linear<B> {
+fn linear<B: Backend>(store: &dyn TensorSource, key: &str, d_in: usize, d_out: usize, device: &B::Device) -> Linear<B> {
     let w: Tensor<B, 2> = tensor(store.take(&format!("{key}.weight"), &[d_out, d_in]), device);
-    let bias = store.take_optional(&format!("{key}.bias"), &[d_out]).map(|b| Param::from_tensor(tensor::<B, 1>(b, device)));
+    let bias =
+        store.take_optional(&format!("{key}.bias"), &[d_out]).map(|b| Param::from_tensor(tensor::<B, 1>(b, device)));
     Linear { weight: Param::from_tensor(w.transpose()), bias }
 }
 
-fn norm<B: Backend>(store: &WeightStore, key: &str, dim: usize, eps: f64, device: &B::Device) -> RmsNorm<B> {
+fn norm<B: Backend>(store: &dyn TensorSource, key: &str, dim: usize, eps: f64, device: &B::Device) -> RmsNorm<B> {
     RmsNorm { weight: Param::from_tensor(tensor(store.take(&format!("{key}.weight"), &[dim]), device)), eps }
 }
 
-fn swiglu<B: Backend>(store: &WeightStore, key: &str, hidden: usize, ff: usize, device: &B::Device) -> SwiGlu<B> {
+fn swiglu<B: Backend>(store: &dyn TensorSource, key: &str, hidden: usize, ff: usize, device: &B::Device) -> SwiGlu<B> {
     SwiGlu {
         w1: linear(store, &format!("{key}.w1"), hidden, ff, device),
         w3: linear(store, &format!("{key}.w3"), hidden, ff, device),
@@ -261,7 +283,14 @@ fn swiglu<B: Backend>(store: &WeightStore, key: &str, hidden: usize, ff: usize, 
 
 /// Experts in either layout on disk: per expert (`experts.{e}.w1/w3/w2`) or fused as transformers writes
 /// (`experts.gate_up_proj [E, 2F, H]`, `experts.down_proj [E, H, F]`). Kept fused, in burn's in→out layout.
-fn experts<B: Backend>(store: &WeightStore, key: &str, e: usize, hidden: usize, ff: usize, device: &B::Device) -> (Tensor<B, 3>, Tensor<B, 3>) {
+fn experts<B: Backend>(
+    store: &dyn TensorSource,
+    key: &str,
+    e: usize,
+    hidden: usize,
+    ff: usize,
+    device: &B::Device,
+) -> (Tensor<B, 3>, Tensor<B, 3>) {
     let fused = format!("{key}.experts.gate_up_proj");
     if store.contains(&fused) {
         let gate_up: Tensor<B, 3> = tensor(store.take(&fused, &[e, 2 * ff, hidden]), device);
@@ -282,7 +311,11 @@ fn experts<B: Backend>(store: &WeightStore, key: &str, e: usize, hidden: usize, 
 
 impl<B: Backend> Lfm2Model<B> {
     /// Builds the model from a checkpoint's tensors; every missing, unexpected or misshapen key is listed.
-    pub fn from_store(config: &Lfm2Config, store: &WeightStore, device: &B::Device) -> Result<Self, super::ModelError> {
+    pub fn from_source(
+        config: &Lfm2Config,
+        store: &dyn TensorSource,
+        device: &B::Device,
+    ) -> Result<Self, super::ModelError> {
         let (h, eps) = (config.hidden_size, config.norm_eps);
         let (nh, nkv, hd) = (config.num_attention_heads, config.num_key_value_heads, config.head_dim);
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
@@ -320,7 +353,10 @@ impl<B: Backend> Lfm2Model<B> {
                     FeedForward::Moe(MoeBlock {
                         gate: linear(store, &format!("{key}.gate"), h, moe.num_experts, device),
                         expert_bias: if moe.use_expert_bias {
-                            Some(Param::from_tensor(tensor(store.take(&format!("{key}.expert_bias"), &[moe.num_experts]), device)))
+                            Some(Param::from_tensor(tensor(
+                                store.take(&format!("{key}.expert_bias"), &[moe.num_experts]),
+                                device,
+                            )))
                         } else {
                             None
                         },
@@ -340,7 +376,8 @@ impl<B: Backend> Lfm2Model<B> {
                 feed_forward,
             });
         }
-        let embed_tokens = Param::from_tensor(tensor(store.take("model.embed_tokens.weight", &[config.vocab_size, h]), device));
+        let embed_tokens =
+            Param::from_tensor(tensor(store.take("model.embed_tokens.weight", &[config.vocab_size, h]), device));
         let lm_head = if config.tie_word_embeddings {
             None
         } else {

@@ -2,6 +2,7 @@
 //! LFM2-MoE so far). Knows nothing of datasets, training or the CLI.
 
 pub mod config;
+pub mod decode;
 pub mod hf;
 pub mod layers;
 pub mod lfm2;
@@ -14,7 +15,7 @@ use burn::tensor::backend::Backend;
 pub use config::{LayerKind, Lfm2Config};
 pub use layers::SequenceLayout;
 pub use lfm2::Lfm2Model;
-pub use weights::WeightStore;
+pub use weights::{RandomInit, TensorSource, WeightStore};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -36,6 +37,6 @@ impl ModelError {
 pub fn load_lfm2<B: Backend>(dir: &Path, device: &B::Device) -> Result<(Lfm2Config, Lfm2Model<B>), ModelError> {
     let config = Lfm2Config::from_file(&dir.join("config.json"))?;
     let store = WeightStore::open(dir)?;
-    let model = Lfm2Model::from_store(&config, &store, device)?;
+    let model = Lfm2Model::from_source(&config, &store, device)?;
     Ok((config, model))
 }

@@ -12,6 +12,56 @@ use safetensors::{Dtype, SafeTensors};
 
 use super::ModelError;
 
+/// Where a model's tensors come from: a checkpoint, or a seeded random initialization.
+pub trait TensorSource {
+    /// The tensor named `key` with `shape` (problems are recorded for `finish`).
+    fn take(&self, key: &str, shape: &[usize]) -> HostTensor;
+    /// Whether the source has `key` (optional tensors, alternative layouts).
+    fn contains(&self, key: &str) -> bool;
+    /// Lists every problem met while loading, if any.
+    fn finish(&self, ignored: &[&str]) -> Result<(), ModelError>;
+
+    fn take_optional(&self, key: &str, shape: &[usize]) -> Option<HostTensor> {
+        self.contains(key).then(|| self.take(key, shape))
+    }
+}
+
+/// A seeded random initialization with transformers' LFM2 init: normal(0, `std`) for weights, ones for
+/// norms, zeros for the expert bias. Each tensor's values depend on the seed and its name only.
+pub struct RandomInit {
+    pub seed: u64,
+    pub std: f64,
+}
+
+impl TensorSource for RandomInit {
+    fn take(&self, key: &str, shape: &[usize]) -> HostTensor {
+        use rand::SeedableRng;
+        use rand_distr::Distribution;
+        let n: usize = shape.iter().product();
+        let data = if key.ends_with("norm.weight") {
+            vec![1.0; n]
+        } else if key.ends_with("expert_bias") || key.ends_with(".bias") {
+            vec![0.0; n]
+        } else {
+            let digest = crate::hub::sha256_bytes(format!("{}:{key}", self.seed).as_bytes());
+            let seed = u64::from_str_radix(&digest[..16], 16).unwrap_or(self.seed);
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let normal = rand_distr::Normal::new(0.0f32, self.std as f32)
+                .unwrap_or_else(|_| rand_distr::Normal::new(0.0, 0.02).expect("valid"));
+            (0..n).map(|_| normal.sample(&mut rng)).collect()
+        };
+        HostTensor { shape: shape.to_vec(), data }
+    }
+
+    fn contains(&self, _key: &str) -> bool {
+        false
+    }
+
+    fn finish(&self, _ignored: &[&str]) -> Result<(), ModelError> {
+        Ok(())
+    }
+}
+
 pub struct WeightStore {
     dir: PathBuf,
     files: Vec<(PathBuf, Mmap)>,
@@ -55,11 +105,16 @@ impl WeightStore {
         let mut index = BTreeMap::new();
         for name in shard_names {
             let path = dir.join(&name);
-            let file = File::open(&path).map_err(|e| ModelError::Weights { path: path.clone(), message: format!("shard missing or unreadable: {e}") })?;
+            let file = File::open(&path).map_err(|e| ModelError::Weights {
+                path: path.clone(),
+                message: format!("shard missing or unreadable: {e}"),
+            })?;
             // Safety: the file is only read; a checkpoint rewritten underneath a running job is out of scope.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(&path, e))?;
-            let tensors = SafeTensors::deserialize(&mmap)
-                .map_err(|e| ModelError::Weights { path: path.clone(), message: format!("not a readable safetensors file: {e}") })?;
+            let tensors = SafeTensors::deserialize(&mmap).map_err(|e| ModelError::Weights {
+                path: path.clone(),
+                message: format!("not a readable safetensors file: {e}"),
+            })?;
             for (key, view) in tensors.tensors() {
                 index.insert(key, (files.len(), view.dtype(), view.shape().to_vec()));
             }
@@ -80,10 +135,6 @@ impl WeightStore {
         self.index.keys()
     }
 
-    pub fn contains(&self, key: &str) -> bool {
-        self.index.contains_key(key)
-    }
-
     pub fn shape(&self, key: &str) -> Option<&[usize]> {
         self.index.get(key).map(|(_, _, s)| s.as_slice())
     }
@@ -92,9 +143,27 @@ impl WeightStore {
         self.index.get(key).map(|(_, d, _)| *d)
     }
 
+    fn read(&self, file: usize, key: &str, dtype: Dtype) -> Result<Vec<f32>, String> {
+        let tensors = SafeTensors::deserialize(&self.files[file].1).map_err(|e| e.to_string())?;
+        let view = tensors.tensor(key).map_err(|e| e.to_string())?;
+        let bytes = view.data();
+        Ok(match dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            other => return Err(format!("dtype {other:?} is not a float type kiln loads")),
+        })
+    }
+
+    pub fn files(&self) -> Vec<&Path> {
+        self.files.iter().map(|(p, _)| p.as_path()).collect()
+    }
+}
+
+impl TensorSource for WeightStore {
     /// Reads `key`, which must have `shape`; a missing key or another shape is recorded and a zero tensor
     /// returned so that loading goes on and `finish` can list every problem at once.
-    pub fn take(&self, key: &str, shape: &[usize]) -> HostTensor {
+    fn take(&self, key: &str, shape: &[usize]) -> HostTensor {
         let zeros = || HostTensor { shape: shape.to_vec(), data: vec![0.0; shape.iter().product()] };
         let Some((file, dtype, actual)) = self.index.get(key) else {
             self.missing.borrow_mut().push(key.to_string());
@@ -114,25 +183,12 @@ impl WeightStore {
         }
     }
 
-    /// Reads `key` if present (optional buffers), with the same shape rule.
-    pub fn take_optional(&self, key: &str, shape: &[usize]) -> Option<HostTensor> {
-        self.contains(key).then(|| self.take(key, shape))
-    }
-
-    fn read(&self, file: usize, key: &str, dtype: Dtype) -> Result<Vec<f32>, String> {
-        let tensors = SafeTensors::deserialize(&self.files[file].1).map_err(|e| e.to_string())?;
-        let view = tensors.tensor(key).map_err(|e| e.to_string())?;
-        let bytes = view.data();
-        Ok(match dtype {
-            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            other => return Err(format!("dtype {other:?} is not a float type kiln loads")),
-        })
+    fn contains(&self, key: &str) -> bool {
+        self.index.contains_key(key)
     }
 
     /// Ends loading: every key must have been taken (bar `ignored`), none missing, all shapes right.
-    pub fn finish(&self, ignored: &[&str]) -> Result<(), ModelError> {
+    fn finish(&self, ignored: &[&str]) -> Result<(), ModelError> {
         let taken = self.taken.borrow();
         let unexpected: Vec<String> =
             self.index.keys().filter(|k| !taken.contains(*k) && !ignored.contains(&k.as_str())).cloned().collect();
@@ -141,7 +197,9 @@ impl WeightStore {
         if unexpected.is_empty() && missing.is_empty() && mismatched.is_empty() {
             return Ok(());
         }
-        let list = |v: &[String]| if v.len() > 20 { format!("{} … and {} more", v[..20].join(", "), v.len() - 20) } else { v.join(", ") };
+        let list = |v: &[String]| {
+            if v.len() > 20 { format!("{} … and {} more", v[..20].join(", "), v.len() - 20) } else { v.join(", ") }
+        };
         let mut parts = Vec::new();
         if !missing.is_empty() {
             parts.push(format!("missing keys ({}): {}", missing.len(), list(&missing)));
@@ -153,9 +211,5 @@ impl WeightStore {
             parts.push(format!("wrong tensors ({}): {}", mismatched.len(), list(&mismatched)));
         }
         Err(ModelError::Weights { path: self.dir.clone(), message: parts.join("; ") })
-    }
-
-    pub fn files(&self) -> Vec<&Path> {
-        self.files.iter().map(|(p, _)| p.as_path()).collect()
     }
 }

@@ -102,32 +102,6 @@ pub fn truncate(sample: TokenSample, max_len: usize, rule: Truncation) -> Option
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn overlapping_tokens_are_supervised() {
-        // "ab|cd|ef" with the span covering "c..e": tokens 1 and 2 overlap it.
-        let offsets = [(0, 2), (2, 4), (4, 6), (6, 6)];
-        assert_eq!(mask_from_spans(&offsets, &[3..5]), [0, 1, 1, 0]);
-        assert_eq!(mask_from_spans(&offsets, &[2..4]), [0, 1, 0, 0]);
-        assert_eq!(mask_from_spans(&offsets, &[]), [0, 0, 0, 0]);
-    }
-
-    #[test]
-    fn truncation_keeps_the_target_or_drops() {
-        let s =
-            TokenSample { id: "s".into(), input_ids: (0..10).collect(), loss_mask: vec![0, 0, 0, 0, 0, 0, 0, 1, 1, 1] };
-        let (cut, truncated) = truncate(s.clone(), 5, Truncation::KeepTarget).unwrap();
-        assert!(truncated);
-        assert_eq!(cut.input_ids, [5, 6, 7, 8, 9]);
-        assert!(truncate(s.clone(), 5, Truncation::Drop).is_none());
-        assert!(truncate(s.clone(), 2, Truncation::KeepTarget).is_none());
-        assert_eq!(truncate(s, 10, Truncation::Drop).map(|(_, t)| t), Some(false));
-    }
-}
-
 /// A terminal view of a sample: supervised tokens on green, others dim, alternating shades so token
 /// boundaries show; control characters made visible.
 pub fn ansi_view(tok: &TextTokenizer, sample: &TokenSample) -> String {
@@ -145,4 +119,30 @@ pub fn ansi_view(tok: &TextTokenizer, sample: &TokenSample) -> String {
         out.push_str("\x1b[0m");
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlapping_tokens_are_supervised() {
+        // "ab|cd|ef" with the span covering "c..e": tokens 1 and 2 overlap it.
+        let offsets = [(0, 2), (2, 4), (4, 6), (6, 6)];
+        assert_eq!(mask_from_spans(&offsets, &[Range { start: 3, end: 5 }]), [0, 1, 1, 0]);
+        assert_eq!(mask_from_spans(&offsets, &[Range { start: 2, end: 4 }]), [0, 1, 0, 0]);
+        assert_eq!(mask_from_spans(&offsets, &[]), [0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn truncation_keeps_the_target_or_drops() {
+        let s =
+            TokenSample { id: "s".into(), input_ids: (0..10).collect(), loss_mask: vec![0, 0, 0, 0, 0, 0, 0, 1, 1, 1] };
+        let (cut, truncated) = truncate(s.clone(), 5, Truncation::KeepTarget).unwrap();
+        assert!(truncated);
+        assert_eq!(cut.input_ids, [5, 6, 7, 8, 9]);
+        assert!(truncate(s.clone(), 5, Truncation::Drop).is_none());
+        assert!(truncate(s.clone(), 2, Truncation::KeepTarget).is_none());
+        assert_eq!(truncate(s, 10, Truncation::Drop).map(|(_, t)| t), Some(false));
+    }
 }

@@ -29,8 +29,11 @@ pub struct TextTokenizer {
     splitter: Option<(AhoCorasick, Vec<u32>)>,
 }
 
+/// Token ids and their byte offsets in the encoded text.
+pub type Encoded = (Vec<u32>, Vec<(usize, usize)>);
+
 /// Token ids with byte offsets of one text segment, cached across the samples of a conversation.
-pub type SegmentCache = HashMap<String, (Vec<u32>, Vec<(usize, usize)>)>;
+pub type SegmentCache = HashMap<String, Encoded>;
 
 /// The added tokens text can be cut at without changing the tokenization: matched verbatim (not
 /// normalized) and without whitespace stripping or word-boundary rules. None if there are none.
@@ -105,11 +108,7 @@ impl TextTokenizer {
     /// `encode`, but each stretch of text between added tokens is tokenized once per `cache`: the
     /// tokenizer splits on added tokens before anything else, so the pieces tokenize independently and the
     /// history shared by a conversation's per-turn samples is not tokenized again for every turn.
-    pub fn encode_cached(
-        &self,
-        text: &str,
-        cache: &mut SegmentCache,
-    ) -> Result<(Vec<u32>, Vec<(usize, usize)>), TokenError> {
+    pub fn encode_cached(&self, text: &str, cache: &mut SegmentCache) -> Result<Encoded, TokenError> {
         let Some((finder, ids_of)) = &self.splitter else { return self.encode(text) };
         let mut ids = Vec::new();
         let mut offsets = Vec::new();
@@ -143,7 +142,7 @@ impl TextTokenizer {
     }
 
     /// Token ids and byte offsets of `text`, without added special tokens (templates emit BOS themselves).
-    pub fn encode(&self, text: &str) -> Result<(Vec<u32>, Vec<(usize, usize)>), TokenError> {
+    pub fn encode(&self, text: &str) -> Result<Encoded, TokenError> {
         let enc = self
             .inner
             .encode(text, false)

@@ -1,0 +1,124 @@
+//! `kiln logits`, `kiln generate`, `kiln convert` and `kiln init-model`: the tools a user checks a port or a
+//! checkpoint with, run as a user would. Also the committed result of reloading kiln's exports in
+//! transformers (tests/fixtures/lfm2/export_check.json, written by the fixture script).
+
+mod common;
+
+use common::{project_dir, run_kiln};
+use safetensors::SafeTensors;
+use serde_json::Value;
+
+fn f32s(view: &safetensors::tensor::TensorView) -> Vec<f32> {
+    view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+#[test]
+fn logits_cli_writes_the_forward_pass() {
+    let fixture_dir = project_dir().join("tests/fixtures/lfm2/lfm2-tiny");
+    let bytes = std::fs::read(fixture_dir.join("fixture.safetensors")).unwrap();
+    let fixture = SafeTensors::deserialize(&bytes).unwrap();
+    let ids: Vec<i64> = fixture
+        .tensor("input_ids")
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let want = f32s(&fixture.tensor("logits").unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("logits.safetensors");
+    let id_list: Vec<String> = ids[..12].iter().map(|i| i.to_string()).collect();
+    let (ok, _, stderr) = run_kiln(
+        &[
+            "logits",
+            "--model-dir",
+            fixture_dir.to_str().unwrap(),
+            "--ids",
+            &id_list.join(","),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &[],
+        &project_dir(),
+    );
+    assert!(ok, "{stderr}");
+    let got_bytes = std::fs::read(&out).unwrap();
+    let got = SafeTensors::deserialize(&got_bytes).unwrap();
+    let logits = got.tensor("logits").unwrap();
+    assert_eq!(logits.shape(), [12, 256]);
+    let err = f32s(&logits).iter().zip(&want[..12 * 256]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(err <= 1e-4, "{err}");
+
+    let (ok, _, stderr) = run_kiln(
+        &["logits", "--model-dir", fixture_dir.to_str().unwrap(), "--ids", "999", "--out", out.to_str().unwrap()],
+        &[],
+        &project_dir(),
+    );
+    assert!(!ok && stderr.contains("outside the vocabulary"), "{stderr}");
+    let (ok, _, stderr) = run_kiln(
+        &["logits", "--model-dir", "/nonexistent", "--ids", "1", "--out", out.to_str().unwrap()],
+        &[],
+        &project_dir(),
+    );
+    assert!(!ok && stderr.contains("/nonexistent/config.json"), "{stderr}");
+}
+
+#[test]
+fn init_model_generate_and_convert_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a");
+    let b = dir.path().join("b");
+    for out in [&a, &b] {
+        let (ok, _, stderr) = run_kiln(
+            &["init-model", "--from", "configs/models/tiny", "--out", out.to_str().unwrap(), "--seed", "3"],
+            &[],
+            &project_dir(),
+        );
+        assert!(ok, "{stderr}");
+    }
+    assert_eq!(
+        std::fs::read(a.join("model.safetensors")).unwrap(),
+        std::fs::read(b.join("model.safetensors")).unwrap(),
+        "seeded init is deterministic"
+    );
+    assert!(a.join("tokenizer.json").is_file() && a.join("chat_template.jinja").is_file());
+
+    let (ok, stdout, stderr) = run_kiln(
+        &["generate", "--model-dir", a.to_str().unwrap(), "--prompt", "ls", "--chat", "--max-tokens", "5"],
+        &[],
+        &project_dir(),
+    );
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("generate:") && stderr.contains("tokens in"), "{stderr}");
+    let (ok, again, _) = run_kiln(
+        &["generate", "--model-dir", a.to_str().unwrap(), "--prompt", "ls", "--chat", "--max-tokens", "5"],
+        &[],
+        &project_dir(),
+    );
+    assert!(ok);
+    assert_eq!(stdout, again, "greedy decoding is deterministic");
+
+    let c = dir.path().join("c");
+    let (ok, _, stderr) = run_kiln(
+        &["convert", "--model-dir", a.to_str().unwrap(), "--out", c.to_str().unwrap(), "--dtype", "bf16"],
+        &[],
+        &project_dir(),
+    );
+    assert!(ok, "{stderr}");
+    let bytes = std::fs::read(c.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(st.tensor("model.embed_tokens.weight").unwrap().dtype(), safetensors::Dtype::BF16);
+    let (_, metadata) = SafeTensors::read_metadata(&bytes).unwrap();
+    assert_eq!(metadata.metadata().as_ref().and_then(|m| m.get("format")).map(String::as_str), Some("pt"));
+}
+
+#[test]
+fn kiln_exports_reload_in_transformers_to_the_same_logits() {
+    let path = project_dir().join("tests/fixtures/lfm2/export_check.json");
+    let check: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let results = check["results"].as_object().unwrap();
+    for key in ["lfm2-tiny/f32", "lfm2-tiny/bf16", "lfm2-moe-tiny/f32", "lfm2-moe-tiny/bf16"] {
+        let err = results[key]["max_abs_logits_error"].as_f64().unwrap();
+        assert!(err <= 1e-5, "{key}: transformers reloaded kiln's export {err} away from the reference");
+    }
+}
