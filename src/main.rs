@@ -251,8 +251,9 @@ struct ConvertArgs {
     model: ModelDirArgs,
     #[arg(long)]
     out: PathBuf,
-    #[arg(long, value_enum, default_value = "bf16")]
-    dtype: kiln::models::hf::ExportDtype,
+    /// On-disk dtype; default: the source checkpoint's (bf16 for f16 / bf16 sources).
+    #[arg(long, value_enum)]
+    dtype: Option<kiln::models::hf::ExportDtype>,
 }
 
 /// Model files a fine-tune needs; weights in either layout, tokenizer and template in every known place.
@@ -666,6 +667,13 @@ fn run_job<B: burn::tensor::backend::Backend>(device: &B::Device, job: Job) -> R
         }
         Job::Convert(args) => {
             let dir = &args.model.model_dir;
+            let dtype = match args.dtype {
+                Some(d) => d,
+                None => match kiln::models::WeightStore::open(dir)?.dtype("model.embed_tokens.weight") {
+                    Some(safetensors::Dtype::F32) => kiln::models::hf::ExportDtype::F32,
+                    _ => kiln::models::hf::ExportDtype::Bf16,
+                },
+            };
             let (_, model) = load_lfm2::<B>(dir, device)?;
             let tensors = kiln::models::hf::hf_tensors(&model);
             // fp32 buffers (expert_bias) stay fp32 in bf16 exports, as in the released checkpoints.
@@ -674,7 +682,7 @@ fn run_job<B: burn::tensor::backend::Backend>(device: &B::Device, job: Job) -> R
                 &tensors,
                 dir,
                 &args.out,
-                args.dtype,
+                dtype,
                 &keep_f32,
                 kiln::models::hf::SHARD_BYTES,
             )?;

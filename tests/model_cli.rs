@@ -110,6 +110,13 @@ fn init_model_generate_and_convert_round_trip() {
     assert_eq!(st.tensor("model.embed_tokens.weight").unwrap().dtype(), safetensors::Dtype::BF16);
     let (_, metadata) = SafeTensors::read_metadata(&bytes).unwrap();
     assert_eq!(metadata.metadata().as_ref().and_then(|m| m.get("format")).map(String::as_str), Some("pt"));
+
+    // A bf16 checkpoint loaded and exported again (dtype follows the source) is byte-identical.
+    let d = dir.path().join("d");
+    let (ok, _, stderr) =
+        run_kiln(&["convert", "--model-dir", c.to_str().unwrap(), "--out", d.to_str().unwrap()], &[], &project_dir());
+    assert!(ok, "{stderr}");
+    assert_eq!(std::fs::read(d.join("model.safetensors")).unwrap(), bytes);
 }
 
 #[test]

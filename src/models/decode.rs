@@ -4,7 +4,7 @@
 
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::layers::{SequenceLayout, apply_rope, rope_tables};
 use super::lfm2::{Attention, FeedForward, Lfm2Model, Mixer, ShortConv};
@@ -114,7 +114,8 @@ impl<B: Backend> Attention<B> {
             if nh == nkv { t } else { t.unsqueeze_dim::<5>(2).repeat_dim(2, nh / nkv).reshape([batch, nh, total, hd]) }
         };
         let scores = q.matmul(repeat(k).swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask.clone();
-        let out = softmax(scores, 3).matmul(repeat(v));
+        let dtype = scores.dtype();
+        let out = softmax(scores.cast(FloatDType::F32), 3).cast(dtype).matmul(repeat(v));
         self.out_proj.forward(out.swap_dims(1, 2).reshape([batch, seq, nh * hd]))
     }
 }

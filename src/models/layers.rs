@@ -6,9 +6,10 @@ use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 
-/// `weight * x / sqrt(mean(x²) + eps)` over the last dimension (LFM2's form: no `1 +` offset).
+/// `weight * x / sqrt(mean(x²) + eps)` over the last dimension (LFM2's form: no `1 +` offset), normalized
+/// in f32 whatever the compute dtype, then cast back before the weight, as transformers does.
 #[derive(Module, Debug)]
 pub struct RmsNorm<B: Backend> {
     pub weight: Param<Tensor<B, 1>>,
@@ -17,8 +18,10 @@ pub struct RmsNorm<B: Backend> {
 
 impl<B: Backend> RmsNorm<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let dtype = x.dtype();
+        let x = x.cast(FloatDType::F32);
         let variance = x.clone().powf_scalar(2.0).mean_dim(D - 1);
-        let normed = x * (variance + self.eps).sqrt().recip();
+        let normed = (x * (variance + self.eps).sqrt().recip()).cast(dtype);
         normed * self.weight.val().unsqueeze::<D>()
     }
 }

@@ -7,7 +7,7 @@ use burn::nn::Linear;
 use burn::tensor::IndexingUpdateOp;
 use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::config::{LayerKind, Lfm2Config};
 use super::layers::{RmsNorm, SequenceLayout, SwiGlu, apply_rope, rope_tables};
@@ -104,7 +104,9 @@ impl<B: Backend> Attention<B> {
         };
         let (k, v) = (repeat(k), repeat(v));
         let scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask.clone();
-        let out = softmax(scores, 3).matmul(v);
+        // Softmax in f32 whatever the compute dtype, as transformers' eager attention.
+        let dtype = scores.dtype();
+        let out = softmax(scores.cast(FloatDType::F32), 3).cast(dtype).matmul(v);
         self.out_proj.forward(out.swap_dims(1, 2).reshape([batch, seq, nh * hd]))
     }
 }
