@@ -266,15 +266,7 @@ impl Hub {
             let folder = self.config.cache_dir.join(repo_folder(spec.kind, &spec.repo));
             write_ref(&folder, &spec.revision, &commit)?;
         }
-        Ok(PulledRepo {
-            kind: spec.kind,
-            repo: spec.repo.clone(),
-            revision: spec.revision.clone(),
-            commit,
-            endpoint: self.config.endpoint.clone(),
-            from_cache: false,
-            files,
-        })
+        Ok(self.record(spec, commit, false, files))
     }
 
     /// Resolves `spec` from the standard cache layout only: refs/<revision> → snapshots/<commit>/….
@@ -309,15 +301,19 @@ impl Hub {
         })?;
         let files =
             selected.iter().map(|path| describe_file(path, &snapshot.join(path))).collect::<Result<Vec<_>, _>>()?;
-        Ok(PulledRepo {
+        Ok(self.record(spec, commit, true, files))
+    }
+
+    fn record(&self, spec: &RepoSpec, commit: String, from_cache: bool, files: Vec<PulledFile>) -> PulledRepo {
+        PulledRepo {
             kind: spec.kind,
             repo: spec.repo.clone(),
             revision: spec.revision.clone(),
             commit,
             endpoint: self.config.endpoint.clone(),
-            from_cache: true,
+            from_cache,
             files,
-        })
+        }
     }
 
     fn file_bar(&self) -> ProgressBar {

@@ -2,11 +2,10 @@
 //! batched prompts of different lengths (left-padded; padding is masked out and never enters a state), and
 //! greedy generation. Incremental logits equal the full forward's.
 
-use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 
-use super::layers::{SequenceLayout, apply_rope, rope_tables};
+use super::layers::{SequenceLayout, rope_tables};
 use super::lfm2::{Attention, FeedForward, Lfm2Model, Mixer, ShortConv};
 
 enum LayerCache<B: Backend> {
@@ -67,56 +66,25 @@ impl<B: Backend> ShortConv<B> {
 }
 
 impl<B: Backend> Attention<B> {
-    #[allow(clippy::too_many_arguments)]
     fn forward_cached(
         &self,
         x: Tensor<B, 3>,
-        cos: &Tensor<B, 4>,
-        sin: &Tensor<B, 4>,
+        tables: (&Tensor<B, 4>, &Tensor<B, 4>),
         mask: &Tensor<B, 4>,
         cache_k: &mut Option<Tensor<B, 4>>,
         cache_v: &mut Option<Tensor<B, 4>>,
     ) -> Tensor<B, 3> {
-        let [batch, seq, _] = x.dims();
-        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let heads = |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, hd]).swap_dims(1, 2);
-        let q = heads(
-            self.q_layernorm.forward(self.q_proj.forward(x.clone()).reshape([batch, seq, nh, hd])).reshape([
-                batch,
-                seq,
-                nh * hd,
-            ]),
-            nh,
-        );
-        let k = heads(
-            self.k_layernorm.forward(self.k_proj.forward(x.clone()).reshape([batch, seq, nkv, hd])).reshape([
-                batch,
-                seq,
-                nkv * hd,
-            ]),
-            nkv,
-        );
-        let v = heads(self.v_proj.forward(x), nkv);
-        let q = apply_rope(q, cos, sin);
-        let k = apply_rope(k, cos, sin);
-        let k = match cache_k.take() {
-            Some(prev) => Tensor::cat(vec![prev, k], 2),
-            None => k,
+        let (q, k, v) = self.qkv(x, tables.0, tables.1);
+        let append = |cache: &mut Option<Tensor<B, 4>>, new: Tensor<B, 4>| {
+            let all = match cache.take() {
+                Some(prev) => Tensor::cat(vec![prev, new], 2),
+                None => new,
+            };
+            *cache = Some(all.clone());
+            all
         };
-        let v = match cache_v.take() {
-            Some(prev) => Tensor::cat(vec![prev, v], 2),
-            None => v,
-        };
-        *cache_k = Some(k.clone());
-        *cache_v = Some(v.clone());
-        let total = k.dims()[2];
-        let repeat = |t: Tensor<B, 4>| {
-            if nh == nkv { t } else { t.unsqueeze_dim::<5>(2).repeat_dim(2, nh / nkv).reshape([batch, nh, total, hd]) }
-        };
-        let scores = q.matmul(repeat(k).swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask.clone();
-        let dtype = scores.dtype();
-        let out = softmax(scores.cast(FloatDType::F32), 3).cast(dtype).matmul(repeat(v));
-        self.out_proj.forward(out.swap_dims(1, 2).reshape([batch, seq, nh * hd]))
+        let (k, v) = (append(cache_k, k), append(cache_v, v));
+        self.attend(q, k, v, mask)
     }
 }
 
@@ -166,7 +134,7 @@ impl<B: Backend> Lfm2Model<B> {
             let y = match (&layer.mixer, state) {
                 (Mixer::Conv(conv), LayerCache::Conv(s)) => conv.forward_cached(x, &valid_t, s),
                 (Mixer::Attention(attn), LayerCache::Attention { k, v }) => {
-                    attn.forward_cached(x, &cos, &sin, &mask, k, v)
+                    attn.forward_cached(x, (&cos, &sin), &mask, k, v)
                 }
                 _ => unreachable!("the cache is built from this model's layers"),
             };

@@ -69,6 +69,48 @@ pub struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
+    /// Queries `[batch, heads, seq, head_dim]` and keys, values `[batch, kv_heads, seq, head_dim]`, with the
+    /// per-head norms and RoPE applied.
+    pub fn qkv(
+        &self,
+        x: Tensor<B, 3>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+        let [batch, seq, _] = x.dims();
+        let hd = self.head_dim;
+        let heads = |t: Tensor<B, 3>, norm: Option<&RmsNorm<B>>, n: usize| {
+            let t = t.reshape([batch, seq, n, hd]);
+            let t = match norm {
+                Some(norm) => norm.forward(t),
+                None => t,
+            };
+            t.swap_dims(1, 2)
+        };
+        let q = heads(self.q_proj.forward(x.clone()), Some(&self.q_layernorm), self.num_heads);
+        let k = heads(self.k_proj.forward(x.clone()), Some(&self.k_layernorm), self.num_kv_heads);
+        let v = heads(self.v_proj.forward(x), None, self.num_kv_heads);
+        (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    }
+
+    /// `out_proj(softmax(q kᵀ / √d + mask) v)`, each kv head serving `heads / kv_heads` consecutive query
+    /// heads (repeat_interleave); softmax in f32 whatever the compute dtype, as transformers' eager attention.
+    pub fn attend(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, mask: &Tensor<B, 4>) -> Tensor<B, 3> {
+        let [batch, nh, seq, hd] = q.dims();
+        let total = k.dims()[2];
+        let repeat = |t: Tensor<B, 4>| {
+            if nh == self.num_kv_heads {
+                t
+            } else {
+                t.unsqueeze_dim::<5>(2).repeat_dim(2, nh / self.num_kv_heads).reshape([batch, nh, total, hd])
+            }
+        };
+        let scores = q.matmul(repeat(k).swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask.clone();
+        let dtype = scores.dtype();
+        let out = softmax(scores.cast(FloatDType::F32), 3).cast(dtype).matmul(repeat(v));
+        self.out_proj.forward(out.swap_dims(1, 2).reshape([batch, seq, nh * hd]))
+    }
+
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
@@ -76,38 +118,8 @@ impl<B: Backend> Attention<B> {
         sin: &Tensor<B, 4>,
         mask: &Tensor<B, 4>,
     ) -> Tensor<B, 3> {
-        let [batch, seq, _] = x.dims();
-        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let heads = |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, hd]).swap_dims(1, 2);
-        let q = heads(
-            self.q_layernorm.forward(self.q_proj.forward(x.clone()).reshape([batch, seq, nh, hd])).reshape([
-                batch,
-                seq,
-                nh * hd,
-            ]),
-            nh,
-        );
-        let k = heads(
-            self.k_layernorm.forward(self.k_proj.forward(x.clone()).reshape([batch, seq, nkv, hd])).reshape([
-                batch,
-                seq,
-                nkv * hd,
-            ]),
-            nkv,
-        );
-        let v = heads(self.v_proj.forward(x), nkv);
-        let q = apply_rope(q, cos, sin);
-        let k = apply_rope(k, cos, sin);
-        // Each kv head serves nh/nkv consecutive query heads (repeat_interleave).
-        let repeat = |t: Tensor<B, 4>| {
-            if nh == nkv { t } else { t.unsqueeze_dim::<5>(2).repeat_dim(2, nh / nkv).reshape([batch, nh, seq, hd]) }
-        };
-        let (k, v) = (repeat(k), repeat(v));
-        let scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask.clone();
-        // Softmax in f32 whatever the compute dtype, as transformers' eager attention.
-        let dtype = scores.dtype();
-        let out = softmax(scores.cast(FloatDType::F32), 3).cast(dtype).matmul(v);
-        self.out_proj.forward(out.swap_dims(1, 2).reshape([batch, seq, nh * hd]))
+        let (q, k, v) = self.qkv(x, cos, sin);
+        self.attend(q, k, v, mask)
     }
 }
 
