@@ -12,3 +12,4 @@ pub mod hub;
 pub mod models;
 pub mod synth;
 pub mod tokens;
+pub mod train;

@@ -57,6 +57,8 @@ enum Command {
     Convert(ConvertArgs),
     /// Write a seeded random-init checkpoint for a config.json (the offline default's tiny model).
     InitModel(InitModelArgs),
+    /// Full fine-tuning on prepared shards, exporting a checkpoint every epoch.
+    Train(TrainArgs),
     /// Show the build's backends and the Hub settings in effect.
     Info,
 }
@@ -233,6 +235,52 @@ struct GenerateArgs {
 }
 
 #[derive(Args)]
+struct TrainArgs {
+    /// The checkpoint to fine-tune (HF directory).
+    #[arg(long)]
+    model_dir: PathBuf,
+    /// Folder of token shards (kiln prepare's output).
+    #[arg(long)]
+    data: PathBuf,
+    /// Run directory: train/metrics.jsonl, train/state/, checkpoints/epoch-<k>/.
+    #[arg(long)]
+    run: PathBuf,
+    /// A TOML file whose [train] table sets the hyper-parameters (flags override it).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Continue from run/train/state exactly where it stopped.
+    #[arg(long)]
+    resume: bool,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    #[arg(long)]
+    epochs: Option<usize>,
+    #[arg(long)]
+    lr: Option<f64>,
+    #[arg(long)]
+    warmup_ratio: Option<f64>,
+    #[arg(long, value_enum)]
+    decay: Option<kiln::train::schedule::Decay>,
+    #[arg(long)]
+    weight_decay: Option<f64>,
+    #[arg(long)]
+    global_batch: Option<usize>,
+    #[arg(long)]
+    micro_batch: Option<usize>,
+    /// 0 disables clipping.
+    #[arg(long)]
+    max_grad_norm: Option<f64>,
+    #[arg(long)]
+    seed: Option<u64>,
+    #[arg(long)]
+    save_every: Option<usize>,
+    #[arg(long, value_enum)]
+    export_dtype: Option<kiln::models::hf::ExportDtype>,
+    #[arg(long)]
+    peak_tflops: Option<f64>,
+}
+
+#[derive(Args)]
 struct InitModelArgs {
     /// A folder with config.json and the tokenizer / template files to ship beside the weights.
     #[arg(long)]
@@ -290,6 +338,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate(args) => on_device(&args.model.device.clone(), Job::Generate(args)),
         Command::Convert(args) => on_device(&args.model.device.clone(), Job::Convert(args)),
         Command::InitModel(args) => init_model(args),
+        Command::Train(args) => train_cmd(args, cli.quiet),
         Command::Info => info(),
     }
 }
@@ -711,5 +760,96 @@ fn init_model(args: InitModelArgs) -> Result<()> {
         kiln::models::hf::SHARD_BYTES,
     )?;
     eprintln!("init-model: {} ({params} parameters, seed {}) → {}", config.model_type, args.seed, args.out.display());
+    Ok(())
+}
+
+fn train_config(args: &TrainArgs) -> Result<kiln::train::TrainConfig> {
+    let mut cfg = match &args.config {
+        Some(path) => {
+            #[derive(serde::Deserialize)]
+            struct File {
+                #[serde(default)]
+                train: kiln::train::TrainConfig,
+            }
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            toml::from_str::<File>(&text).with_context(|| format!("{}: [train]", path.display()))?.train
+        }
+        None => kiln::train::TrainConfig::default(),
+    };
+    macro_rules! set {
+        ($($field:ident),*) => { $(if let Some(v) = args.$field { cfg.$field = v; })* };
+    }
+    set!(epochs, lr, warmup_ratio, decay, global_batch, micro_batch, seed, export_dtype);
+    if let Some(wd) = args.weight_decay {
+        cfg.adamw.weight_decay = wd;
+    }
+    if let Some(n) = args.max_grad_norm {
+        cfg.max_grad_norm = (n > 0.0).then_some(n);
+    }
+    if args.save_every.is_some() {
+        cfg.save_every = args.save_every;
+    }
+    if args.peak_tflops.is_some() {
+        cfg.peak_tflops = args.peak_tflops;
+    }
+    Ok(cfg)
+}
+
+fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicBool;
+    let cfg = train_config(&args)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    // Ctrl-C: finish the current step, save the state, exit; a second Ctrl-C kills the process as usual.
+    let _ = ctrlc::set_handler(move || {
+        if flag.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!("\nstopping after this step (Ctrl-C again to abort)…");
+    });
+    let run = |device: &str| -> Result<kiln::train::TrainSummary> {
+        match device {
+            "cpu" => Ok(kiln::train::train::<kiln::backend::CpuTrain>(
+                &cfg,
+                &args.model_dir,
+                &args.data,
+                &args.run,
+                args.resume,
+                &stop,
+                None,
+                !quiet,
+                &Default::default(),
+            )?
+            .0),
+            #[cfg(feature = "cuda")]
+            "cuda" => Ok(kiln::train::train::<kiln::backend::GpuTrain>(
+                &cfg,
+                &args.model_dir,
+                &args.data,
+                &args.run,
+                args.resume,
+                &stop,
+                None,
+                !quiet,
+                &Default::default(),
+            )?
+            .0),
+            #[cfg(not(feature = "cuda"))]
+            "cuda" => bail!("this kiln was built without CUDA: rebuild with `cargo build --release --features cuda`"),
+            other => bail!("unknown device '{other}': use cpu or cuda"),
+        }
+    };
+    let summary = run(&args.device)?;
+    write_json(Some(&args.run.join("train").join("summary.json")), &summary)?;
+    eprintln!(
+        "train: {} steps, {} epochs{} in {:.1}s; final loss {}; checkpoints: {}",
+        summary.steps,
+        summary.epochs_done,
+        if summary.interrupted { " (interrupted, resume with --resume)" } else { "" },
+        summary.seconds,
+        summary.final_loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into()),
+        summary.checkpoints.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    );
     Ok(())
 }

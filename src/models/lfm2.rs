@@ -366,11 +366,15 @@ impl<B: Backend> Lfm2Model<B> {
                     let (gate_up, down) = experts(store, &key, moe.num_experts, h, moe.moe_intermediate_size, device);
                     FeedForward::Moe(MoeBlock {
                         gate: linear(store, &format!("{key}.gate"), h, moe.num_experts, device),
+                        // A buffer in transformers, never trained.
                         expert_bias: if moe.use_expert_bias {
-                            Some(Param::from_tensor(tensor(
-                                store.take(&format!("{key}.expert_bias"), &[moe.num_experts]),
-                                device,
-                            )))
+                            Some(
+                                Param::from_tensor(tensor(
+                                    store.take(&format!("{key}.expert_bias"), &[moe.num_experts]),
+                                    device,
+                                ))
+                                .set_require_grad(false),
+                            )
                         } else {
                             None
                         },

@@ -182,8 +182,9 @@ pub fn prepare(
                 Outcome::Samples { source, samples, stripped, unlike, dropped_long } => {
                     stats.thinking_blocks_stripped += stripped as u64;
                     stats.turns_unlike_inference += unlike as u64;
-                    for _ in 0..dropped_long {
-                        stats.drop("too_long", format!("a sample longer than {} tokens", cfg.seq_len));
+                    // Counted only: over-long samples are expected at a short --seq-len, not errors to show.
+                    if dropped_long > 0 {
+                        *stats.dropped.entry("too_long".into()).or_default() += dropped_long as u64;
                     }
                     let counts = stats.per_source.entry(source.clone()).or_default();
                     for (sample, truncated) in &samples {
