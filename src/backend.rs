@@ -14,8 +14,10 @@ pub type CpuTrain = Autodiff<Cpu>;
 /// GPU backend: burn's CUDA backend in bf16 (NVRTC at run time; no toolkit needed to build).
 #[cfg(feature = "cuda")]
 pub type Gpu = burn::backend::Cuda<burn::tensor::bf16>;
+/// GPU training backend: f32 parameters, gradients and AdamW moments (16 bytes per parameter plus
+/// activations) until bf16 compute with f32 master weights lands (the performance issue).
 #[cfg(feature = "cuda")]
-pub type GpuTrain = Autodiff<Gpu>;
+pub type GpuTrain = Autodiff<burn::backend::Cuda<f32>>;
 
 /// The backends compiled into this binary.
 pub fn compiled() -> Vec<&'static str> {

@@ -263,8 +263,13 @@ struct TrainArgs {
     decay: Option<kiln::train::schedule::Decay>,
     #[arg(long)]
     weight_decay: Option<f64>,
+    /// Sequences per optimizer step.
     #[arg(long)]
     global_batch: Option<usize>,
+    /// Tokens per optimizer step (sequences = tokens / sequence length); wins over --global-batch.
+    #[arg(long)]
+    global_batch_tokens: Option<usize>,
+    /// Sequences per forward pass.
     #[arg(long)]
     micro_batch: Option<usize>,
     /// 0 disables clipping.
@@ -788,6 +793,9 @@ fn train_config(args: &TrainArgs) -> Result<kiln::train::TrainConfig> {
     }
     if args.save_every.is_some() {
         cfg.save_every = args.save_every;
+    }
+    if args.global_batch_tokens.is_some() {
+        cfg.global_batch_tokens = args.global_batch_tokens;
     }
     if args.peak_tflops.is_some() {
         cfg.peak_tflops = args.peak_tflops;

@@ -38,6 +38,8 @@ pub struct TrainConfig {
     pub adamw: AdamWConfig,
     /// Sequences (packed rows) per optimizer step.
     pub global_batch: usize,
+    /// The global batch in tokens instead: rows per step = this / sequence length (wins when set).
+    pub global_batch_tokens: Option<usize>,
     /// Sequences per forward pass; `global_batch` must be a multiple.
     pub micro_batch: usize,
     pub max_grad_norm: Option<f64>,
@@ -60,6 +62,7 @@ impl Default for TrainConfig {
             decay: Decay::Cosine,
             adamw: AdamWConfig::default(),
             global_batch: 8,
+            global_batch_tokens: None,
             micro_batch: 1,
             max_grad_norm: Some(1.0),
             seed: 42,
@@ -185,14 +188,18 @@ pub fn train<B: AutodiffBackend>(
     show_progress: bool,
     device: &B::Device,
 ) -> Result<(TrainSummary, Lfm2Model<B>), TrainError> {
-    if cfg.micro_batch == 0 || !cfg.global_batch.is_multiple_of(cfg.micro_batch) {
-        return Err(TrainError::Config(format!(
-            "global batch {} is not a multiple of micro batch {}",
-            cfg.global_batch, cfg.micro_batch
-        )));
-    }
     let started = Instant::now();
     let data = TrainData::load(data_dir)?;
+    let global_batch = match cfg.global_batch_tokens {
+        Some(tokens) => (tokens / data.seq_len.max(1)).max(1),
+        None => cfg.global_batch,
+    };
+    if cfg.micro_batch == 0 || !global_batch.is_multiple_of(cfg.micro_batch) {
+        return Err(TrainError::Config(format!(
+            "a global batch of {global_batch} sequences is not a multiple of the micro batch {}",
+            cfg.micro_batch
+        )));
+    }
     let train_dir = run_dir.join("train");
     let state_dir = train_dir.join("state");
     std::fs::create_dir_all(&train_dir)
@@ -230,7 +237,7 @@ pub fn train<B: AutodiffBackend>(
         let _ = std::fs::remove_file(train_dir.join("metrics.jsonl"));
     }
 
-    let steps_per_epoch = data.rows.len().div_ceil(cfg.global_batch);
+    let steps_per_epoch = data.rows.len().div_ceil(global_batch);
     let total_steps = steps_per_epoch * cfg.epochs;
     let warmup = cfg.warmup_steps.unwrap_or_else(|| (cfg.warmup_ratio * total_steps as f64).ceil() as usize);
     let schedule =
@@ -270,8 +277,8 @@ pub fn train<B: AutodiffBackend>(
                 return Ok((summary, model));
             }
             let step_started = Instant::now();
-            let start = position.step_in_epoch * cfg.global_batch;
-            let rows: Vec<usize> = order[start..(start + cfg.global_batch).min(order.len())].to_vec();
+            let start = position.step_in_epoch * global_batch;
+            let rows: Vec<usize> = order[start..(start + global_batch).min(order.len())].to_vec();
             let weights: Vec<Vec<f32>> = rows.iter().map(|&r| target_weights(&data.rows[r])).collect();
             let supervised: f32 = weights.iter().flatten().sum();
             let lr = schedule.lr(position.global_step);
