@@ -10,6 +10,9 @@ use burn::tensor::{Tensor, TensorData};
 pub type Cpu = Flex<f32>;
 /// CPU backend with gradients, for training.
 pub type CpuTrain = Autodiff<Cpu>;
+/// The same with burn's activation checkpointing: memory-bound activations are recomputed in the backward
+/// pass instead of kept (burn checkpoints by operation, not by block).
+pub type CpuTrainCheckpointed = Autodiff<Cpu, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
 
 /// GPU backend: burn's CUDA backend in bf16 (NVRTC at run time; no toolkit needed to build).
 #[cfg(feature = "cuda")]
@@ -18,6 +21,9 @@ pub type Gpu = burn::backend::Cuda<burn::tensor::bf16>;
 /// activations) until bf16 compute with f32 master weights lands (the performance issue).
 #[cfg(feature = "cuda")]
 pub type GpuTrain = Autodiff<burn::backend::Cuda<f32>>;
+#[cfg(feature = "cuda")]
+pub type GpuTrainCheckpointed =
+    Autodiff<burn::backend::Cuda<f32>, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
 
 /// The backends compiled into this binary.
 pub fn compiled() -> Vec<&'static str> {

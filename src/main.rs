@@ -283,6 +283,9 @@ struct TrainArgs {
     export_dtype: Option<kiln::models::hf::ExportDtype>,
     #[arg(long)]
     peak_tflops: Option<f64>,
+    /// Recompute memory-bound activations in the backward pass instead of keeping them.
+    #[arg(long)]
+    activation_checkpointing: bool,
 }
 
 #[derive(Args)]
@@ -817,36 +820,35 @@ fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
         eprintln!("\nstopping after this step (Ctrl-C again to abort)…");
     });
     let run = |device: &str| -> Result<kiln::train::TrainSummary> {
-        match device {
-            "cpu" => Ok(kiln::train::train::<kiln::backend::CpuTrain>(
-                &cfg,
-                &args.model_dir,
-                &args.data,
-                &args.run,
-                args.resume,
-                &stop,
-                None,
-                !quiet,
-                &Default::default(),
-            )?
-            .0),
-            #[cfg(feature = "cuda")]
-            "cuda" => Ok(kiln::train::train::<kiln::backend::GpuTrain>(
-                &cfg,
-                &args.model_dir,
-                &args.data,
-                &args.run,
-                args.resume,
-                &stop,
-                None,
-                !quiet,
-                &Default::default(),
-            )?
-            .0),
-            #[cfg(not(feature = "cuda"))]
-            "cuda" => bail!("this kiln was built without CUDA: rebuild with `cargo build --release --features cuda`"),
-            other => bail!("unknown device '{other}': use cpu or cuda"),
+        macro_rules! go {
+            ($backend:ty) => {
+                kiln::train::train::<$backend>(
+                    &cfg,
+                    &args.model_dir,
+                    &args.data,
+                    &args.run,
+                    args.resume,
+                    &stop,
+                    None,
+                    !quiet,
+                    &Default::default(),
+                )?
+                .0
+            };
         }
+        Ok(match (device, args.activation_checkpointing) {
+            ("cpu", false) => go!(kiln::backend::CpuTrain),
+            ("cpu", true) => go!(kiln::backend::CpuTrainCheckpointed),
+            #[cfg(feature = "cuda")]
+            ("cuda", false) => go!(kiln::backend::GpuTrain),
+            #[cfg(feature = "cuda")]
+            ("cuda", true) => go!(kiln::backend::GpuTrainCheckpointed),
+            #[cfg(not(feature = "cuda"))]
+            ("cuda", _) => {
+                bail!("this kiln was built without CUDA: rebuild with `cargo build --release --features cuda`")
+            }
+            (other, _) => bail!("unknown device '{other}': use cpu or cuda"),
+        })
     };
     let summary = run(&args.device)?;
     write_json(Some(&args.run.join("train").join("summary.json")), &summary)?;

@@ -285,3 +285,29 @@ fn kiln_train_lowers_the_loss_on_the_synthetic_sample() {
         "3",
     ]);
 }
+
+#[test]
+fn activation_checkpointing_gives_the_same_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixture_shards(dir.path(), 1);
+    let cfg = TrainConfig { epochs: 2, ..parity_config() };
+    let device = Default::default();
+    let (_, plain) = run(&cfg, &data, &dir.path().join("plain"), false, None);
+    let (_, recomputed) = train::<kiln::backend::CpuTrainCheckpointed>(
+        &cfg,
+        &fixture_dir().join("lfm2-tiny"),
+        &data,
+        &dir.path().join("ckpt"),
+        false,
+        &AtomicBool::new(false),
+        None,
+        false,
+        &device,
+    )
+    .unwrap();
+    let (a, b) = (hf_tensors(&plain), hf_tensors(&recomputed));
+    for (k, t) in &a {
+        let err = t.data.iter().zip(&b[k].data).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(err <= 1e-6, "{k}: {err}");
+    }
+}
