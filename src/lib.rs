@@ -8,6 +8,7 @@
 pub mod backend;
 pub mod chat;
 pub mod data;
+pub mod eval;
 pub mod hub;
 pub mod models;
 pub mod synth;

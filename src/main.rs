@@ -59,6 +59,8 @@ enum Command {
     InitModel(InitModelArgs),
     /// Full fine-tuning on prepared shards, exporting a checkpoint every epoch.
     Train(TrainArgs),
+    /// Score predictions on the TB2-lite replay set exactly as the reference evaluator.
+    Score(ScoreArgs),
     /// Show the build's backends and the Hub settings in effect.
     Info,
 }
@@ -235,6 +237,23 @@ struct GenerateArgs {
 }
 
 #[derive(Args)]
+struct ScoreArgs {
+    /// Replay steps (JSONL, the TB2-lite record schema).
+    #[arg(long)]
+    replay: PathBuf,
+    /// JSONL of {task_id, step_idx, text}, or another evaluator's result JSON.
+    #[arg(long)]
+    predictions: PathBuf,
+    #[arg(long, value_enum, default_value = "v2")]
+    scorer: kiln::eval::ScorerVersion,
+    #[arg(long)]
+    out: PathBuf,
+    /// The model name recorded in the result.
+    #[arg(long, default_value = "external")]
+    model: String,
+}
+
+#[derive(Args)]
 struct TrainArgs {
     /// The checkpoint to fine-tune (HF directory).
     #[arg(long)]
@@ -347,6 +366,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Convert(args) => on_device(&args.model.device.clone(), Job::Convert(args)),
         Command::InitModel(args) => init_model(args),
         Command::Train(args) => train_cmd(args, cli.quiet),
+        Command::Score(args) => score_cmd(args),
         Command::Info => info(),
     }
 }
@@ -860,6 +880,45 @@ fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
         summary.seconds,
         summary.final_loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into()),
         summary.checkpoints.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    );
+    Ok(())
+}
+
+fn score_cmd(args: ScoreArgs) -> Result<()> {
+    use kiln::eval::result::{EvalResult, aggregate, read_predictions, read_replay, score_all};
+    let started = Instant::now();
+    let steps = read_replay(&args.replay).map_err(anyhow::Error::msg)?;
+    let predictions = read_predictions(&args.predictions).map_err(anyhow::Error::msg)?;
+    let rows = score_all(&steps, &predictions, args.scorer).map_err(anyhow::Error::msg)?;
+    let result = EvalResult {
+        model: args.model.clone(),
+        model_path: args.predictions.display().to_string(),
+        model_short: args.model.clone(),
+        eval_path: args.replay.display().to_string(),
+        timestamp: chrono::Local::now().format("%Y-%m-%dT%H:%M:%S%.6f").to_string(),
+        load_time_sec: 0.0,
+        gen_time_sec: 0.0,
+        avg_sec_per_step: 0.0,
+        scorer: args.scorer,
+        sampling: serde_json::Value::Null,
+        prompt_template: serde_json::Value::Null,
+        aggregate: aggregate(&rows),
+        per_step: rows,
+    };
+    write_json(Some(&args.out), &result)?;
+    let a = &result.aggregate;
+    eprintln!(
+        "score: {} steps / {} tasks — Score {:.2} (P {:.4} R {:.4} F1 {:.4}, first exact {:.1}%, valid JSON {:.1}%) in {:.1} ms → {}",
+        a.steps,
+        a.tasks,
+        a.score,
+        a.avg_command_precision,
+        a.avg_command_recall,
+        a.avg_command_f1,
+        a.first_cmd_exact_pct,
+        a.valid_json_pct,
+        started.elapsed().as_secs_f64() * 1e3,
+        args.out.display()
     );
     Ok(())
 }
