@@ -61,6 +61,10 @@ enum Command {
     Train(TrainArgs),
     /// Score predictions on the TB2-lite replay set exactly as the reference evaluator.
     Score(ScoreArgs),
+    /// Evaluate a checkpoint on the TB2-lite replay set (render, greedy decode, score).
+    Eval(EvalArgs),
+    /// Evaluate a run's base model and epochs (where not yet done) and choose the best epoch.
+    Select(SelectArgs),
     /// Show the build's backends and the Hub settings in effect.
     Info,
 }
@@ -237,6 +241,74 @@ struct GenerateArgs {
 }
 
 #[derive(Args)]
+struct EvalOptionArgs {
+    /// Replay steps (JSONL).
+    #[arg(long)]
+    replay: PathBuf,
+    #[arg(long, default_value_t = 1024)]
+    max_tokens: usize,
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Template thinking switch (`enable_thinking`); default: the template's own.
+    #[arg(long)]
+    enable_thinking: Option<bool>,
+    /// Strip <think> blocks from assistant history before rendering.
+    #[arg(long)]
+    strip_thinking_history: bool,
+    #[arg(long, value_enum, default_value = "v2")]
+    scorer: kiln::eval::ScorerVersion,
+    /// Only the first N steps.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Only these task ids (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    tasks: Vec<String>,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+impl EvalOptionArgs {
+    fn options(&self) -> kiln::eval::run::EvalOptions {
+        kiln::eval::run::EvalOptions {
+            max_tokens: self.max_tokens,
+            batch_size: self.batch_size,
+            enable_thinking: self.enable_thinking,
+            strip_thinking_history: self.strip_thinking_history,
+            scorer: self.scorer,
+            limit: self.limit,
+            tasks: self.tasks.clone(),
+        }
+    }
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    /// The checkpoint directory.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    #[command(flatten)]
+    eval: EvalOptionArgs,
+    /// The name recorded in the result (default: the checkpoint folder's name).
+    #[arg(long)]
+    name: Option<String>,
+    /// Result file (default: eval/<name>.json).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct SelectArgs {
+    /// The run directory (checkpoints/epoch-<k>/).
+    #[arg(long)]
+    run: PathBuf,
+    /// The base model, evaluated for comparison.
+    #[arg(long)]
+    base: Option<PathBuf>,
+    #[command(flatten)]
+    eval: EvalOptionArgs,
+}
+
+#[derive(Args)]
 struct ScoreArgs {
     /// Replay steps (JSONL, the TB2-lite record schema).
     #[arg(long)]
@@ -367,6 +439,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::InitModel(args) => init_model(args),
         Command::Train(args) => train_cmd(args, cli.quiet),
         Command::Score(args) => score_cmd(args),
+        Command::Eval(args) => eval_cmd(args, cli.quiet),
+        Command::Select(args) => select_cmd(args, cli.quiet),
         Command::Info => info(),
     }
 }
@@ -920,5 +994,98 @@ fn score_cmd(args: ScoreArgs) -> Result<()> {
         started.elapsed().as_secs_f64() * 1e3,
         args.out.display()
     );
+    Ok(())
+}
+
+fn run_eval(
+    name: &str,
+    checkpoint: &Path,
+    eval: &EvalOptionArgs,
+    quiet: bool,
+) -> Result<kiln::eval::result::EvalResult> {
+    let steps = kiln::eval::result::read_replay(&eval.replay).map_err(anyhow::Error::msg)?;
+    let opts = eval.options();
+    let steps = kiln::eval::run::select_steps(steps, &opts);
+    if steps.is_empty() {
+        bail!("no replay step selected from {}", eval.replay.display());
+    }
+    let result = match eval.device.as_str() {
+        "cpu" => kiln::eval::run::evaluate::<kiln::backend::Cpu>(
+            name,
+            checkpoint,
+            &eval.replay,
+            &steps,
+            &opts,
+            !quiet,
+            &Default::default(),
+        ),
+        #[cfg(feature = "cuda")]
+        "cuda" => kiln::eval::run::evaluate::<kiln::backend::Gpu>(
+            name,
+            checkpoint,
+            &eval.replay,
+            &steps,
+            &opts,
+            !quiet,
+            &Default::default(),
+        ),
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => bail!("this kiln was built without CUDA: rebuild with `cargo build --release --features cuda`"),
+        other => bail!("unknown device '{other}': use cpu or cuda"),
+    };
+    result.map_err(anyhow::Error::msg).with_context(|| format!("evaluating {}", checkpoint.display()))
+}
+
+fn eval_cmd(args: EvalArgs, quiet: bool) -> Result<()> {
+    let name = args.name.clone().unwrap_or_else(|| {
+        args.checkpoint.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+    });
+    let result = run_eval(&name, &args.checkpoint, &args.eval, quiet)?;
+    let out = args.out.clone().unwrap_or_else(|| PathBuf::from("eval").join(format!("{name}.json")));
+    write_json(Some(&out), &result)?;
+    let a = &result.aggregate;
+    eprintln!(
+        "eval {name}: Score {:.2} (P {:.4} R {:.4}, first exact {:.1}%, valid JSON {:.1}%) over {} steps, {:.3} s/step → {}",
+        a.score,
+        a.avg_command_precision,
+        a.avg_command_recall,
+        a.first_cmd_exact_pct,
+        a.valid_json_pct,
+        a.steps,
+        result.avg_sec_per_step,
+        out.display()
+    );
+    Ok(())
+}
+
+fn select_cmd(args: SelectArgs, quiet: bool) -> Result<()> {
+    use kiln::eval::select::{candidates, choose};
+    let all = candidates(&args.run, args.base.as_deref());
+    let mut results = Vec::new();
+    for c in all {
+        let path = args.run.join("eval").join(format!("{}.json", c.name));
+        let result: kiln::eval::result::EvalResult = if path.is_file() {
+            let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str(&text).with_context(|| format!("{} is not an eval result", path.display()))?
+        } else {
+            eprintln!("evaluating {} ({})", c.name, c.path.display());
+            let r = run_eval(&c.name, &c.path, &args.eval, quiet)?;
+            write_json(Some(&path), &r)?;
+            r
+        };
+        eprintln!("  {}: Score {:.2}", c.name, result.aggregate.score);
+        results.push((c, result));
+    }
+    let selection = choose(&results).map_err(anyhow::Error::msg)?;
+    write_json(Some(&args.run.join("selection.json")), &selection)?;
+    let best = args.run.join("best");
+    let _ = std::fs::remove_file(&best);
+    let target = selection
+        .chosen_path
+        .strip_prefix(&args.run)
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|_| selection.chosen_path.clone());
+    std::os::unix::fs::symlink(&target, &best).with_context(|| format!("linking {}", best.display()))?;
+    eprintln!("select: {} → {}", selection.reason, best.display());
     Ok(())
 }

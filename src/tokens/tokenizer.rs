@@ -154,6 +154,11 @@ impl TextTokenizer {
         self.inner.decode(ids, false).unwrap_or_default()
     }
 
+    /// Decodes without special tokens, as generated text is read for scoring.
+    pub fn decode_skip_special(&self, ids: &[u32]) -> String {
+        self.inner.decode(ids, true).unwrap_or_default()
+    }
+
     pub fn info(&self) -> TokenizerInfo {
         TokenizerInfo {
             path: self.path.clone(),

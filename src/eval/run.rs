@@ -1,0 +1,222 @@
+//! `kiln eval`: each replay step's history rendered with the checkpoint's own template through the same
+//! code path as training (thinking options applied), a prompt-length preflight, batched greedy decoding with
+//! the cached decoder, and scoring into the result JSON.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+use burn::tensor::backend::Backend;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value, json};
+
+use super::parse::{ScorerVersion, parse_response};
+use super::result::{EvalResult, ReplayStep, StepRow, aggregate, score_step};
+use crate::chat::{ChatTemplate, PinnedClock, SpecialTokens, strip_thinking};
+use crate::models::{Lfm2Config, Lfm2Model};
+use crate::tokens::TextTokenizer;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EvalOptions {
+    pub max_tokens: usize,
+    pub batch_size: usize,
+    /// Passed to the template as `enable_thinking` when set.
+    pub enable_thinking: Option<bool>,
+    /// Strip `<think>` blocks (and Gemma thought channels) from assistant history messages.
+    pub strip_thinking_history: bool,
+    pub scorer: ScorerVersion,
+    pub limit: Option<usize>,
+    pub tasks: Vec<String>,
+}
+
+impl Default for EvalOptions {
+    fn default() -> Self {
+        EvalOptions {
+            max_tokens: 1024,
+            batch_size: 8,
+            enable_thinking: None,
+            strip_thinking_history: false,
+            scorer: ScorerVersion::V2,
+            limit: None,
+            tasks: Vec::new(),
+        }
+    }
+}
+
+/// The ChatML fallback of the reference evaluator for a template that cannot render (tool → user).
+fn chatml(messages: &[Value]) -> String {
+    let mut out = String::new();
+    for m in messages {
+        let role = match m["role"].as_str().unwrap_or("user") {
+            "tool" => "user",
+            r => r,
+        };
+        out.push_str(&format!("<|im_start|>{role}\n{}<|im_end|>\n", m["content"].as_str().unwrap_or("")));
+    }
+    out.push_str("<|im_start|>assistant\n");
+    out
+}
+
+fn percentile(sorted: &[usize], q: f64) -> usize {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let idx = ((q / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+/// Selects the steps of `--tasks` and `--limit`.
+pub fn select_steps(steps: Vec<ReplayStep>, opts: &EvalOptions) -> Vec<ReplayStep> {
+    let mut steps: Vec<ReplayStep> =
+        steps.into_iter().filter(|s| opts.tasks.is_empty() || opts.tasks.contains(&s.task_id)).collect();
+    if let Some(n) = opts.limit {
+        steps.truncate(n);
+    }
+    steps
+}
+
+/// Evaluates a loaded checkpoint on `steps`; returns the result document.
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate<B: Backend>(
+    name: &str,
+    checkpoint: &Path,
+    eval_path: &Path,
+    steps: &[ReplayStep],
+    opts: &EvalOptions,
+    show_progress: bool,
+    device: &B::Device,
+) -> Result<EvalResult, String> {
+    let load_started = Instant::now();
+    let config = Lfm2Config::from_file(&checkpoint.join("config.json")).map_err(|e| e.to_string())?;
+    let store = crate::models::WeightStore::open(checkpoint).map_err(|e| e.to_string())?;
+    let model = Lfm2Model::<B>::from_source(&config, &store, device).map_err(|e| e.to_string())?;
+    let special = SpecialTokens::load(checkpoint).map_err(|e| e.to_string())?;
+    let template = ChatTemplate::load(checkpoint, None, PinnedClock::now()).map_err(|e| e.to_string())?;
+    let tokenizer = TextTokenizer::load(checkpoint, &special, None).map_err(|e| e.to_string())?;
+    let load_time = load_started.elapsed().as_secs_f64();
+
+    let mut kwargs = Map::new();
+    if let Some(t) = opts.enable_thinking {
+        kwargs.insert("enable_thinking".into(), Value::Bool(t));
+    }
+    // Prompts: the step's history, thinking options applied, rendered with the generation prompt.
+    let mut status: BTreeMap<String, usize> = BTreeMap::new();
+    let mut raw_errors = Vec::new();
+    let mut stripped_blocks = 0usize;
+    let mut prompts = Vec::with_capacity(steps.len());
+    for s in steps {
+        let mut messages = s.messages.clone();
+        if opts.strip_thinking_history {
+            for m in messages.iter_mut().filter(|m| m["role"] == "assistant") {
+                if let Some(Value::String(c)) = m.get_mut("content") {
+                    let (text, n) = strip_thinking(c);
+                    stripped_blocks += n;
+                    *c = text;
+                }
+            }
+        }
+        let text = match template.render(&messages, None, true, &kwargs) {
+            Ok(r) => {
+                *status.entry("chat_template".into()).or_default() += 1;
+                r.text
+            }
+            Err(e) => {
+                *status.entry("raw_fallback".into()).or_default() += 1;
+                raw_errors.push(format!("{}/{}: {e}", s.task_id, s.step_idx));
+                chatml(&messages)
+            }
+        };
+        let ids = tokenizer.encode(&text).map_err(|e| e.to_string())?.0;
+        if ids.len() + opts.max_tokens > config.max_position_embeddings {
+            return Err(format!(
+                "step {}/{}: the prompt has {} tokens; with max_tokens {} it exceeds the context length {}",
+                s.task_id,
+                s.step_idx,
+                ids.len(),
+                opts.max_tokens,
+                config.max_position_embeddings
+            ));
+        }
+        prompts.push(ids);
+    }
+    let mut lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    lengths.sort_unstable();
+
+    // Batched greedy decoding, longest prompts first so each batch pads little.
+    let mut order: Vec<usize> = (0..steps.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(prompts[i].len()));
+    let mut stop = vec![tokenizer.end_of_turn_id];
+    stop.extend(config.eos_token_id);
+    let bar = if show_progress { ProgressBar::new(steps.len() as u64) } else { ProgressBar::hidden() };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} steps {msg} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let gen_started = Instant::now();
+    let mut outputs: Vec<Option<(String, String)>> = vec![None; steps.len()];
+    let mut rows: Vec<Option<StepRow>> = vec![None; steps.len()];
+    let mut f1_sum = 0.0;
+    let mut done = 0usize;
+    for batch in order.chunks(opts.batch_size.max(1)) {
+        let batch_prompts: Vec<Vec<u32>> = batch.iter().map(|&i| prompts[i].clone()).collect();
+        let generated = model.generate_greedy(&batch_prompts, opts.max_tokens, &stop, device);
+        for (&i, ids) in batch.iter().zip(generated) {
+            let finish = if ids.last().is_some_and(|t| stop.contains(t)) { "stop" } else { "length" };
+            let text = tokenizer.decode_skip_special(&ids);
+            let parsed = parse_response(&text, opts.scorer);
+            let row = score_step(&steps[i], &parsed, &text, finish, opts.scorer);
+            f1_sum += row.command_f1;
+            done += 1;
+            rows[i] = Some(row);
+            outputs[i] = Some((text, finish.into()));
+        }
+        bar.set_position(done as u64);
+        bar.set_message(format!("Score so far {:.2}", 100.0 * f1_sum / done.max(1) as f64));
+    }
+    bar.finish_and_clear();
+    let gen_time = gen_started.elapsed().as_secs_f64();
+    let rows: Vec<StepRow> = rows.into_iter().flatten().collect();
+    let template_status =
+        match (status.get("chat_template").copied().unwrap_or(0), status.get("raw_fallback").copied().unwrap_or(0)) {
+            (_, 0) => "chat_template",
+            (0, _) => "mixed_or_raw",
+            _ => "model_specific_or_mixed",
+        };
+    Ok(EvalResult {
+        model: name.to_string(),
+        model_path: checkpoint.display().to_string(),
+        model_short: name.to_string(),
+        eval_path: eval_path.display().to_string(),
+        timestamp: chrono::Local::now().format("%Y-%m-%dT%H:%M:%S%.6f").to_string(),
+        load_time_sec: crate::eval::score::py_round(load_time, 1),
+        gen_time_sec: crate::eval::score::py_round(gen_time, 1),
+        avg_sec_per_step: crate::eval::score::py_round(gen_time / steps.len().max(1) as f64, 3),
+        scorer: opts.scorer,
+        sampling: json!({
+            "temperature": 0.0, "top_p": 1.0, "max_tokens": opts.max_tokens, "repetition_penalty": 1.0,
+            "thinking_mode": match opts.enable_thinking { None => "auto", Some(true) => "on", Some(false) => "off" },
+            "strip_thinking_history": opts.strip_thinking_history, "dtype": "float32", "backend": "kiln",
+            "batch_size": opts.batch_size, "max_model_len": config.max_position_embeddings, "skip_special_tokens": true,
+        }),
+        prompt_template: json!({
+            "template_status": template_status,
+            "template_status_counts": status,
+            "rank_eligible": template_status == "chat_template",
+            "raw_fallback_errors": raw_errors,
+            "template_origin": template.source.origin,
+            "template_sha256": template.source.sha256,
+            "stripped_thinking_blocks": stripped_blocks,
+            "row_count": steps.len(),
+            "prompt_tokens_min": lengths.first().copied().unwrap_or(0),
+            "prompt_tokens_max": lengths.last().copied().unwrap_or(0),
+            "prompt_tokens_p50": percentile(&lengths, 50.0),
+            "prompt_tokens_p95": percentile(&lengths, 95.0),
+            "prompt_tokens_p99": percentile(&lengths, 99.0),
+            "max_model_len": config.max_position_embeddings,
+            "max_tokens": opts.max_tokens,
+        }),
+        aggregate: aggregate(&rows),
+        per_step: rows,
+    })
+}

@@ -1,0 +1,174 @@
+//! `kiln eval` of the tiny model on the synthetic replay set writes a complete result JSON, and `kiln select`
+//! evaluates what has no result yet and picks the planted better epoch with the spec's tie-breaks.
+
+mod common;
+
+use std::path::Path;
+
+use common::{project_dir, run_kiln};
+use serde_json::Value;
+
+fn kiln(args: &[&str]) -> String {
+    let (ok, _, stderr) = run_kiln(args, &[], &project_dir());
+    assert!(ok, "{args:?}: {stderr}");
+    stderr
+}
+
+fn init(out: &Path, seed: &str) {
+    kiln(&["init-model", "--from", "configs/models/tiny", "--out", out.to_str().unwrap(), "--seed", seed]);
+}
+
+#[test]
+fn eval_writes_a_complete_result() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny");
+    init(&model, "1");
+    let out = dir.path().join("result.json");
+    let stderr = kiln(&[
+        "--quiet",
+        "eval",
+        "--checkpoint",
+        model.to_str().unwrap(),
+        "--replay",
+        "datasets/samples/replay.jsonl",
+        "--limit",
+        "4",
+        "--max-tokens",
+        "8",
+        "--batch-size",
+        "3",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(stderr.contains("Score") && stderr.contains("s/step"), "{stderr}");
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    for key in [
+        "model",
+        "model_path",
+        "model_short",
+        "eval_path",
+        "timestamp",
+        "load_time_sec",
+        "gen_time_sec",
+        "avg_sec_per_step",
+        "sampling",
+        "prompt_template",
+        "aggregate",
+        "per_step",
+    ] {
+        assert!(r.get(key).is_some(), "missing {key}");
+    }
+    assert_eq!(r["per_step"].as_array().unwrap().len(), 4);
+    assert_eq!(r["prompt_template"]["template_status"], "chat_template");
+    assert_eq!(r["prompt_template"]["rank_eligible"], true);
+    assert!(r["prompt_template"]["prompt_tokens_max"].as_u64().unwrap() > 100);
+    assert_eq!(r["sampling"]["max_tokens"], 8);
+    let step = &r["per_step"][0];
+    for key in [
+        "task_id",
+        "step_idx",
+        "bucket",
+        "source_group",
+        "valid_json",
+        "ref_command_units",
+        "pred_command_units",
+        "command_f1",
+        "pred_preview",
+        "finish_reason",
+    ] {
+        assert!(step.get(key).is_some(), "per_step missing {key}");
+    }
+    assert!(!step["ref_command_units"].as_array().unwrap().is_empty());
+    assert_eq!(r["aggregate"]["steps"], 4);
+
+    // A prompt longer than the context is refused before any generation.
+    let err = run_kiln(
+        &[
+            "eval",
+            "--checkpoint",
+            model.to_str().unwrap(),
+            "--replay",
+            "datasets/samples/replay.jsonl",
+            "--limit",
+            "1",
+            "--max-tokens",
+            "9000",
+        ],
+        &[],
+        &project_dir(),
+    );
+    assert!(!err.0 && err.2.contains("exceeds the context length 8192"), "{}", err.2);
+}
+
+/// A result whose aggregate says `score` / `recall`.
+fn planted(template: &Value, name: &str, score: f64, recall: f64) -> String {
+    let mut r = template.clone();
+    r["model"] = Value::String(name.into());
+    r["aggregate"]["score"] = score.into();
+    r["aggregate"]["avg_command_f1"] = (score / 100.0).into();
+    r["aggregate"]["avg_command_recall"] = recall.into();
+    serde_json::to_string(&r).unwrap()
+}
+
+#[test]
+fn select_evaluates_what_is_missing_and_picks_the_better_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let base = dir.path().join("base");
+    init(&base, "0");
+    for (k, seed) in [(1, "1"), (2, "2"), (3, "3")] {
+        init(&run.join("checkpoints").join(format!("epoch-{k}")), seed);
+    }
+    // A real result to plant numbers into.
+    let template_path = dir.path().join("t.json");
+    kiln(&[
+        "--quiet",
+        "eval",
+        "--checkpoint",
+        base.to_str().unwrap(),
+        "--replay",
+        "datasets/samples/replay.jsonl",
+        "--limit",
+        "2",
+        "--max-tokens",
+        "4",
+        "--out",
+        template_path.to_str().unwrap(),
+    ]);
+    let template: Value = serde_json::from_str(&std::fs::read_to_string(&template_path).unwrap()).unwrap();
+    let eval_dir = run.join("eval");
+    std::fs::create_dir_all(&eval_dir).unwrap();
+    std::fs::write(eval_dir.join("base.json"), planted(&template, "base", 20.0, 0.2)).unwrap();
+    std::fs::write(eval_dir.join("epoch-1.json"), planted(&template, "epoch-1", 52.30, 0.5431)).unwrap();
+    std::fs::write(eval_dir.join("epoch-2.json"), planted(&template, "epoch-2", 50.48, 0.5296)).unwrap();
+    // epoch-3 has no result: select evaluates it.
+    let stderr = kiln(&[
+        "--quiet",
+        "select",
+        "--run",
+        run.to_str().unwrap(),
+        "--base",
+        base.to_str().unwrap(),
+        "--replay",
+        "datasets/samples/replay.jsonl",
+        "--limit",
+        "2",
+        "--max-tokens",
+        "4",
+    ]);
+    assert!(stderr.contains("evaluating epoch-3"), "{stderr}");
+    assert!(eval_dir.join("epoch-3.json").is_file());
+    let selection: Value = serde_json::from_str(&std::fs::read_to_string(run.join("selection.json")).unwrap()).unwrap();
+    assert_eq!(selection["chosen"], "epoch-1");
+    assert_eq!(selection["margin"], 1.82);
+    assert_eq!(selection["candidates"].as_array().unwrap().len(), 4);
+    assert!(selection["reason"].as_str().unwrap().contains("ahead of epoch-2 by Score"), "{}", selection["reason"]);
+    assert_eq!(std::fs::read_link(run.join("best")).unwrap(), Path::new("checkpoints/epoch-1"));
+
+    // Tied Scores: recall decides.
+    std::fs::write(eval_dir.join("epoch-2.json"), planted(&template, "epoch-2", 52.30, 0.60)).unwrap();
+    kiln(&["--quiet", "select", "--run", run.to_str().unwrap(), "--replay", "datasets/samples/replay.jsonl"]);
+    let selection: Value = serde_json::from_str(&std::fs::read_to_string(run.join("selection.json")).unwrap()).unwrap();
+    assert_eq!(selection["chosen"], "epoch-2");
+    assert!(selection["reason"].as_str().unwrap().contains("recall"), "{}", selection["reason"]);
+}
