@@ -959,11 +959,14 @@ fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
 }
 
 fn score_cmd(args: ScoreArgs) -> Result<()> {
-    use kiln::eval::result::{EvalResult, aggregate, read_predictions, read_replay, score_all};
+    use kiln::eval::result::{EvalResult, aggregate, read_predictions, read_replay_for_scoring, score_all};
     let started = Instant::now();
-    let steps = read_replay(&args.replay).map_err(anyhow::Error::msg)?;
+    let steps = read_replay_for_scoring(&args.replay).map_err(anyhow::Error::msg)?;
     let predictions = read_predictions(&args.predictions).map_err(anyhow::Error::msg)?;
+    let read_ms = started.elapsed().as_secs_f64() * 1e3;
+    let scoring = Instant::now();
     let rows = score_all(&steps, &predictions, args.scorer).map_err(anyhow::Error::msg)?;
+    let score_ms = scoring.elapsed().as_secs_f64() * 1e3;
     let result = EvalResult {
         model: args.model.clone(),
         model_path: args.predictions.display().to_string(),
@@ -982,7 +985,7 @@ fn score_cmd(args: ScoreArgs) -> Result<()> {
     write_json(Some(&args.out), &result)?;
     let a = &result.aggregate;
     eprintln!(
-        "score: {} steps / {} tasks — Score {:.2} (P {:.4} R {:.4} F1 {:.4}, first exact {:.1}%, valid JSON {:.1}%) in {:.1} ms → {}",
+        "score: {} steps / {} tasks — Score {:.2} (P {:.4} R {:.4} F1 {:.4}, first exact {:.1}%, valid JSON {:.1}%); scored in {:.1} ms, inputs read in {:.1} ms → {}",
         a.steps,
         a.tasks,
         a.score,
@@ -991,7 +994,8 @@ fn score_cmd(args: ScoreArgs) -> Result<()> {
         a.avg_command_f1,
         a.first_cmd_exact_pct,
         a.valid_json_pct,
-        started.elapsed().as_secs_f64() * 1e3,
+        score_ms,
+        read_ms,
         args.out.display()
     );
     Ok(())

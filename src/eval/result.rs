@@ -217,6 +217,39 @@ pub enum Prediction {
     Parsed(Parsed, String),
 }
 
+/// A replay step without its history, for scoring alone (the history is skipped, not built).
+#[derive(Deserialize)]
+struct ScoringStep {
+    task_id: String,
+    #[serde(default)]
+    sample_idx: i64,
+    step_idx: i64,
+    #[serde(default)]
+    source_group: String,
+    ref_raw: String,
+}
+
+/// Reads replay steps without their message histories (what scoring needs).
+pub fn read_replay_for_scoring(path: &std::path::Path) -> Result<Vec<ReplayStep>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            let s: ScoringStep =
+                serde_json::from_str(l).map_err(|e| format!("{}: line {}: {e}", path.display(), i + 1))?;
+            Ok(ReplayStep {
+                task_id: s.task_id,
+                sample_idx: s.sample_idx,
+                step_idx: s.step_idx,
+                source_group: s.source_group,
+                messages: Vec::new(),
+                ref_raw: s.ref_raw,
+            })
+        })
+        .collect()
+}
+
 /// Reads replay steps (JSONL).
 pub fn read_replay(path: &std::path::Path) -> Result<Vec<ReplayStep>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;

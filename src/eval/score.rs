@@ -109,6 +109,33 @@ pub fn similarity(a: &[String], b: &[String]) -> f64 {
     2.0 * p * r / (p + r)
 }
 
+/// `similarity` over sorted token ids.
+pub fn similarity_sorted(a: &[u32], b: &[u32]) -> f64 {
+    match (a.is_empty(), b.is_empty()) {
+        (true, true) => return 1.0,
+        (true, false) | (false, true) => return 0.0,
+        _ => {}
+    }
+    let (mut i, mut j, mut overlap) = (0, 0, 0usize);
+    while i < a.len() && j < b.len() {
+        match a[i].cmp(&b[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                overlap += 1;
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    if overlap == 0 {
+        return 0.0;
+    }
+    let p = overlap as f64 / a.len() as f64;
+    let r = overlap as f64 / b.len() as f64;
+    2.0 * p * r / (p + r)
+}
+
 /// Python's `round(x, digits)`: the decimal nearest the binary value, ties to even.
 pub fn py_round(x: f64, digits: usize) -> f64 {
     format!("{x:.digits$}").parse().unwrap_or(x)
@@ -139,10 +166,29 @@ pub fn score_units(pred: &[String], reference: &[String], legacy_empty: bool) ->
         return zero;
     }
     let first = if pred[0].to_lowercase() == refs[0].to_lowercase() { 1.0 } else { 0.0 };
-    let pt: Vec<Vec<String>> = pred.iter().map(|u| unit_tokens(u)).collect();
-    let rt: Vec<Vec<String>> = refs.iter().map(|u| unit_tokens(u)).collect();
-    let best = |from: &[Vec<String>], to: &[Vec<String>]| -> f64 {
-        from.iter().map(|a| to.iter().map(|b| similarity(a, b)).fold(0.0, f64::max)).sum::<f64>() / from.len() as f64
+    // Tokens interned to ids and sorted per unit: multiset overlap becomes a merge, with no allocation per pair.
+    let mut interner: HashMap<String, u32> = HashMap::new();
+    let mut ids = |units: &[String]| -> Vec<Vec<u32>> {
+        units
+            .iter()
+            .map(|u| {
+                let mut v: Vec<u32> = unit_tokens(u)
+                    .into_iter()
+                    .map(|t| {
+                        let next = interner.len() as u32;
+                        *interner.entry(t).or_insert(next)
+                    })
+                    .collect();
+                v.sort_unstable();
+                v
+            })
+            .collect()
+    };
+    let pt = ids(&pred);
+    let rt = ids(&refs);
+    let best = |from: &[Vec<u32>], to: &[Vec<u32>]| -> f64 {
+        from.iter().map(|a| to.iter().map(|b| similarity_sorted(a, b)).fold(0.0, f64::max)).sum::<f64>()
+            / from.len() as f64
     };
     let recall = best(&rt, &pt);
     let precision = best(&pt, &rt);
