@@ -83,33 +83,8 @@ pub fn unit_tokens(unit: &str) -> Vec<String> {
     shlex_split(text).unwrap_or_else(|| text.split(is_py_space).filter(|p| !p.is_empty()).map(str::to_string).collect())
 }
 
-/// Multiset-token F1 of two token lists.
-pub fn similarity(a: &[String], b: &[String]) -> f64 {
-    match (a.is_empty(), b.is_empty()) {
-        (true, true) => return 1.0,
-        (true, false) | (false, true) => return 0.0,
-        _ => {}
-    }
-    let mut counts: HashMap<&str, i64> = HashMap::new();
-    for t in b {
-        *counts.entry(t.as_str()).or_default() += 1;
-    }
-    let mut overlap = 0i64;
-    for t in a {
-        if let Some(c) = counts.get_mut(t.as_str()).filter(|c| **c > 0) {
-            *c -= 1;
-            overlap += 1;
-        }
-    }
-    if overlap == 0 {
-        return 0.0;
-    }
-    let p = overlap as f64 / a.len() as f64;
-    let r = overlap as f64 / b.len() as f64;
-    2.0 * p * r / (p + r)
-}
-
-/// `similarity` over sorted token ids.
+/// Multiset-token F1 of two units' token ids, each sorted: both empty → 1, one empty → 0, else
+/// 2PR/(P+R) of the multiset overlap.
 pub fn similarity_sorted(a: &[u32], b: &[u32]) -> f64 {
     match (a.is_empty(), b.is_empty()) {
         (true, true) => return 1.0,
