@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use minijinja::value::{Kwargs, Value, ValueKind};
-use minijinja::{Environment, Error, ErrorKind, State};
+use minijinja::{Environment, Error, ErrorKind};
 
 use super::python;
 
@@ -149,9 +149,6 @@ pub fn environment(source: String, clock: PinnedClock) -> Result<Environment<'st
 pub fn render(env: &Environment<'static>, ctx: Value) -> Result<String, Error> {
     env.get_template("chat")?.render(ctx)
 }
-
-#[allow(dead_code)]
-fn _state_is_used(_: &State) {}
 
 #[cfg(test)]
 mod tests {

@@ -204,11 +204,10 @@ pub const COMPANION_FILES: &[&str] = &[
 ];
 
 /// Writes `tensors` as `model.safetensors` (or `model-0000k-of-0000n.safetensors` shards past
-/// `shard_bytes`, with `model.safetensors.index.json`), metadata `format = pt`, and copies the companion
-/// files of `source_dir`. `keep_dtype` keeps the source dtype of tensors stored in f32 (e.g. fp32 buffers).
-pub fn export_dir(
+/// `shard_bytes`, with `model.safetensors.index.json`), metadata `format = pt`. `keep_f32` names tensors kept
+/// in f32 whatever `dtype` (fp32 buffers such as `expert_bias`).
+pub fn write_safetensors(
     tensors: &BTreeMap<String, HostTensor>,
-    source_dir: &Path,
     out_dir: &Path,
     dtype: ExportDtype,
     keep_f32: &dyn Fn(&str) -> bool,
@@ -265,6 +264,11 @@ pub fn export_dir(
             .map_err(|e| ModelError::io(&path, e))?;
         written.push(path);
     }
+    Ok(written)
+}
+
+/// Copies the companion files of `source_dir` (config, generation config, tokenizer, template) that exist.
+pub fn copy_companions(source_dir: &Path, out_dir: &Path) -> Result<(), ModelError> {
     for file in COMPANION_FILES {
         let src = source_dir.join(file);
         if src.is_file() {
@@ -272,5 +276,19 @@ pub fn export_dir(
             std::fs::copy(&src, &dst).map_err(|e| ModelError::io(&dst, e))?;
         }
     }
+    Ok(())
+}
+
+/// An HF model directory: the weights (`write_safetensors`) and the source checkpoint's companion files.
+pub fn export_dir(
+    tensors: &BTreeMap<String, HostTensor>,
+    source_dir: &Path,
+    out_dir: &Path,
+    dtype: ExportDtype,
+    keep_f32: &dyn Fn(&str) -> bool,
+    shard_bytes: usize,
+) -> Result<Vec<std::path::PathBuf>, ModelError> {
+    let written = write_safetensors(tensors, out_dir, dtype, keep_f32, shard_bytes)?;
+    copy_companions(source_dir, out_dir)?;
     Ok(written)
 }

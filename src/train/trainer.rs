@@ -21,7 +21,7 @@ use super::TrainError;
 use super::data::{TrainData, target_weights};
 use super::optim::{AdamW, AdamWConfig, step};
 use super::schedule::{Decay, Schedule};
-use crate::models::hf::{ExportDtype, export_dir, hf_tensors};
+use crate::models::hf::{ExportDtype, export_dir, hf_tensors, write_safetensors};
 use crate::models::weights::HostTensor;
 use crate::models::{Lfm2Config, Lfm2Model, SequenceLayout, load_lfm2};
 
@@ -152,7 +152,7 @@ fn write_state<B: AutodiffBackend>(
     let moments = opt.export_moments(&param_names(model));
     let moments: std::collections::BTreeMap<String, HostTensor> = moments.into_iter().collect();
     let moments_dir = tmp.join("optimizer");
-    export_dir(&moments, Path::new("/nonexistent"), &moments_dir, ExportDtype::F32, &|_| false, usize::MAX)?;
+    write_safetensors(&moments, &moments_dir, ExportDtype::F32, &|_| false, usize::MAX)?;
     let text = serde_json::to_string_pretty(position).unwrap_or_default() + "\n";
     let state_err = |e: std::io::Error| TrainError::State { path: tmp.clone(), message: e.to_string() };
     std::fs::write(tmp.join("position.json"), text).map_err(state_err)?;
