@@ -526,9 +526,9 @@ fn ingest_cmd(args: IngestArgs, datasets_dir: &Path, quiet: bool) -> Result<()> 
         eprintln!("decontaminating against {} eval tasks from {}", index.len(), index.sources.join(", "));
         Some(index)
     };
-    let needs_hub = args.dataset.iter().map(|d| Recipe::find(d, datasets_dir)).collect::<Result<Vec<_>, _>>()?;
+    let recipes = args.dataset.iter().map(|d| Recipe::find(d, datasets_dir)).collect::<Result<Vec<_>, _>>()?;
     let hub =
-        if needs_hub.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some())) { Some(hub(quiet)?) } else { None };
+        if recipes.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some())) { Some(hub(quiet)?) } else { None };
 
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let conv_path = args.out.join("conversations.jsonl");
@@ -541,7 +541,7 @@ fn ingest_cmd(args: IngestArgs, datasets_dir: &Path, quiet: bool) -> Result<()> 
         writer.write_all(b"\n").map_err(io)
     };
     let mut all = Vec::new();
-    for recipe in &needs_hub {
+    for recipe in &recipes {
         let sources = recipe.select(&args.sources)?;
         let stats = ingest(recipe, &sources, hub.as_ref(), eval.as_ref(), !quiet, &mut write)?;
         eprintln!("{}", stats.summary());
