@@ -86,7 +86,7 @@ fn check(families: &[&str]) -> Vec<String> {
             tokenizers
                 .entry(rel.to_string())
                 .or_insert_with(|| {
-                    let dir = common::project_dir().join("..").join(rel).parent().unwrap().to_path_buf();
+                    let dir = common::project_dir().join(rel).parent().unwrap().to_path_buf();
                     TextTokenizer::load(&dir, &SpecialTokens::default(), None).ok().map(std::rc::Rc::new)
                 })
                 .clone()
