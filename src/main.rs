@@ -527,8 +527,7 @@ fn ingest_cmd(args: IngestArgs, datasets_dir: &Path, quiet: bool) -> Result<()> 
         Some(index)
     };
     let recipes = args.dataset.iter().map(|d| Recipe::find(d, datasets_dir)).collect::<Result<Vec<_>, _>>()?;
-    let hub =
-        if recipes.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some())) { Some(hub(quiet)?) } else { None };
+    let hub = if recipes.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some())) { Some(hub(quiet)?) } else { None };
 
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let conv_path = args.out.join("conversations.jsonl");
@@ -1013,26 +1012,23 @@ fn run_eval(
     if steps.is_empty() {
         bail!("no replay step selected from {}", eval.replay.display());
     }
+    macro_rules! on {
+        ($backend:ty) => {
+            kiln::eval::run::evaluate::<$backend>(
+                name,
+                checkpoint,
+                &eval.replay,
+                &steps,
+                &opts,
+                !quiet,
+                &Default::default(),
+            )
+        };
+    }
     let result = match eval.device.as_str() {
-        "cpu" => kiln::eval::run::evaluate::<kiln::backend::Cpu>(
-            name,
-            checkpoint,
-            &eval.replay,
-            &steps,
-            &opts,
-            !quiet,
-            &Default::default(),
-        ),
+        "cpu" => on!(kiln::backend::Cpu),
         #[cfg(feature = "cuda")]
-        "cuda" => kiln::eval::run::evaluate::<kiln::backend::Gpu>(
-            name,
-            checkpoint,
-            &eval.replay,
-            &steps,
-            &opts,
-            !quiet,
-            &Default::default(),
-        ),
+        "cuda" => on!(kiln::backend::Gpu),
         #[cfg(not(feature = "cuda"))]
         "cuda" => bail!("this kiln was built without CUDA: rebuild with `cargo build --release --features cuda`"),
         other => bail!("unknown device '{other}': use cpu or cuda"),

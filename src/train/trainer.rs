@@ -242,7 +242,8 @@ pub fn train<B: AutodiffBackend>(
     let warmup = cfg.warmup_steps.unwrap_or_else(|| (cfg.warmup_ratio * total_steps as f64).ceil() as usize);
     let schedule =
         Schedule { peak: cfg.lr, min_ratio: cfg.min_lr_ratio, warmup_steps: warmup, total_steps, decay: cfg.decay };
-    let n_params: usize = hf_tensors(&model).values().map(|t| t.data.len()).sum();
+    // Counted on the module, not by copying every weight to the host.
+    let n_params = burn::module::Module::num_params(&model);
     let (params_f, attn_width) = params_and_attention(&config, n_params);
 
     let bar = if show_progress { ProgressBar::new(total_steps as u64) } else { ProgressBar::hidden() };
