@@ -14,7 +14,7 @@ endif
 
 SAMPLES := datasets/samples
 
-.PHONY: sft build samples test bench clean
+.PHONY: sft build inspect samples test bench clean
 
 build:
 	$(CARGO) build --release $(FEATURES)
@@ -29,6 +29,11 @@ sft: build
 		--out runs/$(RUN)/data
 	$(KILN) prepare --model $(MODEL) --data runs/$(RUN)/data/conversations.jsonl --out runs/$(RUN)/data \
 		--seq-len 2048 --date 2026-01-01
+	$(KILN) inspect --run runs/$(RUN)
+
+# The dataset inspection report of a prepared run (runs/$(RUN)/report/index.html).
+inspect: build
+	$(KILN) inspect --run runs/$(RUN)
 
 # Regenerate the committed synthetic samples and the tiny model's tokenizer (both deterministic: the
 # result must equal what is committed; tests check it).

@@ -47,6 +47,8 @@ enum Command {
     Render(RenderArgs),
     /// Turn normalized conversations into token shards with assistant-only loss masks, and stats.
     Prepare(PrepareArgs),
+    /// Write the dataset inspection report of a prepared run (report/index.html, summary.md, summary.json).
+    Inspect(InspectArgs),
     /// Train the offline default's byte-level BPE tokenizer on conversations.
     Tokenizer(TokenizerArgs),
     /// One forward pass of a checkpoint; writes the logits as safetensors (tensor `logits`, f32, [seq, vocab]).
@@ -67,6 +69,19 @@ enum Command {
     Select(SelectArgs),
     /// Show the build's backends and the Hub settings in effect.
     Info,
+}
+
+#[derive(Args)]
+struct InspectArgs {
+    /// The run folder (runs/<run>), holding data/stats.json, the shards and data/conversations.jsonl.
+    #[arg(long)]
+    run: PathBuf,
+    /// Random examples shown beside the first and the longest sample.
+    #[arg(long, default_value_t = 3)]
+    examples: usize,
+    /// Seed of the random example choice.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 #[derive(Args)]
@@ -432,6 +447,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Synth(args) => synth(args),
         Command::Render(args) => render(args, cli.quiet),
         Command::Prepare(args) => prepare_cmd(args, cli.quiet),
+        Command::Inspect(args) => inspect_cmd(args, cli.quiet),
         Command::Tokenizer(args) => tokenizer_cmd(args),
         Command::Logits(args) => on_device(&args.model.device.clone(), Job::Logits(args)),
         Command::Generate(args) => on_device(&args.model.device.clone(), Job::Generate(args)),
@@ -514,6 +530,21 @@ fn pull(args: PullArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
     }
     write_json(args.out.as_deref(), &pulled)?;
     eprintln!("pull: {} repos in {:.1}s", pulled.len(), started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn inspect_cmd(args: InspectArgs, quiet: bool) -> Result<()> {
+    let opts = kiln::report::InspectOptions { random_examples: args.examples, seed: args.seed, ..Default::default() };
+    let bar = if quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new_spinner() };
+    bar.set_style(indicatif::ProgressStyle::with_template("{spinner} inspect {msg}: {pos} [{elapsed}]")?);
+    let result = kiln::report::inspect_run(&args.run, &opts, &bar)
+        .with_context(|| format!("inspecting {}", args.run.display()))?;
+    let page = kiln::report::write_report(&args.run, &result)?;
+    bar.finish_and_clear();
+    for warning in &result.inspection.warnings {
+        eprintln!("warning: {warning}");
+    }
+    eprintln!("inspect: {} → {} ({:.2}s)", result.inspection.summary(), page.display(), result.inspection.wall_seconds);
     Ok(())
 }
 

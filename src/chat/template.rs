@@ -8,14 +8,14 @@ use std::path::{Path, PathBuf};
 
 use minijinja::Environment;
 use minijinja::value::{Serde, Value as JinjaValue};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::ChatError;
 use super::env::{self, GEN_END, GEN_START, PinnedClock};
 
 /// The template text and where it came from; its sha256 goes into the stats and the model card.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TemplateSource {
     pub text: String,
     /// `path` or `path#name` for a named template in tokenizer_config.json.

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::DataError;
@@ -108,7 +108,7 @@ fn first_user_in_record(record: &Value) -> Option<&str> {
 }
 
 /// Decontamination counts for the stats: how many were dropped, by which rule, and which eval tasks leaked.
-#[derive(Debug, Default, Clone, PartialEq, Serialize)]
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DecontamStats {
     pub dropped: u64,
     pub by_task_name: u64,

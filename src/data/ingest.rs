@@ -6,7 +6,7 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::DataError;
@@ -16,7 +16,7 @@ use super::readers::{Location, for_each_row, local_files};
 use super::recipe::{Recipe, SourceSpec};
 use crate::hub::{Hub, PulledRepo};
 
-#[derive(Debug, Default, Clone, PartialEq, Serialize)]
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SourceStats {
     pub name: String,
     pub files: Vec<String>,
@@ -33,7 +33,7 @@ pub struct SourceStats {
     pub emitted: u64,
 }
 
-#[derive(Debug, Default, Clone, PartialEq, Serialize)]
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct IngestStats {
     pub recipe: String,
     pub eval_sets: Vec<String>,

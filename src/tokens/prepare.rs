@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use indicatif::ProgressBar;
 use rayon::prelude::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::TokenError;
 use super::mask::{Truncation, tokenize_sample_cached, truncate};
@@ -17,7 +17,7 @@ use super::tokenizer::SegmentCache;
 use super::tokenizer::{TextTokenizer, TokenizerInfo};
 use crate::chat::{ChatInput, ChatTemplate, SamplePolicy, TemplateSource, build_samples};
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PrepareConfig {
     pub seq_len: usize,
     pub layout: Layout,
@@ -30,8 +30,11 @@ pub struct PrepareConfig {
 }
 
 /// `data/stats.json`.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct PrepareStats {
+    /// The conversations file the shards were made from (ingest's `conversations.jsonl`).
+    pub input: PathBuf,
     pub conversations: u64,
     pub samples: u64,
     pub tokens: u64,
@@ -56,7 +59,7 @@ pub struct PrepareStats {
     pub peak_rss_bytes: Option<u64>,
 }
 
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct SourceCounts {
     pub samples: u64,
     pub tokens: u64,
@@ -142,6 +145,7 @@ pub fn prepare(
     let mut lines = BufReader::with_capacity(1 << 20, file).lines();
     let mut writer = ShardWriter::new(out_dir, cfg.layout, cfg.seq_len, tok.pad_id)?;
     let mut stats = PrepareStats {
+        input: input.to_path_buf(),
         template: Some(template.source.clone()),
         tokenizer: Some(tok.info()),
         config: Some(cfg.clone()),

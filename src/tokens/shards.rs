@@ -178,31 +178,75 @@ fn rows_to_batch(rows: &[Row]) -> Result<RecordBatch, arrow::error::ArrowError> 
 
 /// Reads every row of a shard file.
 pub fn read_shard(path: &Path) -> Result<Vec<Row>, TokenError> {
-    let err = |e: &dyn std::fmt::Display| TokenError::Shard { path: path.to_path_buf(), message: e.to_string() };
-    let file = File::open(path).map_err(|e| TokenError::Io { path: path.to_path_buf(), source: e })?;
-    let reader = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| err(&e))?.build().map_err(|e| err(&e))?;
-    let mut rows = Vec::new();
-    for batch in reader {
-        let batch = batch.map_err(|e| err(&e))?;
-        let col = |name: &str| batch.column_by_name(name).cloned().ok_or_else(|| err(&format!("no column {name}")));
-        let (ids, mask, docs, sids, srcs) =
-            (col("input_ids")?, col("loss_mask")?, col("doc_lengths")?, col("sample_ids")?, col("sources")?);
-        let strings = |a: &ArrayRef, i: usize| -> Vec<String> {
-            let list = a.as_list::<i32>().value(i);
-            let s = list.as_string::<i32>();
-            (0..s.len()).map(|j| s.value(j).to_string()).collect()
+    ShardRows::open(path)?.collect()
+}
+
+/// The rows of a shard file, one record batch in memory at a time.
+pub struct ShardRows {
+    path: PathBuf,
+    reader: parquet::arrow::arrow_reader::ParquetRecordBatchReader,
+    batch: Option<RecordBatch>,
+    next: usize,
+}
+
+impl ShardRows {
+    pub fn open(path: &Path) -> Result<Self, TokenError> {
+        let file = File::open(path).map_err(|e| TokenError::Io { path: path.to_path_buf(), source: e })?;
+        let reader = ParquetRecordBatchReaderBuilder::try_new(file)
+            .and_then(|b| b.build())
+            .map_err(|e| TokenError::Shard { path: path.to_path_buf(), message: e.to_string() })?;
+        Ok(ShardRows { path: path.to_path_buf(), reader, batch: None, next: 0 })
+    }
+
+    fn err(&self, message: impl std::fmt::Display) -> TokenError {
+        TokenError::Shard { path: self.path.clone(), message: message.to_string() }
+    }
+
+    fn row(&self, batch: &RecordBatch, i: usize) -> Result<Row, TokenError> {
+        let col = |name: &str| batch.column_by_name(name).ok_or_else(|| self.err(format!("no column {name}")));
+        let list = |name: &str| -> Result<ArrayRef, TokenError> {
+            let c = col(name)?;
+            c.as_list_opt::<i32>().map(|l| l.value(i)).ok_or_else(|| self.err(format!("column {name} is not a list")))
         };
-        for i in 0..batch.num_rows() {
-            rows.push(Row {
-                input_ids: ids.as_list::<i32>().value(i).as_primitive::<UInt32Type>().values().to_vec(),
-                loss_mask: mask.as_list::<i32>().value(i).as_primitive::<UInt8Type>().values().to_vec(),
-                doc_lengths: docs.as_list::<i32>().value(i).as_primitive::<UInt32Type>().values().to_vec(),
-                sample_ids: strings(&sids, i),
-                sources: strings(&srcs, i),
-            });
+        let strings = |name: &str| -> Result<Vec<String>, TokenError> {
+            let values = list(name)?;
+            let s = values.as_string_opt::<i32>().ok_or_else(|| self.err(format!("column {name} is not strings")))?;
+            Ok((0..s.len()).map(|j| s.value(j).to_string()).collect())
+        };
+        let ids = list("input_ids")?;
+        let mask = list("loss_mask")?;
+        let docs = list("doc_lengths")?;
+        let typed = |name: &str| self.err(format!("column {name} has the wrong element type"));
+        Ok(Row {
+            input_ids: ids.as_primitive_opt::<UInt32Type>().ok_or_else(|| typed("input_ids"))?.values().to_vec(),
+            loss_mask: mask.as_primitive_opt::<UInt8Type>().ok_or_else(|| typed("loss_mask"))?.values().to_vec(),
+            doc_lengths: docs.as_primitive_opt::<UInt32Type>().ok_or_else(|| typed("doc_lengths"))?.values().to_vec(),
+            sample_ids: strings("sample_ids")?,
+            sources: strings("sources")?,
+        })
+    }
+}
+
+impl Iterator for ShardRows {
+    type Item = Result<Row, TokenError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some(batch) = &self.batch
+                && self.next < batch.num_rows()
+            {
+                self.next += 1;
+                return Some(self.row(batch, self.next - 1));
+            }
+            match self.reader.next()? {
+                Ok(batch) => {
+                    self.batch = Some(batch);
+                    self.next = 0;
+                }
+                Err(e) => return Some(Err(self.err(e))),
+            }
         }
     }
-    Ok(rows)
 }
 
 /// Counts of what the writer produced.

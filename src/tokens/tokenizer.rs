@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use aho_corasick::{AhoCorasick, MatchKind};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::TokenError;
 use crate::chat::SpecialTokens;
@@ -53,7 +53,7 @@ fn added_token_splitter(tok: &tokenizers::Tokenizer) -> Option<(AhoCorasick, Vec
     Some((finder, tokens.into_iter().map(|(_, id)| id).collect()))
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TokenizerInfo {
     pub path: PathBuf,
     pub sha256: String,
