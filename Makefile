@@ -14,26 +14,29 @@ endif
 
 SAMPLES := datasets/samples
 
-.PHONY: sft build inspect samples test bench clean
+.PHONY: sft build inspect eval card samples test bench clean
 
 build:
 	$(CARGO) build --release $(FEATURES)
 
-# The stages implemented so far: pull (Hub sources; none for the offline default), ingest (normalized,
-# decontaminated conversations) and prepare (native template, assistant-only masks, token shards).
-# Later stages join as they land (see the README's stage table).
+# The whole pipeline (pipelines/sft.toml): pull → prepare → inspect → train → export → eval → select → card
+# into runs/$(RUN)/. Re-running skips finished stages and resumes an interrupted training. MODEL=tiny (the
+# default) needs no network and no GPU; a GPU-sized MODEL stops at once on a machine without one.
 sft: build
 	@test -f $(SAMPLES)/terminal.parquet || $(KILN) synth --out $(SAMPLES)
-	$(KILN) ingest --dataset terminal-synth,toolbench-synth \
-		--decontaminate $(SAMPLES)/replay.jsonl --decontaminate $(SAMPLES)/terminal_heldout.jsonl \
-		--out runs/$(RUN)/data
-	$(KILN) prepare --model $(MODEL) --data runs/$(RUN)/data/conversations.jsonl --out runs/$(RUN)/data \
-		--seq-len 2048 --date 2026-01-01
-	$(KILN) inspect --run runs/$(RUN)
+	$(KILN) sft --model $(MODEL) --epochs $(EPOCHS) --run $(RUN)
 
 # The dataset inspection report of a prepared run (runs/$(RUN)/report/index.html).
 inspect: build
-	$(KILN) inspect --run runs/$(RUN)
+	$(KILN) sft --model $(MODEL) --epochs $(EPOCHS) --run $(RUN) --until inspect
+
+# Evaluate and select (everything before them runs first if it has not).
+eval: build
+	$(KILN) sft --model $(MODEL) --epochs $(EPOCHS) --run $(RUN) --until select
+
+# The model card of a run (runs/$(RUN)/README.md).
+card: build
+	$(KILN) card --run runs/$(RUN)
 
 # Regenerate the committed synthetic samples and the tiny model's tokenizer (both deterministic: the
 # result must equal what is committed; tests check it).

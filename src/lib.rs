@@ -11,6 +11,7 @@ pub mod data;
 pub mod eval;
 pub mod hub;
 pub mod models;
+pub mod pipeline;
 pub mod report;
 pub mod synth;
 pub mod tokens;

@@ -9,8 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use kiln::chat::{ChatInput, ChatTemplate, PinnedClock, SampleMode, SamplePolicy, Thinking, build_samples};
-use kiln::data::ingest::ingest;
-use kiln::data::{Conversation, DataError, EvalIndex, Recipe};
+use kiln::data::{DataError, EvalIndex, Recipe};
 use kiln::hub::{Hub, HubConfig, PulledRepo, RepoKind, RepoSpec};
 use kiln::synth::{SynthConfig, write_all};
 use kiln::tokens::mask::{Truncation, ansi_view, tokenize_sample};
@@ -47,6 +46,10 @@ enum Command {
     Render(RenderArgs),
     /// Turn normalized conversations into token shards with assistant-only loss masks, and stats.
     Prepare(PrepareArgs),
+    /// The whole pipeline: pull → prepare → inspect → train → export → eval → select → card, resumable.
+    Sft(SftArgs),
+    /// Write the model card (README.md, card/*.png) of a run that has been evaluated and selected.
+    Card(CardArgs),
     /// Write the dataset inspection report of a prepared run (report/index.html, summary.md, summary.json).
     Inspect(InspectArgs),
     /// Train the offline default's byte-level BPE tokenizer on conversations.
@@ -69,6 +72,48 @@ enum Command {
     Select(SelectArgs),
     /// Show the build's backends and the Hub settings in effect.
     Info,
+}
+
+#[derive(Args)]
+struct SftArgs {
+    /// A model name in configs/models/ (or a path to a model config TOML).
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Epochs (default: the pipeline's, 2).
+    #[arg(long)]
+    epochs: Option<usize>,
+    /// Dataset recipes instead of the model config's mix (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    data: Option<Vec<String>>,
+    /// Replay set for eval instead of the model config's.
+    #[arg(long)]
+    replay: Option<PathBuf>,
+    /// Run name: the run goes to runs/<run> (default: the model name).
+    #[arg(long)]
+    run: Option<String>,
+    /// Run this stage and every later one even when up to date.
+    #[arg(long, value_enum)]
+    from: Option<kiln::pipeline::Stage>,
+    /// Stop after this stage.
+    #[arg(long, value_enum)]
+    until: Option<kiln::pipeline::Stage>,
+    /// cpu, cuda, or auto (cuda when this build has it and a GPU is visible).
+    #[arg(long, default_value = "auto")]
+    device: String,
+    #[arg(long, default_value = "pipelines/sft.toml")]
+    pipeline: PathBuf,
+    #[arg(long, env = "KILN_CONFIGS", default_value = "configs/models")]
+    configs_dir: PathBuf,
+    /// Stop training after N steps as Ctrl-C would (for testing resume).
+    #[arg(long, hide = true)]
+    halt_after: Option<usize>,
+}
+
+#[derive(Args)]
+struct CardArgs {
+    /// The run folder (runs/<run>) written by `kiln sft`.
+    #[arg(long)]
+    run: PathBuf,
 }
 
 #[derive(Args)]
@@ -447,6 +492,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Synth(args) => synth(args),
         Command::Render(args) => render(args, cli.quiet),
         Command::Prepare(args) => prepare_cmd(args, cli.quiet),
+        Command::Sft(args) => sft_cmd(args, &cli.datasets_dir, cli.quiet),
+        Command::Card(args) => card_cmd(args),
         Command::Inspect(args) => inspect_cmd(args, cli.quiet),
         Command::Tokenizer(args) => tokenizer_cmd(args),
         Command::Logits(args) => on_device(&args.model.device.clone(), Job::Logits(args)),
@@ -533,6 +580,70 @@ fn pull(args: PullArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
     Ok(())
 }
 
+fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicBool;
+    let command = std::iter::once("kiln".to_string()).chain(std::env::args().skip(1)).collect::<Vec<_>>().join(" ");
+    let req = kiln::pipeline::SftRequest {
+        model: args.model,
+        epochs: args.epochs,
+        data: args.data,
+        replay: args.replay,
+        run: args.run,
+        from: args.from,
+        until: args.until,
+        device: args.device,
+        pipeline: args.pipeline,
+        configs_dir: args.configs_dir,
+        datasets_dir: datasets_dir.to_path_buf(),
+        halt_after: args.halt_after,
+        show_progress: !quiet,
+        command,
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let _ = ctrlc::set_handler(move || {
+        if flag.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!("\nstopping after this training step, with the state saved (Ctrl-C again to abort)…");
+    });
+    let s = kiln::pipeline::run_sft(&req, &stop)?;
+    let show = |p: &Option<PathBuf>| p.as_ref().map_or_else(|| "-".to_string(), |p| p.display().to_string());
+    eprintln!(
+        "sft: {} stages run, {} skipped in {:.1}s; selected {} (Score {}); report {}; card {}",
+        s.stages_run.len(),
+        s.stages_skipped.len(),
+        s.wall_seconds,
+        s.selected.as_deref().unwrap_or("-"),
+        s.selected_score.map_or_else(|| "-".to_string(), |x| format!("{x:.2}")),
+        show(&s.report),
+        show(&s.card)
+    );
+    Ok(())
+}
+
+fn card_cmd(args: CardArgs) -> Result<()> {
+    let path = args.run.join("sft.json");
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("reading {} (the card needs a run made by `kiln sft`)", path.display()))?;
+    let saved: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    let config: kiln::pipeline::ModelConfig = serde_json::from_value(saved["config"].clone())
+        .with_context(|| format!("{}: no model config", path.display()))?;
+    let base = args.run.join("base");
+    let base = if base.is_dir() {
+        base
+    } else {
+        let pull = args.run.join("manifests/pull.json");
+        let manifest: kiln::pipeline::Manifest = serde_json::from_str(&std::fs::read_to_string(&pull)?)?;
+        PathBuf::from(manifest.counts["base_model"].as_str().unwrap_or_default())
+    };
+    let command = saved["command"].as_str().unwrap_or("kiln sft").to_string();
+    let card = kiln::report::card::write_card(&args.run, &config, &base, &command)?;
+    eprintln!("card: {} ({} checkpoints in the eval table)", card.path.display(), card.figures);
+    Ok(())
+}
+
 fn inspect_cmd(args: InspectArgs, quiet: bool) -> Result<()> {
     let opts = kiln::report::InspectOptions { random_examples: args.examples, seed: args.seed, ..Default::default() };
     let bar = if quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new_spinner() };
@@ -560,28 +671,9 @@ fn ingest_cmd(args: IngestArgs, datasets_dir: &Path, quiet: bool) -> Result<()> 
     let recipes = args.dataset.iter().map(|d| Recipe::find(d, datasets_dir)).collect::<Result<Vec<_>, _>>()?;
     let hub = if recipes.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some())) { Some(hub(quiet)?) } else { None };
 
-    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
-    let conv_path = args.out.join("conversations.jsonl");
-    let tmp_path = args.out.join("conversations.jsonl.partial");
-    let file = File::create(&tmp_path).with_context(|| format!("creating {}", tmp_path.display()))?;
-    let mut writer = BufWriter::new(file);
-    let mut write = |conv: Conversation| -> Result<(), DataError> {
-        let io = |e: std::io::Error| DataError::Io { path: tmp_path.clone(), source: e };
-        serde_json::to_writer(&mut writer, &conv).map_err(|e| io(e.into()))?;
-        writer.write_all(b"\n").map_err(io)
-    };
-    let mut all = Vec::new();
-    for recipe in &recipes {
-        let sources = recipe.select(&args.sources)?;
-        let stats = ingest(recipe, &sources, hub.as_ref(), eval.as_ref(), !quiet, &mut write)?;
-        eprintln!("{}", stats.summary());
-        all.push(stats);
-    }
-    writer.flush().with_context(|| format!("writing {}", tmp_path.display()))?;
-    drop(writer);
-    std::fs::rename(&tmp_path, &conv_path).with_context(|| format!("moving {} into place", conv_path.display()))?;
-    let stats_path = args.out.join("ingest.json");
-    write_json(Some(&stats_path), &all)?;
+    let chosen = recipes.iter().map(|r| Ok((r, r.select(&args.sources)?))).collect::<Result<Vec<_>, DataError>>()?;
+    let all = kiln::data::ingest::ingest_to_dir(&chosen, hub.as_ref(), eval.as_ref(), !quiet, &args.out)?;
+    let (conv_path, stats_path) = (args.out.join("conversations.jsonl"), args.out.join("ingest.json"));
     let emitted: u64 = all.iter().map(|s| s.emitted).sum();
     eprintln!(
         "ingest: {emitted} conversations → {} ({:.1}s; stats in {})",
@@ -653,9 +745,12 @@ struct Loaded {
 fn load_template(args: &TemplateArgs) -> Result<Loaded> {
     let dir = model_dir(&args.model)?;
     let date = args.date.clone().unwrap_or_else(|| chrono::Local::now().format("%Y-%m-%d").to_string());
-    let clock = PinnedClock::parse(&date).with_context(|| format!("--date {date:?} is not YYYY-MM-DD"))?;
-    let template = ChatTemplate::load(&dir, args.template.as_deref(), clock)?;
-    let tokenizer = TextTokenizer::load(&dir, &template.special, args.end_of_turn.as_deref())?;
+    let (template, tokenizer) = kiln::tokens::prepare::load_template_and_tokenizer(
+        &dir,
+        args.template.as_deref(),
+        &date,
+        args.end_of_turn.as_deref(),
+    )?;
     let policy = SamplePolicy { mode: args.mode, thinking: args.thinking, kwargs: args.vars.iter().cloned().collect() };
     Ok(Loaded { template, tokenizer, policy, date })
 }
@@ -780,9 +875,7 @@ fn on_device(device: &str, job: Job) -> Result<()> {
         "cpu" => run_job::<kiln::backend::Cpu>(&Default::default(), job),
         #[cfg(feature = "cuda")]
         "cuda" => run_job::<kiln::backend::Gpu>(&Default::default(), job),
-        #[cfg(not(feature = "cuda"))]
-        "cuda" => bail!("this kiln was built without CUDA: rebuild with `cargo build --release --features cuda`"),
-        other => bail!("unknown device '{other}': use cpu or cuda"),
+        other => bail!(kiln::train::device_error(other)),
     }
 }
 
@@ -874,24 +967,8 @@ fn run_job<B: burn::tensor::backend::Backend>(device: &B::Device, job: Job) -> R
 }
 
 fn init_model(args: InitModelArgs) -> Result<()> {
-    use kiln::models::{Lfm2Config, Lfm2Model, RandomInit};
-    let config_path = args.from.join("config.json");
-    let config = Lfm2Config::from_file(&config_path)?;
-    let raw: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_path)?)?;
-    let std = raw.get("initializer_range").and_then(|v| v.as_f64()).unwrap_or(0.02);
-    let device = Default::default();
-    let model = Lfm2Model::<kiln::backend::Cpu>::from_source(&config, &RandomInit { seed: args.seed, std }, &device)?;
-    let tensors = kiln::models::hf::hf_tensors(&model);
-    let params: usize = tensors.values().map(|t| t.data.len()).sum();
-    kiln::models::hf::export_dir(
-        &tensors,
-        &args.from,
-        &args.out,
-        args.dtype,
-        &|k: &str| k.ends_with("expert_bias"),
-        kiln::models::hf::SHARD_BYTES,
-    )?;
-    eprintln!("init-model: {} ({params} parameters, seed {}) → {}", config.model_type, args.seed, args.out.display());
+    let (model_type, params) = kiln::models::init_random_checkpoint(&args.from, &args.out, args.seed, args.dtype)?;
+    eprintln!("init-model: {model_type} ({params} parameters, seed {}) → {}", args.seed, args.out.display());
     Ok(())
 }
 
@@ -943,38 +1020,18 @@ fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
         }
         eprintln!("\nstopping after this step (Ctrl-C again to abort)…");
     });
-    let run = |device: &str| -> Result<kiln::train::TrainSummary> {
-        macro_rules! go {
-            ($backend:ty) => {
-                kiln::train::train::<$backend>(
-                    &cfg,
-                    &args.model_dir,
-                    &args.data,
-                    &args.run,
-                    args.resume,
-                    &stop,
-                    None,
-                    !quiet,
-                    &Default::default(),
-                )?
-                .0
-            };
-        }
-        Ok(match (device, args.activation_checkpointing) {
-            ("cpu", false) => go!(kiln::backend::CpuTrain),
-            ("cpu", true) => go!(kiln::backend::CpuTrainCheckpointed),
-            #[cfg(feature = "cuda")]
-            ("cuda", false) => go!(kiln::backend::GpuTrain),
-            #[cfg(feature = "cuda")]
-            ("cuda", true) => go!(kiln::backend::GpuTrainCheckpointed),
-            #[cfg(not(feature = "cuda"))]
-            ("cuda", _) => {
-                bail!("this kiln was built without CUDA: rebuild with `cargo build --release --features cuda`")
-            }
-            (other, _) => bail!("unknown device '{other}': use cpu or cuda"),
-        })
-    };
-    let summary = run(&args.device)?;
+    let summary = kiln::train::train_on_device(
+        &args.device,
+        args.activation_checkpointing,
+        &cfg,
+        &args.model_dir,
+        &args.data,
+        &args.run,
+        args.resume,
+        &stop,
+        None,
+        !quiet,
+    )?;
     write_json(Some(&args.run.join("train").join("summary.json")), &summary)?;
     eprintln!(
         "train: {} steps, {} epochs{} in {:.1}s; final loss {}; checkpoints: {}",
@@ -1043,27 +1100,8 @@ fn run_eval(
     if steps.is_empty() {
         bail!("no replay step selected from {}", eval.replay.display());
     }
-    macro_rules! on {
-        ($backend:ty) => {
-            kiln::eval::run::evaluate::<$backend>(
-                name,
-                checkpoint,
-                &eval.replay,
-                &steps,
-                &opts,
-                !quiet,
-                &Default::default(),
-            )
-        };
-    }
-    let result = match eval.device.as_str() {
-        "cpu" => on!(kiln::backend::Cpu),
-        #[cfg(feature = "cuda")]
-        "cuda" => on!(kiln::backend::Gpu),
-        #[cfg(not(feature = "cuda"))]
-        "cuda" => bail!("this kiln was built without CUDA: rebuild with `cargo build --release --features cuda`"),
-        other => bail!("unknown device '{other}': use cpu or cuda"),
-    };
+    let result =
+        kiln::eval::run::evaluate_on_device(&eval.device, name, checkpoint, &eval.replay, &steps, &opts, !quiet);
     result.map_err(anyhow::Error::msg).with_context(|| format!("evaluating {}", checkpoint.display()))
 }
 
@@ -1090,33 +1128,16 @@ fn eval_cmd(args: EvalArgs, quiet: bool) -> Result<()> {
 }
 
 fn select_cmd(args: SelectArgs, quiet: bool) -> Result<()> {
-    use kiln::eval::select::{candidates, choose};
-    let all = candidates(&args.run, args.base.as_deref());
-    let mut results = Vec::new();
-    for c in all {
-        let path = args.run.join("eval").join(format!("{}.json", c.name));
-        let result: kiln::eval::result::EvalResult = if path.is_file() {
-            let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-            serde_json::from_str(&text).with_context(|| format!("{} is not an eval result", path.display()))?
-        } else {
+    let selection = kiln::eval::select::select_run(
+        &args.run,
+        args.base.as_deref(),
+        &mut |c| {
             eprintln!("evaluating {} ({})", c.name, c.path.display());
-            let r = run_eval(&c.name, &c.path, &args.eval, quiet)?;
-            write_json(Some(&path), &r)?;
-            r
-        };
-        eprintln!("  {}: Score {:.2}", c.name, result.aggregate.score);
-        results.push((c, result));
-    }
-    let selection = choose(&results).map_err(anyhow::Error::msg)?;
-    write_json(Some(&args.run.join("selection.json")), &selection)?;
-    let best = args.run.join("best");
-    let _ = std::fs::remove_file(&best);
-    let target = selection
-        .chosen_path
-        .strip_prefix(&args.run)
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|_| selection.chosen_path.clone());
-    std::os::unix::fs::symlink(&target, &best).with_context(|| format!("linking {}", best.display()))?;
-    eprintln!("select: {} → {}", selection.reason, best.display());
+            run_eval(&c.name, &c.path, &args.eval, quiet).map_err(|e| format!("{e:#}"))
+        },
+        &mut |name, result| eprintln!("  {name}: Score {:.2}", result.aggregate.score),
+    )
+    .map_err(anyhow::Error::msg)?;
+    eprintln!("select: {} → {}", selection.reason, args.run.join("best").display());
     Ok(())
 }

@@ -226,6 +226,48 @@ pub fn ingest(
     Ok(stats)
 }
 
+/// Ingests each (recipe, chosen sources) into `out/conversations.jsonl` (written to a `.partial` file and
+/// moved into place only when complete) and `out/ingest.json`; returns the per-recipe stats.
+pub fn ingest_to_dir(
+    recipes: &[(&Recipe, Vec<&SourceSpec>)],
+    hub: Option<&Hub>,
+    eval: Option<&EvalIndex>,
+    show_progress: bool,
+    out: &std::path::Path,
+) -> Result<Vec<IngestStats>, DataError> {
+    use std::io::Write;
+    let io = |path: &std::path::Path| {
+        let path = path.to_path_buf();
+        move |e: std::io::Error| DataError::Io { path: path.clone(), source: e }
+    };
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    let conv_path = out.join("conversations.jsonl");
+    let tmp_path = out.join("conversations.jsonl.partial");
+    let file = std::fs::File::create(&tmp_path).map_err(io(&tmp_path))?;
+    let mut writer = std::io::BufWriter::new(file);
+    let mut all = Vec::new();
+    {
+        let mut write = |conv: Conversation| -> Result<(), DataError> {
+            serde_json::to_writer(&mut writer, &conv).map_err(|e| io(&tmp_path)(e.into()))?;
+            writer.write_all(b"\n").map_err(io(&tmp_path))
+        };
+        for (recipe, sources) in recipes {
+            let stats = ingest(recipe, sources, hub, eval, show_progress, &mut write)?;
+            if show_progress {
+                eprintln!("{}", stats.summary());
+            }
+            all.push(stats);
+        }
+    }
+    writer.flush().map_err(io(&tmp_path))?;
+    drop(writer);
+    std::fs::rename(&tmp_path, &conv_path).map_err(io(&conv_path))?;
+    let stats_path = out.join("ingest.json");
+    let text = serde_json::to_string_pretty(&all).map_err(|e| io(&stats_path)(e.into()))? + "\n";
+    std::fs::write(&stats_path, text).map_err(io(&stats_path))?;
+    Ok(all)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -76,6 +76,24 @@ pub fn select_steps(steps: Vec<ReplayStep>, opts: &EvalOptions) -> Vec<ReplaySte
     steps
 }
 
+/// `evaluate` on the named device (`cpu`, or `cuda` in a CUDA build).
+pub fn evaluate_on_device(
+    device: &str,
+    name: &str,
+    checkpoint: &Path,
+    eval_path: &Path,
+    steps: &[ReplayStep],
+    opts: &EvalOptions,
+    show_progress: bool,
+) -> Result<EvalResult, String> {
+    match device {
+        "cpu" => evaluate::<crate::backend::Cpu>(name, checkpoint, eval_path, steps, opts, show_progress, &Default::default()),
+        #[cfg(feature = "cuda")]
+        "cuda" => evaluate::<crate::backend::Gpu>(name, checkpoint, eval_path, steps, opts, show_progress, &Default::default()),
+        other => Err(crate::train::device_error(other)),
+    }
+}
+
 /// Evaluates a loaded checkpoint on `steps`; returns the result document.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate<B: Backend>(

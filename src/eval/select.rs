@@ -108,3 +108,46 @@ pub fn choose(results: &[(Candidate, EvalResult)]) -> Result<Selection, String> 
     let reason = format!("{} scores {:.2}, {decided_by}{versus_base}", best.name, best_result.aggregate.score);
     Ok(Selection { candidates: entries, chosen: best.name.clone(), chosen_path: best.path.clone(), margin, reason })
 }
+
+/// Evaluates every candidate of `run_dir` whose `eval/<name>.json` is missing (with `evaluate`), chooses,
+/// and writes `selection.json` and the `best` link. `report` hears each candidate's name and result.
+pub fn select_run(
+    run_dir: &Path,
+    base: Option<&Path>,
+    evaluate: &mut dyn FnMut(&Candidate) -> Result<EvalResult, String>,
+    report: &mut dyn FnMut(&str, &EvalResult),
+) -> Result<Selection, String> {
+    let mut results = Vec::new();
+    for c in candidates(run_dir, base) {
+        let path = run_dir.join("eval").join(format!("{}.json", c.name));
+        let result: EvalResult = if path.is_file() {
+            let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            serde_json::from_str(&text).map_err(|e| format!("{} is not an eval result: {e}", path.display()))?
+        } else {
+            let r = evaluate(&c)?;
+            write_json(&path, &r)?;
+            r
+        };
+        report(&c.name, &result);
+        results.push((c, result));
+    }
+    let selection = choose(&results)?;
+    write_json(&run_dir.join("selection.json"), &selection)?;
+    let best = run_dir.join("best");
+    let _ = std::fs::remove_file(&best);
+    let target = selection
+        .chosen_path
+        .strip_prefix(run_dir)
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|_| selection.chosen_path.clone());
+    std::os::unix::fs::symlink(&target, &best).map_err(|e| format!("linking {}: {e}", best.display()))?;
+    Ok(selection)
+}
+
+fn write_json(path: &Path, value: &impl Serialize) -> Result<(), String> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    let text = serde_json::to_string_pretty(value).map_err(|e| e.to_string())? + "\n";
+    std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
+}

@@ -34,6 +34,27 @@ impl ModelError {
 }
 
 /// Loads an LFM2 / LFM2-MoE checkpoint directory (config.json + safetensors).
+/// Writes a seeded random-init checkpoint for `from/config.json` (N(0, initializer_range), norms at 1) into
+/// `out`, with the tokenizer and template files of `from` beside it; returns the model type and parameter count.
+pub fn init_random_checkpoint(
+    from: &Path,
+    out: &Path,
+    seed: u64,
+    dtype: hf::ExportDtype,
+) -> Result<(String, usize), ModelError> {
+    let config_path = from.join("config.json");
+    let config = Lfm2Config::from_file(&config_path)?;
+    let text = std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
+    let raw: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    let std = raw.get("initializer_range").and_then(serde_json::Value::as_f64).unwrap_or(0.02);
+    let device = Default::default();
+    let model = Lfm2Model::<crate::backend::Cpu>::from_source(&config, &RandomInit { seed, std }, &device)?;
+    let tensors = hf::hf_tensors(&model);
+    let params: usize = tensors.values().map(|t| t.data.len()).sum();
+    hf::export_dir(&tensors, from, out, dtype, &|k: &str| k.ends_with("expert_bias"), hf::SHARD_BYTES)?;
+    Ok((config.model_type.clone(), params))
+}
+
 pub fn load_lfm2<B: Backend>(dir: &Path, device: &B::Device) -> Result<(Lfm2Config, Lfm2Model<B>), ModelError> {
     let config = Lfm2Config::from_file(&dir.join("config.json"))?;
     let store = WeightStore::open(dir)?;

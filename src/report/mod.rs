@@ -2,6 +2,7 @@
 //! plots in `plots`) and, later in the pipeline, the model card. Reports only read what the other stages
 //! wrote; nothing here feeds back into training.
 
+pub mod card;
 pub mod figures;
 pub mod html;
 pub mod inspect;

@@ -18,7 +18,7 @@ fn plot_err(name: &str) -> impl Fn(&dyn std::fmt::Display) -> ReportError + '_ {
     move |e| ReportError::Plot { name: name.to_string(), message: e.to_string() }
 }
 
-fn ensure_font() -> Result<(), ReportError> {
+pub(crate) fn ensure_font() -> Result<(), ReportError> {
     static REGISTERED: OnceLock<bool> = OnceLock::new();
     let ok = *REGISTERED.get_or_init(|| {
         [FontStyle::Normal, FontStyle::Bold].into_iter().all(|style| plotters::style::register_font(FAMILY, style, FONT).is_ok())

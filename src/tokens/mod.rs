@@ -26,4 +26,6 @@ pub enum TokenError {
     Chat(#[from] crate::chat::ChatError),
     #[error("{path}: line {line}: {message}")]
     Input { path: PathBuf, line: usize, message: String },
+    #[error("{0}")]
+    Config(String),
 }

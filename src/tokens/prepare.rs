@@ -131,6 +131,21 @@ fn process(template: &ChatTemplate, tok: &TextTokenizer, cfg: &PrepareConfig, in
     Outcome::Samples { source: input.source.clone().unwrap_or_default(), samples: out, stripped, unlike, dropped_long }
 }
 
+/// The model folder's chat template (or `template_file` instead) with `strftime_now` pinned to `date`
+/// (YYYY-MM-DD), and its tokenizer; `end_of_turn` overrides the turn-closing token.
+pub fn load_template_and_tokenizer(
+    model_dir: &Path,
+    template_file: Option<&Path>,
+    date: &str,
+    end_of_turn: Option<&str>,
+) -> Result<(ChatTemplate, TextTokenizer), TokenError> {
+    let clock = crate::chat::PinnedClock::parse(date)
+        .ok_or_else(|| TokenError::Config(format!("template date {date:?} is not YYYY-MM-DD")))?;
+    let template = ChatTemplate::load(model_dir, template_file, clock)?;
+    let tokenizer = TextTokenizer::load(model_dir, &template.special, end_of_turn)?;
+    Ok((template, tokenizer))
+}
+
 /// Reads conversations (JSON lines of `{id, messages, tools?, source?}`, which ingest's output is) from
 /// `input`, writes shards and `stats.json` into `out_dir`.
 pub fn prepare(

@@ -89,6 +89,25 @@ pub struct StepMetrics {
     pub peak_memory_bytes: Option<u64>,
 }
 
+/// The training config a run's saved state was written with (None without a saved state): a resume is
+/// exact only with the same config.
+pub fn saved_config(run_dir: &Path) -> Option<TrainConfig> {
+    let text = std::fs::read_to_string(run_dir.join("train/state/position.json")).ok()?;
+    serde_json::from_str::<Position>(&text).ok().map(|p| p.config)
+}
+
+/// Tokens and supervised tokens over every step of a `metrics.jsonl` (0, 0 when it is unreadable).
+pub fn metrics_totals(path: &Path) -> (u64, u64) {
+    read_metrics(path).iter().fold((0, 0), |(t, s), m| (t + m.tokens, s + m.supervised_tokens))
+}
+
+/// The steps of a `metrics.jsonl`; unreadable lines are skipped.
+pub fn read_metrics(path: &Path) -> Vec<StepMetrics> {
+    std::fs::read_to_string(path)
+        .map(|text| text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
+        .unwrap_or_default()
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Position {
     epoch: usize,
@@ -98,7 +117,7 @@ struct Position {
     config: TrainConfig,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TrainSummary {
     pub steps: usize,
     pub epochs_done: usize,

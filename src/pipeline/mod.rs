@@ -1,0 +1,278 @@
+//! `kiln sft`: the stage runner. Runs a pipeline definition's stages in order into `runs/<run>/`, each
+//! writing `manifests/<stage>.json` (what went in, by content hash; parameters; counts; wall time). A
+//! stage whose inputs fingerprint equals its manifest's, and whose outputs are all present, is skipped, so
+//! a re-run resumes where it stopped; an interrupted train stage resumes from its saved state.
+
+pub mod config;
+pub mod stages;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+pub use config::{ModelConfig, PipelineDef, known_models};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Stage {
+    Pull,
+    Prepare,
+    Inspect,
+    Train,
+    Export,
+    Eval,
+    Select,
+    Card,
+}
+
+impl Stage {
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Pull => "pull",
+            Stage::Prepare => "prepare",
+            Stage::Inspect => "inspect",
+            Stage::Train => "train",
+            Stage::Export => "export",
+            Stage::Eval => "eval",
+            Stage::Select => "select",
+            Stage::Card => "card",
+        }
+    }
+
+    /// The stages whose outputs this one reads: their manifests are part of its inputs.
+    pub fn upstream(self) -> &'static [Stage] {
+        match self {
+            Stage::Pull => &[],
+            Stage::Prepare => &[Stage::Pull],
+            Stage::Inspect => &[Stage::Prepare],
+            Stage::Train => &[Stage::Pull, Stage::Prepare],
+            Stage::Export => &[Stage::Train],
+            Stage::Eval => &[Stage::Pull, Stage::Export],
+            Stage::Select => &[Stage::Eval],
+            Stage::Card => &[Stage::Pull, Stage::Prepare, Stage::Inspect, Stage::Train, Stage::Select],
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error("unknown model '{name}': known models are {known} (configs in {dir})")]
+    UnknownModel { name: String, dir: PathBuf, known: String },
+    #[error("{path}: {message}")]
+    Config { path: PathBuf, message: String },
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error(
+        "model '{model}'{size} needs a GPU for full fine-tuning, and {why}; nothing was downloaded. Run it on a machine with an NVIDIA GPU (make builds with --features cuda when nvcc or a CUDA driver is present), or try MODEL=tiny"
+    )]
+    NeedsGpu { model: String, size: String, why: String },
+    #[error("stage {stage}: {message}")]
+    Stage { stage: &'static str, message: String },
+    #[error(
+        "training stopped after step {step} with its state saved; run the same command again to resume where it stopped"
+    )]
+    Interrupted { step: usize },
+}
+
+impl PipelineError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        PipelineError::Io { path: path.to_path_buf(), source }
+    }
+}
+
+/// `manifests/<stage>.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub stage: Stage,
+    pub kiln: String,
+    /// sha256 of the stage, its parameters and its inputs' hashes: equal fingerprints mean the stage would
+    /// compute the same thing.
+    pub fingerprint: String,
+    pub inputs: BTreeMap<String, String>,
+    pub params: Value,
+    /// Files and folders the stage wrote (relative to the run); all must exist for a skip.
+    pub outputs: Vec<String>,
+    pub counts: Value,
+    pub wall_seconds: f64,
+    pub finished_at: String,
+}
+
+pub fn manifest_path(run_dir: &Path, stage: Stage) -> PathBuf {
+    run_dir.join("manifests").join(format!("{}.json", stage.name()))
+}
+
+pub fn read_manifest(run_dir: &Path, stage: Stage) -> Option<Manifest> {
+    serde_json::from_str(&std::fs::read_to_string(manifest_path(run_dir, stage)).ok()?).ok()
+}
+
+pub fn fingerprint(stage: Stage, params: &Value, inputs: &BTreeMap<String, String>) -> String {
+    let doc = serde_json::json!({"stage": stage, "params": params, "inputs": inputs, "kiln": env!("CARGO_PKG_VERSION")});
+    crate::hub::sha256_bytes(doc.to_string().as_bytes())
+}
+
+/// What a stage will compute from: its parameters and its inputs' content hashes.
+pub struct StagePlan {
+    pub params: Value,
+    pub inputs: BTreeMap<String, String>,
+}
+
+/// What a stage did.
+pub struct StageOutcome {
+    pub outputs: Vec<String>,
+    pub counts: Value,
+    /// One line for the terminal.
+    pub summary: String,
+}
+
+/// A `kiln sft` invocation.
+#[derive(Debug, Clone)]
+pub struct SftRequest {
+    pub model: String,
+    pub epochs: Option<usize>,
+    pub data: Option<Vec<String>>,
+    pub replay: Option<PathBuf>,
+    pub run: Option<String>,
+    pub from: Option<Stage>,
+    pub until: Option<Stage>,
+    /// cpu, cuda, or auto (cuda when built with it and a GPU is present).
+    pub device: String,
+    pub pipeline: PathBuf,
+    pub configs_dir: PathBuf,
+    pub datasets_dir: PathBuf,
+    /// Stop training after this many steps, as Ctrl-C would (tests of resume).
+    pub halt_after: Option<usize>,
+    pub show_progress: bool,
+    /// The command line that reproduces the run, for the card.
+    pub command: String,
+}
+
+/// The end of a run: what was chosen and where everything is.
+#[derive(Debug, Clone, Serialize)]
+pub struct SftSummary {
+    pub run_dir: PathBuf,
+    pub stages_run: Vec<Stage>,
+    pub stages_skipped: Vec<Stage>,
+    pub selected: Option<String>,
+    pub selected_score: Option<f64>,
+    pub report: Option<PathBuf>,
+    pub card: Option<PathBuf>,
+    pub wall_seconds: f64,
+}
+
+/// Whether a CUDA device can be used by this build.
+pub fn gpu_available() -> bool {
+    cfg!(feature = "cuda") && Path::new("/dev/nvidiactl").exists()
+}
+
+pub fn resolve_device(requested: &str) -> String {
+    match requested {
+        "auto" if gpu_available() => "cuda".into(),
+        "auto" => "cpu".into(),
+        other => other.into(),
+    }
+}
+
+/// Runs the pipeline for `req`; `stop` is raised by Ctrl-C (training saves its state and the run stops).
+pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, PipelineError> {
+    let started = Instant::now();
+    let def = PipelineDef::load(&req.pipeline)?;
+    let mut config = ModelConfig::find(&req.model, &req.configs_dir)?;
+    config.train.epochs = req.epochs.unwrap_or(def.defaults.epochs);
+    if let Some(data) = &req.data {
+        config.data.recipes = data.clone();
+        config.data.weights.retain(|k, _| data.contains(k));
+    }
+    if let Some(replay) = &req.replay {
+        config.eval.replay = replay.clone();
+    }
+    let device = resolve_device(&req.device);
+    if config.model.gpu && device != "cuda" {
+        let why = if !cfg!(feature = "cuda") {
+            "this kiln was built without CUDA".to_string()
+        } else if req.device == "cpu" {
+            "--device cpu was asked for".to_string()
+        } else {
+            "no NVIDIA GPU is visible (/dev/nvidiactl is missing)".to_string()
+        };
+        let size = config.model.parameters.as_ref().map(|p| format!(" ({p} parameters)")).unwrap_or_default();
+        return Err(PipelineError::NeedsGpu { model: config.name.clone(), size, why });
+    }
+    let run_name = req.run.clone().unwrap_or_else(|| config.name.clone());
+    let run_dir = def.defaults.runs_dir.join(&run_name);
+    std::fs::create_dir_all(run_dir.join("manifests")).map_err(|e| PipelineError::io(&run_dir, e))?;
+    let effective = serde_json::json!({"model": req.model, "command": req.command, "device": device, "config": config});
+    let effective_path = run_dir.join("sft.json");
+    std::fs::write(&effective_path, serde_json::to_string_pretty(&effective).unwrap_or_default() + "\n")
+        .map_err(|e| PipelineError::io(&effective_path, e))?;
+    let ctx = stages::Context { req, def: &def, config: &config, run_dir: &run_dir, device: &device, stop };
+
+    let mut summary = SftSummary {
+        run_dir: run_dir.clone(),
+        stages_run: Vec::new(),
+        stages_skipped: Vec::new(),
+        selected: None,
+        selected_score: None,
+        report: None,
+        card: None,
+        wall_seconds: 0.0,
+    };
+    let total = def.stages.iter().filter(|s| req.until.is_none_or(|u| **s <= u)).count();
+    for (i, &stage) in def.stages.iter().filter(|s| req.until.is_none_or(|u| **s <= u)).enumerate() {
+        let forced = req.from.is_some_and(|f| stage >= f);
+        let plan = stages::plan(&ctx, stage)?;
+        let fp = fingerprint(stage, &plan.params, &plan.inputs);
+        let previous = read_manifest(&run_dir, stage);
+        let before_from = req.from.is_some_and(|f| stage < f);
+        if let Some(m) = &previous
+            && !forced
+            && (m.fingerprint == fp || before_from)
+            && m.outputs.iter().all(|o| run_dir.join(o).exists())
+        {
+            eprintln!("[{}/{total}] {:<8} up to date (manifest {}), skipped", i + 1, stage.name(), &m.fingerprint[..12]);
+            summary.stages_skipped.push(stage);
+            continue;
+        }
+        if before_from {
+            return Err(PipelineError::Stage {
+                stage: stage.name(),
+                message: format!("has not run in {} (--from needs the stages before it done)", run_dir.display()),
+            });
+        }
+        eprintln!("[{}/{total}] {:<8} running", i + 1, stage.name());
+        let stage_started = Instant::now();
+        let outcome = stages::run(&ctx, stage)?;
+        let wall = stage_started.elapsed().as_secs_f64();
+        // Inputs may be produced by the stage itself (the base checkpoint of pull): plan again after it ran.
+        let plan = stages::plan(&ctx, stage)?;
+        let manifest = Manifest {
+            stage,
+            kiln: env!("CARGO_PKG_VERSION").into(),
+            fingerprint: fingerprint(stage, &plan.params, &plan.inputs),
+            inputs: plan.inputs,
+            params: plan.params,
+            outputs: outcome.outputs,
+            counts: outcome.counts,
+            wall_seconds: wall,
+            finished_at: chrono::Local::now().to_rfc3339(),
+        };
+        let path = manifest_path(&run_dir, stage);
+        let text = serde_json::to_string_pretty(&manifest).unwrap_or_default() + "\n";
+        std::fs::write(&path, text).map_err(|e| PipelineError::io(&path, e))?;
+        eprintln!("[{}/{total}] {:<8} done in {wall:.1}s: {}", i + 1, stage.name(), outcome.summary);
+        summary.stages_run.push(stage);
+    }
+    if let Ok(text) = std::fs::read_to_string(run_dir.join("selection.json"))
+        && let Ok(sel) = serde_json::from_str::<crate::eval::select::Selection>(&text)
+    {
+        summary.selected_score = sel.candidates.iter().find(|c| c.name == sel.chosen).map(|c| c.score);
+        summary.selected = Some(sel.chosen);
+    }
+    summary.report = Some(run_dir.join("report/index.html")).filter(|p| p.is_file());
+    summary.card = Some(run_dir.join("README.md")).filter(|p| p.is_file());
+    summary.wall_seconds = started.elapsed().as_secs_f64();
+    Ok(summary)
+}

@@ -1,0 +1,437 @@
+//! What each stage of `kiln sft` reads (its plan: parameters and input hashes) and does, by calling the
+//! stage modules: hub, data, tokens, report, train, models, eval.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+
+use serde_json::{Value, json};
+
+use super::config::{ModelConfig, PipelineDef};
+use super::{PipelineError, SftRequest, Stage, StageOutcome, StagePlan, manifest_path};
+use crate::data::{EvalIndex, Recipe};
+use crate::hub::{Hub, HubConfig, PulledRepo, RepoKind, RepoSpec};
+
+pub struct Context<'a> {
+    pub req: &'a SftRequest,
+    pub def: &'a PipelineDef,
+    pub config: &'a ModelConfig,
+    pub run_dir: &'a Path,
+    pub device: &'a str,
+    pub stop: &'a AtomicBool,
+}
+
+const OPTIONAL_MODEL_FILES: &[&str] = &[
+    "generation_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "model.safetensors.index.json",
+    "README.md",
+    "LICENSE",
+];
+
+fn fail(stage: Stage) -> impl Fn(&dyn std::fmt::Display) -> PipelineError {
+    move |e| PipelineError::Stage { stage: stage.name(), message: e.to_string() }
+}
+
+fn hash_file(path: &Path) -> Result<String, PipelineError> {
+    crate::hub::sha256_file(path).map_err(|e| PipelineError::io(path, e))
+}
+
+/// Hashes of the files directly in `dir` (sorted by name).
+fn hash_dir(dir: &Path, prefix: &str, into: &mut BTreeMap<String, String>) -> Result<(), PipelineError> {
+    let entries = std::fs::read_dir(dir).map_err(|e| PipelineError::io(dir, e))?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_file() {
+            into.insert(format!("{prefix}{}", entry.file_name().to_string_lossy()), hash_file(&path)?);
+        }
+    }
+    Ok(())
+}
+
+fn upstream_inputs(ctx: &Context, stage: Stage, inputs: &mut BTreeMap<String, String>) -> Result<(), PipelineError> {
+    for &up in stage.upstream() {
+        let path = manifest_path(ctx.run_dir, up);
+        if path.is_file() {
+            inputs.insert(format!("manifests/{}.json", up.name()), hash_file(&path)?);
+        }
+    }
+    Ok(())
+}
+
+fn hub(ctx: &Context) -> Result<Hub, PipelineError> {
+    let mut config = HubConfig::from_env();
+    config.show_progress = ctx.req.show_progress;
+    Hub::new(config).map_err(|e| fail(Stage::Pull)(&e))
+}
+
+fn recipes(ctx: &Context) -> Result<Vec<Recipe>, PipelineError> {
+    let mut out = Vec::new();
+    for name in &ctx.config.data.recipes {
+        let mut recipe = Recipe::find(name, &ctx.req.datasets_dir).map_err(|e| fail(Stage::Prepare)(&e))?;
+        if let Some(&w) = ctx.config.data.weights.get(name) {
+            for s in &mut recipe.sources {
+                s.weight *= w;
+            }
+        }
+        out.push(recipe);
+    }
+    Ok(out)
+}
+
+/// The base checkpoint: the random-init folder of a local model, or the pulled Hub snapshot.
+pub fn base_model_dir(ctx: &Context) -> Option<PathBuf> {
+    if ctx.config.model.local.is_some() {
+        return Some(ctx.run_dir.join("base"));
+    }
+    let pulled: Vec<PulledRepo> = serde_json::from_str(&std::fs::read_to_string(ctx.run_dir.join("pull.json")).ok()?).ok()?;
+    let model = pulled.iter().find(|p| p.kind == RepoKind::Model)?;
+    model.files.iter().find(|f| f.path == "config.json")?.local.parent().map(Path::to_path_buf)
+}
+
+fn require_base(ctx: &Context, stage: Stage) -> Result<PathBuf, PipelineError> {
+    base_model_dir(ctx).filter(|d| d.join("config.json").is_file()).ok_or_else(|| PipelineError::Stage {
+        stage: stage.name(),
+        message: format!("no base checkpoint in {} (run the pull stage)", ctx.run_dir.display()),
+    })
+}
+
+/// What a stage computes from.
+pub fn plan(ctx: &Context, stage: Stage) -> Result<StagePlan, PipelineError> {
+    let c = ctx.config;
+    let mut inputs = BTreeMap::new();
+    upstream_inputs(ctx, stage, &mut inputs)?;
+    let params = match stage {
+        Stage::Pull => {
+            if let Some(local) = &c.model.local {
+                hash_dir(local, "model/", &mut inputs)?;
+            }
+            json!({"model": c.model, "recipes": c.data.recipes})
+        }
+        Stage::Prepare => {
+            for recipe in recipes(ctx)? {
+                inputs.insert(format!("recipe/{}", recipe.name), crate::hub::sha256_bytes(serde_json::to_string(&recipe.sources).unwrap_or_default().as_bytes()));
+                for s in recipe.sources.iter().filter(|s| s.hub.is_none()) {
+                    if let Some(p) = &s.path {
+                        let path = recipe.base_dir().join(p);
+                        if path.is_file() {
+                            inputs.insert(format!("source/{}", path.display()), hash_file(&path)?);
+                        }
+                    }
+                }
+            }
+            for set in &c.data.decontaminate {
+                inputs.insert(format!("eval-set/{}", set.display()), hash_file(set)?);
+            }
+            if let Some(file) = &c.template.file {
+                inputs.insert(format!("template/{}", file.display()), hash_file(file)?);
+            }
+            json!({"data": c.data, "template": c.template})
+        }
+        Stage::Inspect => json!({"examples": ctx.def.defaults.inspect_examples, "seed": 0}),
+        Stage::Train => json!({"train": c.train, "device": ctx.device}),
+        Stage::Export => json!({}),
+        Stage::Eval => {
+            inputs.insert(format!("replay/{}", c.eval.replay.display()), hash_file(&c.eval.replay)?);
+            json!({"eval": c.eval, "device": ctx.device})
+        }
+        Stage::Select => json!({}),
+        Stage::Card => json!({"model": c.name, "command": ctx.req.command}),
+    };
+    Ok(StagePlan { params, inputs })
+}
+
+pub fn run(ctx: &Context, stage: Stage) -> Result<StageOutcome, PipelineError> {
+    match stage {
+        Stage::Pull => pull(ctx),
+        Stage::Prepare => prepare(ctx),
+        Stage::Inspect => inspect(ctx),
+        Stage::Train => train(ctx),
+        Stage::Export => export(ctx),
+        Stage::Eval => eval(ctx),
+        Stage::Select => select(ctx),
+        Stage::Card => card(ctx),
+    }
+}
+
+fn pull(ctx: &Context) -> Result<StageOutcome, PipelineError> {
+    let c = ctx.config;
+    let err = fail(Stage::Pull);
+    let mut pulled: Vec<PulledRepo> = Vec::new();
+    let needs_hub = c.model.hub.is_some() || recipes(ctx)?.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some()));
+    let hub = if needs_hub { Some(hub(ctx)?) } else { None };
+    let (base, summary, parameters) = match (&c.model.hub, &c.model.local) {
+        (Some(repo), _) => {
+            let spec = RepoSpec {
+                kind: RepoKind::Model,
+                repo: repo.clone(),
+                revision: c.model.revision.clone(),
+                files: c.model.files.clone(),
+                optional_files: OPTIONAL_MODEL_FILES.iter().map(|s| s.to_string()).collect(),
+            };
+            let record = hub.as_ref().ok_or_else(|| err(&"no hub"))?.pull(&spec).map_err(|e| err(&e))?;
+            let summary = format!("{repo}@{} → {}", c.model.revision, &record.commit[..record.commit.len().min(12)]);
+            pulled.push(record);
+            (None, summary, Value::Null)
+        }
+        (None, Some(local)) => {
+            let base = ctx.run_dir.join("base");
+            let (model_type, params) =
+                crate::models::init_random_checkpoint(local, &base, c.model.init_seed, crate::models::hf::ExportDtype::F32)
+                    .map_err(|e| err(&e))?;
+            let summary = format!("random-init {model_type} ({params} parameters, seed {}) → base/", c.model.init_seed);
+            (Some(base), summary, json!(params))
+        }
+        (None, None) => return Err(err(&"[model] has neither hub nor local")),
+    };
+    for recipe in recipes(ctx)? {
+        for spec in recipe.sources.iter().filter_map(|s| s.hub.as_ref()) {
+            pulled.push(hub.as_ref().ok_or_else(|| err(&"no hub"))?.pull(&spec.spec()).map_err(|e| err(&e))?);
+        }
+    }
+    let path = ctx.run_dir.join("pull.json");
+    let text = serde_json::to_string_pretty(&pulled).map_err(|e| err(&e))? + "\n";
+    std::fs::write(&path, text).map_err(|e| PipelineError::io(&path, e))?;
+    let mut outputs = vec!["pull.json".to_string()];
+    if base.is_some() {
+        outputs.push("base".into());
+    }
+    let commits: BTreeMap<String, String> = pulled.iter().map(|p| (p.repo.clone(), p.commit.clone())).collect();
+    let base_dir = base_model_dir(ctx).map(|p| p.display().to_string());
+    Ok(StageOutcome {
+        outputs,
+        counts: json!({"base_model": base_dir, "parameters": parameters, "repos": commits}),
+        summary: format!("{summary}; {} repos pulled", pulled.len()),
+    })
+}
+
+fn prepare(ctx: &Context) -> Result<StageOutcome, PipelineError> {
+    let c = ctx.config;
+    let err = fail(Stage::Prepare);
+    let data_dir = ctx.run_dir.join("data");
+    // Shards of an earlier prepare with other settings must not mix with these.
+    if data_dir.is_dir() {
+        std::fs::remove_dir_all(&data_dir).map_err(|e| PipelineError::io(&data_dir, e))?;
+    }
+    let recipes = recipes(ctx)?;
+    let chosen = recipes.iter().map(|r| (r, r.sources.iter().collect::<Vec<_>>())).collect::<Vec<_>>();
+    let eval = if c.data.decontaminate.is_empty() {
+        None
+    } else {
+        Some(EvalIndex::load(&c.data.decontaminate).map_err(|e| err(&e))?)
+    };
+    let needs_hub = recipes.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some()));
+    let hub = if needs_hub { Some(hub(ctx)?) } else { None };
+    let ingests = crate::data::ingest::ingest_to_dir(&chosen, hub.as_ref(), eval.as_ref(), ctx.req.show_progress, &data_dir)
+        .map_err(|e| err(&e))?;
+
+    let base = require_base(ctx, Stage::Prepare)?;
+    let (template, tokenizer) = crate::tokens::prepare::load_template_and_tokenizer(
+        &base,
+        c.template.file.as_deref(),
+        &c.data.template_date,
+        c.template.end_of_turn.as_deref(),
+    )
+    .map_err(|e| err(&e))?;
+    let cfg = crate::tokens::prepare::PrepareConfig {
+        seq_len: c.data.seq_len,
+        layout: c.data.layout,
+        truncation: c.data.truncation,
+        policy: crate::chat::SamplePolicy {
+            mode: c.template.mode,
+            thinking: c.template.thinking,
+            kwargs: c.template.vars.clone(),
+        },
+        chunk: 256,
+        template_date: c.data.template_date.clone(),
+    };
+    let bar = if ctx.req.show_progress { indicatif::ProgressBar::new_spinner() } else { indicatif::ProgressBar::hidden() };
+    let stats = crate::tokens::prepare::prepare(&data_dir.join("conversations.jsonl"), &template, &tokenizer, &cfg, &data_dir, &bar)
+        .map_err(|e| err(&e))?;
+    bar.finish_and_clear();
+    if stats.samples == 0 {
+        return Err(err(&format!("no sample from {} conversations: {:?}", stats.conversations, stats.error_examples)));
+    }
+    let emitted: u64 = ingests.iter().map(|s| s.emitted).sum();
+    Ok(StageOutcome {
+        outputs: vec!["data/stats.json".into(), "data/conversations.jsonl".into(), "data/ingest.json".into()],
+        counts: json!({"conversations": emitted, "samples": stats.samples, "tokens": stats.tokens, "supervised_tokens": stats.supervised_tokens, "rows": stats.rows}),
+        summary: stats.summary(),
+    })
+}
+
+fn inspect(ctx: &Context) -> Result<StageOutcome, PipelineError> {
+    let err = fail(Stage::Inspect);
+    let opts = crate::report::InspectOptions { random_examples: ctx.def.defaults.inspect_examples, ..Default::default() };
+    let result = crate::report::inspect_run(ctx.run_dir, &opts, &indicatif::ProgressBar::hidden()).map_err(|e| err(&e))?;
+    crate::report::write_report(ctx.run_dir, &result).map_err(|e| err(&e))?;
+    for w in &result.inspection.warnings {
+        eprintln!("  warning: {w}");
+    }
+    Ok(StageOutcome {
+        outputs: vec!["report/index.html".into(), "report/summary.md".into(), "report/summary.json".into()],
+        counts: json!({"warnings": result.inspection.warnings.len(), "examples": result.inspection.examples.len()}),
+        summary: result.inspection.summary(),
+    })
+}
+
+fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
+    let err = fail(Stage::Train);
+    let cfg = &ctx.config.train;
+    let base = require_base(ctx, Stage::Train)?;
+    let saved = crate::train::trainer::saved_config(ctx.run_dir);
+    let resume = saved.as_ref() == Some(cfg);
+    if resume {
+        eprintln!("  resuming from {}", ctx.run_dir.join("train/state").display());
+    } else {
+        // A fresh start: checkpoints of an earlier run must not be evaluated as this run's epochs.
+        for dir in ["train", "checkpoints"] {
+            let path = ctx.run_dir.join(dir);
+            if path.exists() {
+                std::fs::remove_dir_all(&path).map_err(|e| PipelineError::io(&path, e))?;
+            }
+        }
+    }
+    let summary = crate::train::train_on_device(
+        ctx.device,
+        false,
+        cfg,
+        &base,
+        &ctx.run_dir.join("data"),
+        ctx.run_dir,
+        resume,
+        ctx.stop,
+        ctx.req.halt_after,
+        ctx.req.show_progress,
+    )
+    .map_err(|e| err(&e))?;
+    let path = ctx.run_dir.join("train/summary.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&summary).unwrap_or_default() + "\n")
+        .map_err(|e| PipelineError::io(&path, e))?;
+    if summary.interrupted {
+        return Err(PipelineError::Interrupted { step: summary.steps });
+    }
+    let mut outputs = vec!["train/metrics.jsonl".to_string(), "train/summary.json".to_string()];
+    outputs.extend((1..=summary.epochs_done).map(|k| format!("checkpoints/epoch-{k}")));
+    let totals = crate::train::trainer::metrics_totals(&ctx.run_dir.join("train/metrics.jsonl"));
+    Ok(StageOutcome {
+        outputs,
+        counts: json!({"steps": summary.steps, "epochs": summary.epochs_done, "final_loss": summary.final_loss, "tokens": totals.0, "supervised_tokens": totals.1, "train_seconds": summary.seconds, "device": ctx.device}),
+        summary: format!(
+            "{} steps, {} epochs, final loss {}",
+            summary.steps,
+            summary.epochs_done,
+            summary.final_loss.map_or("-".into(), |l| format!("{l:.4}"))
+        ),
+    })
+}
+
+/// Checks every exported epoch: the weights load, hold exactly the base checkpoint's tensor names, and
+/// the tokenizer and template files travelled with them.
+fn export(ctx: &Context) -> Result<StageOutcome, PipelineError> {
+    let err = fail(Stage::Export);
+    let base = require_base(ctx, Stage::Export)?;
+    let names = |dir: &Path| -> Result<Vec<(String, Vec<usize>)>, PipelineError> {
+        let store = crate::models::WeightStore::open(dir).map_err(|e| err(&e))?;
+        Ok(store.keys().map(|k| (k.clone(), store.shape(k).unwrap_or_default().to_vec())).collect())
+    };
+    let expected = names(&base)?;
+    let checkpoints = crate::eval::select::candidates(ctx.run_dir, None);
+    if checkpoints.is_empty() {
+        return Err(err(&"no checkpoints/epoch-<k> to export (run the train stage)"));
+    }
+    let mut bytes = 0u64;
+    for c in &checkpoints {
+        let got = names(&c.path)?;
+        if got != expected {
+            return Err(err(&format!(
+                "{}: its {} tensors differ in names or shapes from the base's {}",
+                c.path.display(),
+                got.len(),
+                expected.len()
+            )));
+        }
+        crate::models::Lfm2Config::from_file(&c.path.join("config.json")).map_err(|e| err(&e))?;
+        for needed in ["tokenizer.json", "tokenizer_config.json"] {
+            if !c.path.join(needed).is_file() {
+                return Err(err(&format!("{} lacks {needed}", c.path.display())));
+            }
+        }
+        bytes += std::fs::read_dir(&c.path).map_err(|e| PipelineError::io(&c.path, e))?.flatten().filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum::<u64>();
+    }
+    Ok(StageOutcome {
+        outputs: checkpoints.iter().map(|c| format!("checkpoints/{}", c.name)).collect(),
+        counts: json!({"checkpoints": checkpoints.len(), "tensors": expected.len(), "bytes": bytes}),
+        summary: format!("{} checkpoints verified ({} tensors each, {})", checkpoints.len(), expected.len(), indicatif::HumanBytes(bytes)),
+    })
+}
+
+fn eval_options(ctx: &Context) -> crate::eval::run::EvalOptions {
+    let e = &ctx.config.eval;
+    crate::eval::run::EvalOptions {
+        max_tokens: e.max_tokens,
+        batch_size: e.batch_size,
+        enable_thinking: e.enable_thinking,
+        strip_thinking_history: e.strip_thinking_history,
+        scorer: e.scorer,
+        limit: e.limit,
+        tasks: Vec::new(),
+    }
+}
+
+fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
+    let err = fail(Stage::Eval);
+    let base = require_base(ctx, Stage::Eval)?;
+    let eval_dir = ctx.run_dir.join("eval");
+    if eval_dir.exists() {
+        std::fs::remove_dir_all(&eval_dir).map_err(|e| PipelineError::io(&eval_dir, e))?;
+    }
+    std::fs::create_dir_all(&eval_dir).map_err(|e| PipelineError::io(&eval_dir, e))?;
+    let replay = &ctx.config.eval.replay;
+    let opts = eval_options(ctx);
+    let steps = crate::eval::run::select_steps(crate::eval::result::read_replay(replay).map_err(|e| err(&e))?, &opts);
+    if steps.is_empty() {
+        return Err(err(&format!("no replay step selected from {}", replay.display())));
+    }
+    let mut lines = Vec::new();
+    let mut outputs = Vec::new();
+    for c in crate::eval::select::candidates(ctx.run_dir, Some(&base)) {
+        let result = crate::eval::run::evaluate_on_device(ctx.device, &c.name, &c.path, replay, &steps, &opts, ctx.req.show_progress)
+            .map_err(|e| err(&format!("{}: {e}", c.name)))?;
+        let path = eval_dir.join(format!("{}.json", c.name));
+        std::fs::write(&path, serde_json::to_string_pretty(&result).unwrap_or_default() + "\n").map_err(|e| PipelineError::io(&path, e))?;
+        let a = &result.aggregate;
+        eprintln!("  {}: Score {:.2} (P {:.3} R {:.3}, valid JSON {:.1}%, {:.3} s/step)", c.name, a.score, a.avg_command_precision, a.avg_command_recall, a.valid_json_pct, result.avg_sec_per_step);
+        lines.push(format!("{} {:.2}", c.name, a.score));
+        outputs.push(format!("eval/{}.json", c.name));
+    }
+    Ok(StageOutcome { outputs, counts: json!({"steps": steps.len(), "candidates": lines.len()}), summary: lines.join(", ") })
+}
+
+fn select(ctx: &Context) -> Result<StageOutcome, PipelineError> {
+    let base = require_base(ctx, Stage::Select)?;
+    let selection = crate::eval::select::select_run(
+        ctx.run_dir,
+        Some(&base),
+        &mut |c| Err(format!("{} has no eval/{}.json: run the eval stage", c.path.display(), c.name)),
+        &mut |_, _| {},
+    )
+    .map_err(|e| fail(Stage::Select)(&e))?;
+    Ok(StageOutcome {
+        outputs: vec!["selection.json".into(), "best".into()],
+        counts: json!({"chosen": selection.chosen, "margin": selection.margin}),
+        summary: selection.reason,
+    })
+}
+
+fn card(ctx: &Context) -> Result<StageOutcome, PipelineError> {
+    let err = fail(Stage::Card);
+    let base = require_base(ctx, Stage::Card)?;
+    let card = crate::report::card::write_card(ctx.run_dir, ctx.config, &base, &ctx.req.command).map_err(|e| err(&e))?;
+    Ok(StageOutcome {
+        outputs: vec!["README.md".into(), "card/loss.png".into(), "card/scores.png".into()],
+        counts: json!({"figures": card.figures}),
+        summary: format!("{} ({} figures from the run's files)", ctx.run_dir.join("README.md").display(), card.figures),
+    })
+}

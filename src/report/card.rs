@@ -1,0 +1,408 @@
+//! The model card (`kiln card`, the card stage): `README.md` in the Hub's format with YAML front matter,
+//! and PNG plots of the loss and the per-epoch scores. Every figure is read from a file the run wrote
+//! (eval/, selection.json, train/, data/, report/, manifests/); nothing is typed in by hand.
+
+use std::fmt::Write;
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+
+use super::ReportError;
+use super::figures::Inspection;
+use super::html::{key_figures, percent};
+use crate::data::ingest::IngestStats;
+use crate::eval::result::EvalResult;
+use crate::eval::select::Selection;
+use crate::pipeline::ModelConfig;
+use crate::tokens::prepare::PrepareStats;
+use crate::train::TrainSummary;
+use crate::train::trainer::{StepMetrics, read_metrics};
+
+/// What the card was made from, read from the run.
+pub struct CardInputs {
+    pub evals: Vec<EvalResult>,
+    pub selection: Selection,
+    pub train: TrainSummary,
+    pub metrics: Vec<StepMetrics>,
+    pub stats: PrepareStats,
+    pub ingest: Vec<IngestStats>,
+    pub inspection: Option<Inspection>,
+    /// Wall time of every stage that has a manifest, in pipeline order.
+    pub stage_seconds: Vec<(String, f64)>,
+    pub device: String,
+}
+
+pub struct CardOutput {
+    pub path: PathBuf,
+    /// Rows of the evaluation table (base and epochs).
+    pub figures: usize,
+}
+
+fn read<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ReportError> {
+    let text = std::fs::read_to_string(path).map_err(|_| ReportError::Missing {
+        path: path.to_path_buf(),
+        hint: "the card is written from the run's files; run the stages before the card".into(),
+    })?;
+    serde_json::from_str(&text).map_err(|e| ReportError::Invalid { path: path.to_path_buf(), message: e.to_string() })
+}
+
+pub fn read_inputs(run_dir: &Path) -> Result<CardInputs, ReportError> {
+    let selection: Selection = read(&run_dir.join("selection.json"))?;
+    let mut evals = Vec::new();
+    for c in &selection.candidates {
+        evals.push(read::<EvalResult>(&run_dir.join("eval").join(format!("{}.json", c.name)))?);
+    }
+    let mut stage_seconds = Vec::new();
+    let mut device = "cpu".to_string();
+    for stage in ["pull", "prepare", "inspect", "train", "export", "eval", "select"] {
+        if let Ok(m) = read::<crate::pipeline::Manifest>(&run_dir.join("manifests").join(format!("{stage}.json"))) {
+            stage_seconds.push((stage.to_string(), m.wall_seconds));
+            if let Some(d) = m.params.get("device").and_then(|d| d.as_str()) {
+                device = d.to_string();
+            }
+        }
+    }
+    let inspection = read::<Inspection>(&run_dir.join("report/summary.json")).ok();
+    Ok(CardInputs {
+        evals,
+        selection,
+        train: read(&run_dir.join("train/summary.json"))?,
+        metrics: read_metrics(&run_dir.join("train/metrics.jsonl")),
+        stats: read(&run_dir.join("data/stats.json"))?,
+        ingest: read(&run_dir.join("data/ingest.json")).unwrap_or_default(),
+        inspection,
+        stage_seconds,
+        device,
+    })
+}
+
+/// The `license:` of a Hub README's front matter.
+fn front_matter_license(readme: &str) -> Option<String> {
+    let body = readme.strip_prefix("---")?;
+    let end = body.find("\n---")?;
+    body[..end]
+        .lines()
+        .find_map(|l| l.strip_prefix("license:"))
+        .map(|v| v.trim().trim_matches('"').to_string())
+        .filter(|v| !v.is_empty())
+}
+
+fn hardware(device: &str) -> String {
+    if device == "cuda" {
+        let gpu = std::process::Command::new("nvidia-smi")
+            .args(["--query-gpu=name", "--format=csv,noheader"])
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").trim().to_string())
+            .filter(|s| !s.is_empty());
+        return gpu.map_or_else(|| "an NVIDIA GPU (CUDA)".into(), |g| format!("1 × {g} (CUDA)"));
+    }
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| t.lines().find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    format!("CPU: {} ({cores} cores)", model.unwrap_or_else(|| std::env::consts::ARCH.into()))
+}
+
+/// The eval table's row for one result; the test reads these cells back against the eval files.
+pub fn eval_row(r: &EvalResult) -> Vec<String> {
+    let a = &r.aggregate;
+    let status = r.prompt_template.get("template_status").and_then(|v| v.as_str()).unwrap_or("unknown").to_string();
+    let eligible = r.prompt_template.get("rank_eligible").and_then(|v| v.as_bool()).map_or("unknown", |b| if b { "yes" } else { "no" });
+    vec![
+        r.model.clone(),
+        format!("{:.2}", a.score),
+        format!("{:.4}", a.avg_command_f1),
+        format!("{:.4}", a.avg_command_precision),
+        format!("{:.4}", a.avg_command_recall),
+        format!("{:.1} %", a.first_cmd_exact_pct),
+        format!("{:.1} %", a.valid_json_pct),
+        format!("{:.3}", r.avg_sec_per_step),
+        format!("{} / {}", a.steps, a.tasks),
+        status,
+        eligible.to_string(),
+    ]
+}
+
+const EVAL_HEADERS: [&str; 11] = [
+    "checkpoint",
+    "Score",
+    "command F1",
+    "precision",
+    "recall",
+    "first-command exact",
+    "valid JSON",
+    "sec/step",
+    "steps / tasks",
+    "template",
+    "rank-eligible",
+];
+
+fn md_table(md: &mut String, headers: &[&str], rows: &[Vec<String>]) {
+    let _ = writeln!(md, "| {} |", headers.join(" | "));
+    let _ = writeln!(md, "|{}", "---|".repeat(headers.len()));
+    for row in rows {
+        let cells: Vec<String> = row.iter().map(|c| c.replace('|', "\\|")).collect();
+        let _ = writeln!(md, "| {} |", cells.join(" | "));
+    }
+}
+
+/// Limitations that follow from the measured numbers.
+fn limitations(inputs: &CardInputs, chosen: &EvalResult, base: Option<&EvalResult>, config: &ModelConfig) -> Vec<String> {
+    let a = &chosen.aggregate;
+    let mut out = Vec::new();
+    if config.model.local.is_some() {
+        out.push(format!(
+            "This is the pipeline's offline default: a {}-parameter model initialized at random and trained on the project's synthetic data. It demonstrates the pipeline end to end; it is not a useful assistant.",
+            inputs.metrics.first().map_or_else(|| "small".to_string(), |_| config.model.parameters.clone().unwrap_or_else(|| "small".into()))
+        ));
+    }
+    if a.avg_command_recall < a.avg_command_precision {
+        out.push(format!(
+            "Recall ({:.4}) is below precision ({:.4}): the model more often leaves out commands the reference runs than adds wrong ones.",
+            a.avg_command_recall, a.avg_command_precision
+        ));
+    } else if a.avg_command_precision < a.avg_command_recall {
+        out.push(format!(
+            "Precision ({:.4}) is below recall ({:.4}): the model adds commands the reference does not run.",
+            a.avg_command_precision, a.avg_command_recall
+        ));
+    }
+    if a.valid_json_pct < 100.0 {
+        out.push(format!(
+            "{:.1} % of its replies on the replay set were not valid JSON actions, and score no commands unless the keystroke fallback finds some.",
+            100.0 - a.valid_json_pct
+        ));
+    }
+    if let Some(b) = base
+        && b.aggregate.score >= a.score
+    {
+        out.push(format!(
+            "Fine-tuning did not improve the replay Score over the base model ({:.2} vs {:.2}).",
+            a.score, b.aggregate.score
+        ));
+    }
+    if inputs.stats.truncated > 0 || inputs.stats.dropped.get("too_long").is_some_and(|&n| n > 0) {
+        out.push(format!(
+            "Training saw sequences up to {} tokens: {} samples were truncated and {} dropped as too long, so longer trajectories are under-represented.",
+            inputs.stats.config.as_ref().map_or(0, |c| c.seq_len),
+            inputs.stats.truncated,
+            inputs.stats.dropped.get("too_long").copied().unwrap_or(0)
+        ));
+    }
+    out.push(format!(
+        "TB2-lite replays single steps of recorded trajectories ({} steps over {} tasks here): it measures the next action against a reference, not whether the model finishes tasks in a live terminal.",
+        a.steps, a.tasks
+    ));
+    out
+}
+
+/// Writes `README.md` and `card/loss.png`, `card/scores.png` into `run_dir`.
+pub fn write_card(run_dir: &Path, config: &ModelConfig, base_dir: &Path, command: &str) -> Result<CardOutput, ReportError> {
+    let inputs = read_inputs(run_dir)?;
+    let card_dir = run_dir.join("card");
+    std::fs::create_dir_all(&card_dir).map_err(ReportError::io(&card_dir))?;
+    loss_png(&card_dir.join("loss.png"), &inputs.metrics)?;
+    scores_png(&card_dir.join("scores.png"), &inputs.evals)?;
+
+    let sel = &inputs.selection;
+    let chosen = inputs.evals.iter().find(|e| e.model == sel.chosen).ok_or_else(|| ReportError::Invalid {
+        path: run_dir.join("selection.json"),
+        message: format!("the chosen '{}' has no eval result", sel.chosen),
+    })?;
+    let base = inputs.evals.iter().find(|e| e.model == "base");
+    let license = std::fs::read_to_string(base_dir.join("README.md"))
+        .ok()
+        .and_then(|t| front_matter_license(&t))
+        .or_else(|| config.license.clone())
+        .unwrap_or_else(|| "other".into());
+    let datasets: Vec<String> = inputs
+        .ingest
+        .iter()
+        .flat_map(|i| i.pulls.iter().map(|p| p.repo.clone()))
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let template = inputs.stats.template.as_ref();
+    let template_origin = template.map_or("the checkpoint's chat template".to_string(), |t| t.origin.clone());
+    let run_name = run_dir.file_name().map_or_else(|| "run".into(), |n| n.to_string_lossy().into_owned());
+
+    let mut md = String::from("---\n");
+    let languages = if config.languages.is_empty() { vec!["en".to_string()] } else { config.languages.clone() };
+    let _ = writeln!(md, "language:\n{}", languages.iter().map(|l| format!("- {l}")).collect::<Vec<_>>().join("\n"));
+    let _ = writeln!(md, "library_name: transformers\npipeline_tag: text-generation\nlicense: {license}");
+    if let Some(hub) = &config.model.hub {
+        let _ = writeln!(md, "base_model: {hub}");
+    }
+    if !datasets.is_empty() {
+        let _ = writeln!(md, "datasets:\n{}", datasets.iter().map(|d| format!("- {d}")).collect::<Vec<_>>().join("\n"));
+    }
+    let _ = writeln!(md, "tags:\n- kiln\n- sft\n- terminal-agent\n- tb2-lite\n- {}\n---\n", config.architecture);
+
+    let _ = writeln!(md, "# {run_name}: {} fine-tuned with kiln\n", config.name);
+    let base_name = config.model.hub.clone().unwrap_or_else(|| format!("a random-init {} ({})", config.architecture, config.name));
+    let _ = writeln!(
+        md,
+        "{}\n\nFull fine-tune of {base_name} on assistant turns only, rendered with the model's native chat template ({template_origin}). It is meant to act as a terminal agent in the Terminus-2 format: given a task and the terminal screen, reply with the next batch of shell keystrokes as JSON.\n",
+        config.description
+    );
+
+    md.push_str("## Quickstart\n\nWith transformers:\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n");
+    let _ = writeln!(md, "path = \"{}\"  # the selected checkpoint ({})", run_dir.join("best").display(), sel.chosen);
+    md.push_str("tok = AutoTokenizer.from_pretrained(path)\nmodel = AutoModelForCausalLM.from_pretrained(path, dtype=\"auto\")\nmessages = [{\"role\": \"user\", \"content\": \"<Terminus-2 prompt with the task and the terminal screen>\"}]\ninputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", return_dict=True)\nout = model.generate(**inputs, max_new_tokens=1024, do_sample=False)\nprint(tok.decode(out[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True))\n```\n\nWith vLLM:\n\n```bash\n");
+    let _ = writeln!(md, "vllm serve {} --served-model-name {run_name}", run_dir.join("best").display());
+    let _ = writeln!(
+        md,
+        "```\n\nThe evaluation rendered prompts with the chat template shipped in the checkpoint ({template_origin}, sha256 `{}`); use the same template.\n",
+        template.map_or("unknown", |t| t.sha256.as_str())
+    );
+
+    md.push_str("## Output format\n\nOne JSON object per turn, as in the training targets:\n\n```json\n{\n  \"analysis\": \"what the terminal shows, what is done and what is left\",\n  \"plan\": \"the next steps\",\n  \"commands\": [{\"keystrokes\": \"ls -la\\n\", \"duration\": 0.1}],\n  \"task_complete\": false\n}\n```\n\n");
+
+    let first = &inputs.evals[0];
+    let _ = writeln!(
+        md,
+        "## Evaluation\n\nTB2-lite replay ({}, scorer {:?}, greedy decoding, {} steps over {} tasks). Score = 100 × mean command F1.\n",
+        first.eval_path, first.scorer, first.aggregate.steps, first.aggregate.tasks
+    );
+    let rows: Vec<Vec<String>> = inputs.evals.iter().map(eval_row).collect();
+    md_table(&mut md, &EVAL_HEADERS, &rows);
+    let _ = writeln!(md, "\n**Selected: {}.** {}\n\n![per-checkpoint scores](card/scores.png)\n", sel.chosen, sel.reason);
+
+    md.push_str("## Training\n\n");
+    let source_rows: Vec<Vec<String>> = inputs
+        .ingest
+        .iter()
+        .flat_map(|i| {
+            i.sources.iter().map(|s| {
+                vec![
+                    i.recipe.clone(),
+                    s.name.clone(),
+                    s.rows_read.to_string(),
+                    s.decontamination.dropped.to_string(),
+                    s.emitted.to_string(),
+                ]
+            })
+        })
+        .collect();
+    md_table(&mut md, &["recipe", "source", "rows read", "removed as eval overlap", "conversations trained on"], &source_rows);
+    let st = &inputs.stats;
+    let c = &config.train;
+    let tokens_trained: u64 = inputs.metrics.iter().map(|m| m.tokens).sum();
+    let train_seconds = inputs.stage_seconds.iter().find(|(s, _)| s == "train").map_or(inputs.train.seconds, |(_, w)| *w);
+    let wall: f64 = inputs.stage_seconds.iter().map(|(_, w)| w).sum();
+    let mut details = vec![
+        ("samples / tokens / supervised tokens", format!("{} / {} / {} ({})", st.samples, st.tokens, st.supervised_tokens, percent(crate::report::figures::share(st.supervised_tokens, st.tokens)))),
+        ("sequence length / layout", st.config.as_ref().map_or("-".into(), |p| format!("{} / {:?}", p.seq_len, p.layout).to_lowercase())),
+        ("epochs / optimizer steps", format!("{} / {}", inputs.train.epochs_done, inputs.train.steps)),
+        ("learning rate", format!("{} peak, {:?} decay to {} × peak, warmup {}", c.lr, c.decay, c.min_lr_ratio, c.warmup_steps.map_or(format!("{} of steps", percent(c.warmup_ratio)), |s| format!("{s} steps"))).to_lowercase()),
+        ("AdamW", format!("β = ({}, {}), ε = {}, weight decay {}", c.adamw.beta1, c.adamw.beta2, c.adamw.eps, c.adamw.weight_decay)),
+        ("global batch / micro batch", format!("{} / {} sequences", c.global_batch_tokens.map_or(c.global_batch.to_string(), |t| format!("{t} tokens")), c.micro_batch)),
+        ("gradient clipping", c.max_grad_norm.map_or("none".into(), |n| format!("global norm {n}"))),
+        ("seed", c.seed.to_string()),
+        ("hardware", hardware(&inputs.device)),
+        ("tokens trained", tokens_trained.to_string()),
+        ("training wall time", format!("{train_seconds:.1} s ({:.0} tokens/s)", tokens_trained as f64 / train_seconds.max(1e-9))),
+        ("pipeline wall time", format!("{wall:.1} s")),
+    ];
+    if let Some(loss) = inputs.train.final_loss {
+        details.push(("final training loss", format!("{loss:.4}")));
+    }
+    md.push('\n');
+    md_table(&mut md, &["", ""], &details.into_iter().map(|(k, v)| vec![k.to_string(), v]).collect::<Vec<_>>());
+    md.push_str("\n![training loss](card/loss.png)\n\n## Dataset\n\n");
+    match &inputs.inspection {
+        Some(ins) => {
+            md_table(&mut md, &["figure", "value"], &key_figures(ins).into_iter().map(|(k, v)| vec![k.to_string(), v]).collect::<Vec<_>>());
+            md.push_str("\nThe full inspection report, with rendered examples and their loss masks: [report/index.html](report/index.html).\n\n");
+        }
+        None => md.push_str("No inspection report in this run.\n\n"),
+    }
+    md.push_str("## Limitations\n\n");
+    for l in limitations(&inputs, chosen, base, config) {
+        let _ = writeln!(md, "- {l}");
+    }
+    let _ = writeln!(md, "\n## Reproduce\n\n```bash\n{command}\n```\n\nMade with kiln {}.", env!("CARGO_PKG_VERSION"));
+
+    let path = run_dir.join("README.md");
+    std::fs::write(&path, md).map_err(ReportError::io(&path))?;
+    Ok(CardOutput { path, figures: rows.len() })
+}
+
+fn draw_err(name: &str) -> impl Fn(Box<dyn std::error::Error>) -> ReportError + '_ {
+    move |e| ReportError::Plot { name: name.to_string(), message: e.to_string() }
+}
+
+fn loss_png(path: &Path, metrics: &[StepMetrics]) -> Result<(), ReportError> {
+    super::plots::ensure_font()?;
+    let draw = || -> Result<(), Box<dyn std::error::Error>> {
+        let root = BitMapBackend::new(path, (800, 360)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let max_step = metrics.iter().map(|m| m.step + 1).max().unwrap_or(1) as f64;
+        let max_loss = metrics.iter().map(|m| m.loss).fold(0.0f64, f64::max).max(1e-6) * 1.05;
+        let mut chart = ChartBuilder::on(&root)
+            .caption("training loss (per optimizer step)", ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(0.0..max_step, 0.0..max_loss)?;
+        chart.configure_mesh().x_desc("step").y_desc("loss").label_style(("sans-serif", 12)).draw()?;
+        chart.draw_series(LineSeries::new(metrics.iter().map(|m| (m.step as f64 + 1.0, m.loss)), RGBColor(70, 110, 170).stroke_width(2)))?;
+        // Epoch boundaries.
+        for w in metrics.windows(2).filter(|w| w[1].epoch != w[0].epoch) {
+            let x = w[1].step as f64 + 0.5;
+            chart.draw_series(LineSeries::new([(x, 0.0), (x, max_loss)], RGBColor(200, 80, 40)))?;
+        }
+        root.present()?;
+        Ok(())
+    };
+    draw().map_err(draw_err("loss"))
+}
+
+fn scores_png(path: &Path, evals: &[EvalResult]) -> Result<(), ReportError> {
+    super::plots::ensure_font()?;
+    let draw = || -> Result<(), Box<dyn std::error::Error>> {
+        let root = BitMapBackend::new(path, (800, 360)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let top = evals.iter().map(|e| e.aggregate.score).fold(0.0f64, f64::max).max(1.0) * 1.15;
+        let names: Vec<String> = evals.iter().map(|e| e.model.clone()).collect();
+        let n = names.len();
+        let mut chart = ChartBuilder::on(&root)
+            .caption("TB2-lite replay Score per checkpoint", ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(-0.5..(n as f64 - 0.5), 0.0..top)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(n)
+            .x_label_formatter(&|x| {
+                let i = x.round();
+                if (x - i).abs() < 1e-6 && i >= 0.0 { names.get(i as usize).cloned().unwrap_or_default() } else { String::new() }
+            })
+            .y_desc("Score (100 × command F1)")
+            .label_style(("sans-serif", 12))
+            .draw()?;
+        chart.draw_series(evals.iter().enumerate().map(|(i, e)| {
+            Rectangle::new([(i as f64 - 0.3, 0.0), (i as f64 + 0.3, e.aggregate.score)], RGBColor(70, 110, 170).filled())
+        }))?;
+        chart.draw_series(evals.iter().enumerate().map(|(i, e)| {
+            Text::new(format!("{:.2}", e.aggregate.score), (i as f64 - 0.12, e.aggregate.score + top * 0.02), ("sans-serif", 14))
+        }))?;
+        root.present()?;
+        Ok(())
+    };
+    draw().map_err(draw_err("scores"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn license_from_front_matter() {
+        assert_eq!(front_matter_license("---\nlibrary_name: x\nlicense: other\n---\n# M").as_deref(), Some("other"));
+        assert_eq!(front_matter_license("# no front matter"), None);
+    }
+}

@@ -1,0 +1,200 @@
+//! `kiln sft` end to end on a fast variant of the offline default (a few conversations, a few eval steps):
+//! every artifact and manifest is written, a run stopped during training resumes, a second run skips every
+//! stage, and the card's figures are the eval and stats files' figures. Also the early, clear failures.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{project_dir, run_kiln};
+use serde_json::Value;
+
+const STAGES: [&str; 8] = ["pull", "prepare", "inspect", "train", "export", "eval", "select", "card"];
+
+/// A pipeline file whose runs go into `dir`, and a model config like tiny.toml but small enough for CI.
+fn setup(dir: &Path) -> (PathBuf, PathBuf) {
+    let project = project_dir();
+    let pipeline = std::fs::read_to_string(project.join("pipelines/sft.toml"))
+        .unwrap()
+        .replace("runs_dir = \"runs\"", &format!("runs_dir = \"{}\"", dir.join("runs").display()));
+    let pipeline_path = dir.join("sft.toml");
+    std::fs::write(&pipeline_path, pipeline).unwrap();
+    let configs = dir.join("configs");
+    std::fs::create_dir_all(&configs).unwrap();
+    let abs = |p: &str| project.join(p).display().to_string();
+    let tiny = std::fs::read_to_string(project.join("configs/models/tiny.toml"))
+        .unwrap()
+        .replace("name = \"tiny\"", "name = \"fast\"")
+        .replace("local = \"configs/models/tiny\"", &format!("local = \"{}\"", abs("configs/models/tiny")))
+        .replace("\"datasets/samples/replay.jsonl\"", &format!("\"{}\"", abs("datasets/samples/replay.jsonl")))
+        .replace("\"datasets/samples/terminal_heldout.jsonl\"", &format!("\"{}\"", abs("datasets/samples/terminal_heldout.jsonl")))
+        .replace("terminal-synth = 0.25, toolbench-synth = 0.25", "terminal-synth = 0.03, toolbench-synth = 0.03")
+        .replace("max_tokens = 256", "max_tokens = 16\nlimit = 3");
+    assert!(tiny.contains("limit = 3") && tiny.contains("0.03"), "tiny.toml changed shape: update this test");
+    std::fs::write(configs.join("fast.toml"), tiny).unwrap();
+    (pipeline_path, configs)
+}
+
+fn sft(pipeline: &Path, configs: &Path, extra: &[&str]) -> (bool, String) {
+    let mut args = vec!["--quiet", "sft", "--model", "fast", "--device", "cpu"];
+    let (p, c) = (pipeline.to_str().unwrap(), configs.to_str().unwrap());
+    args.extend(["--pipeline", p, "--configs-dir", c]);
+    args.extend(extra);
+    let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
+    (ok, stderr)
+}
+
+fn json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .unwrap()
+}
+
+/// The cells of the markdown table row starting with `| <first> |`.
+fn table_row(md: &str, first: &str) -> Vec<String> {
+    let line = md.lines().find(|l| l.starts_with(&format!("| {first} |"))).unwrap_or_else(|| panic!("no row {first}"));
+    line.trim_matches('|').split(" | ").map(|c| c.trim().to_string()).collect()
+}
+
+fn check_card(run: &Path) {
+    let md = std::fs::read_to_string(run.join("README.md")).unwrap();
+    let front = md.strip_prefix("---\n").and_then(|b| b.split_once("\n---\n")).expect("YAML front matter").0;
+    for key in ["language:", "library_name: transformers", "pipeline_tag: text-generation", "license: apache-2.0", "tags:"] {
+        assert!(front.contains(key), "front matter lacks {key}:\n{front}");
+    }
+    let selection = json(&run.join("selection.json"));
+    for name in ["base", "epoch-1", "epoch-2"] {
+        let e = json(&run.join("eval").join(format!("{name}.json")));
+        let a = &e["aggregate"];
+        let f = |k: &str| a[k].as_f64().unwrap();
+        let row = table_row(&md, name);
+        assert_eq!(row[1], format!("{:.2}", f("score")), "{name} Score");
+        assert_eq!(row[2], format!("{:.4}", f("avg_command_f1")));
+        assert_eq!(row[3], format!("{:.4}", f("avg_command_precision")));
+        assert_eq!(row[4], format!("{:.4}", f("avg_command_recall")));
+        assert_eq!(row[5], format!("{:.1} %", f("first_cmd_exact_pct")));
+        assert_eq!(row[6], format!("{:.1} %", f("valid_json_pct")));
+        assert_eq!(row[7], format!("{:.3}", e["avg_sec_per_step"].as_f64().unwrap()));
+        assert_eq!(row[8], format!("{} / {}", a["steps"], a["tasks"]));
+        assert_eq!(row[9], e["prompt_template"]["template_status"].as_str().unwrap());
+    }
+    assert!(md.contains(&format!("**Selected: {}.**", selection["chosen"].as_str().unwrap())));
+    let stats = json(&run.join("data/stats.json"));
+    let row = table_row(&md, "samples / tokens / supervised tokens");
+    assert!(
+        row[1].starts_with(&format!("{} / {} / {} (", stats["samples"], stats["tokens"], stats["supervised_tokens"])),
+        "{row:?}"
+    );
+    let ingest = json(&run.join("data/ingest.json"));
+    let terminal = &ingest[0]["sources"][0];
+    let row = table_row(&md, "terminal-synth");
+    assert_eq!(row[2], terminal["rows_read"].to_string());
+    assert_eq!(row[4], terminal["emitted"].to_string());
+    let summary = json(&run.join("report/summary.json"));
+    assert_eq!(table_row(&md, "conversations")[1], summary["conversations"]["total"].to_string());
+    assert!(md.contains("](card/loss.png)") && md.contains("](card/scores.png)") && md.contains("report/index.html"));
+    assert!(md.contains("kiln --quiet sft --model fast --device cpu"), "the reproduce command");
+    for png in ["loss", "scores"] {
+        let file = std::fs::File::open(run.join("card").join(format!("{png}.png"))).unwrap();
+        let info = png::Decoder::new(std::io::BufReader::new(file)).read_info().unwrap().info().clone();
+        assert_eq!((info.width, info.height), (800, 360));
+    }
+}
+
+#[test]
+fn the_pipeline_runs_resumes_skips_and_documents() {
+    let dir = tempfile::tempdir().unwrap();
+    let (pipeline, configs) = setup(dir.path());
+    let run = dir.path().join("runs/fast");
+
+    // Stopped during training (as Ctrl-C would): the state is saved and the error says how to go on.
+    let (ok, stderr) = sft(&pipeline, &configs, &["--halt-after", "2"]);
+    assert!(!ok && stderr.contains("run the same command again to resume"), "{stderr}");
+    for stage in ["pull", "prepare", "inspect"] {
+        assert!(run.join("manifests").join(format!("{stage}.json")).is_file(), "{stage}");
+    }
+    assert!(!run.join("manifests/train.json").exists());
+    assert!(run.join("train/state/position.json").is_file());
+
+    let (ok, stderr) = sft(&pipeline, &configs, &[]);
+    assert!(ok, "{stderr}");
+    for stage in ["pull", "prepare", "inspect"] {
+        assert!(stderr.contains(&format!("{stage:<8} up to date")), "{stage} should be skipped:\n{stderr}");
+    }
+    assert!(stderr.contains("resuming from"), "{stderr}");
+    let metrics: Vec<Value> = std::fs::read_to_string(run.join("train/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let steps: Vec<u64> = metrics.iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    let rows = json(&run.join("data/stats.json"))["rows"].as_u64().unwrap();
+    assert_eq!(steps, (0..2 * rows.div_ceil(4)).collect::<Vec<_>>(), "every step once, as if never stopped");
+
+    for path in [
+        "sft.json",
+        "pull.json",
+        "base/model.safetensors",
+        "data/stats.json",
+        "report/index.html",
+        "report/summary.md",
+        "train/summary.json",
+        "checkpoints/epoch-1/model.safetensors",
+        "checkpoints/epoch-2/chat_template.jinja",
+        "eval/base.json",
+        "eval/epoch-1.json",
+        "eval/epoch-2.json",
+        "selection.json",
+        "best/config.json",
+        "README.md",
+    ] {
+        assert!(run.join(path).exists(), "missing {path}");
+    }
+    for stage in STAGES {
+        let m = json(&run.join("manifests").join(format!("{stage}.json")));
+        assert_eq!(m["stage"], stage);
+        assert_eq!(m["fingerprint"].as_str().unwrap().len(), 64);
+        assert!(m["wall_seconds"].as_f64().unwrap() >= 0.0);
+        for output in m["outputs"].as_array().unwrap() {
+            assert!(run.join(output.as_str().unwrap()).exists(), "{stage}: {output}");
+        }
+    }
+    let prepare = json(&run.join("manifests/prepare.json"));
+    assert!(prepare["inputs"].as_object().unwrap().keys().any(|k| k.starts_with("source/")), "{prepare}");
+    check_card(&run);
+
+    // Nothing changed: every stage is skipped.
+    let (ok, stderr) = sft(&pipeline, &configs, &[]);
+    assert!(ok && stderr.contains("0 stages run, 8 skipped"), "{stderr}");
+
+    // `kiln card` rewrites the same card from the run's files.
+    let before = std::fs::read_to_string(run.join("README.md")).unwrap();
+    let (ok, _, stderr) = run_kiln(&["card", "--run", run.to_str().unwrap()], &[], &project_dir());
+    assert!(ok, "{stderr}");
+    assert_eq!(std::fs::read_to_string(run.join("README.md")).unwrap(), before);
+
+    // A changed eval setting reruns eval and what follows it, nothing before.
+    let config = configs.join("fast.toml");
+    let text = std::fs::read_to_string(&config).unwrap().replace("limit = 3", "limit = 2");
+    std::fs::write(&config, text).unwrap();
+    let (ok, stderr) = sft(&pipeline, &configs, &[]);
+    assert!(ok && stderr.contains("3 stages run, 5 skipped"), "{stderr}");
+    assert_eq!(json(&run.join("eval/base.json"))["aggregate"]["steps"], 2);
+}
+
+#[test]
+fn unknown_models_and_missing_gpus_fail_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (pipeline, _) = setup(dir.path());
+    let p = pipeline.to_str().unwrap();
+    let (ok, _, stderr) = run_kiln(&["sft", "--model", "gpt-17", "--pipeline", p], &[], &project_dir());
+    assert!(!ok && stderr.contains("unknown model 'gpt-17'") && stderr.contains("lfm2.5-8b, tiny"), "{stderr}");
+
+    // No download is tried: the endpoint is unreachable and the error is about the GPU.
+    let (ok, _, stderr) = run_kiln(
+        &["sft", "--model", "lfm2.5-8b", "--device", "cpu", "--pipeline", p],
+        &[("HF_ENDPOINT", "http://127.0.0.1:9")],
+        &project_dir(),
+    );
+    assert!(!ok && stderr.contains("needs a GPU") && stderr.contains("nothing was downloaded"), "{stderr}");
+    assert!(!dir.path().join("runs/lfm2.5-8b").exists());
+}
