@@ -627,7 +627,8 @@ fn card_cmd(args: CardArgs) -> Result<()> {
     let path = args.run.join("sft.json");
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("reading {} (the card needs a run made by `kiln sft`)", path.display()))?;
-    let saved: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    let saved: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
     let config: kiln::pipeline::ModelConfig = serde_json::from_value(saved["config"].clone())
         .with_context(|| format!("{}: no model config", path.display()))?;
     let base = args.run.join("base");

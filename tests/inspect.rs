@@ -43,7 +43,16 @@ fn prepared_run(dir: &Path) -> PathBuf {
     }
     drop(f);
     let (data_s, eval_s) = (data.to_str().unwrap(), eval.to_str().unwrap());
-    kiln(&["--quiet", "ingest", "--dataset", "terminal-synth,toolbench-synth", "--decontaminate", eval_s, "--out", data_s]);
+    kiln(&[
+        "--quiet",
+        "ingest",
+        "--dataset",
+        "terminal-synth,toolbench-synth",
+        "--decontaminate",
+        eval_s,
+        "--out",
+        data_s,
+    ]);
     let conversations = data.join("conversations.jsonl");
     kiln(&[
         "--quiet",
@@ -184,8 +193,11 @@ fn check_against_stats(ins: &Inspection, run: &Path) {
 
 /// Parses the page as XML (it is written well-formed) and checks its parts.
 fn check_page(ins: &Inspection, html: &str) {
-    let doc = roxmltree::Document::parse_with_options(html, roxmltree::ParsingOptions { allow_dtd: true, ..Default::default() })
-        .unwrap_or_else(|e| panic!("index.html is not well-formed: {e}"));
+    let doc = roxmltree::Document::parse_with_options(
+        html,
+        roxmltree::ParsingOptions { allow_dtd: true, ..Default::default() },
+    )
+    .unwrap_or_else(|e| panic!("index.html is not well-formed: {e}"));
     let svgs = doc.descendants().filter(|n| n.has_tag_name("svg")).count();
     assert!(svgs >= 3, "the histograms are inline SVG ({svgs})");
     let boxes: Vec<_> = doc.descendants().filter(|n| n.attribute("class") == Some("ex")).collect();
@@ -264,7 +276,8 @@ fn report_figures_equal_the_shards_and_the_page_renders() {
 
     // The same seed picks the same examples.
     kiln(&["--quiet", "inspect", "--run", run.to_str().unwrap()]);
-    let again: Inspection = serde_json::from_str(&std::fs::read_to_string(report.join("summary.json")).unwrap()).unwrap();
+    let again: Inspection =
+        serde_json::from_str(&std::fs::read_to_string(report.join("summary.json")).unwrap()).unwrap();
     let ids = |i: &Inspection| i.examples.iter().map(|e| e.sample_id.clone()).collect::<Vec<_>>();
     assert_eq!(ids(&again), ids(&ins));
 }

@@ -27,7 +27,10 @@ fn setup(dir: &Path) -> (PathBuf, PathBuf) {
         .replace("name = \"tiny\"", "name = \"fast\"")
         .replace("local = \"configs/models/tiny\"", &format!("local = \"{}\"", abs("configs/models/tiny")))
         .replace("\"datasets/samples/replay.jsonl\"", &format!("\"{}\"", abs("datasets/samples/replay.jsonl")))
-        .replace("\"datasets/samples/terminal_heldout.jsonl\"", &format!("\"{}\"", abs("datasets/samples/terminal_heldout.jsonl")))
+        .replace(
+            "\"datasets/samples/terminal_heldout.jsonl\"",
+            &format!("\"{}\"", abs("datasets/samples/terminal_heldout.jsonl")),
+        )
         .replace("terminal-synth = 0.25, toolbench-synth = 0.25", "terminal-synth = 0.03, toolbench-synth = 0.03")
         .replace("max_tokens = 256", "max_tokens = 16\nlimit = 3");
     assert!(tiny.contains("limit = 3") && tiny.contains("0.03"), "tiny.toml changed shape: update this test");
@@ -45,8 +48,7 @@ fn sft(pipeline: &Path, configs: &Path, extra: &[&str]) -> (bool, String) {
 }
 
 fn json(path: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
-        .unwrap()
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
 }
 
 /// The cells of the markdown table row starting with `| <first> |`.
@@ -58,7 +60,9 @@ fn table_row(md: &str, first: &str) -> Vec<String> {
 fn check_card(run: &Path) {
     let md = std::fs::read_to_string(run.join("README.md")).unwrap();
     let front = md.strip_prefix("---\n").and_then(|b| b.split_once("\n---\n")).expect("YAML front matter").0;
-    for key in ["language:", "library_name: transformers", "pipeline_tag: text-generation", "license: apache-2.0", "tags:"] {
+    for key in
+        ["language:", "library_name: transformers", "pipeline_tag: text-generation", "license: apache-2.0", "tags:"]
+    {
         assert!(front.contains(key), "front matter lacks {key}:\n{front}");
     }
     let selection = json(&run.join("selection.json"));

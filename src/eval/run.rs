@@ -86,10 +86,15 @@ pub fn evaluate_on_device(
     opts: &EvalOptions,
     show_progress: bool,
 ) -> Result<EvalResult, String> {
+    macro_rules! on {
+        ($backend:ty) => {
+            evaluate::<$backend>(name, checkpoint, eval_path, steps, opts, show_progress, &Default::default())
+        };
+    }
     match device {
-        "cpu" => evaluate::<crate::backend::Cpu>(name, checkpoint, eval_path, steps, opts, show_progress, &Default::default()),
+        "cpu" => on!(crate::backend::Cpu),
         #[cfg(feature = "cuda")]
-        "cuda" => evaluate::<crate::backend::Gpu>(name, checkpoint, eval_path, steps, opts, show_progress, &Default::default()),
+        "cuda" => on!(crate::backend::Gpu),
         other => Err(crate::train::device_error(other)),
     }
 }

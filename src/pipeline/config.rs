@@ -166,7 +166,8 @@ impl ModelConfig {
             });
         }
         let text = std::fs::read_to_string(&path).map_err(|e| PipelineError::io(&path, e))?;
-        let config: ModelConfig = toml::from_str(&text).map_err(|e| PipelineError::Config { path: path.clone(), message: e.to_string() })?;
+        let config: ModelConfig =
+            toml::from_str(&text).map_err(|e| PipelineError::Config { path: path.clone(), message: e.to_string() })?;
         config.validate().map_err(|message| PipelineError::Config { path, message })?;
         Ok(config)
     }
@@ -181,7 +182,11 @@ impl ModelConfig {
         }
         match (&self.model.hub, &self.model.local) {
             (Some(_), None) | (None, Some(_)) => {}
-            _ => return Err("[model] needs exactly one of `hub` (a Hub repo) or `local` (a folder to initialize)".into()),
+            _ => {
+                return Err(
+                    "[model] needs exactly one of `hub` (a Hub repo) or `local` (a folder to initialize)".into()
+                );
+            }
         }
         if self.data.recipes.is_empty() {
             return Err("[data] recipes is empty".into());
@@ -234,8 +239,8 @@ pub struct PipelineDefaults {
 impl PipelineDef {
     pub fn load(path: &Path) -> Result<PipelineDef, PipelineError> {
         let text = std::fs::read_to_string(path).map_err(|e| PipelineError::io(path, e))?;
-        let def: PipelineDef =
-            toml::from_str(&text).map_err(|e| PipelineError::Config { path: path.to_path_buf(), message: e.to_string() })?;
+        let def: PipelineDef = toml::from_str(&text)
+            .map_err(|e| PipelineError::Config { path: path.to_path_buf(), message: e.to_string() })?;
         let mut sorted = def.stages.clone();
         sorted.sort();
         sorted.dedup();

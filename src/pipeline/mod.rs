@@ -110,7 +110,8 @@ pub fn read_manifest(run_dir: &Path, stage: Stage) -> Option<Manifest> {
 }
 
 pub fn fingerprint(stage: Stage, params: &Value, inputs: &BTreeMap<String, String>) -> String {
-    let doc = serde_json::json!({"stage": stage, "params": params, "inputs": inputs, "kiln": env!("CARGO_PKG_VERSION")});
+    let doc =
+        serde_json::json!({"stage": stage, "params": params, "inputs": inputs, "kiln": env!("CARGO_PKG_VERSION")});
     crate::hub::sha256_bytes(doc.to_string().as_bytes())
 }
 
@@ -232,7 +233,12 @@ pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, Pipeli
             && (m.fingerprint == fp || before_from)
             && m.outputs.iter().all(|o| run_dir.join(o).exists())
         {
-            eprintln!("[{}/{total}] {:<8} up to date (manifest {}), skipped", i + 1, stage.name(), &m.fingerprint[..12]);
+            eprintln!(
+                "[{}/{total}] {:<8} up to date (manifest {}), skipped",
+                i + 1,
+                stage.name(),
+                &m.fingerprint[..12]
+            );
             summary.stages_skipped.push(stage);
             continue;
         }

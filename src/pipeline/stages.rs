@@ -85,7 +85,8 @@ pub fn base_model_dir(ctx: &Context) -> Option<PathBuf> {
     if ctx.config.model.local.is_some() {
         return Some(ctx.run_dir.join("base"));
     }
-    let pulled: Vec<PulledRepo> = serde_json::from_str(&std::fs::read_to_string(ctx.run_dir.join("pull.json")).ok()?).ok()?;
+    let pulled: Vec<PulledRepo> =
+        serde_json::from_str(&std::fs::read_to_string(ctx.run_dir.join("pull.json")).ok()?).ok()?;
     let model = pulled.iter().find(|p| p.kind == RepoKind::Model)?;
     model.files.iter().find(|f| f.path == "config.json")?.local.parent().map(Path::to_path_buf)
 }
@@ -111,7 +112,10 @@ pub fn plan(ctx: &Context, stage: Stage) -> Result<StagePlan, PipelineError> {
         }
         Stage::Prepare => {
             for recipe in recipes(ctx)? {
-                inputs.insert(format!("recipe/{}", recipe.name), crate::hub::sha256_bytes(serde_json::to_string(&recipe.sources).unwrap_or_default().as_bytes()));
+                inputs.insert(
+                    format!("recipe/{}", recipe.name),
+                    crate::hub::sha256_bytes(serde_json::to_string(&recipe.sources).unwrap_or_default().as_bytes()),
+                );
                 for s in recipe.sources.iter().filter(|s| s.hub.is_none()) {
                     if let Some(p) = &s.path {
                         let path = recipe.base_dir().join(p);
@@ -177,9 +181,13 @@ fn pull(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         }
         (None, Some(local)) => {
             let base = ctx.run_dir.join("base");
-            let (model_type, params) =
-                crate::models::init_random_checkpoint(local, &base, c.model.init_seed, crate::models::hf::ExportDtype::F32)
-                    .map_err(|e| err(&e))?;
+            let (model_type, params) = crate::models::init_random_checkpoint(
+                local,
+                &base,
+                c.model.init_seed,
+                crate::models::hf::ExportDtype::F32,
+            )
+            .map_err(|e| err(&e))?;
             let summary = format!("random-init {model_type} ({params} parameters, seed {}) → base/", c.model.init_seed);
             (Some(base), summary, json!(params))
         }
@@ -223,8 +231,9 @@ fn prepare(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     };
     let needs_hub = recipes.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some()));
     let hub = if needs_hub { Some(hub(ctx)?) } else { None };
-    let ingests = crate::data::ingest::ingest_to_dir(&chosen, hub.as_ref(), eval.as_ref(), ctx.req.show_progress, &data_dir)
-        .map_err(|e| err(&e))?;
+    let ingests =
+        crate::data::ingest::ingest_to_dir(&chosen, hub.as_ref(), eval.as_ref(), ctx.req.show_progress, &data_dir)
+            .map_err(|e| err(&e))?;
 
     let base = require_base(ctx, Stage::Prepare)?;
     let (template, tokenizer) = crate::tokens::prepare::load_template_and_tokenizer(
@@ -246,9 +255,17 @@ fn prepare(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         chunk: 256,
         template_date: c.data.template_date.clone(),
     };
-    let bar = if ctx.req.show_progress { indicatif::ProgressBar::new_spinner() } else { indicatif::ProgressBar::hidden() };
-    let stats = crate::tokens::prepare::prepare(&data_dir.join("conversations.jsonl"), &template, &tokenizer, &cfg, &data_dir, &bar)
-        .map_err(|e| err(&e))?;
+    let bar =
+        if ctx.req.show_progress { indicatif::ProgressBar::new_spinner() } else { indicatif::ProgressBar::hidden() };
+    let stats = crate::tokens::prepare::prepare(
+        &data_dir.join("conversations.jsonl"),
+        &template,
+        &tokenizer,
+        &cfg,
+        &data_dir,
+        &bar,
+    )
+    .map_err(|e| err(&e))?;
     bar.finish_and_clear();
     if stats.samples == 0 {
         return Err(err(&format!("no sample from {} conversations: {:?}", stats.conversations, stats.error_examples)));
@@ -263,8 +280,10 @@ fn prepare(ctx: &Context) -> Result<StageOutcome, PipelineError> {
 
 fn inspect(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let err = fail(Stage::Inspect);
-    let opts = crate::report::InspectOptions { random_examples: ctx.def.defaults.inspect_examples, ..Default::default() };
-    let result = crate::report::inspect_run(ctx.run_dir, &opts, &indicatif::ProgressBar::hidden()).map_err(|e| err(&e))?;
+    let opts =
+        crate::report::InspectOptions { random_examples: ctx.def.defaults.inspect_examples, ..Default::default() };
+    let result =
+        crate::report::inspect_run(ctx.run_dir, &opts, &indicatif::ProgressBar::hidden()).map_err(|e| err(&e))?;
     crate::report::write_report(ctx.run_dir, &result).map_err(|e| err(&e))?;
     for w in &result.inspection.warnings {
         eprintln!("  warning: {w}");
@@ -358,12 +377,22 @@ fn export(ctx: &Context) -> Result<StageOutcome, PipelineError> {
                 return Err(err(&format!("{} lacks {needed}", c.path.display())));
             }
         }
-        bytes += std::fs::read_dir(&c.path).map_err(|e| PipelineError::io(&c.path, e))?.flatten().filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum::<u64>();
+        bytes += std::fs::read_dir(&c.path)
+            .map_err(|e| PipelineError::io(&c.path, e))?
+            .flatten()
+            .filter_map(|e| e.metadata().ok())
+            .map(|m| m.len())
+            .sum::<u64>();
     }
     Ok(StageOutcome {
         outputs: checkpoints.iter().map(|c| format!("checkpoints/{}", c.name)).collect(),
         counts: json!({"checkpoints": checkpoints.len(), "tensors": expected.len(), "bytes": bytes}),
-        summary: format!("{} checkpoints verified ({} tensors each, {})", checkpoints.len(), expected.len(), indicatif::HumanBytes(bytes)),
+        summary: format!(
+            "{} checkpoints verified ({} tensors each, {})",
+            checkpoints.len(),
+            expected.len(),
+            indicatif::HumanBytes(bytes)
+        ),
     })
 }
 
@@ -397,16 +426,32 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let mut lines = Vec::new();
     let mut outputs = Vec::new();
     for c in crate::eval::select::candidates(ctx.run_dir, Some(&base)) {
-        let result = crate::eval::run::evaluate_on_device(ctx.device, &c.name, &c.path, replay, &steps, &opts, ctx.req.show_progress)
-            .map_err(|e| err(&format!("{}: {e}", c.name)))?;
+        let result = crate::eval::run::evaluate_on_device(
+            ctx.device,
+            &c.name,
+            &c.path,
+            replay,
+            &steps,
+            &opts,
+            ctx.req.show_progress,
+        )
+        .map_err(|e| err(&format!("{}: {e}", c.name)))?;
         let path = eval_dir.join(format!("{}.json", c.name));
-        std::fs::write(&path, serde_json::to_string_pretty(&result).unwrap_or_default() + "\n").map_err(|e| PipelineError::io(&path, e))?;
+        std::fs::write(&path, serde_json::to_string_pretty(&result).unwrap_or_default() + "\n")
+            .map_err(|e| PipelineError::io(&path, e))?;
         let a = &result.aggregate;
-        eprintln!("  {}: Score {:.2} (P {:.3} R {:.3}, valid JSON {:.1}%, {:.3} s/step)", c.name, a.score, a.avg_command_precision, a.avg_command_recall, a.valid_json_pct, result.avg_sec_per_step);
+        eprintln!(
+            "  {}: Score {:.2} (P {:.3} R {:.3}, valid JSON {:.1}%, {:.3} s/step)",
+            c.name, a.score, a.avg_command_precision, a.avg_command_recall, a.valid_json_pct, result.avg_sec_per_step
+        );
         lines.push(format!("{} {:.2}", c.name, a.score));
         outputs.push(format!("eval/{}.json", c.name));
     }
-    Ok(StageOutcome { outputs, counts: json!({"steps": steps.len(), "candidates": lines.len()}), summary: lines.join(", ") })
+    Ok(StageOutcome {
+        outputs,
+        counts: json!({"steps": steps.len(), "candidates": lines.len()}),
+        summary: lines.join(", "),
+    })
 }
 
 fn select(ctx: &Context) -> Result<StageOutcome, PipelineError> {
@@ -428,7 +473,8 @@ fn select(ctx: &Context) -> Result<StageOutcome, PipelineError> {
 fn card(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let err = fail(Stage::Card);
     let base = require_base(ctx, Stage::Card)?;
-    let card = crate::report::card::write_card(ctx.run_dir, ctx.config, &base, &ctx.req.command).map_err(|e| err(&e))?;
+    let card =
+        crate::report::card::write_card(ctx.run_dir, ctx.config, &base, &ctx.req.command).map_err(|e| err(&e))?;
     Ok(StageOutcome {
         outputs: vec!["README.md".into(), "card/loss.png".into(), "card/scores.png".into()],
         counts: json!({"figures": card.figures}),

@@ -97,9 +97,9 @@ fn hardware(device: &str) -> String {
             .filter(|s| !s.is_empty());
         return gpu.map_or_else(|| "an NVIDIA GPU (CUDA)".into(), |g| format!("1 × {g} (CUDA)"));
     }
-    let model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| t.lines().find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())));
+    let model = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|t| {
+        t.lines().find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string()))
+    });
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     format!("CPU: {} ({cores} cores)", model.unwrap_or_else(|| std::env::consts::ARCH.into()))
 }
@@ -108,7 +108,11 @@ fn hardware(device: &str) -> String {
 pub fn eval_row(r: &EvalResult) -> Vec<String> {
     let a = &r.aggregate;
     let status = r.prompt_template.get("template_status").and_then(|v| v.as_str()).unwrap_or("unknown").to_string();
-    let eligible = r.prompt_template.get("rank_eligible").and_then(|v| v.as_bool()).map_or("unknown", |b| if b { "yes" } else { "no" });
+    let eligible = r
+        .prompt_template
+        .get("rank_eligible")
+        .and_then(|v| v.as_bool())
+        .map_or("unknown", |b| if b { "yes" } else { "no" });
     vec![
         r.model.clone(),
         format!("{:.2}", a.score),
@@ -148,7 +152,12 @@ fn md_table(md: &mut String, headers: &[&str], rows: &[Vec<String>]) {
 }
 
 /// Limitations that follow from the measured numbers.
-fn limitations(inputs: &CardInputs, chosen: &EvalResult, base: Option<&EvalResult>, config: &ModelConfig) -> Vec<String> {
+fn limitations(
+    inputs: &CardInputs,
+    chosen: &EvalResult,
+    base: Option<&EvalResult>,
+    config: &ModelConfig,
+) -> Vec<String> {
     let a = &chosen.aggregate;
     let mut out = Vec::new();
     if config.model.local.is_some() {
@@ -198,7 +207,12 @@ fn limitations(inputs: &CardInputs, chosen: &EvalResult, base: Option<&EvalResul
 }
 
 /// Writes `README.md` and `card/loss.png`, `card/scores.png` into `run_dir`.
-pub fn write_card(run_dir: &Path, config: &ModelConfig, base_dir: &Path, command: &str) -> Result<CardOutput, ReportError> {
+pub fn write_card(
+    run_dir: &Path,
+    config: &ModelConfig,
+    base_dir: &Path,
+    command: &str,
+) -> Result<CardOutput, ReportError> {
     let inputs = read_inputs(run_dir)?;
     let card_dir = run_dir.join("card");
     std::fs::create_dir_all(&card_dir).map_err(ReportError::io(&card_dir))?;
@@ -239,8 +253,9 @@ pub fn write_card(run_dir: &Path, config: &ModelConfig, base_dir: &Path, command
     }
     let _ = writeln!(md, "tags:\n- kiln\n- sft\n- terminal-agent\n- tb2-lite\n- {}\n---\n", config.architecture);
 
-    let _ = writeln!(md, "# {run_name}: {} fine-tuned with kiln\n", config.name);
-    let base_name = config.model.hub.clone().unwrap_or_else(|| format!("a random-init {} ({})", config.architecture, config.name));
+    let _ = writeln!(md, "# {} fine-tuned with kiln (run `{run_name}`)\n", config.name);
+    let base_name =
+        config.model.hub.clone().unwrap_or_else(|| format!("a random-init {} ({})", config.architecture, config.name));
     let _ = writeln!(
         md,
         "{}\n\nFull fine-tune of {base_name} on assistant turns only, rendered with the model's native chat template ({template_origin}). It is meant to act as a terminal agent in the Terminus-2 format: given a task and the terminal screen, reply with the next batch of shell keystrokes as JSON.\n",
@@ -267,7 +282,8 @@ pub fn write_card(run_dir: &Path, config: &ModelConfig, base_dir: &Path, command
     );
     let rows: Vec<Vec<String>> = inputs.evals.iter().map(eval_row).collect();
     md_table(&mut md, &EVAL_HEADERS, &rows);
-    let _ = writeln!(md, "\n**Selected: {}.** {}\n\n![per-checkpoint scores](card/scores.png)\n", sel.chosen, sel.reason);
+    let _ =
+        writeln!(md, "\n**Selected: {}.** {}\n\n![per-checkpoint scores](card/scores.png)\n", sel.chosen, sel.reason);
 
     md.push_str("## Training\n\n");
     let source_rows: Vec<Vec<String>> = inputs
@@ -285,24 +301,67 @@ pub fn write_card(run_dir: &Path, config: &ModelConfig, base_dir: &Path, command
             })
         })
         .collect();
-    md_table(&mut md, &["recipe", "source", "rows read", "removed as eval overlap", "conversations trained on"], &source_rows);
+    md_table(
+        &mut md,
+        &["recipe", "source", "rows read", "removed as eval overlap", "conversations trained on"],
+        &source_rows,
+    );
     let st = &inputs.stats;
     let c = &config.train;
     let tokens_trained: u64 = inputs.metrics.iter().map(|m| m.tokens).sum();
-    let train_seconds = inputs.stage_seconds.iter().find(|(s, _)| s == "train").map_or(inputs.train.seconds, |(_, w)| *w);
+    let train_seconds =
+        inputs.stage_seconds.iter().find(|(s, _)| s == "train").map_or(inputs.train.seconds, |(_, w)| *w);
     let wall: f64 = inputs.stage_seconds.iter().map(|(_, w)| w).sum();
     let mut details = vec![
-        ("samples / tokens / supervised tokens", format!("{} / {} / {} ({})", st.samples, st.tokens, st.supervised_tokens, percent(crate::report::figures::share(st.supervised_tokens, st.tokens)))),
-        ("sequence length / layout", st.config.as_ref().map_or("-".into(), |p| format!("{} / {:?}", p.seq_len, p.layout).to_lowercase())),
+        (
+            "samples / tokens / supervised tokens",
+            format!(
+                "{} / {} / {} ({})",
+                st.samples,
+                st.tokens,
+                st.supervised_tokens,
+                percent(crate::report::figures::share(st.supervised_tokens, st.tokens))
+            ),
+        ),
+        (
+            "sequence length / layout",
+            st.config.as_ref().map_or("-".into(), |p| format!("{} / {:?}", p.seq_len, p.layout).to_lowercase()),
+        ),
         ("epochs / optimizer steps", format!("{} / {}", inputs.train.epochs_done, inputs.train.steps)),
-        ("learning rate", format!("{} peak, {:?} decay to {} × peak, warmup {}", c.lr, c.decay, c.min_lr_ratio, c.warmup_steps.map_or(format!("{} of steps", percent(c.warmup_ratio)), |s| format!("{s} steps"))).to_lowercase()),
-        ("AdamW", format!("β = ({}, {}), ε = {}, weight decay {}", c.adamw.beta1, c.adamw.beta2, c.adamw.eps, c.adamw.weight_decay)),
-        ("global batch / micro batch", format!("{} / {} sequences", c.global_batch_tokens.map_or(c.global_batch.to_string(), |t| format!("{t} tokens")), c.micro_batch)),
+        (
+            "learning rate",
+            format!(
+                "{} peak, {:?} decay to {} × peak, warmup {}",
+                c.lr,
+                c.decay,
+                c.min_lr_ratio,
+                c.warmup_steps.map_or(format!("{} of steps", percent(c.warmup_ratio)), |s| format!("{s} steps"))
+            )
+            .to_lowercase(),
+        ),
+        (
+            "AdamW",
+            format!(
+                "β = ({}, {}), ε = {}, weight decay {}",
+                c.adamw.beta1, c.adamw.beta2, c.adamw.eps, c.adamw.weight_decay
+            ),
+        ),
+        (
+            "global batch / micro batch",
+            format!(
+                "{} / {} sequences",
+                c.global_batch_tokens.map_or(c.global_batch.to_string(), |t| format!("{t} tokens")),
+                c.micro_batch
+            ),
+        ),
         ("gradient clipping", c.max_grad_norm.map_or("none".into(), |n| format!("global norm {n}"))),
         ("seed", c.seed.to_string()),
         ("hardware", hardware(&inputs.device)),
         ("tokens trained", tokens_trained.to_string()),
-        ("training wall time", format!("{train_seconds:.1} s ({:.0} tokens/s)", tokens_trained as f64 / train_seconds.max(1e-9))),
+        (
+            "training wall time",
+            format!("{train_seconds:.1} s ({:.0} tokens/s)", tokens_trained as f64 / train_seconds.max(1e-9)),
+        ),
         ("pipeline wall time", format!("{wall:.1} s")),
     ];
     if let Some(loss) = inputs.train.final_loss {
@@ -313,7 +372,11 @@ pub fn write_card(run_dir: &Path, config: &ModelConfig, base_dir: &Path, command
     md.push_str("\n![training loss](card/loss.png)\n\n## Dataset\n\n");
     match &inputs.inspection {
         Some(ins) => {
-            md_table(&mut md, &["figure", "value"], &key_figures(ins).into_iter().map(|(k, v)| vec![k.to_string(), v]).collect::<Vec<_>>());
+            md_table(
+                &mut md,
+                &["figure", "value"],
+                &key_figures(ins).into_iter().map(|(k, v)| vec![k.to_string(), v]).collect::<Vec<_>>(),
+            );
             md.push_str("\nThe full inspection report, with rendered examples and their loss masks: [report/index.html](report/index.html).\n\n");
         }
         None => md.push_str("No inspection report in this run.\n\n"),
@@ -346,8 +409,17 @@ fn loss_png(path: &Path, metrics: &[StepMetrics]) -> Result<(), ReportError> {
             .x_label_area_size(36)
             .y_label_area_size(56)
             .build_cartesian_2d(0.0..max_step, 0.0..max_loss)?;
-        chart.configure_mesh().x_desc("step").y_desc("loss").label_style(("sans-serif", 12)).draw()?;
-        chart.draw_series(LineSeries::new(metrics.iter().map(|m| (m.step as f64 + 1.0, m.loss)), RGBColor(70, 110, 170).stroke_width(2)))?;
+        chart
+            .configure_mesh()
+            .x_desc("step")
+            .y_desc("loss")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .label_style(("sans-serif", 12))
+            .draw()?;
+        chart.draw_series(LineSeries::new(
+            metrics.iter().map(|m| (m.step as f64 + 1.0, m.loss)),
+            RGBColor(70, 110, 170).stroke_width(2),
+        ))?;
         // Epoch boundaries.
         for w in metrics.windows(2).filter(|w| w[1].epoch != w[0].epoch) {
             let x = w[1].step as f64 + 0.5;
@@ -379,16 +451,27 @@ fn scores_png(path: &Path, evals: &[EvalResult]) -> Result<(), ReportError> {
             .x_labels(n)
             .x_label_formatter(&|x| {
                 let i = x.round();
-                if (x - i).abs() < 1e-6 && i >= 0.0 { names.get(i as usize).cloned().unwrap_or_default() } else { String::new() }
+                if (x - i).abs() < 1e-6 && i >= 0.0 {
+                    names.get(i as usize).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
             })
             .y_desc("Score (100 × command F1)")
             .label_style(("sans-serif", 12))
             .draw()?;
         chart.draw_series(evals.iter().enumerate().map(|(i, e)| {
-            Rectangle::new([(i as f64 - 0.3, 0.0), (i as f64 + 0.3, e.aggregate.score)], RGBColor(70, 110, 170).filled())
+            Rectangle::new(
+                [(i as f64 - 0.3, 0.0), (i as f64 + 0.3, e.aggregate.score)],
+                RGBColor(70, 110, 170).filled(),
+            )
         }))?;
         chart.draw_series(evals.iter().enumerate().map(|(i, e)| {
-            Text::new(format!("{:.2}", e.aggregate.score), (i as f64 - 0.12, e.aggregate.score + top * 0.02), ("sans-serif", 14))
+            Text::new(
+                format!("{:.2}", e.aggregate.score),
+                (i as f64 - 0.12, e.aggregate.score + top * 0.07),
+                ("sans-serif", 14),
+            )
         }))?;
         root.present()?;
         Ok(())

@@ -268,7 +268,10 @@ pub fn classify(conv: &Conversation) -> ConversationKind {
         || conv.messages.iter().any(|m| m.role == Role::Assistant && !tool_calls(&m.content).is_empty());
     if tool_use {
         ConversationKind::ToolUse
-    } else if conv.messages.iter().any(|m| matches!(m.role, Role::System | Role::User) && m.content.contains("keystrokes"))
+    } else if conv
+        .messages
+        .iter()
+        .any(|m| matches!(m.role, Role::System | Role::User) && m.content.contains("keystrokes"))
     {
         ConversationKind::Terminus
     } else {
@@ -311,9 +314,9 @@ pub fn tool_calls(text: &str) -> Vec<String> {
     }
     for body in between(text, "<|tool_call_start|>", "<|tool_call_end|>") {
         match serde_json::from_str::<Value>(body.trim()) {
-            Ok(Value::Array(calls)) => names.extend(
-                calls.iter().filter_map(|c| c.get("name").and_then(Value::as_str)).map(str::to_string),
-            ),
+            Ok(Value::Array(calls)) => {
+                names.extend(calls.iter().filter_map(|c| c.get("name").and_then(Value::as_str)).map(str::to_string))
+            }
             _ => names.extend(pythonic_call_names(body)),
         }
     }

@@ -41,7 +41,8 @@ pub fn key_figures(ins: &Inspection) -> Vec<(&'static str, String)> {
     let s = &ins.samples;
     let t = &s.tokens_per_sample;
     let decontaminated: u64 = ins.sources.iter().map(|x| x.decontaminated).sum();
-    let dropped: u64 = ins.sources.iter().flat_map(|x| x.dropped.values()).sum::<u64>() + s.dropped.values().sum::<u64>();
+    let dropped: u64 =
+        ins.sources.iter().flat_map(|x| x.dropped.values()).sum::<u64>() + s.dropped.values().sum::<u64>();
     let term = &ins.terminus;
     let mut rows = vec![
         ("conversations", ins.conversations.total.to_string()),
@@ -95,11 +96,11 @@ struct Page {
 
 impl Page {
     fn h2(&mut self, id: &str, title: &str) {
-        let _ = write!(self.html, "<h2 id=\"{id}\">{}</h2>\n", escape(title));
+        let _ = writeln!(self.html, "<h2 id=\"{id}\">{}</h2>", escape(title));
     }
 
     fn p(&mut self, text: &str) {
-        let _ = write!(self.html, "<p>{}</p>\n", escape(text));
+        let _ = writeln!(self.html, "<p>{}</p>", escape(text));
     }
 
     fn table<R: AsRef<str>>(&mut self, headers: &[&str], rows: &[Vec<R>]) {
@@ -131,9 +132,9 @@ impl Page {
         self.html.push_str("</tr></thead><tbody>\n");
         for (name, count) in items {
             let width = 100.0 * *count as f64 / top as f64;
-            let _ = write!(
+            let _ = writeln!(
                 self.html,
-                "<tr><td><code>{}</code></td><td>{count}</td><td><div class=\"bar\" style=\"width:{width:.1}%\"></div></td></tr>\n",
+                "<tr><td><code>{}</code></td><td>{count}</td><td><div class=\"bar\" style=\"width:{width:.1}%\"></div></td></tr>",
                 escape(name)
             );
         }
@@ -142,7 +143,7 @@ impl Page {
 
     fn svg(&mut self, svg: &str) {
         // plotters writes an XML declaration-free <svg> element; inline it as is.
-        let _ = write!(self.html, "<div class=\"plot\">{svg}</div>\n");
+        let _ = writeln!(self.html, "<div class=\"plot\">{svg}</div>");
     }
 }
 
@@ -361,10 +362,7 @@ fn duplicates_section(page: &mut Page, ins: &Inspection) {
     page.h2("duplicates", "Duplicates");
     let d = &ins.duplicates;
     page.pairs(&[
-        (
-            "conversations identical to an earlier one",
-            count_share(d.duplicate_conversations, ins.conversations.total),
-        ),
+        ("conversations identical to an earlier one", count_share(d.duplicate_conversations, ins.conversations.total)),
         ("assistant turns repeating an earlier target", count_share(d.duplicate_targets, d.assistant_turns)),
     ]);
     if !d.top_repeated_targets.is_empty() {

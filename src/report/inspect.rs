@@ -73,7 +73,8 @@ pub fn inspect_run(run: &Path, opts: &InspectOptions, progress: &ProgressBar) ->
         let ingests: Vec<IngestStats> = read_json(&ingest_path)?;
         source_figures(&mut ins, &ingests);
     } else {
-        ins.warnings.push(format!("{} is missing: source and decontamination figures unavailable", ingest_path.display()));
+        ins.warnings
+            .push(format!("{} is missing: source and decontamination figures unavailable", ingest_path.display()));
     }
 
     let conversations = [data.join("conversations.jsonl"), stats.input.clone()]
@@ -81,7 +82,10 @@ pub fn inspect_run(run: &Path, opts: &InspectOptions, progress: &ProgressBar) ->
         .find(|p| p.is_file())
         .ok_or_else(|| ReportError::Missing {
             path: data.join("conversations.jsonl"),
-            hint: format!("the normalized conversations the shards were made from (stats.json names {})", stats.input.display()),
+            hint: format!(
+                "the normalized conversations the shards were made from (stats.json names {})",
+                stats.input.display()
+            ),
         })?;
     let mut values = Values::default();
     progress.set_message("conversations");
@@ -99,11 +103,8 @@ pub fn inspect_run(run: &Path, opts: &InspectOptions, progress: &ProgressBar) ->
     let tokenizer = load_tokenizer(&stats, &mut ins.warnings);
     let think = tokenizer.as_ref().and_then(|t| Some((t.token_to_id("<think>")?, t.token_to_id("</think>")?)));
     progress.set_message("shards");
-    let shard_paths: Vec<PathBuf> = stats
-        .shards
-        .iter()
-        .map(|p| p.file_name().map_or_else(|| p.clone(), |name| data.join(name)))
-        .collect();
+    let shard_paths: Vec<PathBuf> =
+        stats.shards.iter().map(|p| p.file_name().map_or_else(|| p.clone(), |name| data.join(name))).collect();
     scan_shards(&shard_paths, think, opts, &mut ins, &mut values, progress)?;
     cross_check(&mut ins, &stats);
 
@@ -353,7 +354,9 @@ fn load_tokenizer(stats: &PrepareStats, warnings: &mut Vec<String>) -> Option<to
 }
 
 fn check_row(row: &Row, path: &Path, index: usize) -> Result<(), ReportError> {
-    let bad = |message: String| Err(ReportError::Invalid { path: path.to_path_buf(), message: format!("row {index}: {message}") });
+    let bad = |message: String| {
+        Err(ReportError::Invalid { path: path.to_path_buf(), message: format!("row {index}: {message}") })
+    };
     let used = row.used();
     if row.loss_mask.len() != row.input_ids.len() {
         return bad(format!("{} mask values for {} tokens", row.loss_mask.len(), row.input_ids.len()));

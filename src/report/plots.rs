@@ -21,9 +21,15 @@ fn plot_err(name: &str) -> impl Fn(&dyn std::fmt::Display) -> ReportError + '_ {
 pub(crate) fn ensure_font() -> Result<(), ReportError> {
     static REGISTERED: OnceLock<bool> = OnceLock::new();
     let ok = *REGISTERED.get_or_init(|| {
-        [FontStyle::Normal, FontStyle::Bold].into_iter().all(|style| plotters::style::register_font(FAMILY, style, FONT).is_ok())
+        [FontStyle::Normal, FontStyle::Bold]
+            .into_iter()
+            .all(|style| plotters::style::register_font(FAMILY, style, FONT).is_ok())
     });
-    if ok { Ok(()) } else { Err(ReportError::Plot { name: "font".into(), message: "bundled font did not load".into() }) }
+    if ok {
+        Ok(())
+    } else {
+        Err(ReportError::Plot { name: "font".into(), message: "bundled font did not load".into() })
+    }
 }
 
 /// One histogram bar: values in `lo..hi` (integers), and how many there are.
@@ -49,7 +55,12 @@ pub fn bins(values: &[u32], max_bins: usize) -> Vec<Bin> {
 }
 
 /// A histogram as an SVG document, with vertical markers (p50, p95, …) drawn over it.
-pub fn histogram_svg(title: &str, x_label: &str, values: &[u32], markers: &[(&str, u64)]) -> Result<String, ReportError> {
+pub fn histogram_svg(
+    title: &str,
+    x_label: &str,
+    values: &[u32],
+    markers: &[(&str, u64)],
+) -> Result<String, ReportError> {
     ensure_font()?;
     let mut svg = String::new();
     {
@@ -99,7 +110,11 @@ where
     for (name, x) in markers {
         let x = *x as f64 + 0.5;
         chart.draw_series(LineSeries::new([(x, 0.0), (x, top)], MARK.stroke_width(2)))?;
-        chart.draw_series(std::iter::once(Text::new(format!("{name}={}", x.floor()), (x, top * 0.95), (FAMILY, 12))))?;
+        chart.draw_series(std::iter::once(Text::new(
+            format!("{name}={}", x.floor()),
+            (x, top * 0.95),
+            (FAMILY, 12),
+        )))?;
     }
     root.present()?;
     Ok(())
