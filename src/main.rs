@@ -580,9 +580,22 @@ fn pull(args: PullArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
     Ok(())
 }
 
+/// A flag Ctrl-C raises: training finishes its step, saves its state and returns; a second Ctrl-C kills
+/// the process as usual.
+fn stop_on_ctrl_c() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let _ = ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!("\nstopping after this training step, with the state saved (Ctrl-C again to abort)…");
+    });
+    stop
+}
+
 fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
-    use std::sync::Arc;
-    use std::sync::atomic::AtomicBool;
     let command = std::iter::once("kiln".to_string()).chain(std::env::args().skip(1)).collect::<Vec<_>>().join(" ");
     let req = kiln::pipeline::SftRequest {
         model: args.model,
@@ -600,14 +613,7 @@ fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
         show_progress: !quiet,
         command,
     };
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    let _ = ctrlc::set_handler(move || {
-        if flag.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            std::process::exit(130);
-        }
-        eprintln!("\nstopping after this training step, with the state saved (Ctrl-C again to abort)…");
-    });
+    let stop = stop_on_ctrl_c();
     let s = kiln::pipeline::run_sft(&req, &stop)?;
     let show = |p: &Option<PathBuf>| p.as_ref().map_or_else(|| "-".to_string(), |p| p.display().to_string());
     eprintln!(
@@ -631,14 +637,8 @@ fn card_cmd(args: CardArgs) -> Result<()> {
         serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
     let config: kiln::pipeline::ModelConfig = serde_json::from_value(saved["config"].clone())
         .with_context(|| format!("{}: no model config", path.display()))?;
-    let base = args.run.join("base");
-    let base = if base.is_dir() {
-        base
-    } else {
-        let pull = args.run.join("manifests/pull.json");
-        let manifest: kiln::pipeline::Manifest = serde_json::from_str(&std::fs::read_to_string(&pull)?)?;
-        PathBuf::from(manifest.counts["base_model"].as_str().unwrap_or_default())
-    };
+    let base = kiln::pipeline::stages::base_model_dir(&args.run, &config)
+        .with_context(|| format!("no base checkpoint recorded in {}", args.run.display()))?;
     let command = saved["command"].as_str().unwrap_or("kiln sft").to_string();
     let card = kiln::report::card::write_card(&args.run, &config, &base, &command)?;
     eprintln!("card: {} ({} checkpoints in the eval table)", card.path.display(), card.figures);
@@ -1009,18 +1009,8 @@ fn train_config(args: &TrainArgs) -> Result<kiln::train::TrainConfig> {
 }
 
 fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
-    use std::sync::Arc;
-    use std::sync::atomic::AtomicBool;
     let cfg = train_config(&args)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    // Ctrl-C: finish the current step, save the state, exit; a second Ctrl-C kills the process as usual.
-    let _ = ctrlc::set_handler(move || {
-        if flag.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            std::process::exit(130);
-        }
-        eprintln!("\nstopping after this step (Ctrl-C again to abort)…");
-    });
+    let stop = stop_on_ctrl_c();
     let summary = kiln::train::train_on_device(
         &args.device,
         args.activation_checkpointing,

@@ -132,7 +132,8 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
         .collect();
     let steps: Vec<u64> = metrics.iter().map(|m| m["step"].as_u64().unwrap()).collect();
     let rows = json(&run.join("data/stats.json"))["rows"].as_u64().unwrap();
-    assert_eq!(steps, (0..2 * rows.div_ceil(4)).collect::<Vec<_>>(), "every step once, as if never stopped");
+    let batch = json(&run.join("sft.json"))["config"]["train"]["global_batch"].as_u64().unwrap();
+    assert_eq!(steps, (0..2 * rows.div_ceil(batch)).collect::<Vec<_>>(), "every step once, as if never stopped");
 
     for path in [
         "sft.json",

@@ -80,21 +80,23 @@ fn recipes(ctx: &Context) -> Result<Vec<Recipe>, PipelineError> {
     Ok(out)
 }
 
-/// The base checkpoint: the random-init folder of a local model, or the pulled Hub snapshot.
-pub fn base_model_dir(ctx: &Context) -> Option<PathBuf> {
-    if ctx.config.model.local.is_some() {
-        return Some(ctx.run_dir.join("base"));
+/// The base checkpoint of a run: the random-init folder of a local model, or the pulled Hub snapshot.
+pub fn base_model_dir(run_dir: &Path, config: &ModelConfig) -> Option<PathBuf> {
+    if config.model.local.is_some() {
+        return Some(run_dir.join("base"));
     }
     let pulled: Vec<PulledRepo> =
-        serde_json::from_str(&std::fs::read_to_string(ctx.run_dir.join("pull.json")).ok()?).ok()?;
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("pull.json")).ok()?).ok()?;
     let model = pulled.iter().find(|p| p.kind == RepoKind::Model)?;
     model.files.iter().find(|f| f.path == "config.json")?.local.parent().map(Path::to_path_buf)
 }
 
 fn require_base(ctx: &Context, stage: Stage) -> Result<PathBuf, PipelineError> {
-    base_model_dir(ctx).filter(|d| d.join("config.json").is_file()).ok_or_else(|| PipelineError::Stage {
-        stage: stage.name(),
-        message: format!("no base checkpoint in {} (run the pull stage)", ctx.run_dir.display()),
+    base_model_dir(ctx.run_dir, ctx.config).filter(|d| d.join("config.json").is_file()).ok_or_else(|| {
+        PipelineError::Stage {
+            stage: stage.name(),
+            message: format!("no base checkpoint in {} (run the pull stage)", ctx.run_dir.display()),
+        }
     })
 }
 
@@ -206,7 +208,7 @@ fn pull(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         outputs.push("base".into());
     }
     let commits: BTreeMap<String, String> = pulled.iter().map(|p| (p.repo.clone(), p.commit.clone())).collect();
-    let base_dir = base_model_dir(ctx).map(|p| p.display().to_string());
+    let base_dir = base_model_dir(ctx.run_dir, ctx.config).map(|p| p.display().to_string());
     Ok(StageOutcome {
         outputs,
         counts: json!({"base_model": base_dir, "parameters": parameters, "repos": commits}),
