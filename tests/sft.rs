@@ -6,7 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{project_dir, run_kiln};
+use common::{FakeHub, FakeRepo, Tree, project_dir, run_kiln, sha};
 use serde_json::Value;
 
 const STAGES: [&str; 8] = ["pull", "prepare", "inspect", "train", "export", "eval", "select", "card"];
@@ -36,6 +36,51 @@ fn setup(dir: &Path) -> (PathBuf, PathBuf) {
     assert!(tiny.contains("limit = 3") && tiny.contains("0.03"), "tiny.toml changed shape: update this test");
     std::fs::write(configs.join("fast.toml"), tiny).unwrap();
     (pipeline_path, configs)
+}
+
+/// A checkpoint served from a loopback Hub: `hubtiny.toml` is fast.toml with `hub = "kiln-test/tiny-lfm2"`.
+#[test]
+fn a_hub_model_is_pulled_trained_and_carded_with_its_license() {
+    let dir = tempfile::tempdir().unwrap();
+    let (pipeline, configs) = setup(dir.path());
+    let ckpt = dir.path().join("ckpt");
+    let (ok, _, stderr) = run_kiln(
+        &["init-model", "--from", "configs/models/tiny", "--out", ckpt.to_str().unwrap(), "--seed", "3"],
+        &[],
+        &project_dir(),
+    );
+    assert!(ok, "{stderr}");
+    let mut files: Tree = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap()))
+        .collect();
+    files.insert("README.md".into(), b"---\nlicense: other\nlicense_name: test\n---\n# tiny\n".to_vec());
+    let commit = sha("tiny-lfm2");
+    let repos = [(("models".to_string(), "kiln-test/tiny-lfm2".to_string()), FakeRepo::single(&commit, files))];
+    let hub = FakeHub::start(repos.into_iter().collect());
+    let fast = std::fs::read_to_string(configs.join("fast.toml")).unwrap();
+    let local_line = fast.lines().find(|l| l.starts_with("local = ")).unwrap();
+    let hubtiny = fast
+        .replace("name = \"fast\"", "name = \"hubtiny\"")
+        .replace(local_line, "hub = \"kiln-test/tiny-lfm2\"\nrevision = \"main\"")
+        .replace("license = \"apache-2.0\"", "license = \"apache-2.0\"  # the base README's wins");
+    std::fs::write(configs.join("hubtiny.toml"), hubtiny).unwrap();
+    let home = dir.path().join("hf");
+    let (p, c) = (pipeline.to_str().unwrap(), configs.to_str().unwrap());
+    let env = [("HF_ENDPOINT", hub.url.as_str()), ("HF_HOME", home.to_str().unwrap())];
+    let args = ["--quiet", "sft", "--model", "hubtiny", "--device", "cpu", "--pipeline", p, "--configs-dir", c];
+    let (ok, _, stderr) = run_kiln(&args, &env, &project_dir());
+    assert!(ok, "{stderr}");
+    let run = dir.path().join("runs/hubtiny");
+    let pulled = json(&run.join("pull.json"));
+    assert_eq!(pulled[0]["commit"], commit.as_str());
+    let base = json(&run.join("manifests/pull.json"))["counts"]["base_model"].as_str().unwrap().to_string();
+    assert!(base.contains(&format!("snapshots/{commit}")), "{base}");
+    assert!(!run.join("base").exists(), "a Hub model is used from the cache, not copied");
+    let md = std::fs::read_to_string(run.join("README.md")).unwrap();
+    assert!(md.contains("license: other\n") && md.contains("base_model: kiln-test/tiny-lfm2"), "{md}");
+    assert!(json(&run.join("eval/epoch-2.json"))["aggregate"]["steps"] == 3);
 }
 
 fn sft(pipeline: &Path, configs: &Path, extra: &[&str]) -> (bool, String) {
