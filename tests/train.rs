@@ -311,3 +311,40 @@ fn activation_checkpointing_gives_the_same_training() {
         assert!(err <= 1e-6, "{k}: {err}");
     }
 }
+
+/// The loss on supervised positions only equals the full-logits loss, in value and in every gradient.
+#[test]
+fn supervised_only_logits_give_the_full_logits_loss_and_gradients() {
+    use kiln::train::trainer::{masked_loss, supervised_loss};
+    let device = Default::default();
+    let (_, model) = load_lfm2::<CpuTrain>(&fixture_dir().join("lfm2-tiny"), &device).unwrap();
+    let (b, s) = (2, 12);
+    let ids: Vec<i64> = (0..b * s).map(|i| (i * 37 % 251) as i64).collect();
+    let targets: Vec<i64> = ids.iter().skip(1).copied().chain([0]).collect();
+    let weights: Vec<f32> = (0..b * s).map(|i| if i % 3 == 1 || i == 20 { 1.0 } else { 0.0 }).collect();
+    let layout = SequenceLayout::from_doc_lengths(&[vec![7, 5], vec![12]], s);
+    let input = || Tensor::<CpuTrain, 2, Int>::from_data(TensorData::new(ids.clone(), [b, s]), &device);
+    let full = masked_loss(model.forward(input(), &layout), &targets, &weights, 9.0);
+    let picked = supervised_loss(model.forward_hidden(input(), &layout), model.head_weight(), &targets, &weights, 9.0)
+        .expect("something is supervised");
+    let value = |t: &Tensor<CpuTrain, 1>| t.clone().into_data().convert::<f32>().to_vec::<f32>().unwrap()[0];
+    let (a, p) = (value(&full), value(&picked));
+    assert!((a - p).abs() <= 1e-6 * a.abs(), "full {a} vs supervised-only {p}");
+    let ga = kiln::models::hf::hf_gradients(&model, &full.backward());
+    let gp = kiln::models::hf::hf_gradients(&model, &picked.backward());
+    assert_eq!(ga.keys().collect::<Vec<_>>(), gp.keys().collect::<Vec<_>>());
+    let mut compared = 0;
+    for (key, x) in &ga {
+        let y = &gp[key];
+        assert_eq!(x.shape, y.shape, "{key}");
+        for (u, v) in x.data.iter().zip(&y.data) {
+            assert!((u - v).abs() <= 1e-5 * (1.0 + u.abs()), "{key}: {u} vs {v}");
+        }
+        compared += 1;
+    }
+    assert!(compared > 10, "gradients compared for {compared} parameters");
+    assert!(
+        supervised_loss(model.forward_hidden(input(), &layout), model.head_weight(), &targets, &[0.0; 24], 1.0)
+            .is_none()
+    );
+}

@@ -220,6 +220,19 @@ pub struct Lfm2Model<B: Backend> {
 impl<B: Backend> Lfm2Model<B> {
     /// Logits `[batch, seq, vocab]` for `ids [batch, seq]` laid out as `layout` says.
     pub fn forward(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
+        self.forward_hidden(ids, layout).matmul(self.head_weight().transpose().unsqueeze::<3>())
+    }
+
+    /// The output projection `[vocab, hidden]` (the embedding when tied).
+    pub fn head_weight(&self) -> Tensor<B, 2> {
+        match &self.lm_head {
+            Some(w) => w.val(),
+            None => self.embed_tokens.val(),
+        }
+    }
+
+    /// The final normalized hidden states `[batch, seq, hidden]`, before the output projection.
+    pub fn forward_hidden(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
         let device = ids.device();
         let [batch, seq] = ids.dims();
         let hidden = self.embed_tokens.dims()[1];
@@ -260,12 +273,7 @@ impl<B: Backend> Lfm2Model<B> {
             };
             h = h + y;
         }
-        let h = self.embedding_norm.forward(h);
-        let head = match &self.lm_head {
-            Some(w) => w.val(),
-            None => self.embed_tokens.val(),
-        };
-        h.matmul(head.transpose().unsqueeze::<3>())
+        self.embedding_norm.forward(h)
     }
 }
 

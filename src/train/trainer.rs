@@ -144,6 +144,36 @@ pub fn masked_loss<B: burn::tensor::backend::Backend>(
     (nll * w).sum() / normalizer
 }
 
+/// `masked_loss` without the full logits: the output projection and the softmax run only on the positions
+/// with a non-zero weight (the supervised targets, 30–40 % of tokens in chat SFT), so the `[tokens, vocab]`
+/// logits — the memory peak of large-vocabulary models — shrink by that share. `None` when nothing in
+/// `weights` is supervised.
+pub fn supervised_loss<B: burn::tensor::backend::Backend>(
+    hidden: Tensor<B, 3>,
+    head: Tensor<B, 2>,
+    targets: &[i64],
+    weights: &[f32],
+    normalizer: f32,
+) -> Option<Tensor<B, 1>> {
+    let [b, s, h] = hidden.dims();
+    let device = hidden.device();
+    let positions: Vec<i64> = (0..weights.len()).filter(|&i| weights[i] != 0.0).map(|i| i as i64).collect();
+    if positions.is_empty() {
+        return None;
+    }
+    let n = positions.len();
+    let picked_targets: Vec<i64> = positions.iter().map(|&i| targets[i as usize]).collect();
+    let picked_weights: Vec<f32> = positions.iter().map(|&i| weights[i as usize]).collect();
+    let index = Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [n]), &device);
+    let rows = hidden.reshape([b * s, h]).select(0, index);
+    let logits = rows.matmul(head.transpose());
+    let logp = log_softmax(logits.cast(FloatDType::F32), 1);
+    let target = Tensor::<B, 2, Int>::from_data(TensorData::new(picked_targets, [n, 1]), &device);
+    let nll = logp.gather(1, target).neg().reshape([n]);
+    let w = Tensor::<B, 1>::from_data(TensorData::new(picked_weights, [n]), &device);
+    Some((nll * w).sum() / normalizer)
+}
+
 fn param_names<B: burn::tensor::backend::Backend>(model: &Lfm2Model<B>) -> HashMap<ParamId, String> {
     let mut names = HashMap::new();
     for e in model.hf_entries() {
@@ -324,8 +354,11 @@ pub fn train<B: AutodiffBackend>(
                     }
                     let layout = SequenceLayout::from_doc_lengths(&docs, seq);
                     let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, seq]), device);
-                    let logits = model.forward(input, &layout);
-                    let loss = masked_loss(logits, &targets, &w, supervised);
+                    let hidden = model.forward_hidden(input, &layout);
+                    // A micro-batch with nothing supervised adds nothing to the step's loss or gradients.
+                    let Some(loss) = supervised_loss(hidden, model.head_weight(), &targets, &w, supervised) else {
+                        continue;
+                    };
                     let value: f32 = loss
                         .clone()
                         .into_data()
