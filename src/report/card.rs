@@ -163,7 +163,7 @@ fn limitations(
     if config.model.local.is_some() {
         out.push(format!(
             "This is the pipeline's offline default: a {}-parameter model initialized at random and trained on the project's synthetic data. It demonstrates the pipeline end to end; it is not a useful assistant.",
-            inputs.metrics.first().map_or_else(|| "small".to_string(), |_| config.model.parameters.clone().unwrap_or_else(|| "small".into()))
+            config.model.parameters.clone().unwrap_or_else(|| "small".into())
         ));
     }
     if a.avg_command_recall < a.avg_command_precision {
