@@ -31,7 +31,7 @@ fn setup(dir: &Path) -> (PathBuf, PathBuf) {
             "\"datasets/samples/terminal_heldout.jsonl\"",
             &format!("\"{}\"", abs("datasets/samples/terminal_heldout.jsonl")),
         )
-        .replace("terminal-synth = 0.25, toolbench-synth = 0.25", "terminal-synth = 0.03, toolbench-synth = 0.03")
+        .replace("terminal-synth = 0.4, toolbench-synth = 0.4", "terminal-synth = 0.03, toolbench-synth = 0.03")
         .replace("max_tokens = 256", "max_tokens = 16\nlimit = 3");
     assert!(tiny.contains("limit = 3") && tiny.contains("0.03"), "tiny.toml changed shape: update this test");
     std::fs::write(configs.join("fast.toml"), tiny).unwrap();
