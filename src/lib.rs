@@ -9,6 +9,7 @@ pub mod backend;
 pub mod chat;
 pub mod data;
 pub mod eval;
+pub mod files;
 pub mod hub;
 pub mod models;
 pub mod pipeline;

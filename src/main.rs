@@ -517,12 +517,7 @@ fn hub(quiet: bool) -> Result<Hub> {
 fn write_json(path: Option<&Path>, value: &impl serde::Serialize) -> Result<()> {
     let text = serde_json::to_string_pretty(value)? + "\n";
     match path {
-        Some(p) => {
-            if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-            }
-            std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))
-        }
+        Some(p) => kiln::files::write_json(p, value).with_context(|| format!("writing {}", p.display())),
         None => {
             std::io::stdout().write_all(text.as_bytes())?;
             Ok(())
@@ -1023,7 +1018,6 @@ fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
         None,
         !quiet,
     )?;
-    write_json(Some(&args.run.join("train").join("summary.json")), &summary)?;
     eprintln!(
         "train: {} steps, {} epochs{} in {:.1}s; final loss {}; checkpoints: {}",
         summary.steps,

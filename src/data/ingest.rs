@@ -263,8 +263,7 @@ pub fn ingest_to_dir(
     drop(writer);
     std::fs::rename(&tmp_path, &conv_path).map_err(io(&conv_path))?;
     let stats_path = out.join("ingest.json");
-    let text = serde_json::to_string_pretty(&all).map_err(|e| io(&stats_path)(e.into()))? + "\n";
-    std::fs::write(&stats_path, text).map_err(io(&stats_path))?;
+    crate::files::write_json(&stats_path, &all).map_err(io(&stats_path))?;
     Ok(all)
 }
 

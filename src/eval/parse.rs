@@ -337,6 +337,12 @@ fn fallback_units(text: &str, version: ScorerVersion) -> Vec<String> {
 
 /// Parses one reply (a prediction or a reference's raw text).
 pub fn parse_response(text: &str, version: ScorerVersion) -> Parsed {
+    parse_response_object(text, version).0
+}
+
+/// `parse_response`, also returning the reply's JSON object when it has one (for callers that look at
+/// more keys than the scorer does).
+pub fn parse_response_object(text: &str, version: ScorerVersion) -> (Parsed, Option<serde_json::Map<String, Value>>) {
     let trimmed = py_strip(text);
     let object = extract_braces(trimmed).and_then(py_json_loads).and_then(|v| match v {
         Value::Object(o) => Some(o),
@@ -355,7 +361,7 @@ pub fn parse_response(text: &str, version: ScorerVersion) -> Parsed {
     if units.is_empty() {
         units = fallback_units(text, version);
     }
-    Parsed { valid_json, has_analysis, has_plan, task_complete, command_units: units }
+    (Parsed { valid_json, has_analysis, has_plan, task_complete, command_units: units }, object)
 }
 
 #[cfg(test)]

@@ -145,9 +145,5 @@ pub fn select_run(
 }
 
 fn write_json(path: &Path, value: &impl Serialize) -> Result<(), String> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    }
-    let text = serde_json::to_string_pretty(value).map_err(|e| e.to_string())? + "\n";
-    std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
+    crate::files::write_json(path, value).map_err(|e| format!("{}: {e}", path.display()))
 }

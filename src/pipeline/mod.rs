@@ -84,6 +84,10 @@ impl PipelineError {
     }
 }
 
+pub(crate) fn write_json(path: &Path, value: &impl Serialize) -> Result<(), PipelineError> {
+    crate::files::write_json(path, value).map_err(|e| PipelineError::io(path, e))
+}
+
 /// `manifests/<stage>.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -207,8 +211,7 @@ pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, Pipeli
     std::fs::create_dir_all(run_dir.join("manifests")).map_err(|e| PipelineError::io(&run_dir, e))?;
     let effective = serde_json::json!({"model": req.model, "command": req.command, "device": device, "config": config});
     let effective_path = run_dir.join("sft.json");
-    std::fs::write(&effective_path, serde_json::to_string_pretty(&effective).unwrap_or_default() + "\n")
-        .map_err(|e| PipelineError::io(&effective_path, e))?;
+    write_json(&effective_path, &effective)?;
     let ctx = stages::Context { req, def: &def, config: &config, run_dir: &run_dir, device: &device, stop };
 
     let mut summary = SftSummary {
@@ -252,12 +255,10 @@ pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, Pipeli
         let stage_started = Instant::now();
         let outcome = stages::run(&ctx, stage)?;
         let wall = stage_started.elapsed().as_secs_f64();
-        // Inputs may be produced by the stage itself (the base checkpoint of pull): plan again after it ran.
-        let plan = stages::plan(&ctx, stage)?;
         let manifest = Manifest {
             stage,
             kiln: env!("CARGO_PKG_VERSION").into(),
-            fingerprint: fingerprint(stage, &plan.params, &plan.inputs),
+            fingerprint: fp,
             inputs: plan.inputs,
             params: plan.params,
             outputs: outcome.outputs,
@@ -266,8 +267,7 @@ pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, Pipeli
             finished_at: chrono::Local::now().to_rfc3339(),
         };
         let path = manifest_path(&run_dir, stage);
-        let text = serde_json::to_string_pretty(&manifest).unwrap_or_default() + "\n";
-        std::fs::write(&path, text).map_err(|e| PipelineError::io(&path, e))?;
+        write_json(&path, &manifest)?;
         eprintln!("[{}/{total}] {:<8} done in {wall:.1}s: {}", i + 1, stage.name(), outcome.summary);
         summary.stages_run.push(stage);
     }

@@ -165,7 +165,8 @@ fn pull(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let c = ctx.config;
     let err = fail(Stage::Pull);
     let mut pulled: Vec<PulledRepo> = Vec::new();
-    let needs_hub = c.model.hub.is_some() || recipes(ctx)?.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some()));
+    let recipes = recipes(ctx)?;
+    let needs_hub = c.model.hub.is_some() || recipes.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some()));
     let hub = if needs_hub { Some(hub(ctx)?) } else { None };
     let (base, summary, parameters) = match (&c.model.hub, &c.model.local) {
         (Some(repo), _) => {
@@ -195,14 +196,13 @@ fn pull(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         }
         (None, None) => return Err(err(&"[model] has neither hub nor local")),
     };
-    for recipe in recipes(ctx)? {
+    for recipe in &recipes {
         for spec in recipe.sources.iter().filter_map(|s| s.hub.as_ref()) {
             pulled.push(hub.as_ref().ok_or_else(|| err(&"no hub"))?.pull(&spec.spec()).map_err(|e| err(&e))?);
         }
     }
     let path = ctx.run_dir.join("pull.json");
-    let text = serde_json::to_string_pretty(&pulled).map_err(|e| err(&e))? + "\n";
-    std::fs::write(&path, text).map_err(|e| PipelineError::io(&path, e))?;
+    super::write_json(&path, &pulled)?;
     let mut outputs = vec!["pull.json".to_string()];
     if base.is_some() {
         outputs.push("base".into());
@@ -327,9 +327,6 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         ctx.req.show_progress,
     )
     .map_err(|e| err(&e))?;
-    let path = ctx.run_dir.join("train/summary.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&summary).unwrap_or_default() + "\n")
-        .map_err(|e| PipelineError::io(&path, e))?;
     if summary.interrupted {
         return Err(PipelineError::Interrupted { step: summary.steps });
     }
@@ -439,8 +436,7 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         )
         .map_err(|e| err(&format!("{}: {e}", c.name)))?;
         let path = eval_dir.join(format!("{}.json", c.name));
-        std::fs::write(&path, serde_json::to_string_pretty(&result).unwrap_or_default() + "\n")
-            .map_err(|e| PipelineError::io(&path, e))?;
+        super::write_json(&path, &result)?;
         let a = &result.aggregate;
         eprintln!(
             "  {}: Score {:.2} (P {:.3} R {:.3}, valid JSON {:.1}%, {:.3} s/step)",

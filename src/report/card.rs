@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 
-use super::ReportError;
 use super::figures::Inspection;
 use super::html::{key_figures, percent};
+use super::{ReportError, read_json};
 use crate::data::ingest::IngestStats;
 use crate::eval::result::EvalResult;
 use crate::eval::select::Selection;
@@ -38,12 +38,15 @@ pub struct CardOutput {
     pub figures: usize,
 }
 
+/// A run file the card needs; a missing one says which stages to run.
 fn read<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ReportError> {
-    let text = std::fs::read_to_string(path).map_err(|_| ReportError::Missing {
-        path: path.to_path_buf(),
-        hint: "the card is written from the run's files; run the stages before the card".into(),
-    })?;
-    serde_json::from_str(&text).map_err(|e| ReportError::Invalid { path: path.to_path_buf(), message: e.to_string() })
+    read_json(path).map_err(|e| match e {
+        ReportError::Io { path, .. } => ReportError::Missing {
+            path,
+            hint: "the card is written from the run's files; run the stages before the card".into(),
+        },
+        other => other,
+    })
 }
 
 pub fn read_inputs(run_dir: &Path) -> Result<CardInputs, ReportError> {

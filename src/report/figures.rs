@@ -9,8 +9,9 @@ use std::hash::{Hash, Hasher};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::chat::strip_thinking;
 use crate::data::conversation::{Conversation, Role};
-use crate::eval::parse::{ScorerVersion, extract_braces, parse_response, py_json_loads};
+use crate::eval::parse::{ScorerVersion, parse_response_object};
 
 /// Count, mean and nearest-rank percentiles (the smallest value with at least p % of values at or below it).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -198,7 +199,8 @@ pub struct Inspection {
     pub wall_seconds: f64,
 }
 
-/// Raw per-item values kept for plots and percentiles (4 bytes per sample / conversation / turn).
+/// Raw per-item values kept for plots and percentiles (4 bytes per sample / conversation / turn), sorted
+/// once the distributions are taken.
 #[derive(Debug, Clone, Default)]
 pub struct Values {
     pub tokens_per_sample: Vec<u32>,
@@ -254,11 +256,6 @@ fn stable_hash(parts: &[&str]) -> u64 {
     h.finish()
 }
 
-/// The reply after any `<think>…</think>` block: the part the scorer reads.
-pub fn visible_reply(content: &str) -> &str {
-    content.rsplit_once("</think>").map_or(content, |(_, after)| after)
-}
-
 pub fn has_thinking(role: Role, content: &str, reasoning: Option<&str>) -> bool {
     role == Role::Assistant && (reasoning.is_some_and(|r| !r.trim().is_empty()) || content.contains("<think>"))
 }
@@ -281,14 +278,12 @@ pub fn classify(conv: &Conversation) -> ConversationKind {
 
 /// Reads a Terminus-2 reply: which fields the JSON action has and its command units (scorer v2 rules).
 pub fn check_action(reply: &str) -> ActionCheck {
-    let parsed = parse_response(reply, ScorerVersion::V2);
-    let object = extract_braces(reply.trim()).and_then(py_json_loads);
-    let has = |key: &str| object.as_ref().and_then(|o| o.get(key)).is_some();
+    let (parsed, object) = parse_response_object(reply, ScorerVersion::V2);
     ActionCheck {
         valid_json: parsed.valid_json,
         analysis: parsed.has_analysis,
         plan: parsed.has_plan,
-        commands: has("commands"),
+        commands: object.is_some_and(|o| o.contains_key("commands")),
         task_complete: parsed.task_complete,
         command_units: parsed.command_units,
     }
@@ -391,7 +386,7 @@ pub fn observe(conv: &Conversation) -> ConversationObservation {
                 obs.turns_with_thinking += u32::from(has_thinking(m.role, &m.content, m.reasoning.as_deref()));
                 obs.targets.push((stable_hash(&[&m.content]), m.content.chars().take(SNIPPET_CHARS).collect()));
                 match kind {
-                    ConversationKind::Terminus => obs.actions.push(check_action(visible_reply(&m.content))),
+                    ConversationKind::Terminus => obs.actions.push(check_action(&strip_thinking(&m.content).0)),
                     ConversationKind::ToolUse => obs.tool_calls.extend(tool_calls(&m.content)),
                     ConversationKind::Other => {}
                 }

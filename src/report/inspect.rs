@@ -12,8 +12,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-use super::ReportError;
 use super::figures::*;
+use super::{ReportError, read_json};
 use crate::data::conversation::Conversation;
 use crate::data::ingest::IngestStats;
 use crate::tokens::prepare::PrepareStats;
@@ -47,11 +47,6 @@ pub struct InspectResult {
     pub inspection: Inspection,
     pub values: Values,
     pub pieces: Vec<Vec<Piece>>,
-}
-
-fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ReportError> {
-    let text = std::fs::read_to_string(path).map_err(ReportError::io(path))?;
-    serde_json::from_str(&text).map_err(|e| ReportError::Invalid { path: path.to_path_buf(), message: e.to_string() })
 }
 
 /// Reads `runs/<run>/data` (stats.json, ingest.json, conversations.jsonl, the shards) into figures.
@@ -122,9 +117,8 @@ pub fn write_report(run: &Path, result: &InspectResult) -> Result<PathBuf, Repor
         std::fs::write(&path, text).map_err(ReportError::io(&path))?;
         Ok(path)
     };
-    let json = serde_json::to_string_pretty(&result.inspection)
-        .map_err(|e| ReportError::Invalid { path: dir.join("summary.json"), message: e.to_string() })?;
-    write("summary.json", json + "\n")?;
+    let summary = dir.join("summary.json");
+    crate::files::write_json(&summary, &result.inspection).map_err(ReportError::io(&summary))?;
     write("summary.md", super::html::summary_markdown(&result.inspection))?;
     write("index.html", super::html::render_page(result)?)
 }
@@ -214,10 +208,10 @@ fn observe_conversations(
             merge(obs, ins, values, &mut tallies);
         }
     }
-    ins.conversations.messages = Distribution::of(&mut values.messages_per_conversation.clone());
-    ins.conversations.assistant_turns = Distribution::of(&mut values.assistant_turns_per_conversation.clone());
-    ins.terminus.command_units_per_turn = Distribution::of(&mut values.command_units_per_turn.clone());
-    ins.tools.calls_per_conversation = Distribution::of(&mut values.tool_calls_per_conversation.clone());
+    ins.conversations.messages = Distribution::of(&mut values.messages_per_conversation);
+    ins.conversations.assistant_turns = Distribution::of(&mut values.assistant_turns_per_conversation);
+    ins.terminus.command_units_per_turn = Distribution::of(&mut values.command_units_per_turn);
+    ins.tools.calls_per_conversation = Distribution::of(&mut values.tool_calls_per_conversation);
     ins.terminus.top_first_words = top_k(tallies.first_words, 15);
     ins.tools.top_tools = top_k(tallies.tools, 15);
     let repeated: HashMap<String, u64> = tallies
@@ -447,8 +441,8 @@ fn scan_shards(
     }
     s.supervised_share = share(s.supervised_tokens, s.tokens);
     s.padding_share = share(s.padding_tokens, s.slots);
-    s.tokens_per_sample = Distribution::of(&mut values.tokens_per_sample.clone());
-    s.supervised_per_sample = Distribution::of(&mut values.supervised_per_sample.clone());
+    s.tokens_per_sample = Distribution::of(&mut values.tokens_per_sample);
+    s.supervised_per_sample = Distribution::of(&mut values.supervised_per_sample);
     let mut examples: Vec<Example> = first.into_iter().chain(longest).collect();
     for e in reservoir {
         if !examples.iter().any(|x| x.sample_id == e.sample_id) {

@@ -29,6 +29,12 @@ pub enum ReportError {
     Plot { name: String, message: String },
 }
 
+/// A JSON file another stage wrote.
+pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> Result<T, ReportError> {
+    let text = std::fs::read_to_string(path).map_err(ReportError::io(path))?;
+    serde_json::from_str(&text).map_err(|e| ReportError::Invalid { path: path.to_path_buf(), message: e.to_string() })
+}
+
 impl ReportError {
     pub(crate) fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> ReportError + '_ {
         move |source| ReportError::Io { path: path.to_path_buf(), source }

@@ -324,6 +324,7 @@ pub fn train<B: AutodiffBackend>(
                     interrupted: true,
                     seconds: started.elapsed().as_secs_f64(),
                 };
+                write_summary(&train_dir, &summary)?;
                 return Ok((summary, model));
             }
             let step_started = Instant::now();
@@ -437,5 +438,12 @@ pub fn train<B: AutodiffBackend>(
         interrupted: false,
         seconds: started.elapsed().as_secs_f64(),
     };
+    write_summary(&train_dir, &summary)?;
     Ok((summary, model))
+}
+
+/// `train/summary.json`, written at every return so a stopped run says where it stopped.
+fn write_summary(train_dir: &Path, summary: &TrainSummary) -> Result<(), TrainError> {
+    let path = train_dir.join("summary.json");
+    crate::files::write_json(&path, summary).map_err(|e| TrainError::State { path, message: e.to_string() })
 }
