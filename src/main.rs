@@ -882,7 +882,7 @@ fn model_tokenizer(dir: &Path) -> Result<(TextTokenizer, kiln::chat::SpecialToke
 
 fn run_job<B: burn::tensor::backend::Backend>(device: &B::Device, job: Job) -> Result<()> {
     use burn::tensor::{Int, Tensor, TensorData};
-    use kiln::models::{SequenceLayout, load_lfm2};
+    use kiln::models::{SequenceLayout, load_model};
     match job {
         Job::Logits(args) => {
             let dir = &args.model.model_dir;
@@ -893,9 +893,9 @@ fn run_job<B: burn::tensor::backend::Backend>(device: &B::Device, job: Job) -> R
             if ids.is_empty() {
                 bail!("nothing to run: give --ids or --text");
             }
-            let (config, model) = load_lfm2::<B>(dir, device)?;
-            if let Some(bad) = ids.iter().find(|&&i| i as usize >= config.vocab_size) {
-                bail!("token id {bad} is outside the vocabulary ({} ids)", config.vocab_size);
+            let (config, model) = load_model::<B>(dir, device)?;
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= config.vocab_size()) {
+                bail!("token id {bad} is outside the vocabulary ({} ids)", config.vocab_size());
             }
             let n = ids.len();
             let input = Tensor::<B, 2, Int>::from_data(
@@ -926,9 +926,9 @@ fn run_job<B: burn::tensor::backend::Backend>(device: &B::Device, job: Job) -> R
                 args.prompt.clone()
             };
             let prompt = tokenizer.encode(&text)?.0;
-            let (config, model) = load_lfm2::<B>(dir, device)?;
+            let (config, model) = load_model::<B>(dir, device)?;
             let mut stop = vec![tokenizer.end_of_turn_id];
-            stop.extend(config.eos_token_id);
+            stop.extend(config.eos_token_id());
             let started = Instant::now();
             let out = model.generate_greedy(&[prompt], args.max_tokens, &stop, device);
             let generated = &out[0];
@@ -939,24 +939,21 @@ fn run_job<B: burn::tensor::backend::Backend>(device: &B::Device, job: Job) -> R
             let dir = &args.model.model_dir;
             let dtype = match args.dtype {
                 Some(d) => d,
-                None => match kiln::models::WeightStore::open(dir)?.dtype("model.embed_tokens.weight") {
-                    Some(safetensors::Dtype::F32) => kiln::models::hf::ExportDtype::F32,
-                    _ => kiln::models::hf::ExportDtype::Bf16,
-                },
+                // The source's dtype, read off its embedding.
+                None => {
+                    let store = kiln::models::WeightStore::open(dir)?;
+                    let embedding = store.keys().find(|k| k.ends_with("embed_tokens.weight")).cloned();
+                    match embedding.and_then(|k| store.dtype(&k)) {
+                        Some(safetensors::Dtype::F32) => kiln::models::hf::ExportDtype::F32,
+                        _ => kiln::models::hf::ExportDtype::Bf16,
+                    }
+                }
             };
-            let (_, model) = load_lfm2::<B>(dir, device)?;
-            let tensors = kiln::models::hf::hf_tensors(&model);
-            // fp32 buffers (expert_bias) stay fp32 in bf16 exports, as in the released checkpoints.
-            let keep_f32 = |k: &str| k.ends_with("expert_bias");
-            let files = kiln::models::hf::export_dir(
-                &tensors,
-                dir,
-                &args.out,
-                dtype,
-                &keep_f32,
-                kiln::models::hf::SHARD_BYTES,
-            )?;
-            eprintln!("convert: {} tensors → {} ({} files)", tensors.len(), args.out.display(), files.len());
+            let (_, model) = load_model::<B>(dir, device)?;
+            // fp32 tensors (expert_bias, A_log) stay fp32 in bf16 exports, as in the released checkpoints;
+            // towers kiln does not hold (vision) are copied as they are.
+            let files = model.export(dir, &args.out, dtype, kiln::models::hf::SHARD_BYTES)?;
+            eprintln!("convert: {} → {} ({} files)", dir.display(), args.out.display(), files.len());
         }
     }
     Ok(())

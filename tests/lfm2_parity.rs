@@ -3,13 +3,14 @@
 //! each document run alone, gradients of a masked cross-entropy within 1e-4 relative, both expert layouts,
 //! export → reload bit-identical, and clear errors for broken checkpoints.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use common::parity::{self, Fixture, ids_tensor, masked_ce, max_abs_diff, read_f32};
 use kiln::models::hf::{ExportDtype, export_dir, hf_gradients, hf_tensors};
 use kiln::models::{Lfm2Model, SequenceLayout, load_lfm2};
 use safetensors::SafeTensors;
@@ -21,53 +22,8 @@ fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lfm2").join(name)
 }
 
-struct Fixture {
-    ids: (Vec<i64>, Vec<usize>),
-    mask: Vec<i64>,
-    logits: (Vec<f32>, Vec<usize>),
-    packed_ids: Vec<i64>,
-    packed_logits: Vec<f32>,
-    loss: f32,
-    grads: BTreeMap<String, (Vec<f32>, Vec<usize>)>,
-}
-
-fn read_f32(t: &safetensors::tensor::TensorView) -> Vec<f32> {
-    t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-}
-
-fn read_i64(t: &safetensors::tensor::TensorView) -> Vec<i64> {
-    t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()
-}
-
 fn fixture(name: &str) -> Fixture {
-    let bytes = std::fs::read(fixture_dir(name).join("fixture.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let get = |k: &str| st.tensor(k).unwrap();
-    let mut grads = BTreeMap::new();
-    for k in st.names() {
-        if let Some(key) = k.strip_prefix("grad.") {
-            let t = get(k);
-            grads.insert(key.to_string(), (read_f32(&t), t.shape().to_vec()));
-        }
-    }
-    Fixture {
-        ids: (read_i64(&get("input_ids")), get("input_ids").shape().to_vec()),
-        mask: read_i64(&get("loss_mask")),
-        logits: (read_f32(&get("logits")), get("logits").shape().to_vec()),
-        packed_ids: read_i64(&get("packed_ids")),
-        packed_logits: read_f32(&get("packed_logits")),
-        loss: read_f32(&get("loss"))[0],
-        grads,
-    }
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
-
-fn ids_tensor<B: Backend>(ids: &[i64], shape: [usize; 2], device: &B::Device) -> Tensor<B, 2, Int> {
-    Tensor::from_data(TensorData::new(ids.to_vec(), shape), device)
+    parity::fixture(&fixture_dir(name))
 }
 
 fn logits_of<B: Backend>(model: &Lfm2Model<B>, ids: &[i64], shape: [usize; 2], layout: &SequenceLayout) -> Vec<f32> {
@@ -103,23 +59,6 @@ fn lfm2_moe_logits_match_transformers() {
     check_logits("lfm2-moe-tiny");
 }
 
-/// Mean next-token cross-entropy over supervised positions, in f32.
-fn masked_ce<B: Backend>(logits: Tensor<B, 3>, ids: &[i64], mask: &[i64], shape: [usize; 2]) -> Tensor<B, 1> {
-    let [b, s] = shape;
-    let v = logits.dims()[2];
-    let device = logits.device();
-    let logp = log_softmax(logits.narrow(1, 0, s - 1), 2);
-    let targets: Vec<i64> = (0..b).flat_map(|r| (1..s).map(move |t| (r, t))).map(|(r, t)| ids[r * s + t]).collect();
-    let weights: Vec<f32> =
-        (0..b).flat_map(|r| (1..s).map(move |t| (r, t))).map(|(r, t)| mask[r * s + t] as f32).collect();
-    let count: f32 = weights.iter().sum();
-    let target = Tensor::<B, 3, Int>::from_data(TensorData::new(targets, [b, s - 1, 1]), &device);
-    let nll = logp.gather(2, target).neg().reshape([b * (s - 1)]);
-    let w = Tensor::<B, 1>::from_data(TensorData::new(weights, [b * (s - 1)]), &device);
-    let _ = v;
-    (nll * w).sum() / count
-}
-
 fn check_gradients(name: &str) {
     let f = fixture(name);
     let device = Default::default();
@@ -131,15 +70,7 @@ fn check_gradients(name: &str) {
     let value: f32 = loss.clone().into_data().convert::<f32>().to_vec::<f32>().unwrap()[0];
     assert!((value - f.loss).abs() <= 1e-4, "{name}: loss {value} vs {}", f.loss);
     let grads = loss.backward();
-    let ours = hf_gradients(&model, &grads);
-    assert!(!f.grads.is_empty());
-    for (key, (want, shape)) in &f.grads {
-        let got = ours.get(key).unwrap_or_else(|| panic!("{name}: no gradient for {key}"));
-        assert_eq!(&got.shape, shape, "{key}");
-        let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-12);
-        let err = max_abs_diff(&got.data, want) / scale;
-        assert!(err <= 1e-4, "{name}: gradient of {key} off by {err} (relative to its max)");
-    }
+    parity::check_gradients(name, &f, &hf_gradients(&model, &grads), 1e-4);
 }
 
 #[test]
@@ -221,7 +152,8 @@ fn export_then_reload_is_bit_identical() {
         let out = tempfile::tempdir().unwrap();
         let tensors = hf_tensors(&model);
         // Tiny shards force the sharded layout with its index.
-        let files = export_dir(&tensors, &src, out.path(), ExportDtype::F32, &|_| false, 200_000).unwrap();
+        let files =
+            export_dir(&tensors, &Default::default(), &src, out.path(), ExportDtype::F32, &|_| false, 200_000).unwrap();
         assert!(out.path().join("model.safetensors.index.json").is_file() && files.len() > 2, "{files:?}");
         assert!(out.path().join("config.json").is_file());
         // Same key set as the source checkpoint, same bytes after a reload.
@@ -272,8 +204,16 @@ fn broken_checkpoints_fail_with_what_and_where() {
     // A sharded checkpoint whose shard is gone.
     let sharded = tempfile::tempdir().unwrap();
     let (_, model) = load_lfm2::<Cpu>(&fixture_dir("lfm2-tiny"), &device).unwrap();
-    export_dir(&hf_tensors(&model), &fixture_dir("lfm2-tiny"), sharded.path(), ExportDtype::F32, &|_| false, 200_000)
-        .unwrap();
+    export_dir(
+        &hf_tensors(&model),
+        &Default::default(),
+        &fixture_dir("lfm2-tiny"),
+        sharded.path(),
+        ExportDtype::F32,
+        &|_| false,
+        200_000,
+    )
+    .unwrap();
     std::fs::remove_file(sharded.path().join("model-00002-of-00005.safetensors")).ok();
     let err = load_lfm2::<Cpu>(sharded.path(), &device).unwrap_err().to_string();
     assert!(err.contains("model-0000") && err.contains("shard missing"), "{err}");
@@ -285,7 +225,7 @@ fn broken_checkpoints_fail_with_what_and_where() {
 }
 
 fn check_cached_decoding(name: &str) {
-    use kiln::models::decode::DecodeCache;
+    use kiln::models::decode::{CachedDecoding, generate_greedy};
     let device = Default::default();
     let (_, model) = load_lfm2::<Cpu>(&fixture_dir(name), &device).unwrap();
     let f = fixture(name);
@@ -293,7 +233,7 @@ fn check_cached_decoding(name: &str) {
     let full = logits_of(&model, &row, [1, 12], &SequenceLayout::single(1, 12));
     let vocab = 256;
     // Prefill 5 tokens, then one token at a time: every step's logits equal the full forward's.
-    let mut cache = DecodeCache::new(&model, 1, &device);
+    let mut cache = model.new_cache(1, &device);
     let prefill = model.forward_cached(ids_tensor::<Cpu>(&row[..5], [1, 5], &device), &[vec![true; 5]], &mut cache);
     let got: Vec<f32> = prefill.into_data().convert::<f32>().to_vec().unwrap();
     assert!(max_abs_diff(&got, &full[..5 * vocab]) <= 1e-4, "{name}: prefill");
@@ -308,7 +248,7 @@ fn check_cached_decoding(name: &str) {
     // Prompts of different lengths in one batch: each row's last logits equal that prompt alone.
     let prompts: Vec<Vec<u32>> =
         vec![row[..5].iter().map(|&x| x as u32).collect(), row[2..11].iter().map(|&x| x as u32).collect()];
-    let mut cache = DecodeCache::new(&model, 2, &device);
+    let mut cache = model.new_cache(2, &device);
     let mut ids = vec![0i64; 4];
     ids.extend(prompts[0].iter().map(|&x| x as i64));
     ids.extend(prompts[1].iter().map(|&x| x as i64));
@@ -327,9 +267,9 @@ fn check_cached_decoding(name: &str) {
         assert!(max_abs_diff(last_alone, last_batched) <= 1e-4, "{name}: row {r} of a padded batch differs");
     }
     // Greedy generation of the batch equals generating each prompt alone.
-    let together = model.generate_greedy(&prompts, 6, &[], &device);
+    let together = generate_greedy(&model, &prompts, 6, &[], &device);
     for (r, p) in prompts.iter().enumerate() {
-        let alone = model.generate_greedy(std::slice::from_ref(p), 6, &[], &device);
+        let alone = generate_greedy(&model, std::slice::from_ref(p), 6, &[], &device);
         assert_eq!(together[r], alone[0], "{name}: row {r}");
         assert_eq!(together[r].len(), 6);
     }

@@ -74,7 +74,7 @@ fn run(
     run_dir: &Path,
     resume: bool,
     halt: Option<usize>,
-) -> (kiln::train::TrainSummary, kiln::models::Lfm2Model<CpuTrain>) {
+) -> (kiln::train::TrainSummary, kiln::models::CausalLm<CpuTrain>) {
     let device = Default::default();
     train::<CpuTrain>(
         cfg,
@@ -169,9 +169,9 @@ fn epoch_checkpoints_reload_to_the_trained_model_and_a_batch_overfits() {
     assert!(losses[0] > 4.0 && *losses.last().unwrap() < 0.05, "first {} last {}", losses[0], losses.last().unwrap());
     let last = summary.checkpoints.last().unwrap();
     let device = Default::default();
-    let (_, reloaded) = load_lfm2::<Cpu>(last, &device).unwrap();
+    let (_, reloaded) = kiln::models::load_model::<Cpu>(last, &device).unwrap();
     let ids: Vec<i64> = (0..12).map(|i| (i * 7 % 256) as i64).collect();
-    let logits = |m: &kiln::models::Lfm2Model<Cpu>| -> Vec<f32> {
+    let logits = |m: &kiln::models::CausalLm<Cpu>| -> Vec<f32> {
         m.forward(
             Tensor::<Cpu, 2, Int>::from_data(TensorData::new(ids.clone(), [1, 12]), &device),
             &SequenceLayout::single(1, 12),

@@ -14,7 +14,7 @@ use serde_json::{Map, Value, json};
 use super::parse::{ScorerVersion, parse_response};
 use super::result::{EvalResult, ReplayStep, StepRow, aggregate, score_step};
 use crate::chat::{ChatTemplate, PinnedClock, SpecialTokens, strip_thinking};
-use crate::models::{Lfm2Config, Lfm2Model};
+use crate::models::load_model;
 use crate::tokens::TextTokenizer;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -111,9 +111,7 @@ pub fn evaluate<B: Backend>(
     device: &B::Device,
 ) -> Result<EvalResult, String> {
     let load_started = Instant::now();
-    let config = Lfm2Config::from_file(&checkpoint.join("config.json")).map_err(|e| e.to_string())?;
-    let store = crate::models::WeightStore::open(checkpoint).map_err(|e| e.to_string())?;
-    let model = Lfm2Model::<B>::from_source(&config, &store, device).map_err(|e| e.to_string())?;
+    let (config, model) = load_model::<B>(checkpoint, device).map_err(|e| e.to_string())?;
     let special = SpecialTokens::load(checkpoint).map_err(|e| e.to_string())?;
     let template = ChatTemplate::load(checkpoint, None, PinnedClock::now()).map_err(|e| e.to_string())?;
     let tokenizer = TextTokenizer::load(checkpoint, &special, None).map_err(|e| e.to_string())?;
@@ -151,14 +149,14 @@ pub fn evaluate<B: Backend>(
             }
         };
         let ids = tokenizer.encode(&text).map_err(|e| e.to_string())?.0;
-        if ids.len() + opts.max_tokens > config.max_position_embeddings {
+        if ids.len() + opts.max_tokens > config.max_position_embeddings() {
             return Err(format!(
                 "step {}/{}: the prompt has {} tokens; with max_tokens {} it exceeds the context length {}",
                 s.task_id,
                 s.step_idx,
                 ids.len(),
                 opts.max_tokens,
-                config.max_position_embeddings
+                config.max_position_embeddings()
             ));
         }
         prompts.push(ids);
@@ -170,7 +168,7 @@ pub fn evaluate<B: Backend>(
     let mut order: Vec<usize> = (0..steps.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(prompts[i].len()));
     let mut stop = vec![tokenizer.end_of_turn_id];
-    stop.extend(config.eos_token_id);
+    stop.extend(config.eos_token_id());
     let bar = if show_progress { ProgressBar::new(steps.len() as u64) } else { ProgressBar::hidden() };
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} steps {msg} eta {eta}")
@@ -220,7 +218,7 @@ pub fn evaluate<B: Backend>(
             "temperature": 0.0, "top_p": 1.0, "max_tokens": opts.max_tokens, "repetition_penalty": 1.0,
             "thinking_mode": match opts.enable_thinking { None => "auto", Some(true) => "on", Some(false) => "off" },
             "strip_thinking_history": opts.strip_thinking_history, "dtype": "float32", "backend": "kiln",
-            "batch_size": opts.batch_size, "max_model_len": config.max_position_embeddings, "skip_special_tokens": true,
+            "batch_size": opts.batch_size, "max_model_len": config.max_position_embeddings(), "skip_special_tokens": true,
         }),
         prompt_template: json!({
             "template_status": template_status,
@@ -236,7 +234,7 @@ pub fn evaluate<B: Backend>(
             "prompt_tokens_p50": percentile(&lengths, 50.0),
             "prompt_tokens_p95": percentile(&lengths, 95.0),
             "prompt_tokens_p99": percentile(&lengths, 99.0),
-            "max_model_len": config.max_position_embeddings,
+            "max_model_len": config.max_position_embeddings(),
             "max_tokens": opts.max_tokens,
         }),
         aggregate: aggregate(&rows),

@@ -1,5 +1,7 @@
-//! Model configs parsed from a checkpoint's `config.json`, with every legacy alias the released LFM2
-//! checkpoints use, and the derived quantities (effective FFN width, layer kinds) the weights depend on.
+//! Model configs parsed from a checkpoint's `config.json`: LFM2 / LFM2-MoE with every legacy alias the
+//! released checkpoints use, Qwen3.5 (its text tower, nested under `text_config` in the vision-language
+//! checkpoints), the derived quantities (effective FFN width, layer kinds, rotary width) the weights depend
+//! on, and `ModelConfig`, which picks the architecture from `model_type`.
 
 use std::path::Path;
 
@@ -8,7 +10,9 @@ use serde_json::Value;
 
 use super::ModelError;
 
-pub const SUPPORTED: &[&str] = &["lfm2", "lfm2_moe"];
+/// The `model_type`s kiln loads.
+pub const SUPPORTED: &[&str] = &["lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_text"];
+const LFM2_TYPES: &[&str] = &["lfm2", "lfm2_moe"];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -95,18 +99,25 @@ pub fn effective_ff_dim(intermediate: usize, auto_adjust: bool, multiplier: Opti
     ff
 }
 
+fn unsupported(model_type: &str) -> String {
+    format!("model_type '{model_type}' is not supported; supported: {}", SUPPORTED.join(", "))
+}
+
+fn read_config_json(path: &Path) -> Result<Value, ModelError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| ModelError::Config { path: path.to_path_buf(), message: e.to_string() })
+}
+
 impl Lfm2Config {
     pub fn from_file(path: &Path) -> Result<Self, ModelError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| ModelError::Config { path: path.to_path_buf(), message: e.to_string() })?;
-        Self::from_json(&v).map_err(|message| ModelError::Config { path: path.to_path_buf(), message })
+        Self::from_json(&read_config_json(path)?)
+            .map_err(|message| ModelError::Config { path: path.to_path_buf(), message })
     }
 
     pub fn from_json(v: &Value) -> Result<Self, String> {
         let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or_default().to_string();
-        if !SUPPORTED.contains(&model_type.as_str()) {
-            return Err(format!("model_type '{model_type}' is not supported; supported: {}", SUPPORTED.join(", ")));
+        if !LFM2_TYPES.contains(&model_type.as_str()) {
+            return Err(unsupported(&model_type));
         }
         let need = |keys: &[&str]| usize_of(v, keys).ok_or_else(|| format!("missing `{}`", keys[0]));
         let hidden_size = need(&["hidden_size"])?;
@@ -201,6 +212,204 @@ impl Lfm2Config {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Qwen35LayerKind {
+    /// Gated DeltaNet.
+    LinearAttention,
+    /// Gated full attention.
+    FullAttention,
+}
+
+/// Qwen3.5's text tower (transformers `Qwen3_5TextConfig`), read from `text_config` of a `qwen3_5`
+/// (vision-language) checkpoint or from the top level of a text-only `qwen3_5_text` one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Qwen35Config {
+    pub model_type: String,
+    /// Where the text tower's tensors live: `model.language_model.` (vision-language) or `model.` (text-only).
+    pub text_prefix: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    /// Leading dims of each attention head that RoPE rotates (`head_dim * partial_rotary_factor`).
+    pub rotary_dim: usize,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    pub linear_num_key_heads: usize,
+    pub linear_num_value_heads: usize,
+    pub linear_key_head_dim: usize,
+    pub linear_value_head_dim: usize,
+    pub linear_conv_kernel_dim: usize,
+    pub layer_types: Vec<Qwen35LayerKind>,
+    pub tie_word_embeddings: bool,
+    pub max_position_embeddings: usize,
+    pub eos_token_id: Option<u32>,
+    pub initializer_range: f64,
+}
+
+impl Qwen35Config {
+    pub fn from_json(v: &Value) -> Result<Self, String> {
+        let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or_default().to_string();
+        let (text, text_prefix) = match model_type.as_str() {
+            "qwen3_5" => {
+                (v.get("text_config").ok_or("a qwen3_5 config without `text_config`")?, "model.language_model.")
+            }
+            "qwen3_5_text" => (v, "model."),
+            other => return Err(unsupported(other)),
+        };
+        let need = |keys: &[&str]| usize_of(text, keys).ok_or_else(|| format!("text_config: missing `{}`", keys[0]));
+        let num_hidden_layers = need(&["num_hidden_layers"])?;
+        let num_attention_heads = need(&["num_attention_heads"])?;
+        let num_key_value_heads = usize_of(text, &["num_key_value_heads"]).unwrap_or(num_attention_heads);
+        let linear_num_key_heads = usize_of(text, &["linear_num_key_heads"]).unwrap_or(16);
+        let linear_num_value_heads = usize_of(text, &["linear_num_value_heads"]).unwrap_or(32);
+        if !num_attention_heads.is_multiple_of(num_key_value_heads)
+            || !linear_num_value_heads.is_multiple_of(linear_num_key_heads)
+        {
+            return Err(format!(
+                "heads do not group: {num_attention_heads} attention / {num_key_value_heads} kv, \
+                 {linear_num_value_heads} linear value / {linear_num_key_heads} linear key"
+            ));
+        }
+        let layer_types = match text.get("layer_types").and_then(Value::as_array) {
+            Some(list) => list
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("linear_attention") => Ok(Qwen35LayerKind::LinearAttention),
+                    Some("full_attention") => Ok(Qwen35LayerKind::FullAttention),
+                    other => Err(format!("unknown layer type {other:?} in layer_types")),
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            None => {
+                let interval = usize_of(text, &["full_attention_interval"]).unwrap_or(4).max(1);
+                (0..num_hidden_layers)
+                    .map(|i| {
+                        if (i + 1) % interval == 0 {
+                            Qwen35LayerKind::FullAttention
+                        } else {
+                            Qwen35LayerKind::LinearAttention
+                        }
+                    })
+                    .collect()
+            }
+        };
+        if layer_types.len() != num_hidden_layers {
+            return Err(format!("layer_types has {} entries for {num_hidden_layers} layers", layer_types.len()));
+        }
+        let rope = text.get("rope_parameters");
+        let rope_f64 =
+            |key: &str| rope.and_then(|p| p.get(key)).and_then(Value::as_f64).or_else(|| f64_of(text, &[key]));
+        let head_dim = usize_of(text, &["head_dim"]).unwrap_or(256);
+        let partial = rope_f64("partial_rotary_factor").unwrap_or(1.0);
+        let rotary_dim = (head_dim as f64 * partial) as usize;
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
+            return Err(format!("partial_rotary_factor {partial} gives {rotary_dim} rotary dims of {head_dim}"));
+        }
+        Ok(Qwen35Config {
+            model_type,
+            text_prefix: text_prefix.to_string(),
+            vocab_size: need(&["vocab_size"])?,
+            hidden_size: need(&["hidden_size"])?,
+            intermediate_size: need(&["intermediate_size"])?,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rotary_dim,
+            rope_theta: rope_f64("rope_theta").unwrap_or(1e7),
+            rms_norm_eps: f64_of(text, &["rms_norm_eps"]).unwrap_or(1e-6),
+            linear_num_key_heads,
+            linear_num_value_heads,
+            linear_key_head_dim: usize_of(text, &["linear_key_head_dim"]).unwrap_or(128),
+            linear_value_head_dim: usize_of(text, &["linear_value_head_dim"]).unwrap_or(128),
+            linear_conv_kernel_dim: usize_of(text, &["linear_conv_kernel_dim"]).unwrap_or(4),
+            layer_types,
+            // The composite config's flag decides for the vision-language class.
+            tie_word_embeddings: bool_of(v, &["tie_word_embeddings"])
+                .or_else(|| bool_of(text, &["tie_word_embeddings"]))
+                .unwrap_or(false),
+            max_position_embeddings: usize_of(text, &["max_position_embeddings"]).unwrap_or(32768),
+            eos_token_id: token_id(text, "eos_token_id").or_else(|| token_id(v, "eos_token_id")),
+            initializer_range: f64_of(text, &["initializer_range"]).unwrap_or(0.02),
+        })
+    }
+
+    /// Whether `key` is a checkpoint tensor outside the text tower (vision tower, multi-token prediction),
+    /// which kiln neither loads nor trains but carries into its exports unchanged.
+    pub fn is_other_tower(&self, key: &str) -> bool {
+        !(key.starts_with(&self.text_prefix) || key == "lm_head.weight")
+    }
+}
+
+/// The architecture of a checkpoint, picked by its `model_type`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelConfig {
+    Lfm2(Lfm2Config),
+    Qwen35(Qwen35Config),
+}
+
+impl ModelConfig {
+    pub fn from_file(path: &Path) -> Result<Self, ModelError> {
+        Self::from_json(&read_config_json(path)?)
+            .map_err(|message| ModelError::Config { path: path.to_path_buf(), message })
+    }
+
+    pub fn from_json(v: &Value) -> Result<Self, String> {
+        match v.get("model_type").and_then(Value::as_str).unwrap_or_default() {
+            t if LFM2_TYPES.contains(&t) => Lfm2Config::from_json(v).map(ModelConfig::Lfm2),
+            _ => Qwen35Config::from_json(v).map(ModelConfig::Qwen35),
+        }
+    }
+
+    pub fn model_type(&self) -> &str {
+        match self {
+            ModelConfig::Lfm2(c) => &c.model_type,
+            ModelConfig::Qwen35(c) => &c.model_type,
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            ModelConfig::Lfm2(c) => c.vocab_size,
+            ModelConfig::Qwen35(c) => c.vocab_size,
+        }
+    }
+
+    pub fn max_position_embeddings(&self) -> usize {
+        match self {
+            ModelConfig::Lfm2(c) => c.max_position_embeddings,
+            ModelConfig::Qwen35(c) => c.max_position_embeddings,
+        }
+    }
+
+    pub fn eos_token_id(&self) -> Option<u32> {
+        match self {
+            ModelConfig::Lfm2(c) => c.eos_token_id,
+            ModelConfig::Qwen35(c) => c.eos_token_id,
+        }
+    }
+
+    /// Σ over softmax-attention layers of heads × head_dim: the width in the attention term of the MFU
+    /// formula (`12 · width · seq` FLOPs per token). Conv and DeltaNet layers are linear in the sequence and
+    /// counted by `6 · params` alone.
+    pub fn attention_width(&self) -> usize {
+        match self {
+            ModelConfig::Lfm2(c) => {
+                let layers = c.layer_types.iter().filter(|k| matches!(k, LayerKind::FullAttention)).count();
+                layers * c.num_attention_heads * c.head_dim
+            }
+            ModelConfig::Qwen35(c) => {
+                let layers = c.layer_types.iter().filter(|k| matches!(k, Qwen35LayerKind::FullAttention)).count();
+                layers * c.num_attention_heads * c.head_dim
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,5 +433,28 @@ mod tests {
         assert_eq!((c.head_dim, c.rope_theta, c.eos_token_id), (64, 1e6, Some(7)));
         let err = Lfm2Config::from_json(&json!({"model_type": "llama"})).unwrap_err();
         assert!(err.contains("'llama' is not supported") && err.contains("lfm2, lfm2_moe"), "{err}");
+        let err = ModelConfig::from_json(&json!({"model_type": "llama"})).unwrap_err();
+        assert!(err.contains("'llama' is not supported") && err.contains("qwen3_5"), "{err}");
+    }
+
+    #[test]
+    fn qwen3_5_reads_its_text_config() {
+        // Qwen3.5-0.8B's shapes; layer types from the interval rule when not listed.
+        let v = json!({"model_type": "qwen3_5", "tie_word_embeddings": true, "text_config": {
+            "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
+            "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 16, "full_attention_interval": 4,
+            "rope_parameters": {"rope_theta": 10000000, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
+            "eos_token_id": 248044}});
+        let ModelConfig::Qwen35(c) = ModelConfig::from_json(&v).unwrap() else { panic!("not qwen") };
+        assert_eq!((c.rotary_dim, c.rope_theta, c.text_prefix.as_str()), (64, 1e7, "model.language_model."));
+        let full: Vec<usize> = (0..24).filter(|&i| c.layer_types[i] == Qwen35LayerKind::FullAttention).collect();
+        assert_eq!(full, [3, 7, 11, 15, 19, 23]);
+        assert!(c.tie_word_embeddings && c.eos_token_id == Some(248044));
+        assert!(c.is_other_tower("model.visual.blocks.0.attn.qkv.weight") && c.is_other_tower("mtp.fc.weight"));
+        assert!(!c.is_other_tower("model.language_model.norm.weight") && !c.is_other_tower("lm_head.weight"));
+        assert_eq!(ModelConfig::Qwen35(c).attention_width(), 6 * 8 * 256);
+        let err = ModelConfig::from_json(&json!({"model_type": "qwen3_5"})).unwrap_err();
+        assert!(err.contains("text_config"), "{err}");
     }
 }

@@ -1,66 +1,131 @@
-//! Cached decoding for LFM2: a KV cache for attention layers and the last `L-1` conv inputs for conv layers,
-//! batched prompts of different lengths (left-padded; padding is masked out and never enters a state), and
-//! greedy generation. Incremental logits equal the full forward's.
+//! Cached decoding: per layer a KV cache (attention), the last `L-1` conv inputs (LFM2 conv, DeltaNet conv)
+//! and the `[dk × dv]` state per head (DeltaNet); batched prompts of different lengths (left-padded;
+//! padding is masked out and never enters an attention cache) and greedy generation. Incremental logits
+//! equal the full forward's.
 
+use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use super::layers::{SequenceLayout, rope_tables};
+use super::deltanet::{self, DocSegments};
+use super::layers::{SequenceLayout, causal_depthwise_conv_cached, rope_tables};
 use super::lfm2::{Attention, FeedForward, Lfm2Model, Mixer, ShortConv};
+use super::qwen3_5::{GatedAttention, GatedDeltaNet, Qwen35Mixer, Qwen35Model, SCAN_CHUNK, float_dtype};
 
-enum LayerCache<B: Backend> {
+/// What a batch has decoded so far: per row, which cached positions are real tokens (padding is not).
+#[derive(Debug, Clone)]
+struct History {
+    valid: Vec<Vec<bool>>,
+    /// Per row: real tokens so far (the next token's RoPE position).
+    lengths: Vec<usize>,
+}
+
+/// The positions, attention mask and padding mask of one decoding call.
+struct Step<B: Backend> {
+    layout: SequenceLayout,
+    /// `[batch, 1, seq, cached + seq]`: a new token sees earlier real tokens and itself.
+    mask: Tensor<B, 4>,
+    /// `[batch, seq, 1]`: 1 for real tokens.
+    valid: Tensor<B, 3>,
+}
+
+impl History {
+    fn new(batch: usize) -> Self {
+        History { valid: vec![Vec::new(); batch], lengths: vec![0; batch] }
+    }
+
+    fn step<B: Backend>(&self, valid: &[Vec<bool>], device: &B::Device) -> Step<B> {
+        let batch = valid.len();
+        let seq = valid.first().map_or(0, Vec::len);
+        // Positions continue each row's real-token count; padding takes position 0.
+        let mut positions = Vec::with_capacity(batch * seq);
+        for (row_valid, &done) in valid.iter().zip(&self.lengths) {
+            let mut n = done;
+            for &ok in row_valid {
+                positions.push(if ok { n as u32 } else { 0 });
+                n += usize::from(ok);
+            }
+        }
+        let layout = SequenceLayout { batch, seq, doc_ids: vec![0; batch * seq], positions };
+        let past = self.valid.first().map_or(0, Vec::len);
+        let total = past + seq;
+        let mut mask = vec![f32::NEG_INFINITY; batch * seq * total];
+        for row in 0..batch {
+            let seen: Vec<bool> = self.valid[row].iter().chain(&valid[row]).copied().collect();
+            for i in 0..seq {
+                for j in 0..=past + i {
+                    if seen[j] || j == past + i {
+                        mask[(row * seq + i) * total + j] = 0.0;
+                    }
+                }
+            }
+        }
+        let valid_f: Vec<f32> = valid.iter().flatten().map(|&v| if v { 1.0 } else { 0.0 }).collect();
+        Step {
+            layout,
+            mask: Tensor::from_data(TensorData::new(mask, [batch, 1, seq, total]), device),
+            valid: Tensor::from_data(TensorData::new(valid_f, [batch, seq, 1]), device),
+        }
+    }
+
+    fn push(&mut self, valid: &[Vec<bool>]) {
+        for ((seen, length), row_valid) in self.valid.iter_mut().zip(self.lengths.iter_mut()).zip(valid) {
+            seen.extend_from_slice(row_valid);
+            *length += row_valid.iter().filter(|&&v| v).count();
+        }
+    }
+}
+
+/// Appends `new` keys or values to an attention cache and returns all of them.
+fn append_kv<B: Backend>(cache: &mut Option<Tensor<B, 4>>, new: Tensor<B, 4>) -> Tensor<B, 4> {
+    let all = match cache.take() {
+        Some(prev) => Tensor::cat(vec![prev, new], 2),
+        None => new,
+    };
+    *cache = Some(all.clone());
+    all
+}
+
+/// A model that can run a few tokens after what its cache holds.
+pub trait CachedDecoding<B: Backend> {
+    type Cache;
+    fn new_cache(&self, batch: usize, device: &B::Device) -> Self::Cache;
+    /// Runs `ids [batch, seq]` after what `cache` holds and returns their logits `[batch, seq, vocab]`.
+    /// `valid[row][t]` is false for padding (left padding for prompts of different lengths).
+    fn forward_cached(&self, ids: Tensor<B, 2, Int>, valid: &[Vec<bool>], cache: &mut Self::Cache) -> Tensor<B, 3>;
+}
+
+// ---- LFM2 ----------------------------------------------------------------------------------------
+
+enum Lfm2LayerCache<B: Backend> {
     /// Last `L-1` gated conv inputs `[batch, L-1, hidden]` (zeros before a sequence starts).
     Conv(Tensor<B, 3>),
     /// Keys and values `[batch, kv_heads, cached, head_dim]` after RoPE.
     Attention { k: Option<Tensor<B, 4>>, v: Option<Tensor<B, 4>> },
 }
 
-/// The decoding state of a batch of sequences.
+/// The decoding state of a batch of sequences on an LFM2 model.
 pub struct DecodeCache<B: Backend> {
-    layers: Vec<LayerCache<B>>,
-    /// Per row, per cached position: a real token (padding is not).
-    valid: Vec<Vec<bool>>,
-    /// Per row: real tokens so far (the next token's RoPE position).
-    lengths: Vec<usize>,
+    layers: Vec<Lfm2LayerCache<B>>,
+    history: History,
 }
 
 impl<B: Backend> DecodeCache<B> {
-    pub fn new(model: &Lfm2Model<B>, batch: usize, device: &B::Device) -> Self {
-        let hidden = model.embed_tokens.dims()[1];
-        let layers = model
-            .layers
-            .iter()
-            .map(|l| match &l.mixer {
-                Mixer::Conv(c) => LayerCache::Conv(Tensor::zeros([batch, c.conv.dims()[1] - 1, hidden], device)),
-                Mixer::Attention(_) => LayerCache::Attention { k: None, v: None },
-            })
-            .collect();
-        DecodeCache { layers, valid: vec![Vec::new(); batch], lengths: vec![0; batch] }
-    }
-
     pub fn lengths(&self) -> &[usize] {
-        &self.lengths
+        &self.history.lengths
     }
 }
 
 impl<B: Backend> ShortConv<B> {
     fn forward_cached(&self, x: Tensor<B, 3>, valid: &Tensor<B, 3>, state: &mut Tensor<B, 3>) -> Tensor<B, 3> {
-        let [batch, seq, _] = x.dims();
         let parts = self.in_proj.forward(x).chunk(3, 2);
         let (b, c, xx) = (parts[0].clone(), parts[1].clone(), parts[2].clone());
-        let bx = b * xx * valid.clone();
-        let hidden = bx.dims()[2];
-        let kernel = self.conv.val();
-        let taps = kernel.dims()[1];
-        let full = Tensor::cat(vec![state.clone(), bx], 1); // [B, L-1+S, H]
-        let mut y = Tensor::<B, 3>::zeros([batch, seq, hidden], &full.device());
-        for j in 0..taps {
-            y = y + full.clone().narrow(1, j, seq) * kernel.clone().narrow(1, j, 1).reshape([1, 1, hidden]);
-        }
+        let (mut y, next) = causal_depthwise_conv_cached(b * xx * valid.clone(), self.conv.val(), state.clone());
+        *state = next;
         if let Some(bias) = &self.conv_bias {
+            let hidden = y.dims()[2];
             y = y + bias.val().reshape([1, 1, hidden]);
         }
-        *state = full.clone().narrow(1, seq, taps - 1);
         self.out_proj.forward(c * y)
     }
 }
@@ -75,66 +140,40 @@ impl<B: Backend> Attention<B> {
         cache_v: &mut Option<Tensor<B, 4>>,
     ) -> Tensor<B, 3> {
         let (q, k, v) = self.qkv(x, tables.0, tables.1);
-        let append = |cache: &mut Option<Tensor<B, 4>>, new: Tensor<B, 4>| {
-            let all = match cache.take() {
-                Some(prev) => Tensor::cat(vec![prev, new], 2),
-                None => new,
-            };
-            *cache = Some(all.clone());
-            all
-        };
-        let (k, v) = (append(cache_k, k), append(cache_v, v));
+        let (k, v) = (append_kv(cache_k, k), append_kv(cache_v, v));
         self.attend(q, k, v, mask)
     }
 }
 
-impl<B: Backend> Lfm2Model<B> {
-    /// Runs `ids [batch, seq]` after what `cache` holds and returns their logits `[batch, seq, vocab]`.
-    /// `valid[row][t]` is false for padding (left padding for prompts of different lengths).
-    pub fn forward_cached(
-        &self,
-        ids: Tensor<B, 2, Int>,
-        valid: &[Vec<bool>],
-        cache: &mut DecodeCache<B>,
-    ) -> Tensor<B, 3> {
+impl<B: Backend> CachedDecoding<B> for Lfm2Model<B> {
+    type Cache = DecodeCache<B>;
+
+    fn new_cache(&self, batch: usize, device: &B::Device) -> DecodeCache<B> {
+        let hidden = self.embed_tokens.dims()[1];
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::Conv(c) => Lfm2LayerCache::Conv(Tensor::zeros([batch, c.conv.dims()[1] - 1, hidden], device)),
+                Mixer::Attention(_) => Lfm2LayerCache::Attention { k: None, v: None },
+            })
+            .collect();
+        DecodeCache { layers, history: History::new(batch) }
+    }
+
+    fn forward_cached(&self, ids: Tensor<B, 2, Int>, valid: &[Vec<bool>], cache: &mut DecodeCache<B>) -> Tensor<B, 3> {
         let device = ids.device();
         let [batch, seq] = ids.dims();
         let hidden = self.embed_tokens.dims()[1];
-        // Positions continue each row's real-token count; padding takes position 0.
-        let mut positions = Vec::with_capacity(batch * seq);
-        for (row_valid, &done) in valid.iter().zip(&cache.lengths) {
-            let mut n = done;
-            for &ok in row_valid {
-                positions.push(if ok { n as u32 } else { 0 });
-                n += usize::from(ok);
-            }
-        }
-        let layout = SequenceLayout { batch, seq, doc_ids: vec![0; batch * seq], positions };
-        let (cos, sin) = rope_tables::<B>(&layout, self.head_dim, self.rope_theta, &device);
-        let valid_f: Vec<f32> = valid.iter().flatten().map(|&v| if v { 1.0 } else { 0.0 }).collect();
-        let valid_t = Tensor::<B, 3>::from_data(TensorData::new(valid_f, [batch, seq, 1]), &device);
-        // New token i of a row sees earlier real tokens and itself.
-        let past = cache.valid[0].len();
-        let total = past + seq;
-        let mut mask = vec![f32::NEG_INFINITY; batch * seq * total];
-        for row in 0..batch {
-            let seen: Vec<bool> = cache.valid[row].iter().chain(&valid[row]).copied().collect();
-            for i in 0..seq {
-                for j in 0..=past + i {
-                    if seen[j] || j == past + i {
-                        mask[(row * seq + i) * total + j] = 0.0;
-                    }
-                }
-            }
-        }
-        let mask = Tensor::<B, 4>::from_data(TensorData::new(mask, [batch, 1, seq, total]), &device);
+        let step = cache.history.step::<B>(valid, &device);
+        let (cos, sin) = rope_tables::<B>(&step.layout, self.head_dim, self.rope_theta, &device);
         let mut h = self.embed_tokens.val().select(0, ids.reshape([batch * seq])).reshape([batch, seq, hidden]);
         for (layer, state) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let x = layer.operator_norm.forward(h.clone());
             let y = match (&layer.mixer, state) {
-                (Mixer::Conv(conv), LayerCache::Conv(s)) => conv.forward_cached(x, &valid_t, s),
-                (Mixer::Attention(attn), LayerCache::Attention { k, v }) => {
-                    attn.forward_cached(x, (&cos, &sin), &mask, k, v)
+                (Mixer::Conv(conv), Lfm2LayerCache::Conv(s)) => conv.forward_cached(x, &step.valid, s),
+                (Mixer::Attention(attn), Lfm2LayerCache::Attention { k, v }) => {
+                    attn.forward_cached(x, (&cos, &sin), &step.mask, k, v)
                 }
                 _ => unreachable!("the cache is built from this model's layers"),
             };
@@ -145,64 +184,177 @@ impl<B: Backend> Lfm2Model<B> {
                 FeedForward::Moe(moe) => moe.forward(x),
             };
         }
-        for ((seen, length), row_valid) in cache.valid.iter_mut().zip(cache.lengths.iter_mut()).zip(valid) {
-            seen.extend_from_slice(row_valid);
-            *length += row_valid.iter().filter(|&&v| v).count();
+        cache.history.push(valid);
+        self.embedding_norm.forward(h).matmul(self.head_weight().transpose().unsqueeze::<3>())
+    }
+}
+
+// ---- Qwen3.5 -------------------------------------------------------------------------------------
+
+enum QwenLayerCache<B: Backend> {
+    /// The last `L-1` conv inputs `[batch, L-1, conv_dim]` and the delta-rule state `[batch, heads, dk, dv]`.
+    DeltaNet {
+        conv: Tensor<B, 3>,
+        state: Option<Tensor<B, 4>>,
+    },
+    Attention {
+        k: Option<Tensor<B, 4>>,
+        v: Option<Tensor<B, 4>>,
+    },
+}
+
+/// The decoding state of a batch of sequences on a Qwen3.5 model.
+pub struct QwenDecodeCache<B: Backend> {
+    layers: Vec<QwenLayerCache<B>>,
+    history: History,
+}
+
+impl<B: Backend> GatedDeltaNet<B> {
+    fn forward_cached(
+        &self,
+        x: Tensor<B, 3>,
+        valid: &[Vec<bool>],
+        conv: &mut Tensor<B, 3>,
+        state: &mut Option<Tensor<B, 4>>,
+    ) -> Tensor<B, 3> {
+        let dtype = float_dtype(&x);
+        let [batch, seq, _] = x.dims();
+        let (y, next) =
+            causal_depthwise_conv_cached(self.in_proj_qkv.forward(x.clone()), self.conv1d.val(), conv.clone());
+        *conv = next;
+        let inputs = self.scan_inputs(x, silu(y));
+        // Real tokens continue the cached state (document 0); each padding token is a document of its own.
+        let mut doc_ids = Vec::with_capacity(batch * seq);
+        for row in valid {
+            let mut pad_doc = 0;
+            doc_ids.extend(row.iter().map(|&ok| {
+                if ok {
+                    0
+                } else {
+                    pad_doc += 1;
+                    pad_doc
+                }
+            }));
         }
-        let h = self.embedding_norm.forward(h);
-        let head = match &self.lm_head {
-            Some(w) => w.val(),
-            None => self.embed_tokens.val(),
+        let segments = DocSegments { batch, seq, doc_ids, initial_doc: vec![0; batch] };
+        let (core, last) = if seq == 1 {
+            deltanet::recurrent(inputs.scan, &segments, state.take())
+        } else {
+            deltanet::chunked(inputs.scan, &segments, state.take(), SCAN_CHUNK)
         };
-        h.matmul(head.transpose().unsqueeze::<3>())
+        *state = Some(last);
+        self.output(core, inputs.z, dtype)
+    }
+}
+
+impl<B: Backend> GatedAttention<B> {
+    fn forward_cached(
+        &self,
+        x: Tensor<B, 3>,
+        tables: (&Tensor<B, 4>, &Tensor<B, 4>),
+        mask: &Tensor<B, 4>,
+        cache_k: &mut Option<Tensor<B, 4>>,
+        cache_v: &mut Option<Tensor<B, 4>>,
+    ) -> Tensor<B, 3> {
+        let (q, k, v, gate) = self.qkv_gate(x, tables.0, tables.1);
+        let (k, v) = (append_kv(cache_k, k), append_kv(cache_v, v));
+        self.attend(q, k, v, gate, mask)
+    }
+}
+
+impl<B: Backend> CachedDecoding<B> for Qwen35Model<B> {
+    type Cache = QwenDecodeCache<B>;
+
+    fn new_cache(&self, batch: usize, device: &B::Device) -> QwenDecodeCache<B> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                Qwen35Mixer::Linear(d) => {
+                    let [channels, taps] = d.conv1d.dims();
+                    QwenLayerCache::DeltaNet { conv: Tensor::zeros([batch, taps - 1, channels], device), state: None }
+                }
+                Qwen35Mixer::Full(_) => QwenLayerCache::Attention { k: None, v: None },
+            })
+            .collect();
+        QwenDecodeCache { layers, history: History::new(batch) }
     }
 
-    /// Greedy decoding of a batch of prompts: each row stops at any of `stop` ids or after `max_tokens`.
-    /// Returns the generated ids per prompt (stop token included when reached).
-    pub fn generate_greedy(
+    fn forward_cached(
         &self,
-        prompts: &[Vec<u32>],
-        max_tokens: usize,
-        stop: &[u32],
-        device: &B::Device,
-    ) -> Vec<Vec<u32>> {
-        let batch = prompts.len();
-        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        let pad = 0i64;
-        let mut ids = Vec::with_capacity(batch * longest);
-        let mut valid = vec![Vec::with_capacity(longest); batch];
-        for (row, p) in prompts.iter().enumerate() {
-            let padding = longest - p.len();
-            ids.extend(std::iter::repeat_n(pad, padding));
-            ids.extend(p.iter().map(|&t| t as i64));
-            valid[row].extend(std::iter::repeat_n(false, padding));
-            valid[row].extend(std::iter::repeat_n(true, p.len()));
-        }
-        let mut cache = DecodeCache::new(self, batch, device);
-        let mut out = vec![Vec::new(); batch];
-        let mut done = vec![false; batch];
-        let mut input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, longest]), device);
-        let mut step_valid = valid;
-        for _ in 0..max_tokens {
-            let logits = self.forward_cached(input, &step_valid, &mut cache);
-            let [_, s, vocab] = logits.dims();
-            let last = logits.narrow(1, s - 1, 1).reshape([batch, vocab]);
-            let next: Vec<i64> = last.argmax(1).into_data().convert::<i64>().to_vec().unwrap_or_default();
-            for row in 0..batch {
-                if !done[row] {
-                    let t = next[row] as u32;
-                    out[row].push(t);
-                    done[row] = stop.contains(&t);
+        ids: Tensor<B, 2, Int>,
+        valid: &[Vec<bool>],
+        cache: &mut QwenDecodeCache<B>,
+    ) -> Tensor<B, 3> {
+        let device = ids.device();
+        let step = cache.history.step::<B>(valid, &device);
+        let (cos, sin) = rope_tables::<B>(&step.layout, self.rotary_dim, self.rope_theta, &device);
+        let mut h = self.embed(ids);
+        for (layer, state) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let x = layer.input_layernorm.forward(h.clone());
+            let y = match (&layer.mixer, state) {
+                // Padding enters the DeltaNet as zeros, as transformers masks it.
+                (Qwen35Mixer::Linear(net), QwenLayerCache::DeltaNet { conv, state }) => {
+                    net.forward_cached(x * step.valid.clone(), valid, conv, state)
                 }
-            }
-            if done.iter().all(|&d| d) {
-                break;
-            }
-            // Finished rows keep decoding a padding token that nothing attends to.
-            let tokens: Vec<i64> = (0..batch).map(|r| if done[r] { pad } else { next[r] }).collect();
-            step_valid = (0..batch).map(|r| vec![!done[r]]).collect();
-            input = Tensor::from_data(TensorData::new(tokens, [batch, 1]), device);
+                (Qwen35Mixer::Full(attn), QwenLayerCache::Attention { k, v }) => {
+                    attn.forward_cached(x, (&cos, &sin), &step.mask, k, v)
+                }
+                _ => unreachable!("the cache is built from this model's layers"),
+            };
+            h = h + y;
+            h = h.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(h));
         }
-        out
+        cache.history.push(valid);
+        self.norm.forward(h).matmul(self.head_weight().transpose().unsqueeze::<3>())
     }
+}
+
+/// Greedy decoding of a batch of prompts: each row stops at any of `stop` ids or after `max_tokens`.
+/// Returns the generated ids per prompt (stop token included when reached).
+pub fn generate_greedy<B: Backend, M: CachedDecoding<B>>(
+    model: &M,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    stop: &[u32],
+    device: &B::Device,
+) -> Vec<Vec<u32>> {
+    let batch = prompts.len();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let pad = 0i64;
+    let mut ids = Vec::with_capacity(batch * longest);
+    let mut valid = vec![Vec::with_capacity(longest); batch];
+    for (row, p) in prompts.iter().enumerate() {
+        let padding = longest - p.len();
+        ids.extend(std::iter::repeat_n(pad, padding));
+        ids.extend(p.iter().map(|&t| t as i64));
+        valid[row].extend(std::iter::repeat_n(false, padding));
+        valid[row].extend(std::iter::repeat_n(true, p.len()));
+    }
+    let mut cache = model.new_cache(batch, device);
+    let mut out = vec![Vec::new(); batch];
+    let mut done = vec![false; batch];
+    let mut input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, longest]), device);
+    let mut step_valid = valid;
+    for _ in 0..max_tokens {
+        let logits = model.forward_cached(input, &step_valid, &mut cache);
+        let [_, s, vocab] = logits.dims();
+        let last = logits.narrow(1, s - 1, 1).reshape([batch, vocab]);
+        let next: Vec<i64> = last.argmax(1).into_data().convert::<i64>().to_vec().unwrap_or_default();
+        for row in 0..batch {
+            if !done[row] {
+                let t = next[row] as u32;
+                out[row].push(t);
+                done[row] = stop.contains(&t);
+            }
+        }
+        if done.iter().all(|&d| d) {
+            break;
+        }
+        // Finished rows keep decoding a padding token that nothing attends to.
+        let tokens: Vec<i64> = (0..batch).map(|r| if done[r] { pad } else { next[r] }).collect();
+        step_valid = (0..batch).map(|r| vec![!done[r]]).collect();
+        input = Tensor::from_data(TensorData::new(tokens, [batch, 1]), device);
+    }
+    out
 }

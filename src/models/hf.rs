@@ -1,6 +1,7 @@
 //! The bridge to Hugging Face checkpoint names: which model parameter is which checkpoint tensor, in which
 //! layout (Linear weights transposed, conv kernels reshaped, fused experts split per expert), and export of
-//! a model as an HF directory transformers and vLLM load as-is.
+//! a model as an HF directory transformers and vLLM load as-is (with the tensors of towers kiln does not
+//! train, such as Qwen3.5's vision tower, copied from the source byte for byte).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -12,7 +13,14 @@ use safetensors::Dtype;
 
 use super::ModelError;
 use super::lfm2::{FeedForward, Lfm2Model, Mixer};
+use super::qwen3_5::{Qwen35Mixer, Qwen35Model};
 use super::weights::HostTensor;
+
+/// A model whose parameters have checkpoint names.
+pub trait HfNamed {
+    /// Every checkpoint tensor of the model and the parameter it comes from.
+    fn hf_entries(&self) -> Vec<HfEntry>;
+}
 
 /// How a parameter (burn layout) relates to its checkpoint tensor(s).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -39,9 +47,9 @@ fn entry<B: Backend, const D: usize>(key: String, p: &Param<Tensor<B, D>>, view:
     HfEntry { key, id: p.id, view }
 }
 
-impl<B: Backend> Lfm2Model<B> {
+impl<B: Backend> HfNamed for Lfm2Model<B> {
     /// Every checkpoint tensor of this model, in the per-expert layout the released checkpoints use.
-    pub fn hf_entries(&self) -> Vec<HfEntry> {
+    fn hf_entries(&self) -> Vec<HfEntry> {
         let mut out = vec![entry("model.embed_tokens.weight".into(), &self.embed_tokens, HfView::Same)];
         for (i, layer) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
@@ -87,6 +95,59 @@ impl<B: Backend> Lfm2Model<B> {
             }
         }
         out.push(entry("model.embedding_norm.weight".into(), &self.embedding_norm.weight, HfView::Same));
+        if let Some(head) = &self.lm_head {
+            out.push(entry("lm_head.weight".into(), head, HfView::Same));
+        }
+        out
+    }
+}
+
+impl<B: Backend> HfNamed for Qwen35Model<B> {
+    fn hf_entries(&self) -> Vec<HfEntry> {
+        let pre = &self.text_prefix;
+        let mut out = vec![entry(format!("{pre}embed_tokens.weight"), &self.embed_tokens, HfView::Same)];
+        for (i, layer) in self.layers.iter().enumerate() {
+            let p = format!("{pre}layers.{i}");
+            out.push(entry(format!("{p}.input_layernorm.weight"), &layer.input_layernorm.weight, HfView::Same));
+            let post = &layer.post_attention_layernorm.weight;
+            out.push(entry(format!("{p}.post_attention_layernorm.weight"), post, HfView::Same));
+            match &layer.mixer {
+                Qwen35Mixer::Linear(d) => {
+                    let a = format!("{p}.linear_attn");
+                    for (name, lin) in [
+                        ("in_proj_qkv", &d.in_proj_qkv),
+                        ("in_proj_z", &d.in_proj_z),
+                        ("in_proj_b", &d.in_proj_b),
+                        ("in_proj_a", &d.in_proj_a),
+                        ("out_proj", &d.out_proj),
+                    ] {
+                        out.push(entry(format!("{a}.{name}.weight"), &lin.weight, HfView::Transpose));
+                    }
+                    out.push(entry(format!("{a}.conv1d.weight"), &d.conv1d, HfView::ConvKernel));
+                    out.push(entry(format!("{a}.dt_bias"), &d.dt_bias, HfView::Same));
+                    out.push(entry(format!("{a}.A_log"), &d.a_log, HfView::Same));
+                    out.push(entry(format!("{a}.norm.weight"), &d.norm.weight, HfView::Same));
+                }
+                Qwen35Mixer::Full(attn) => {
+                    let a = format!("{p}.self_attn");
+                    for (name, lin) in [
+                        ("q_proj", &attn.q_proj),
+                        ("k_proj", &attn.k_proj),
+                        ("v_proj", &attn.v_proj),
+                        ("o_proj", &attn.o_proj),
+                    ] {
+                        out.push(entry(format!("{a}.{name}.weight"), &lin.weight, HfView::Transpose));
+                    }
+                    out.push(entry(format!("{a}.q_norm.weight"), &attn.q_norm.weight, HfView::Same));
+                    out.push(entry(format!("{a}.k_norm.weight"), &attn.k_norm.weight, HfView::Same));
+                }
+            }
+            for (name, lin) in [("gate_proj", &layer.mlp.w1), ("up_proj", &layer.mlp.w3), ("down_proj", &layer.mlp.w2)]
+            {
+                out.push(entry(format!("{p}.mlp.{name}.weight"), &lin.weight, HfView::Transpose));
+            }
+        }
+        out.push(entry(format!("{pre}norm.weight"), &self.norm.weight, HfView::Same));
         if let Some(head) = &self.lm_head {
             out.push(entry("lm_head.weight".into(), head, HfView::Same));
         }
@@ -159,14 +220,17 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradCollector<'_, B> {
 }
 
 /// The model's tensors under their checkpoint names and layouts.
-pub fn hf_tensors<B: Backend>(model: &Lfm2Model<B>) -> BTreeMap<String, HostTensor> {
+pub fn hf_tensors<B: Backend, M: Module<B> + HfNamed>(model: &M) -> BTreeMap<String, HostTensor> {
     let mut values = ValueCollector(HashMap::new());
     model.visit(&mut values);
     model.hf_entries().into_iter().filter_map(|e| Some((e.key, to_hf(e.view, values.0.get(&e.id)?)))).collect()
 }
 
 /// Gradients under checkpoint names and layouts (parameters without a gradient are left out).
-pub fn hf_gradients<B: AutodiffBackend>(model: &Lfm2Model<B>, grads: &B::Gradients) -> BTreeMap<String, HostTensor> {
+pub fn hf_gradients<B: AutodiffBackend, M: Module<B> + HfNamed>(
+    model: &M,
+    grads: &B::Gradients,
+) -> BTreeMap<String, HostTensor> {
     let mut collector = GradCollector::<B> { grads, out: HashMap::new() };
     model.visit(&mut collector);
     model.hf_entries().into_iter().filter_map(|e| Some((e.key, to_hf(e.view, collector.out.get(&e.id)?)))).collect()
@@ -203,33 +267,50 @@ pub const COMPANION_FILES: &[&str] = &[
     "chat_template.jinja",
 ];
 
-/// Writes `tensors` as `model.safetensors` (or `model-0000k-of-0000n.safetensors` shards past
-/// `shard_bytes`, with `model.safetensors.index.json`), metadata `format = pt`. `keep_f32` names tensors kept
-/// in f32 whatever `dtype` (fp32 buffers such as `expert_bias`).
+/// A checkpoint tensor carried through an export unchanged: its dtype, shape and bytes as read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RawTensor {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: Vec<u8>,
+}
+
+/// Writes `tensors` (and the `raw` ones, as they are) as `model.safetensors` (or
+/// `model-0000k-of-0000n.safetensors` shards past `shard_bytes`, with `model.safetensors.index.json`),
+/// metadata `format = pt`. `keep_f32` names tensors kept in f32 whatever `dtype` (fp32 buffers such as
+/// `expert_bias`, Qwen3.5's `A_log`).
 pub fn write_safetensors(
     tensors: &BTreeMap<String, HostTensor>,
+    raw: &BTreeMap<String, RawTensor>,
     out_dir: &Path,
     dtype: ExportDtype,
     keep_f32: &dyn Fn(&str) -> bool,
     shard_bytes: usize,
 ) -> Result<Vec<std::path::PathBuf>, ModelError> {
     std::fs::create_dir_all(out_dir).map_err(|e| ModelError::io(out_dir, e))?;
-    // Plan shards in key order.
+    let mut planned: Vec<ShardEntry> = tensors
+        .iter()
+        .map(|(key, t)| {
+            let d = if keep_f32(key) { ExportDtype::F32 } else { dtype };
+            let st = match d {
+                ExportDtype::F32 => Dtype::F32,
+                ExportDtype::Bf16 => Dtype::BF16,
+            };
+            (key, encode(t, d), st, t.shape.clone())
+        })
+        .collect();
+    planned.extend(raw.iter().map(|(key, t)| (key, t.bytes.clone(), t.dtype, t.shape.clone())));
+    planned.sort_by(|a, b| a.0.cmp(b.0));
+    // Shards in key order.
     let mut shards: Vec<Vec<ShardEntry>> = vec![Vec::new()];
     let mut current = 0usize;
-    for (key, t) in tensors {
-        let d = if keep_f32(key) { ExportDtype::F32 } else { dtype };
-        let bytes = encode(t, d);
-        if current > 0 && current + bytes.len() > shard_bytes {
+    for entry in planned {
+        if current > 0 && current + entry.1.len() > shard_bytes {
             shards.push(Vec::new());
             current = 0;
         }
-        current += bytes.len();
-        let st = match d {
-            ExportDtype::F32 => Dtype::F32,
-            ExportDtype::Bf16 => Dtype::BF16,
-        };
-        shards.last_mut().expect("one shard").push((key, bytes, st, t.shape.clone()));
+        current += entry.1.len();
+        shards.last_mut().expect("one shard").push(entry);
     }
     let n = shards.len();
     let mut written = Vec::new();
@@ -282,13 +363,14 @@ pub fn copy_companions(source_dir: &Path, out_dir: &Path) -> Result<(), ModelErr
 /// An HF model directory: the weights (`write_safetensors`) and the source checkpoint's companion files.
 pub fn export_dir(
     tensors: &BTreeMap<String, HostTensor>,
+    raw: &BTreeMap<String, RawTensor>,
     source_dir: &Path,
     out_dir: &Path,
     dtype: ExportDtype,
     keep_f32: &dyn Fn(&str) -> bool,
     shard_bytes: usize,
 ) -> Result<Vec<std::path::PathBuf>, ModelError> {
-    let written = write_safetensors(tensors, out_dir, dtype, keep_f32, shard_bytes)?;
+    let written = write_safetensors(tensors, raw, out_dir, dtype, keep_f32, shard_bytes)?;
     copy_companions(source_dir, out_dir)?;
     Ok(written)
 }

@@ -1,10 +1,11 @@
-//! Building blocks shared by the architectures, written to match transformers' numerics: HF-style RMSNorm,
-//! rotate-half RoPE from precomputed tables, SwiGLU, and the sequence layout (documents, positions) that
-//! keeps attention and recurrent state inside each document.
+//! Building blocks shared by the architectures, written to match transformers' numerics: HF-style RMSNorms
+//! (LFM2's `w·x̂`, Qwen3.5's zero-centered `(1+w)·x̂`), rotate-half RoPE (full or partial) from precomputed
+//! tables, grouped-query attention, the causal depthwise convolution, SwiGLU, and the sequence layout
+//! (documents, positions) that keeps attention and recurrent state inside each document.
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
-use burn::tensor::activation::silu;
+use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 
@@ -24,6 +25,95 @@ impl<B: Backend> RmsNorm<B> {
         let normed = (x * (variance + self.eps).sqrt().recip()).cast(dtype);
         normed * self.weight.val().unsqueeze::<D>()
     }
+}
+
+/// `x / sqrt(mean(x²) + eps) * (1 + weight)` (Qwen3.5's form: the weight is stored as an offset from 1 and
+/// initialized at 0), normalized and scaled in f32, then cast back, as transformers does.
+#[derive(Module, Debug)]
+pub struct ZeroCenteredRmsNorm<B: Backend> {
+    pub weight: Param<Tensor<B, 1>>,
+    pub eps: f64,
+}
+
+impl<B: Backend> ZeroCenteredRmsNorm<B> {
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let dtype = x.dtype();
+        let x = x.cast(FloatDType::F32);
+        let variance = x.clone().powf_scalar(2.0).mean_dim(D - 1);
+        let scale = self.weight.val().cast(FloatDType::F32) + 1.0;
+        (x * (variance + self.eps).sqrt().recip() * scale.unsqueeze::<D>()).cast(dtype)
+    }
+}
+
+/// `x / sqrt(Σx² + eps)` over the last dimension, in f32 (the L2 norm of the FLA kernels transformers
+/// mirrors, eps 1e-6).
+pub fn l2_normalize<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
+    let x = x.cast(FloatDType::F32);
+    let inv = (x.clone().powf_scalar(2.0).sum_dim(D - 1) + eps).sqrt().recip();
+    x * inv
+}
+
+/// `log(1 + exp(x))` without overflow: `max(x, 0) + log1p(exp(−|x|))`.
+pub fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    x.clone().clamp_min(0.0) + x.abs().neg().exp().log1p()
+}
+
+/// The causal depthwise convolution over the sequence: `y[t] = Σ_lag w[L-1-lag] · x[t-lag]` with `x[t-lag]`
+/// zero before the document starts (`lag_masks[lag - 1]` from `SequenceLayout::lag_mask`). `kernel` is
+/// `[channels, L]`, the checkpoint's `[channels, 1, L]` without the group axis.
+pub fn causal_depthwise_conv<B: Backend>(
+    x: Tensor<B, 3>,
+    kernel: Tensor<B, 2>,
+    lag_masks: &[Tensor<B, 3>],
+) -> Tensor<B, 3> {
+    let [batch, seq, channels] = x.dims();
+    let taps = kernel.dims()[1];
+    let mut y = x.clone() * kernel.clone().narrow(1, taps - 1, 1).reshape([1, 1, channels]);
+    for lag in 1..taps.min(seq) {
+        let shifted =
+            Tensor::cat(vec![Tensor::zeros([batch, lag, channels], &x.device()), x.clone().narrow(1, 0, seq - lag)], 1);
+        let w = kernel.clone().narrow(1, taps - 1 - lag, 1).reshape([1, 1, channels]);
+        y = y + shifted * lag_masks[lag - 1].clone() * w;
+    }
+    y
+}
+
+/// The same convolution continuing `state` (the last `L-1` inputs before `x`, zeros before a sequence
+/// starts); returns the outputs and the new state.
+pub fn causal_depthwise_conv_cached<B: Backend>(
+    x: Tensor<B, 3>,
+    kernel: Tensor<B, 2>,
+    state: Tensor<B, 3>,
+) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    let [batch, seq, channels] = x.dims();
+    let taps = kernel.dims()[1];
+    let full = Tensor::cat(vec![state, x], 1); // [B, L-1+S, C]
+    let mut y = Tensor::<B, 3>::zeros([batch, seq, channels], &full.device());
+    for j in 0..taps {
+        y = y + full.clone().narrow(1, j, seq) * kernel.clone().narrow(1, j, 1).reshape([1, 1, channels]);
+    }
+    let state = full.narrow(1, seq, taps - 1);
+    (y, state)
+}
+
+/// `softmax(q kᵀ / √d + mask) v` for queries `[batch, heads, seq, d]` and keys, values `[batch, kv_heads,
+/// total, d]`, each kv head serving `heads / kv_heads` consecutive query heads (repeat_interleave); softmax
+/// in f32 whatever the compute dtype, as transformers' eager attention. Returns `[batch, seq, heads * d]`.
+pub fn grouped_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: &Tensor<B, 4>,
+) -> Tensor<B, 3> {
+    let [batch, nh, seq, hd] = q.dims();
+    let [_, nkv, total, _] = k.dims();
+    let repeat = |t: Tensor<B, 4>| {
+        if nh == nkv { t } else { t.unsqueeze_dim::<5>(2).repeat_dim(2, nh / nkv).reshape([batch, nh, total, hd]) }
+    };
+    let scores = q.matmul(repeat(k).swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask.clone();
+    let dtype = scores.dtype();
+    let out = softmax(scores.cast(FloatDType::F32), 3).cast(dtype).matmul(repeat(v));
+    out.swap_dims(1, 2).reshape([batch, seq, nh * hd])
 }
 
 /// SwiGLU feed-forward: `w2(silu(w1 x) * w3 x)` (w1 = gate, w3 = up, w2 = down).
@@ -130,6 +220,16 @@ pub fn rope_tables<B: Backend>(
     }
     let shape = [layout.batch, 1, layout.seq, head_dim];
     (Tensor::from_data(TensorData::new(cos, shape), device), Tensor::from_data(TensorData::new(sin, shape), device))
+}
+
+/// RoPE on the first `cos.dims()[3]` dims of each head only, the rest passed through (partial rotary).
+pub fn apply_partial_rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 4>, sin: &Tensor<B, 4>) -> Tensor<B, 4> {
+    let (d, rotary) = (x.dims()[3], cos.dims()[3]);
+    if rotary == d {
+        return apply_rope(x, cos, sin);
+    }
+    let rotated = apply_rope(x.clone().narrow(3, 0, rotary), cos, sin);
+    Tensor::cat(vec![rotated, x.narrow(3, rotary, d - rotary)], 3)
 }
 
 /// `x * cos + rotate_half(x) * sin` with `rotate_half(x) = cat(-x2, x1)`.

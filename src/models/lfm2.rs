@@ -5,12 +5,14 @@
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::IndexingUpdateOp;
-use burn::tensor::activation::{sigmoid, silu, softmax};
+use burn::tensor::activation::{sigmoid, silu};
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 
 use super::config::{LayerKind, Lfm2Config};
-use super::layers::{RmsNorm, SequenceLayout, SwiGlu, apply_rope, rope_tables};
+use super::layers::{
+    RmsNorm, SequenceLayout, SwiGlu, apply_rope, causal_depthwise_conv, grouped_attention, rope_tables,
+};
 use super::weights::{HostTensor, TensorSource};
 
 /// The gated short convolution: `in_proj` → B | C | x, `y = conv(B·x)` (depthwise, causal, kernel L),
@@ -26,28 +28,11 @@ pub struct ShortConv<B: Backend> {
 
 impl<B: Backend> ShortConv<B> {
     pub fn forward(&self, x: Tensor<B, 3>, lag_masks: &[Tensor<B, 3>]) -> Tensor<B, 3> {
-        let [batch, seq, _] = x.dims();
-        let bcx = self.in_proj.forward(x);
-        let parts = bcx.chunk(3, 2);
+        let parts = self.in_proj.forward(x).chunk(3, 2);
         let (b, c, xx) = (parts[0].clone(), parts[1].clone(), parts[2].clone());
-        let bx = b * xx;
-        let hidden = bx.dims()[2];
-        let kernel = self.conv.val();
-        let taps = kernel.dims()[1];
-        // y[t] = Σ_lag w[L-1-lag] · bx[t-lag], with bx[t-lag] zero before the document starts.
-        let mut y = bx.clone() * kernel.clone().narrow(1, taps - 1, 1).reshape([1, 1, hidden]);
-        for lag in 1..taps.min(seq + 1) {
-            if lag >= seq {
-                break;
-            }
-            let shifted = Tensor::cat(
-                vec![Tensor::zeros([batch, lag, hidden], &bx.device()), bx.clone().narrow(1, 0, seq - lag)],
-                1,
-            );
-            let w = kernel.clone().narrow(1, taps - 1 - lag, 1).reshape([1, 1, hidden]);
-            y = y + shifted * lag_masks[lag - 1].clone() * w;
-        }
+        let mut y = causal_depthwise_conv(b * xx, self.conv.val(), lag_masks);
         if let Some(bias) = &self.conv_bias {
+            let hidden = y.dims()[2];
             y = y + bias.val().reshape([1, 1, hidden]);
         }
         self.out_proj.forward(c * y)
@@ -93,22 +78,9 @@ impl<B: Backend> Attention<B> {
         (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
     }
 
-    /// `out_proj(softmax(q kᵀ / √d + mask) v)`, each kv head serving `heads / kv_heads` consecutive query
-    /// heads (repeat_interleave); softmax in f32 whatever the compute dtype, as transformers' eager attention.
+    /// `out_proj(softmax(q kᵀ / √d + mask) v)` over grouped kv heads.
     pub fn attend(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, mask: &Tensor<B, 4>) -> Tensor<B, 3> {
-        let [batch, nh, seq, hd] = q.dims();
-        let total = k.dims()[2];
-        let repeat = |t: Tensor<B, 4>| {
-            if nh == self.num_kv_heads {
-                t
-            } else {
-                t.unsqueeze_dim::<5>(2).repeat_dim(2, nh / self.num_kv_heads).reshape([batch, nh, total, hd])
-            }
-        };
-        let scores = q.matmul(repeat(k).swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask.clone();
-        let dtype = scores.dtype();
-        let out = softmax(scores.cast(FloatDType::F32), 3).cast(dtype).matmul(repeat(v));
-        self.out_proj.forward(out.swap_dims(1, 2).reshape([batch, seq, nh * hd]))
+        self.out_proj.forward(grouped_attention(q, k, v, mask))
     }
 
     pub fn forward(

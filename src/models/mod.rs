@@ -1,20 +1,26 @@
-//! The model zoo: HF config parsing, safetensors import, and one module per architecture (LFM2 and
-//! LFM2-MoE so far). Knows nothing of datasets, training or the CLI.
+//! The model zoo: HF config parsing, safetensors import and export, and one module per architecture (LFM2
+//! and LFM2-MoE in `lfm2`, Qwen3.5 in `qwen3_5` with its DeltaNet scan in `deltanet`), behind `CausalLm`.
+//! Knows nothing of datasets, training or the CLI.
 
+pub mod causal_lm;
 pub mod config;
 pub mod decode;
+pub mod deltanet;
 pub mod hf;
 pub mod layers;
 pub mod lfm2;
+pub mod qwen3_5;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 
-pub use config::{LayerKind, Lfm2Config};
+pub use causal_lm::{CausalLm, load_model, random_model};
+pub use config::{LayerKind, Lfm2Config, ModelConfig, Qwen35Config, Qwen35LayerKind};
 pub use layers::SequenceLayout;
 pub use lfm2::Lfm2Model;
+pub use qwen3_5::Qwen35Model;
 pub use weights::{RandomInit, TensorSource, WeightStore};
 
 #[derive(Debug, thiserror::Error)]
@@ -33,9 +39,9 @@ impl ModelError {
     }
 }
 
-/// Loads an LFM2 / LFM2-MoE checkpoint directory (config.json + safetensors).
-/// Writes a seeded random-init checkpoint for `from/config.json` (N(0, initializer_range), norms at 1) into
-/// `out`, with the tokenizer and template files of `from` beside it; returns the model type and parameter count.
+/// Writes a seeded random-init checkpoint for `from/config.json` (N(0, initializer_range), the
+/// architecture's constants for norms and the like) into `out`, with the tokenizer and template files of
+/// `from` beside it; returns the model type and parameter count.
 pub fn init_random_checkpoint(
     from: &Path,
     out: &Path,
@@ -43,18 +49,21 @@ pub fn init_random_checkpoint(
     dtype: hf::ExportDtype,
 ) -> Result<(String, usize), ModelError> {
     let config_path = from.join("config.json");
-    let config = Lfm2Config::from_file(&config_path)?;
+    let config = ModelConfig::from_file(&config_path)?;
     let text = std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
     let raw: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-    let std = raw.get("initializer_range").and_then(serde_json::Value::as_f64).unwrap_or(0.02);
-    let device = Default::default();
-    let model = Lfm2Model::<crate::backend::Cpu>::from_source(&config, &RandomInit { seed, std }, &device)?;
-    let tensors = hf::hf_tensors(&model);
-    let params: usize = tensors.values().map(|t| t.data.len()).sum();
-    hf::export_dir(&tensors, from, out, dtype, &|k: &str| k.ends_with("expert_bias"), hf::SHARD_BYTES)?;
-    Ok((config.model_type.clone(), params))
+    let std = raw
+        .get("initializer_range")
+        .or_else(|| raw.get("text_config").and_then(|t| t.get("initializer_range")))
+        .and_then(serde_json::Value::as_f64)
+        .unwrap_or(0.02);
+    let model = random_model::<crate::backend::Cpu>(&config, seed, std, &Default::default())?;
+    let params = burn::module::Module::num_params(&model);
+    model.export(from, out, dtype, hf::SHARD_BYTES)?;
+    Ok((config.model_type().to_string(), params))
 }
 
+/// Loads an LFM2 / LFM2-MoE checkpoint directory (config.json + safetensors).
 pub fn load_lfm2<B: Backend>(dir: &Path, device: &B::Device) -> Result<(Lfm2Config, Lfm2Model<B>), ModelError> {
     let config = Lfm2Config::from_file(&dir.join("config.json"))?;
     let store = WeightStore::open(dir)?;

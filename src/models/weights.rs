@@ -18,37 +18,77 @@ pub trait TensorSource {
     fn take(&self, key: &str, shape: &[usize]) -> HostTensor;
     /// Whether the source has `key` (optional tensors, alternative layouts).
     fn contains(&self, key: &str) -> bool;
-    /// Lists every problem met while loading, if any.
-    fn finish(&self, ignored: &[&str]) -> Result<(), ModelError>;
+    /// Lists every problem met while loading, if any; keys `ignore` accepts may stay untaken.
+    fn finish_except(&self, ignored: &[&str], ignore: &dyn Fn(&str) -> bool) -> Result<(), ModelError>;
+
+    fn finish(&self, ignored: &[&str]) -> Result<(), ModelError> {
+        self.finish_except(ignored, &|_| false)
+    }
 
     fn take_optional(&self, key: &str, shape: &[usize]) -> Option<HostTensor> {
         self.contains(key).then(|| self.take(key, shape))
     }
 }
 
-/// A seeded random initialization with transformers' LFM2 init: normal(0, `std`) for weights, ones for
-/// norms, zeros for the expert bias. Each tensor's values depend on the seed and its name only.
+/// How one tensor of a fresh model starts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// normal(0, initializer_range)
+    Normal,
+    Constant(f32),
+    /// `log(uniform(lo, hi))` (Gated DeltaNet's `A_log`).
+    LogUniform(f32, f32),
+}
+
+/// transformers' LFM2 init: ones for norms, zeros for biases and the expert bias, normal otherwise.
+pub fn lfm2_init(key: &str) -> Init {
+    if key.ends_with("norm.weight") {
+        Init::Constant(1.0)
+    } else if key.ends_with("expert_bias") || key.ends_with(".bias") {
+        Init::Constant(0.0)
+    } else {
+        Init::Normal
+    }
+}
+
+/// transformers' Qwen3.5 init: zero-centered norms at 0, the DeltaNet output norm and `dt_bias` at 1,
+/// `A_log = log(U(0.01, 16))`, normal otherwise.
+pub fn qwen3_5_init(key: &str) -> Init {
+    if key.ends_with("linear_attn.norm.weight") || key.ends_with("dt_bias") {
+        Init::Constant(1.0)
+    } else if key.ends_with("norm.weight") {
+        Init::Constant(0.0)
+    } else if key.ends_with("A_log") {
+        Init::LogUniform(0.01, 16.0)
+    } else {
+        Init::Normal
+    }
+}
+
+/// A seeded random initialization following an architecture's init rule. Each tensor's values depend on
+/// the seed and its name only.
 pub struct RandomInit {
     pub seed: u64,
     pub std: f64,
+    pub rule: fn(&str) -> Init,
 }
 
 impl TensorSource for RandomInit {
     fn take(&self, key: &str, shape: &[usize]) -> HostTensor {
-        use rand::SeedableRng;
+        use rand::{Rng, SeedableRng};
         use rand_distr::Distribution;
         let n: usize = shape.iter().product();
-        let data = if key.ends_with("norm.weight") {
-            vec![1.0; n]
-        } else if key.ends_with("expert_bias") || key.ends_with(".bias") {
-            vec![0.0; n]
-        } else {
-            let digest = crate::hub::sha256_bytes(format!("{}:{key}", self.seed).as_bytes());
-            let seed = u64::from_str_radix(&digest[..16], 16).unwrap_or(self.seed);
-            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-            let normal = rand_distr::Normal::new(0.0f32, self.std as f32)
-                .unwrap_or_else(|_| rand_distr::Normal::new(0.0, 0.02).expect("valid"));
-            (0..n).map(|_| normal.sample(&mut rng)).collect()
+        let digest = crate::hub::sha256_bytes(format!("{}:{key}", self.seed).as_bytes());
+        let seed = u64::from_str_radix(&digest[..16], 16).unwrap_or(self.seed);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let data = match (self.rule)(key) {
+            Init::Constant(value) => vec![value; n],
+            Init::LogUniform(lo, hi) => (0..n).map(|_| rng.random_range(lo..hi).ln()).collect(),
+            Init::Normal => {
+                let normal = rand_distr::Normal::new(0.0f32, self.std as f32)
+                    .unwrap_or_else(|_| rand_distr::Normal::new(0.0, 0.02).expect("valid"));
+                (0..n).map(|_| normal.sample(&mut rng)).collect()
+            }
         };
         HostTensor { shape: shape.to_vec(), data }
     }
@@ -57,7 +97,7 @@ impl TensorSource for RandomInit {
         false
     }
 
-    fn finish(&self, _ignored: &[&str]) -> Result<(), ModelError> {
+    fn finish_except(&self, _ignored: &[&str], _ignore: &dyn Fn(&str) -> bool) -> Result<(), ModelError> {
         Ok(())
     }
 }
@@ -155,6 +195,15 @@ impl WeightStore {
         })
     }
 
+    /// `key`'s dtype, shape and bytes exactly as stored.
+    pub fn raw(&self, key: &str) -> Result<super::hf::RawTensor, ModelError> {
+        let bad = |message: String| ModelError::Weights { path: self.dir.clone(), message };
+        let (file, dtype, shape) = self.index.get(key).ok_or_else(|| bad(format!("no tensor `{key}`")))?;
+        let tensors = SafeTensors::deserialize(&self.files[*file].1).map_err(|e| bad(e.to_string()))?;
+        let view = tensors.tensor(key).map_err(|e| bad(format!("{key}: {e}")))?;
+        Ok(super::hf::RawTensor { dtype: *dtype, shape: shape.clone(), bytes: view.data().to_vec() })
+    }
+
     pub fn files(&self) -> Vec<&Path> {
         self.files.iter().map(|(p, _)| p.as_path()).collect()
     }
@@ -187,11 +236,16 @@ impl TensorSource for WeightStore {
         self.index.contains_key(key)
     }
 
-    /// Ends loading: every key must have been taken (bar `ignored`), none missing, all shapes right.
-    fn finish(&self, ignored: &[&str]) -> Result<(), ModelError> {
+    /// Ends loading: every key must have been taken (bar `ignored` and what `ignore` accepts), none missing,
+    /// all shapes right.
+    fn finish_except(&self, ignored: &[&str], ignore: &dyn Fn(&str) -> bool) -> Result<(), ModelError> {
         let taken = self.taken.borrow();
-        let unexpected: Vec<String> =
-            self.index.keys().filter(|k| !taken.contains(*k) && !ignored.contains(&k.as_str())).cloned().collect();
+        let unexpected: Vec<String> = self
+            .index
+            .keys()
+            .filter(|k| !taken.contains(*k) && !ignored.contains(&k.as_str()) && !ignore(k))
+            .cloned()
+            .collect();
         let missing = self.missing.borrow().clone();
         let mismatched = self.mismatched.borrow().clone();
         if unexpected.is_empty() && missing.is_empty() && mismatched.is_empty() {

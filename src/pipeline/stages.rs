@@ -370,7 +370,7 @@ fn export(ctx: &Context) -> Result<StageOutcome, PipelineError> {
                 expected.len()
             )));
         }
-        crate::models::Lfm2Config::from_file(&c.path.join("config.json")).map_err(|e| err(&e))?;
+        crate::models::ModelConfig::from_file(&c.path.join("config.json")).map_err(|e| err(&e))?;
         for needed in ["tokenizer.json", "tokenizer_config.json"] {
             if !c.path.join(needed).is_file() {
                 return Err(err(&format!("{} lacks {needed}", c.path.display())));

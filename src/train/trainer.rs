@@ -21,9 +21,9 @@ use super::TrainError;
 use super::data::{TrainData, target_weights};
 use super::optim::{AdamW, AdamWConfig, step};
 use super::schedule::{Decay, Schedule};
-use crate::models::hf::{ExportDtype, export_dir, hf_tensors, write_safetensors};
+use crate::models::hf::{ExportDtype, HfNamed, write_safetensors};
 use crate::models::weights::HostTensor;
-use crate::models::{Lfm2Config, Lfm2Model, SequenceLayout, load_lfm2};
+use crate::models::{CausalLm, ModelConfig, SequenceLayout, load_model};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -174,7 +174,7 @@ pub fn supervised_loss<B: burn::tensor::backend::Backend>(
     Some((nll * w).sum() / normalizer)
 }
 
-fn param_names<B: burn::tensor::backend::Backend>(model: &Lfm2Model<B>) -> HashMap<ParamId, String> {
+fn param_names<B: burn::tensor::backend::Backend>(model: &CausalLm<B>) -> HashMap<ParamId, String> {
     let mut names = HashMap::new();
     for e in model.hf_entries() {
         names.entry(e.id).or_insert(e.key);
@@ -182,26 +182,24 @@ fn param_names<B: burn::tensor::backend::Backend>(model: &Lfm2Model<B>) -> HashM
     names
 }
 
-fn params_and_attention(config: &Lfm2Config, model_params: usize) -> (f64, f64) {
-    let attn_layers =
-        config.layer_types.iter().filter(|k| matches!(k, crate::models::LayerKind::FullAttention)).count();
-    (model_params as f64, (attn_layers * config.num_attention_heads * config.head_dim) as f64)
+fn params_and_attention(config: &ModelConfig, model_params: usize) -> (f64, f64) {
+    (model_params as f64, config.attention_width() as f64)
 }
 
 fn write_state<B: AutodiffBackend>(
     dir: &Path,
-    model: &Lfm2Model<B>,
+    model: &CausalLm<B>,
     opt: &AdamW<B::InnerBackend>,
     position: &Position,
     source_dir: &Path,
 ) -> Result<(), TrainError> {
     let tmp = dir.with_extension("partial");
     let _ = std::fs::remove_dir_all(&tmp);
-    export_dir(&hf_tensors(model), source_dir, &tmp, ExportDtype::F32, &|_| false, usize::MAX)?;
+    model.export(source_dir, &tmp, ExportDtype::F32, usize::MAX)?;
     let moments = opt.export_moments(&param_names(model));
     let moments: std::collections::BTreeMap<String, HostTensor> = moments.into_iter().collect();
     let moments_dir = tmp.join("optimizer");
-    write_safetensors(&moments, &moments_dir, ExportDtype::F32, &|_| false, usize::MAX)?;
+    write_safetensors(&moments, &Default::default(), &moments_dir, ExportDtype::F32, &|_| false, usize::MAX)?;
     let text = serde_json::to_string_pretty(position).unwrap_or_default() + "\n";
     let state_err = |e: std::io::Error| TrainError::State { path: tmp.clone(), message: e.to_string() };
     std::fs::write(tmp.join("position.json"), text).map_err(state_err)?;
@@ -236,7 +234,7 @@ pub fn train<B: AutodiffBackend>(
     halt_after: Option<usize>,
     show_progress: bool,
     device: &B::Device,
-) -> Result<(TrainSummary, Lfm2Model<B>), TrainError> {
+) -> Result<(TrainSummary, CausalLm<B>), TrainError> {
     let started = Instant::now();
     let data = TrainData::load(data_dir)?;
     let global_batch = match cfg.global_batch_tokens {
@@ -275,7 +273,7 @@ pub fn train<B: AutodiffBackend>(
             model_dir.to_path_buf(),
         )
     };
-    let (config, mut model) = load_lfm2::<B>(&load_dir, device)?;
+    let (config, mut model) = load_model::<B>(&load_dir, device)?;
     let mut opt = AdamW::<B::InnerBackend>::new(cfg.adamw);
     if load_dir == state_dir {
         opt.steps = position.optimizer_steps;
@@ -334,7 +332,7 @@ pub fn train<B: AutodiffBackend>(
             let supervised: f32 = weights.iter().flatten().sum();
             let lr = schedule.lr(position.global_step);
             let mut loss_value = 0.0f64;
-            let mut accumulator = GradientsAccumulator::<Lfm2Model<B>>::new();
+            let mut accumulator = GradientsAccumulator::<CausalLm<B>>::new();
             let mut tokens = 0u64;
             if supervised > 0.0 {
                 for (micro, (chunk, chunk_weights)) in
@@ -418,14 +416,7 @@ pub fn train<B: AutodiffBackend>(
         position.epoch += 1;
         position.step_in_epoch = 0;
         let out = run_dir.join("checkpoints").join(format!("epoch-{}", position.epoch));
-        export_dir(
-            &hf_tensors(&model),
-            model_dir,
-            &out,
-            cfg.export_dtype,
-            &|k: &str| k.ends_with("expert_bias"),
-            crate::models::hf::SHARD_BYTES,
-        )?;
+        model.export(model_dir, &out, cfg.export_dtype, crate::models::hf::SHARD_BYTES)?;
         checkpoints.push(out);
         write_state(&state_dir, &model, &opt, &position, model_dir)?;
     }

@@ -1,0 +1,144 @@
+//! One handle over the architectures for the stages that do not care which one they run: loading by
+//! `model_type`, seeded random init, the forward pass, greedy decoding, checkpoint names, and export of a
+//! trained model as an HF directory (text weights from the model, other towers carried from the source).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+
+use super::config::ModelConfig;
+use super::decode::generate_greedy;
+use super::hf::{ExportDtype, HfEntry, HfNamed, RawTensor, export_dir, hf_tensors};
+use super::lfm2::Lfm2Model;
+use super::qwen3_5::Qwen35Model;
+use super::weights::{Init, RandomInit, TensorSource, WeightStore, lfm2_init, qwen3_5_init};
+use super::{ModelError, SequenceLayout};
+
+#[derive(Module, Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum CausalLm<B: Backend> {
+    Lfm2(Lfm2Model<B>),
+    Qwen35(Qwen35Model<B>),
+}
+
+impl<B: Backend> CausalLm<B> {
+    pub fn from_source(config: &ModelConfig, store: &dyn TensorSource, device: &B::Device) -> Result<Self, ModelError> {
+        Ok(match config {
+            ModelConfig::Lfm2(c) => CausalLm::Lfm2(Lfm2Model::from_source(c, store, device)?),
+            ModelConfig::Qwen35(c) => CausalLm::Qwen35(Qwen35Model::from_source(c, store, device)?),
+        })
+    }
+
+    /// The final normalized hidden states `[batch, seq, hidden]`.
+    pub fn forward_hidden(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
+        match self {
+            CausalLm::Lfm2(m) => m.forward_hidden(ids, layout),
+            CausalLm::Qwen35(m) => m.forward_hidden(ids, layout),
+        }
+    }
+
+    /// The output projection `[vocab, hidden]`.
+    pub fn head_weight(&self) -> Tensor<B, 2> {
+        match self {
+            CausalLm::Lfm2(m) => m.head_weight(),
+            CausalLm::Qwen35(m) => m.head_weight(),
+        }
+    }
+
+    /// Logits `[batch, seq, vocab]`.
+    pub fn forward(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
+        self.forward_hidden(ids, layout).matmul(self.head_weight().transpose().unsqueeze::<3>())
+    }
+
+    /// Greedy decoding with the architecture's cache (see `decode::generate_greedy`).
+    pub fn generate_greedy(
+        &self,
+        prompts: &[Vec<u32>],
+        max_tokens: usize,
+        stop: &[u32],
+        device: &B::Device,
+    ) -> Vec<Vec<u32>> {
+        match self {
+            CausalLm::Lfm2(m) => generate_greedy(m, prompts, max_tokens, stop, device),
+            CausalLm::Qwen35(m) => generate_greedy(m, prompts, max_tokens, stop, device),
+        }
+    }
+
+    /// Tensors the released checkpoints keep in f32 in a bf16 export: LFM2-MoE's `expert_bias` buffer,
+    /// Qwen3.5's `A_log` and DeltaNet output norm.
+    pub fn keeps_f32(&self, key: &str) -> bool {
+        match self {
+            CausalLm::Lfm2(_) => key.ends_with("expert_bias"),
+            CausalLm::Qwen35(_) => key.ends_with("linear_attn.A_log") || key.ends_with("linear_attn.norm.weight"),
+        }
+    }
+
+    /// Whether a checkpoint tensor belongs to a tower this model does not hold (Qwen3.5's vision tower and
+    /// multi-token-prediction head): exports carry such tensors from the source unchanged.
+    pub fn is_carried(&self, key: &str) -> bool {
+        match self {
+            CausalLm::Lfm2(_) => false,
+            CausalLm::Qwen35(m) => !(key.starts_with(&m.text_prefix) || key == "lm_head.weight"),
+        }
+    }
+
+    /// The checkpoint tensors of `source_dir` that `is_carried` names, as stored (none when the source has
+    /// no weights, as a config-only directory for a random init).
+    pub fn carried_tensors(&self, source_dir: &Path) -> Result<BTreeMap<String, RawTensor>, ModelError> {
+        let has_weights =
+            ["model.safetensors", "model.safetensors.index.json"].iter().any(|f| source_dir.join(f).is_file());
+        if !has_weights || matches!(self, CausalLm::Lfm2(_)) {
+            return Ok(BTreeMap::new());
+        }
+        let store = WeightStore::open(source_dir)?;
+        let keys: Vec<String> = store.keys().filter(|k| self.is_carried(k)).cloned().collect();
+        keys.into_iter().map(|k| store.raw(&k).map(|t| (k, t))).collect()
+    }
+
+    /// Writes the model as an HF directory: its tensors in `dtype` (f32 where `keeps_f32`), the other towers'
+    /// tensors and the companion files (config, tokenizer, template) from `source_dir`.
+    pub fn export(
+        &self,
+        source_dir: &Path,
+        out_dir: &Path,
+        dtype: ExportDtype,
+        shard_bytes: usize,
+    ) -> Result<Vec<PathBuf>, ModelError> {
+        let carried = self.carried_tensors(source_dir)?;
+        export_dir(&hf_tensors(self), &carried, source_dir, out_dir, dtype, &|k: &str| self.keeps_f32(k), shard_bytes)
+    }
+}
+
+impl<B: Backend> HfNamed for CausalLm<B> {
+    fn hf_entries(&self) -> Vec<HfEntry> {
+        match self {
+            CausalLm::Lfm2(m) => m.hf_entries(),
+            CausalLm::Qwen35(m) => m.hf_entries(),
+        }
+    }
+}
+
+/// Loads a checkpoint directory (config.json + safetensors) of any supported architecture.
+pub fn load_model<B: Backend>(dir: &Path, device: &B::Device) -> Result<(ModelConfig, CausalLm<B>), ModelError> {
+    let config = ModelConfig::from_file(&dir.join("config.json"))?;
+    let store = WeightStore::open(dir)?;
+    let model = CausalLm::from_source(&config, &store, device)?;
+    Ok((config, model))
+}
+
+/// A seeded random-init model for `config` with the architecture's init rule (normal(0, `std`) weights).
+pub fn random_model<B: Backend>(
+    config: &ModelConfig,
+    seed: u64,
+    std: f64,
+    device: &B::Device,
+) -> Result<CausalLm<B>, ModelError> {
+    let rule: fn(&str) -> Init = match config {
+        ModelConfig::Lfm2(_) => lfm2_init,
+        ModelConfig::Qwen35(_) => qwen3_5_init,
+    };
+    CausalLm::from_source(config, &RandomInit { seed, std, rule }, device)
+}

@@ -1,0 +1,370 @@
+//! Qwen3.5's text tower (`Qwen3_5ForConditionalGeneration` minus vision, or `Qwen3_5ForCausalLM`): per layer
+//! input_layernorm → Gated DeltaNet or gated full attention → residual → post_attention_layernorm → SwiGLU →
+//! residual; final `norm`; head tied (0.8B, 2B) or `lm_head`. Norms are zero-centered `(1+w)` RMSNorms except
+//! the DeltaNet output norm. Module and weight names mirror the checkpoint's (`linear_attn.in_proj_qkv`, …).
+
+use burn::module::{Module, Param};
+use burn::nn::Linear;
+use burn::tensor::activation::{sigmoid, silu};
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+
+use super::config::{Qwen35Config, Qwen35LayerKind};
+use super::deltanet::{self, DocSegments, ScanInputs};
+use super::layers::{
+    RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, causal_depthwise_conv, grouped_attention,
+    l2_normalize, rope_tables, softplus,
+};
+use super::weights::{HostTensor, TensorSource};
+
+/// Tokens per chunk of the DeltaNet scan (transformers' and FLA's training path).
+pub const SCAN_CHUNK: usize = 64;
+
+/// The Gated DeltaNet mixer: `in_proj_qkv` → causal depthwise conv + SiLU → q | k | v; L2-normalized q, k;
+/// rates `β = σ(in_proj_b x)`, log-decays `g = −exp(A_log)·softplus(in_proj_a x + dt_bias)`; the gated delta
+/// rule per value head; output `RMSNorm(o)·SiLU(in_proj_z x)` → `out_proj`.
+#[derive(Module, Debug)]
+pub struct GatedDeltaNet<B: Backend> {
+    pub in_proj_qkv: Linear<B>,
+    pub in_proj_z: Linear<B>,
+    pub in_proj_b: Linear<B>,
+    pub in_proj_a: Linear<B>,
+    /// Depthwise kernel `[conv_dim, L]` (the checkpoint's `[conv_dim, 1, L]`).
+    pub conv1d: Param<Tensor<B, 2>>,
+    pub dt_bias: Param<Tensor<B, 1>>,
+    /// `A_log` in the checkpoint (kept in f32 there).
+    pub a_log: Param<Tensor<B, 1>>,
+    /// Plain `w·x̂` RMSNorm over each value head (weight stored in f32), then gated.
+    pub norm: RmsNorm<B>,
+    pub out_proj: Linear<B>,
+    pub num_k_heads: usize,
+    pub num_v_heads: usize,
+    pub head_k_dim: usize,
+    pub head_v_dim: usize,
+}
+
+/// The per-token quantities of a DeltaNet layer before the scan.
+pub struct DeltaNetInputs<B: Backend> {
+    pub scan: ScanInputs<B>,
+    /// The output gate `[batch, seq, value_heads, dv]`.
+    pub z: Tensor<B, 4>,
+}
+
+impl<B: Backend> GatedDeltaNet<B> {
+    /// Everything the scan needs, from the (already convolved and activated) `mixed` q | k | v and the
+    /// layer input `x`.
+    pub fn scan_inputs(&self, x: Tensor<B, 3>, mixed: Tensor<B, 3>) -> DeltaNetInputs<B> {
+        let [batch, seq, _] = x.dims();
+        let (nk, nv, dk, dv) = (self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim);
+        let key_dim = nk * dk;
+        // Each key head serves nv / nk consecutive value heads (repeat_interleave).
+        let heads = |t: Tensor<B, 3>| {
+            let t = t.reshape([batch, seq, nk, dk]);
+            let t =
+                if nv == nk { t } else { t.unsqueeze_dim::<5>(3).repeat_dim(3, nv / nk).reshape([batch, seq, nv, dk]) };
+            l2_normalize(t, 1e-6).swap_dims(1, 2)
+        };
+        let q = heads(mixed.clone().narrow(2, 0, key_dim)) * (1.0 / (dk as f64).sqrt());
+        let k = heads(mixed.clone().narrow(2, key_dim, key_dim));
+        let v = mixed.narrow(2, 2 * key_dim, nv * dv).reshape([batch, seq, nv, dv]).swap_dims(1, 2);
+        let z = self.in_proj_z.forward(x.clone()).reshape([batch, seq, nv, dv]);
+        let beta = sigmoid(self.in_proj_b.forward(x.clone())).swap_dims(1, 2);
+        let a =
+            self.in_proj_a.forward(x).cast(FloatDType::F32) + self.dt_bias.val().cast(FloatDType::F32).unsqueeze::<3>();
+        let rate = self.a_log.val().cast(FloatDType::F32).exp().unsqueeze::<3>();
+        let g = (softplus(a) * rate).neg().swap_dims(1, 2);
+        DeltaNetInputs { scan: ScanInputs { q, k, v, g, beta }, z }
+    }
+
+    /// The gated output norm and projection of the scan's output `[batch, heads, seq, dv]`.
+    pub fn output(&self, core: Tensor<B, 4>, z: Tensor<B, 4>, dtype: FloatDType) -> Tensor<B, 3> {
+        let [batch, nv, seq, dv] = core.dims();
+        let normed = self.norm.forward(core.swap_dims(1, 2).cast(dtype));
+        let gated = (normed.cast(FloatDType::F32) * silu(z.cast(FloatDType::F32))).cast(dtype);
+        self.out_proj.forward(gated.reshape([batch, seq, nv * dv]))
+    }
+
+    pub fn forward(&self, x: Tensor<B, 3>, lag_masks: &[Tensor<B, 3>], segments: &DocSegments) -> Tensor<B, 3> {
+        let dtype = float_dtype(&x);
+        let mixed = silu(causal_depthwise_conv(self.in_proj_qkv.forward(x.clone()), self.conv1d.val(), lag_masks));
+        let inputs = self.scan_inputs(x, mixed);
+        let (core, _) = deltanet::chunked(inputs.scan, segments, None, SCAN_CHUNK);
+        self.output(core, inputs.z, dtype)
+    }
+}
+
+pub(crate) fn float_dtype<B: Backend, const D: usize>(x: &Tensor<B, D>) -> FloatDType {
+    match x.dtype() {
+        burn::tensor::DType::BF16 => FloatDType::BF16,
+        burn::tensor::DType::F16 => FloatDType::F16,
+        burn::tensor::DType::F64 => FloatDType::F64,
+        _ => FloatDType::F32,
+    }
+}
+
+/// Gated full attention: `q_proj` gives per head `[query | gate]`; (1+w) norms on q and k; RoPE on the first
+/// `rotary_dim` dims; grouped-query softmax attention; output `· σ(gate)` → `o_proj`.
+#[derive(Module, Debug)]
+pub struct GatedAttention<B: Backend> {
+    pub q_proj: Linear<B>,
+    pub k_proj: Linear<B>,
+    pub v_proj: Linear<B>,
+    pub o_proj: Linear<B>,
+    pub q_norm: ZeroCenteredRmsNorm<B>,
+    pub k_norm: ZeroCenteredRmsNorm<B>,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl<B: Backend> GatedAttention<B> {
+    /// Queries `[batch, heads, seq, hd]`, keys and values `[batch, kv_heads, seq, hd]` (normed, rotated), and
+    /// the output gate `[batch, seq, heads * hd]`.
+    pub fn qkv_gate(
+        &self,
+        x: Tensor<B, 3>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 3>) {
+        let [batch, seq, _] = x.dims();
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let query_gate = self.q_proj.forward(x.clone()).reshape([batch, seq, nh, 2 * hd]);
+        let q = self.q_norm.forward(query_gate.clone().narrow(3, 0, hd)).swap_dims(1, 2);
+        let gate = query_gate.narrow(3, hd, hd).reshape([batch, seq, nh * hd]);
+        let k = self.k_norm.forward(self.k_proj.forward(x.clone()).reshape([batch, seq, nkv, hd])).swap_dims(1, 2);
+        let v = self.v_proj.forward(x).reshape([batch, seq, nkv, hd]).swap_dims(1, 2);
+        (apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin), v, gate)
+    }
+
+    pub fn attend(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        gate: Tensor<B, 3>,
+        mask: &Tensor<B, 4>,
+    ) -> Tensor<B, 3> {
+        self.o_proj.forward(grouped_attention(q, k, v, mask) * sigmoid(gate))
+    }
+
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+        mask: &Tensor<B, 4>,
+    ) -> Tensor<B, 3> {
+        let (q, k, v, gate) = self.qkv_gate(x, cos, sin);
+        self.attend(q, k, v, gate, mask)
+    }
+}
+
+#[derive(Module, Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum Qwen35Mixer<B: Backend> {
+    Linear(GatedDeltaNet<B>),
+    Full(GatedAttention<B>),
+}
+
+#[derive(Module, Debug)]
+pub struct Qwen35Layer<B: Backend> {
+    pub input_layernorm: ZeroCenteredRmsNorm<B>,
+    pub mixer: Qwen35Mixer<B>,
+    pub post_attention_layernorm: ZeroCenteredRmsNorm<B>,
+    /// gate_proj = w1, up_proj = w3, down_proj = w2.
+    pub mlp: SwiGlu<B>,
+}
+
+#[derive(Module, Debug)]
+pub struct Qwen35Model<B: Backend> {
+    pub embed_tokens: Param<Tensor<B, 2>>,
+    pub layers: Vec<Qwen35Layer<B>>,
+    pub norm: ZeroCenteredRmsNorm<B>,
+    /// `None` when the head is tied to `embed_tokens`.
+    pub lm_head: Option<Param<Tensor<B, 2>>>,
+    pub rotary_dim: usize,
+    pub rope_theta: f64,
+    /// `model.language_model.` or `model.`: where the text tower's tensors sit in the checkpoint.
+    pub text_prefix: String,
+}
+
+impl<B: Backend> Qwen35Model<B> {
+    /// The output projection `[vocab, hidden]` (the embedding when tied).
+    pub fn head_weight(&self) -> Tensor<B, 2> {
+        match &self.lm_head {
+            Some(w) => w.val(),
+            None => self.embed_tokens.val(),
+        }
+    }
+
+    pub fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [batch, seq] = ids.dims();
+        let hidden = self.embed_tokens.dims()[1];
+        self.embed_tokens.val().select(0, ids.reshape([batch * seq])).reshape([batch, seq, hidden])
+    }
+
+    pub fn max_conv_lag(&self) -> usize {
+        self.layers
+            .iter()
+            .filter_map(|l| match &l.mixer {
+                Qwen35Mixer::Linear(d) => Some(d.conv1d.dims()[1] - 1),
+                Qwen35Mixer::Full(_) => None,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The final normalized hidden states `[batch, seq, hidden]` for `ids` laid out as `layout` says.
+    pub fn forward_hidden(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
+        let device = ids.device();
+        let mut h = self.embed(ids);
+        let needs_attention = self.layers.iter().any(|l| matches!(l.mixer, Qwen35Mixer::Full(_)));
+        let (cos, sin, mask) = if needs_attention {
+            let (cos, sin) = rope_tables::<B>(layout, self.rotary_dim, self.rope_theta, &device);
+            (Some(cos), Some(sin), Some(layout.attention_mask::<B>(&device)))
+        } else {
+            (None, None, None)
+        };
+        let lag_masks: Vec<Tensor<B, 3>> =
+            (1..=self.max_conv_lag()).map(|lag| layout.lag_mask::<B>(lag, &device)).collect();
+        let segments = DocSegments::from_doc_ids(layout.batch, layout.seq, layout.doc_ids.clone());
+        for layer in &self.layers {
+            let x = layer.input_layernorm.forward(h.clone());
+            let y = match &layer.mixer {
+                Qwen35Mixer::Linear(net) => net.forward(x, &lag_masks, &segments),
+                Qwen35Mixer::Full(attn) => attn.forward(
+                    x,
+                    cos.as_ref().expect("tables built for attention"),
+                    sin.as_ref().expect("tables built for attention"),
+                    mask.as_ref().expect("mask built for attention"),
+                ),
+            };
+            h = h + y;
+            h = h.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(h));
+        }
+        self.norm.forward(h)
+    }
+
+    /// Logits `[batch, seq, vocab]`.
+    pub fn forward(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
+        self.forward_hidden(ids, layout).matmul(self.head_weight().transpose().unsqueeze::<3>())
+    }
+}
+
+// ---- construction from a checkpoint ----------------------------------------------------------------
+
+fn tensor<B: Backend, const D: usize>(t: HostTensor, device: &B::Device) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(t.data, t.shape), device)
+}
+
+fn param<B: Backend, const D: usize>(
+    store: &dyn TensorSource,
+    key: &str,
+    shape: [usize; D],
+    device: &B::Device,
+) -> Param<Tensor<B, D>> {
+    Param::from_tensor(tensor(store.take(key, &shape), device))
+}
+
+/// A PyTorch Linear `[out, in]` (no bias in Qwen3.5) as burn's `[in, out]`.
+fn linear<B: Backend>(store: &dyn TensorSource, key: &str, d_in: usize, d_out: usize, device: &B::Device) -> Linear<B> {
+    let w: Tensor<B, 2> = tensor(store.take(&format!("{key}.weight"), &[d_out, d_in]), device);
+    Linear { weight: Param::from_tensor(w.transpose()), bias: None }
+}
+
+fn centered_norm<B: Backend>(
+    store: &dyn TensorSource,
+    key: &str,
+    dim: usize,
+    eps: f64,
+    device: &B::Device,
+) -> ZeroCenteredRmsNorm<B> {
+    ZeroCenteredRmsNorm { weight: param(store, &format!("{key}.weight"), [dim], device), eps }
+}
+
+impl<B: Backend> Qwen35Model<B> {
+    /// Builds the text tower from a checkpoint's tensors; vision and multi-token-prediction tensors are left
+    /// where they are, and every missing, unexpected or misshapen text tensor is listed.
+    pub fn from_source(
+        config: &Qwen35Config,
+        store: &dyn TensorSource,
+        device: &B::Device,
+    ) -> Result<Self, super::ModelError> {
+        let (h, eps, pre) = (config.hidden_size, config.rms_norm_eps, config.text_prefix.as_str());
+        let (nh, nkv, hd) = (config.num_attention_heads, config.num_key_value_heads, config.head_dim);
+        let (nk, nv) = (config.linear_num_key_heads, config.linear_num_value_heads);
+        let (dk, dv, taps) = (config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim);
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for (i, kind) in config.layer_types.iter().enumerate() {
+            let p = format!("{pre}layers.{i}");
+            let mixer = match kind {
+                Qwen35LayerKind::LinearAttention => {
+                    let a = format!("{p}.linear_attn");
+                    let conv_dim = 2 * nk * dk + nv * dv;
+                    let kernel: Tensor<B, 3> =
+                        tensor(store.take(&format!("{a}.conv1d.weight"), &[conv_dim, 1, taps]), device);
+                    Qwen35Mixer::Linear(GatedDeltaNet {
+                        in_proj_qkv: linear(store, &format!("{a}.in_proj_qkv"), h, conv_dim, device),
+                        in_proj_z: linear(store, &format!("{a}.in_proj_z"), h, nv * dv, device),
+                        in_proj_b: linear(store, &format!("{a}.in_proj_b"), h, nv, device),
+                        in_proj_a: linear(store, &format!("{a}.in_proj_a"), h, nv, device),
+                        conv1d: Param::from_tensor(kernel.reshape([conv_dim, taps])),
+                        dt_bias: param(store, &format!("{a}.dt_bias"), [nv], device),
+                        a_log: param(store, &format!("{a}.A_log"), [nv], device),
+                        norm: RmsNorm { weight: param(store, &format!("{a}.norm.weight"), [dv], device), eps },
+                        out_proj: linear(store, &format!("{a}.out_proj"), nv * dv, h, device),
+                        num_k_heads: nk,
+                        num_v_heads: nv,
+                        head_k_dim: dk,
+                        head_v_dim: dv,
+                    })
+                }
+                Qwen35LayerKind::FullAttention => {
+                    let a = format!("{p}.self_attn");
+                    Qwen35Mixer::Full(GatedAttention {
+                        q_proj: linear(store, &format!("{a}.q_proj"), h, 2 * nh * hd, device),
+                        k_proj: linear(store, &format!("{a}.k_proj"), h, nkv * hd, device),
+                        v_proj: linear(store, &format!("{a}.v_proj"), h, nkv * hd, device),
+                        o_proj: linear(store, &format!("{a}.o_proj"), nh * hd, h, device),
+                        q_norm: centered_norm(store, &format!("{a}.q_norm"), hd, eps, device),
+                        k_norm: centered_norm(store, &format!("{a}.k_norm"), hd, eps, device),
+                        num_heads: nh,
+                        num_kv_heads: nkv,
+                        head_dim: hd,
+                    })
+                }
+            };
+            let ff = config.intermediate_size;
+            layers.push(Qwen35Layer {
+                input_layernorm: centered_norm(store, &format!("{p}.input_layernorm"), h, eps, device),
+                mixer,
+                post_attention_layernorm: centered_norm(
+                    store,
+                    &format!("{p}.post_attention_layernorm"),
+                    h,
+                    eps,
+                    device,
+                ),
+                mlp: SwiGlu {
+                    w1: linear(store, &format!("{p}.mlp.gate_proj"), h, ff, device),
+                    w3: linear(store, &format!("{p}.mlp.up_proj"), h, ff, device),
+                    w2: linear(store, &format!("{p}.mlp.down_proj"), ff, h, device),
+                },
+            });
+        }
+        let lm_head =
+            (!config.tie_word_embeddings).then(|| param(store, "lm_head.weight", [config.vocab_size, h], device));
+        let model = Qwen35Model {
+            embed_tokens: param(store, &format!("{pre}embed_tokens.weight"), [config.vocab_size, h], device),
+            layers,
+            norm: centered_norm(store, &format!("{pre}norm"), h, eps, device),
+            lm_head,
+            rotary_dim: config.rotary_dim,
+            rope_theta: config.rope_theta,
+            text_prefix: config.text_prefix.clone(),
+        };
+        let tied_copy: &[&str] = if config.tie_word_embeddings { &["lm_head.weight"] } else { &[] };
+        store.finish_except(tied_copy, &|key| config.is_other_tower(key))?;
+        Ok(model)
+    }
+}

@@ -1,0 +1,106 @@
+//! Parity fixtures written by tests/fixtures/*/make_fixtures.py (transformers 5.23.0): inputs, logits,
+//! a packed row, the masked loss and its gradients; and the comparisons the parity tests make.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use kiln::models::weights::HostTensor;
+use safetensors::SafeTensors;
+
+pub struct Fixture {
+    pub ids: (Vec<i64>, Vec<usize>),
+    pub mask: Vec<i64>,
+    pub logits: (Vec<f32>, Vec<usize>),
+    pub packed_ids: Vec<i64>,
+    pub packed_logits: Vec<f32>,
+    pub loss: f32,
+    pub grads: BTreeMap<String, (Vec<f32>, Vec<usize>)>,
+}
+
+impl Fixture {
+    pub fn shape(&self) -> [usize; 2] {
+        [self.ids.1[0], self.ids.1[1]]
+    }
+}
+
+pub fn read_f32(t: &safetensors::tensor::TensorView) -> Vec<f32> {
+    t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+pub fn read_i64(t: &safetensors::tensor::TensorView) -> Vec<i64> {
+    t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+/// `dir/fixture.safetensors`.
+pub fn fixture(dir: &Path) -> Fixture {
+    let bytes = std::fs::read(dir.join("fixture.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let get = |k: &str| st.tensor(k).unwrap();
+    let mut grads = BTreeMap::new();
+    for k in st.names() {
+        if let Some(key) = k.strip_prefix("grad.") {
+            let t = get(k);
+            grads.insert(key.to_string(), (read_f32(&t), t.shape().to_vec()));
+        }
+    }
+    Fixture {
+        ids: (read_i64(&get("input_ids")), get("input_ids").shape().to_vec()),
+        mask: read_i64(&get("loss_mask")),
+        logits: (read_f32(&get("logits")), get("logits").shape().to_vec()),
+        packed_ids: read_i64(&get("packed_ids")),
+        packed_logits: read_f32(&get("packed_logits")),
+        loss: read_f32(&get("loss"))[0],
+        grads,
+    }
+}
+
+/// One f32 tensor of `dir/fixture.safetensors`.
+pub fn tensor_f32(dir: &Path, name: &str) -> Vec<f32> {
+    let bytes = std::fs::read(dir.join("fixture.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    read_f32(&st.tensor(name).unwrap())
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+pub fn ids_tensor<B: Backend>(ids: &[i64], shape: [usize; 2], device: &B::Device) -> Tensor<B, 2, Int> {
+    Tensor::from_data(TensorData::new(ids.to_vec(), shape), device)
+}
+
+pub fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec().unwrap()
+}
+
+/// Mean next-token cross-entropy over supervised positions, in f32.
+pub fn masked_ce<B: Backend>(logits: Tensor<B, 3>, ids: &[i64], mask: &[i64], shape: [usize; 2]) -> Tensor<B, 1> {
+    let [b, s] = shape;
+    let device = logits.device();
+    let logp = log_softmax(logits.narrow(1, 0, s - 1), 2);
+    let targets: Vec<i64> = (0..b).flat_map(|r| (1..s).map(move |t| (r, t))).map(|(r, t)| ids[r * s + t]).collect();
+    let weights: Vec<f32> =
+        (0..b).flat_map(|r| (1..s).map(move |t| (r, t))).map(|(r, t)| mask[r * s + t] as f32).collect();
+    let count: f32 = weights.iter().sum();
+    let target = Tensor::<B, 3, Int>::from_data(TensorData::new(targets, [b, s - 1, 1]), &device);
+    let nll = logp.gather(2, target).neg().reshape([b * (s - 1)]);
+    let w = Tensor::<B, 1>::from_data(TensorData::new(weights, [b * (s - 1)]), &device);
+    (nll * w).sum() / count
+}
+
+/// Every fixture gradient against ours, within `tolerance` relative to the gradient's largest entry.
+pub fn check_gradients(name: &str, fixture: &Fixture, ours: &BTreeMap<String, HostTensor>, tolerance: f32) {
+    assert!(!fixture.grads.is_empty());
+    for (key, (want, shape)) in &fixture.grads {
+        let got = ours.get(key).unwrap_or_else(|| panic!("{name}: no gradient for {key}"));
+        assert_eq!(&got.shape, shape, "{key}");
+        let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-12);
+        let err = max_abs_diff(&got.data, want) / scale;
+        eprintln!("{name}: gradient of {key}: relative error {err:.2e}");
+        assert!(err <= tolerance, "{name}: gradient of {key} off by {err} (relative to its max)");
+    }
+}

@@ -1,0 +1,239 @@
+//! Qwen3.5 against transformers 5.23.0 on a tiny random-init Qwen3_5ForConditionalGeneration
+//! (tests/fixtures/qwen3_5/make_fixtures.py; rows of 70 tokens, so the DeltaNet scan spans two chunks):
+//! f32 logits within 1e-4, a row packed with two documents (one crossing a chunk boundary) equal to each
+//! document run alone, gradients of a masked cross-entropy, cached decoding equal to the full forward,
+//! export carrying the vision tower and mtp tensors byte for byte (and transformers reloading it:
+//! export_check.json), and the chunked scan's gradients equal to the recurrent reference's.
+
+mod common;
+
+use std::path::PathBuf;
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::Distribution;
+use burn::tensor::Tensor;
+use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
+use kiln::models::decode::{CachedDecoding, generate_greedy};
+use kiln::models::deltanet::{self, DocSegments, ScanInputs};
+use kiln::models::hf::{ExportDtype, hf_gradients, hf_tensors};
+use kiln::models::{CausalLm, ModelConfig, Qwen35Model, SequenceLayout, WeightStore, load_model};
+
+type Cpu = Flex<f32>;
+type Train = Autodiff<Cpu>;
+
+const NAME: &str = "qwen3_5-tiny";
+const VOCAB: usize = 256;
+
+fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_5").join(NAME)
+}
+
+fn qwen<B: burn::tensor::backend::Backend>(model: CausalLm<B>) -> Qwen35Model<B> {
+    match model {
+        CausalLm::Qwen35(m) => m,
+        CausalLm::Lfm2(_) => panic!("loaded as LFM2"),
+    }
+}
+
+#[test]
+fn config_and_weights_load_the_text_tower_only() {
+    let (config, model) = load_model::<Cpu>(&fixture_dir(), &Default::default()).unwrap();
+    let ModelConfig::Qwen35(c) = &config else { panic!("not qwen3_5") };
+    assert_eq!((c.rotary_dim, c.linear_num_value_heads, c.text_prefix.as_str()), (8, 4, "model.language_model."));
+    // The checkpoint's vision tower and mtp tensor are neither loaded nor unexpected.
+    let store = WeightStore::open(&fixture_dir()).unwrap();
+    let carried: Vec<&String> = store.keys().filter(|k| model.is_carried(k)).collect();
+    assert!(
+        carried.iter().any(|k| k.starts_with("model.visual.")) && carried.iter().any(|k| k.as_str() == "mtp.fc.weight")
+    );
+    let names = hf_tensors(&model);
+    assert!(names.keys().all(|k| k.starts_with("model.language_model.")), "tied: no lm_head");
+    assert_eq!(names.len() + carried.len(), store.keys().count());
+}
+
+#[test]
+fn logits_match_transformers() {
+    let f = parity::fixture(&fixture_dir());
+    let device = Default::default();
+    let (_, model) = load_model::<Cpu>(&fixture_dir(), &device).unwrap();
+    let shape = f.shape();
+    assert_eq!(f.logits.1, [shape[0], shape[1], VOCAB]);
+    let got =
+        values(model.forward(ids_tensor::<Cpu>(&f.ids.0, shape, &device), &SequenceLayout::single(shape[0], shape[1])));
+    // transformers' f32 run is itself ~1e-4 from the exact (f64) logits at this depth of decays: kiln must
+    // be within 1e-4 of the exact answer, and within the reference's own error of the reference.
+    let exact = parity::tensor_f32(&fixture_dir(), "logits_f64");
+    let (err, err_exact, reference_err) =
+        (max_abs_diff(&got, &f.logits.0), max_abs_diff(&got, &exact), max_abs_diff(&f.logits.0, &exact));
+    let peak = f.logits.0.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    eprintln!(
+        "{NAME}: logits max-abs error {err:.2e} vs transformers f32, {err_exact:.2e} vs exact (transformers f32: \
+         {reference_err:.2e}); logits up to {peak:.2}"
+    );
+    assert!(err_exact <= 1e-4, "logits max-abs error {err_exact} from the exact answer");
+    assert!(err <= 1e-4 + reference_err, "logits max-abs error {err} from transformers");
+
+    // Two documents in one row: conv history, DeltaNet state and attention all restart at the second.
+    let seq = shape[1];
+    let packed = SequenceLayout::from_doc_lengths(&[vec![40, 30]], seq);
+    let got = values(model.forward(ids_tensor::<Cpu>(&f.packed_ids, [1, seq], &device), &packed));
+    let err = max_abs_diff(&got, &f.packed_logits);
+    assert!(err <= 1e-4, "packed documents leak into each other (max-abs {err})");
+}
+
+#[test]
+fn gradients_match_transformers() {
+    let f = parity::fixture(&fixture_dir());
+    let device = Default::default();
+    let (_, model) = load_model::<Train>(&fixture_dir(), &device).unwrap();
+    let shape = f.shape();
+    let logits =
+        model.forward(ids_tensor::<Train>(&f.ids.0, shape, &device), &SequenceLayout::single(shape[0], shape[1]));
+    let loss = masked_ce(logits, &f.ids.0, &f.mask, shape);
+    let value = values(loss.clone())[0];
+    assert!((value - f.loss).abs() <= 1e-4, "loss {value} vs {}", f.loss);
+    let grads = loss.backward();
+    parity::check_gradients(NAME, &f, &hf_gradients(&model, &grads), 1e-4);
+}
+
+#[test]
+fn cached_decoding_equals_full_forward() {
+    let device = Default::default();
+    let (_, model) = load_model::<Cpu>(&fixture_dir(), &device).unwrap();
+    let model = qwen(model);
+    let f = parity::fixture(&fixture_dir());
+    let row: Vec<i64> = f.ids.0[..f.shape()[1]].to_vec();
+    let n = row.len();
+    let full = values(model.forward(ids_tensor::<Cpu>(&row, [1, n], &device), &SequenceLayout::single(1, n)));
+    // Prefill 66 tokens (a chunk and a bit), then one token at a time through the recurrent form.
+    let mut cache = model.new_cache(1, &device);
+    let prefill =
+        values(model.forward_cached(ids_tensor::<Cpu>(&row[..66], [1, 66], &device), &[vec![true; 66]], &mut cache));
+    assert!(max_abs_diff(&prefill, &full[..66 * VOCAB]) <= 1e-4, "prefill");
+    for t in 66..n {
+        let step =
+            values(model.forward_cached(ids_tensor::<Cpu>(&row[t..=t], [1, 1], &device), &[vec![true]], &mut cache));
+        let err = max_abs_diff(&step, &full[t * VOCAB..(t + 1) * VOCAB]);
+        assert!(err <= 1e-4, "step {t} differs by {err}");
+    }
+
+    // Left-padded prompts of different lengths: each row's last logits equal that prompt alone, and greedy
+    // generation of the batch equals generating each prompt alone.
+    let prompts: Vec<Vec<u32>> =
+        vec![row[..9].iter().map(|&x| x as u32).collect(), row[3..20].iter().map(|&x| x as u32).collect()];
+    let mut cache = model.new_cache(2, &device);
+    let mut ids = vec![0i64; 8];
+    ids.extend(prompts[0].iter().map(|&x| x as i64));
+    ids.extend(prompts[1].iter().map(|&x| x as i64));
+    let valid = vec![[vec![false; 8], vec![true; 9]].concat(), vec![true; 17]];
+    let batched = values(model.forward_cached(ids_tensor::<Cpu>(&ids, [2, 17], &device), &valid, &mut cache));
+    for (r, p) in prompts.iter().enumerate() {
+        let alone_ids: Vec<i64> = p.iter().map(|&x| x as i64).collect();
+        let alone = values(
+            model.forward(ids_tensor::<Cpu>(&alone_ids, [1, p.len()], &device), &SequenceLayout::single(1, p.len())),
+        );
+        let err = max_abs_diff(&alone[(p.len() - 1) * VOCAB..], &batched[(r * 17 + 16) * VOCAB..(r * 17 + 17) * VOCAB]);
+        assert!(err <= 1e-4, "row {r} of a padded batch differs by {err}");
+    }
+    let together = generate_greedy(&model, &prompts, 5, &[], &device);
+    for (r, p) in prompts.iter().enumerate() {
+        assert_eq!(together[r], generate_greedy(&model, std::slice::from_ref(p), 5, &[], &device)[0], "row {r}");
+        assert_eq!(together[r].len(), 5);
+    }
+}
+
+#[test]
+fn export_carries_the_other_towers_and_reloads() {
+    let device = Default::default();
+    let (_, model) = load_model::<Cpu>(&fixture_dir(), &device).unwrap();
+    let source = WeightStore::open(&fixture_dir()).unwrap();
+    for dtype in [ExportDtype::F32, ExportDtype::Bf16] {
+        let out = tempfile::tempdir().unwrap();
+        model.export(&fixture_dir(), out.path(), dtype, kiln::models::hf::SHARD_BYTES).unwrap();
+        let exported = WeightStore::open(out.path()).unwrap();
+        assert_eq!(
+            exported.keys().collect::<Vec<_>>(),
+            source.keys().collect::<Vec<_>>(),
+            "{dtype:?}: the same tensors"
+        );
+        for key in source.keys().filter(|k| model.is_carried(k)) {
+            assert_eq!(exported.raw(key).unwrap(), source.raw(key).unwrap(), "{dtype:?}: {key} changed");
+        }
+        for key in exported.keys() {
+            let want = if model.keeps_f32(key) || model.is_carried(key) || dtype == ExportDtype::F32 {
+                source.dtype(key).unwrap()
+            } else {
+                safetensors::Dtype::BF16
+            };
+            assert_eq!(exported.dtype(key), Some(want), "{dtype:?}: {key}");
+        }
+        assert!(out.path().join("config.json").is_file());
+        if dtype == ExportDtype::F32 {
+            let (_, again) = load_model::<Cpu>(out.path(), &device).unwrap();
+            let (a, b) = (hf_tensors(&model), hf_tensors(&again));
+            assert!(a.iter().all(|(k, t)| b[k].data == t.data), "f32 export → reload is exact");
+        }
+    }
+    // transformers reloaded kiln's exports (make_fixtures.py, committed).
+    let text = std::fs::read_to_string(fixture_dir().parent().unwrap().join("export_check.json")).unwrap();
+    let check: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for dtype in ["f32", "bf16"] {
+        let r = &check["results"][format!("{NAME}/{dtype}")];
+        assert_eq!(r["architecture"], "Qwen3_5ForConditionalGeneration", "{dtype}");
+        assert!(r["max_abs_logits_error"].as_f64().unwrap() <= 1e-5, "{dtype}: {r}");
+        assert_eq!((r["carried_identical"].as_bool(), r["fp32_kept"].as_bool()), (Some(true), Some(true)), "{dtype}");
+    }
+}
+
+#[test]
+fn chunked_scan_gradients_equal_the_recurrent_reference() {
+    // Two rows, three documents in the second, 70 tokens: chunk boundaries, resets and the padded tail.
+    let device = Default::default();
+    let (batch, heads, seq, dk, dv) = (2, 2, 70, 8, 6);
+    let normal = |shape: [usize; 4]| Tensor::<Cpu, 4>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+    let uniform = |shape: [usize; 3]| Tensor::<Cpu, 3>::random(shape, Distribution::Uniform(0.0, 1.0), &device);
+    let raw = (normal([batch, heads, seq, dk]), normal([batch, heads, seq, dk]), normal([batch, heads, seq, dv]));
+    let (g, beta) = (uniform([batch, heads, seq]).neg() * 0.3, uniform([batch, heads, seq]));
+    let mut docs = vec![0u32; seq];
+    docs.extend((0..seq).map(|t| {
+        if t < 30 {
+            0
+        } else if t < 50 {
+            1
+        } else {
+            2
+        }
+    }));
+    let segments = DocSegments::from_doc_ids(batch, seq, docs);
+    let weights = normal([batch, heads, seq, dv]);
+    let run = |chunked: bool| {
+        let leaf = |t: Tensor<Cpu, 4>| Tensor::<Train, 4>::from_inner(t).require_grad();
+        let (q, k, v) = (leaf(raw.0.clone()), leaf(raw.1.clone()), leaf(raw.2.clone()));
+        let g = Tensor::<Train, 3>::from_inner(g.clone()).require_grad();
+        let beta = Tensor::<Train, 3>::from_inner(beta.clone()).require_grad();
+        let l2 = |x: Tensor<Train, 4>| kiln::models::layers::l2_normalize(x, 1e-6);
+        let inputs = ScanInputs {
+            q: l2(q.clone()) * (1.0 / (dk as f64).sqrt()),
+            k: l2(k.clone()),
+            v: v.clone(),
+            g: g.clone(),
+            beta: beta.clone(),
+        };
+        let (out, _) = if chunked {
+            deltanet::chunked(inputs, &segments, None, 64)
+        } else {
+            deltanet::recurrent(inputs, &segments, None)
+        };
+        let loss = (out * Tensor::<Train, 4>::from_inner(weights.clone())).sum();
+        let grads = loss.backward();
+        let grad4 = |t: &Tensor<Train, 4>| values(t.grad(&grads).unwrap());
+        let grad3 = |t: &Tensor<Train, 3>| values(t.grad(&grads).unwrap());
+        [grad4(&q), grad4(&k), grad4(&v), grad3(&g), grad3(&beta)]
+    };
+    let (chunked, recurrent) = (run(true), run(false));
+    for (name, (a, b)) in ["q", "k", "v", "g", "beta"].iter().zip(chunked.iter().zip(&recurrent)) {
+        let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let err = max_abs_diff(a, b) / scale;
+        assert!(err <= 1e-4, "gradient of {name}: chunked and recurrent differ by {err} (relative)");
+    }
+}
