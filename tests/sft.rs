@@ -13,6 +13,11 @@ const STAGES: [&str; 8] = ["pull", "prepare", "inspect", "train", "export", "eva
 
 /// A pipeline file whose runs go into `dir`, and a model config like tiny.toml but small enough for CI.
 fn setup(dir: &Path) -> (PathBuf, PathBuf) {
+    setup_model(dir, "tiny", "fast")
+}
+
+/// As `setup`, from `configs/models/<model>.toml`, written as `<name>.toml`.
+fn setup_model(dir: &Path, model: &str, name: &str) -> (PathBuf, PathBuf) {
     let project = project_dir();
     let pipeline = std::fs::read_to_string(project.join("pipelines/sft.toml"))
         .unwrap()
@@ -22,10 +27,11 @@ fn setup(dir: &Path) -> (PathBuf, PathBuf) {
     let configs = dir.join("configs");
     std::fs::create_dir_all(&configs).unwrap();
     let abs = |p: &str| project.join(p).display().to_string();
-    let tiny = std::fs::read_to_string(project.join("configs/models/tiny.toml"))
+    let local = format!("configs/models/{model}");
+    let tiny = std::fs::read_to_string(project.join(format!("configs/models/{model}.toml")))
         .unwrap()
-        .replace("name = \"tiny\"", "name = \"fast\"")
-        .replace("local = \"configs/models/tiny\"", &format!("local = \"{}\"", abs("configs/models/tiny")))
+        .replace(&format!("name = \"{model}\""), &format!("name = \"{name}\""))
+        .replace(&format!("local = \"{local}\""), &format!("local = \"{}\"", abs(&local)))
         .replace("\"datasets/samples/replay.jsonl\"", &format!("\"{}\"", abs("datasets/samples/replay.jsonl")))
         .replace(
             "\"datasets/samples/terminal_heldout.jsonl\"",
@@ -34,8 +40,39 @@ fn setup(dir: &Path) -> (PathBuf, PathBuf) {
         .replace("terminal-synth = 0.4, toolbench-synth = 0.4", "terminal-synth = 0.03, toolbench-synth = 0.03")
         .replace("max_tokens = 256", "max_tokens = 16\nlimit = 3");
     assert!(tiny.contains("limit = 3") && tiny.contains("0.03"), "tiny.toml changed shape: update this test");
-    std::fs::write(configs.join("fast.toml"), tiny).unwrap();
+    std::fs::write(configs.join(format!("{name}.toml")), tiny).unwrap();
     (pipeline_path, configs)
+}
+
+/// The Qwen3.5 architecture through every stage: a CI-sized tiny-qwen3.5 is initialized, trained, exported
+/// as a Qwen3.5 checkpoint each epoch, evaluated and carded.
+#[test]
+fn a_qwen3_5_model_runs_the_whole_pipeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let (pipeline, configs) = setup_model(dir.path(), "tiny-qwen3.5", "fastqwen");
+    let (p, c) = (pipeline.to_str().unwrap(), configs.to_str().unwrap());
+    let args = ["--quiet", "sft", "--model", "fastqwen", "--device", "cpu", "--pipeline", p, "--configs-dir", c];
+    let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
+    assert!(ok, "{stderr}");
+    let run = dir.path().join("runs/fastqwen");
+    for stage in STAGES {
+        assert!(run.join(format!("manifests/{stage}.json")).is_file(), "{stage}");
+    }
+    for epoch in ["epoch-1", "epoch-2"] {
+        let config = json(&run.join(format!("checkpoints/{epoch}/config.json")));
+        assert_eq!(config["model_type"], "qwen3_5_text", "{epoch}");
+        let result = json(&run.join(format!("eval/{epoch}.json")));
+        assert_eq!(result["aggregate"]["steps"], 3, "{epoch}");
+    }
+    let metrics = std::fs::read_to_string(run.join("train/metrics.jsonl")).unwrap();
+    let losses: Vec<f64> =
+        metrics.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()["loss"].as_f64().unwrap()).collect();
+    assert!(losses.iter().all(|l| l.is_finite()) && losses.len() >= 4, "{losses:?}");
+    let first = losses[..2].iter().sum::<f64>() / 2.0;
+    let last = losses[losses.len() - 2..].iter().sum::<f64>() / 2.0;
+    assert!(last < first, "training does not lower the loss: {first} → {last}");
+    let md = std::fs::read_to_string(run.join("README.md")).unwrap();
+    assert!(md.contains("- qwen3_5\n"), "{md}");
 }
 
 /// A checkpoint served from a loopback Hub: `hubtiny.toml` is fast.toml with `hub = "kiln-test/tiny-lfm2"`.

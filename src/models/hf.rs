@@ -265,6 +265,8 @@ pub const COMPANION_FILES: &[&str] = &[
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
 ];
 
 /// A checkpoint tensor carried through an export unchanged: its dtype, shape and bytes as read.

@@ -147,7 +147,7 @@ pub struct ModelConfig {
     pub train: TrainConfig,
 }
 
-const ARCHITECTURES: &[&str] = &["lfm2", "lfm2_moe"];
+const ARCHITECTURES: &[&str] = &["lfm2", "lfm2_moe", "qwen3_5"];
 
 impl ModelConfig {
     /// `name` in `configs_dir` (`<name>.toml`), or a path to a TOML file.
