@@ -274,7 +274,12 @@ fn unknown_models_and_missing_gpus_fail_at_once() {
     let (pipeline, _) = setup(dir.path());
     let p = pipeline.to_str().unwrap();
     let (ok, _, stderr) = run_kiln(&["sft", "--model", "gpt-17", "--pipeline", p], &[], &project_dir());
-    assert!(!ok && stderr.contains("unknown model 'gpt-17'") && stderr.contains("lfm2.5-8b, tiny"), "{stderr}");
+    assert!(
+        !ok && stderr.contains("unknown model 'gpt-17'")
+            && stderr.contains("lfm2.5-8b, qwen3.5-0.8b")
+            && stderr.contains("tiny, tiny-qwen3.5"),
+        "{stderr}"
+    );
 
     // No download is tried: the endpoint is unreachable and the error is about the GPU.
     let (ok, _, stderr) = run_kiln(
