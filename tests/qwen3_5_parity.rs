@@ -14,7 +14,7 @@ use burn::tensor::Distribution;
 use burn::tensor::Tensor;
 use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
 use kiln::models::decode::{CachedDecoding, generate_greedy};
-use kiln::models::deltanet::{self, DocSegments, ScanInputs};
+use kiln::models::deltanet::{self, ChunkPlan, DocSegments, ScanInputs};
 use kiln::models::hf::{ExportDtype, hf_gradients, hf_tensors};
 use kiln::models::{CausalLm, ModelConfig, Qwen35Model, SequenceLayout, WeightStore, load_model};
 
@@ -205,6 +205,7 @@ fn chunked_scan_gradients_equal_the_recurrent_reference() {
         }
     }));
     let segments = DocSegments::from_doc_ids(batch, seq, docs);
+    let plan = ChunkPlan::<Train>::new(&segments, 64, &device);
     let weights = normal([batch, heads, seq, dv]);
     let run = |chunked: bool| {
         let leaf = |t: Tensor<Cpu, 4>| Tensor::<Train, 4>::from_inner(t).require_grad();
@@ -219,11 +220,8 @@ fn chunked_scan_gradients_equal_the_recurrent_reference() {
             g: g.clone(),
             beta: beta.clone(),
         };
-        let (out, _) = if chunked {
-            deltanet::chunked(inputs, &segments, None, 64)
-        } else {
-            deltanet::recurrent(inputs, &segments, None)
-        };
+        let (out, _) =
+            if chunked { deltanet::chunked(inputs, &plan, None) } else { deltanet::recurrent(inputs, &segments, None) };
         let loss = (out * Tensor::<Train, 4>::from_inner(weights.clone())).sum();
         let grads = loss.backward();
         let grad4 = |t: &Tensor<Train, 4>| values(t.grad(&grads).unwrap());

@@ -7,10 +7,10 @@ use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use super::deltanet::{self, DocSegments};
+use super::deltanet::{self, ChunkPlan, DocSegments};
 use super::layers::{SequenceLayout, causal_depthwise_conv_cached, rope_tables};
 use super::lfm2::{Attention, FeedForward, Lfm2Model, Mixer, ShortConv};
-use super::qwen3_5::{GatedAttention, GatedDeltaNet, Qwen35Mixer, Qwen35Model, SCAN_CHUNK, float_dtype};
+use super::qwen3_5::{GatedAttention, GatedDeltaNet, Qwen35Mixer, Qwen35Model, SCAN_CHUNK};
 
 /// What a batch has decoded so far: per row, which cached positions are real tokens (padding is not).
 #[derive(Debug, Clone)]
@@ -209,38 +209,41 @@ pub struct QwenDecodeCache<B: Backend> {
     history: History,
 }
 
+/// Real tokens continue the cached state (document 0); each padding token is a document of its own.
+fn decoding_segments(valid: &[Vec<bool>]) -> DocSegments {
+    let (batch, seq) = (valid.len(), valid.first().map_or(0, Vec::len));
+    let mut doc_ids = Vec::with_capacity(batch * seq);
+    for row in valid {
+        let mut pad_doc = 0;
+        doc_ids.extend(row.iter().map(|&ok| {
+            if ok {
+                0
+            } else {
+                pad_doc += 1;
+                pad_doc
+            }
+        }));
+    }
+    DocSegments { batch, seq, doc_ids, initial_doc: vec![0; batch] }
+}
+
 impl<B: Backend> GatedDeltaNet<B> {
     fn forward_cached(
         &self,
         x: Tensor<B, 3>,
-        valid: &[Vec<bool>],
+        segments: &DocSegments,
+        plan: Option<&ChunkPlan<B>>,
         conv: &mut Tensor<B, 3>,
         state: &mut Option<Tensor<B, 4>>,
     ) -> Tensor<B, 3> {
-        let dtype = float_dtype(&x);
-        let [batch, seq, _] = x.dims();
+        let dtype = burn::tensor::FloatDType::from(x.dtype());
         let (y, next) =
             causal_depthwise_conv_cached(self.in_proj_qkv.forward(x.clone()), self.conv1d.val(), conv.clone());
         *conv = next;
         let inputs = self.scan_inputs(x, silu(y));
-        // Real tokens continue the cached state (document 0); each padding token is a document of its own.
-        let mut doc_ids = Vec::with_capacity(batch * seq);
-        for row in valid {
-            let mut pad_doc = 0;
-            doc_ids.extend(row.iter().map(|&ok| {
-                if ok {
-                    0
-                } else {
-                    pad_doc += 1;
-                    pad_doc
-                }
-            }));
-        }
-        let segments = DocSegments { batch, seq, doc_ids, initial_doc: vec![0; batch] };
-        let (core, last) = if seq == 1 {
-            deltanet::recurrent(inputs.scan, &segments, state.take())
-        } else {
-            deltanet::chunked(inputs.scan, &segments, state.take(), SCAN_CHUNK)
+        let (core, last) = match plan {
+            Some(plan) => deltanet::chunked(inputs.scan, plan, state.take()),
+            None => deltanet::recurrent(inputs.scan, segments, state.take()),
         };
         *state = Some(last);
         self.output(core, inputs.z, dtype)
@@ -289,13 +292,16 @@ impl<B: Backend> CachedDecoding<B> for Qwen35Model<B> {
         let device = ids.device();
         let step = cache.history.step::<B>(valid, &device);
         let (cos, sin) = rope_tables::<B>(&step.layout, self.rotary_dim, self.rope_theta, &device);
+        let segments = decoding_segments(valid);
+        // Prefill runs the chunked form, single tokens the recurrent one.
+        let plan = (segments.seq > 1).then(|| ChunkPlan::new(&segments, SCAN_CHUNK, &device));
         let mut h = self.embed(ids);
         for (layer, state) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let x = layer.input_layernorm.forward(h.clone());
             let y = match (&layer.mixer, state) {
                 // Padding enters the DeltaNet as zeros, as transformers masks it.
                 (Qwen35Mixer::Linear(net), QwenLayerCache::DeltaNet { conv, state }) => {
-                    net.forward_cached(x * step.valid.clone(), valid, conv, state)
+                    net.forward_cached(x * step.valid.clone(), &segments, plan.as_ref(), conv, state)
                 }
                 (Qwen35Mixer::Full(attn), QwenLayerCache::Attention { k, v }) => {
                     attn.forward_cached(x, (&cos, &sin), &step.mask, k, v)

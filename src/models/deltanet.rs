@@ -103,80 +103,104 @@ pub fn recurrent<B: Backend>(
 /// doubling: with `T` the inverse of the block-diagonal part at block size `s`, `N` the part of `L` joining
 /// pairs of those blocks, `(M + N)⁻¹ = T − T N T` exactly (`N T N = 0`). log₂ C rounds of two matmuls, each
 /// block solved from exact sub-solutions as forward substitution would: no power series, no cancellation.
-fn unit_lower_inverse<B: Backend>(l: Tensor<B, 5>, size: usize) -> Tensor<B, 5> {
-    let device = l.device();
-    let mut inverse = Tensor::<B, 2>::eye(size, &device).unsqueeze::<5>().expand(l.dims());
-    let mut block = 1;
-    while block < size {
-        // Entries in the same 2s-block, below it in another s-block.
-        let joining: Vec<bool> = (0..size * size)
-            .map(|ij| {
-                let (i, j) = (ij / size, ij % size);
-                !(i / (2 * block) == j / (2 * block) && i / block != j / block && i > j)
-            })
-            .collect();
-        let outside = Tensor::<B, 2, Bool>::from_data(TensorData::new(joining, [size, size]), &device).unsqueeze::<5>();
-        let bridge = l.clone().mask_fill(outside, 0.0);
+/// `outside_bridges[r]` masks everything but round `r`'s joining entries.
+fn unit_lower_inverse<B: Backend>(l: Tensor<B, 5>, outside_bridges: &[Tensor<B, 5, Bool>]) -> Tensor<B, 5> {
+    let size = l.dims()[4];
+    let mut inverse = Tensor::<B, 2>::eye(size, &l.device()).unsqueeze::<5>().expand(l.dims());
+    for outside in outside_bridges {
+        let bridge = l.clone().mask_fill(outside.clone(), 0.0);
         inverse = inverse.clone() - inverse.clone().matmul(bridge).matmul(inverse);
-        block *= 2;
     }
     inverse
 }
 
-/// Host-side masks of the chunked form, for the padded length `chunks * size`.
-struct ChunkMasks {
-    /// `[batch, chunks, C, C]`: `j ≤ i` inside one document.
-    blocked: Vec<bool>,
-    /// `[batch, chunks, C]`: position `t` still carries the state the chunk started from.
-    carry: Vec<f32>,
-    /// `[batch, chunks, C]`: position `j` is in the chunk's last document (its update reaches the end state).
-    reaches_end: Vec<f32>,
+/// Everything the chunked form needs from the document layout, built once per layout and shared by every
+/// DeltaNet layer of a forward pass (the masks are host work).
+pub struct ChunkPlan<B: Backend> {
+    size: usize,
+    seq: usize,
+    chunks: usize,
+    /// `[batch, 1, chunks, C, C]`: true unless `j ≤ i` inside one document.
+    blocked: Tensor<B, 5, Bool>,
+    /// `[batch, 1, chunks, C]`: position `t` still carries the state the chunk started from.
+    carry: Tensor<B, 4>,
+    /// `[batch, 1, chunks, C]`: position `j` is in the chunk's last document (its update reaches the end state).
+    reaches_end: Tensor<B, 4>,
+    /// Per doubling round of `unit_lower_inverse`, `[1, 1, 1, C, C]`.
+    outside_bridges: Vec<Tensor<B, 5, Bool>>,
 }
 
-fn chunk_masks(segments: &DocSegments, chunks: usize, size: usize) -> ChunkMasks {
-    let (batch, seq) = (segments.batch, segments.seq);
-    let padded = chunks * size;
-    let mut blocked = vec![true; batch * padded * size];
-    let mut carry = vec![0.0; batch * padded];
-    let mut reaches_end = vec![0.0; batch * padded];
-    for row in 0..batch {
-        // Padding past the sequence continues the last document with zero keys: it changes nothing.
-        let docs: Vec<u32> = (0..padded).map(|t| segments.doc(row, t.min(seq.saturating_sub(1)))).collect();
-        let continues = |t: usize| t >= seq || segments.continues(row, t);
-        for n in 0..chunks {
-            let base = n * size;
-            let mut carried = true;
-            for i in 0..size {
-                carried = carried && continues(base + i);
-                carry[row * padded + base + i] = f32::from(u8::from(carried));
-                reaches_end[row * padded + base + i] = f32::from(u8::from(docs[base + i] == docs[base + size - 1]));
-                for j in 0..=i {
-                    if docs[base + i] == docs[base + j] {
-                        blocked[((row * padded) + base + i) * size + j] = false;
+impl<B: Backend> ChunkPlan<B> {
+    /// The plan for `segments` in chunks of `size` (a power of two).
+    pub fn new(segments: &DocSegments, size: usize, device: &B::Device) -> Self {
+        assert!(size.is_power_of_two(), "scan chunk {size} is not a power of two");
+        let (batch, seq) = (segments.batch, segments.seq);
+        let chunks = seq.div_ceil(size).max(1);
+        let padded = chunks * size;
+        let mut blocked = vec![true; batch * padded * size];
+        let mut carry = vec![0.0; batch * padded];
+        let mut reaches_end = vec![0.0; batch * padded];
+        for row in 0..batch {
+            // Padding past the sequence continues the last document with zero keys: it changes nothing.
+            let docs: Vec<u32> = (0..padded).map(|t| segments.doc(row, t.min(seq.saturating_sub(1)))).collect();
+            let continues = |t: usize| t >= seq || segments.continues(row, t);
+            for n in 0..chunks {
+                let base = n * size;
+                let mut carried = true;
+                for i in 0..size {
+                    carried = carried && continues(base + i);
+                    carry[row * padded + base + i] = f32::from(u8::from(carried));
+                    reaches_end[row * padded + base + i] = f32::from(u8::from(docs[base + i] == docs[base + size - 1]));
+                    for j in 0..=i {
+                        if docs[base + i] == docs[base + j] {
+                            blocked[((row * padded) + base + i) * size + j] = false;
+                        }
                     }
                 }
             }
         }
+        let per_position = |m: Vec<f32>| host_tensor::<B, 3>(m, [batch, chunks, size], device).unsqueeze_dim::<4>(1);
+        let mut outside_bridges = Vec::new();
+        let mut block = 1;
+        while block < size {
+            // Outside the entries in the same 2s-block, below it in another s-block.
+            let outside: Vec<bool> = (0..size * size)
+                .map(|ij| {
+                    let (i, j) = (ij / size, ij % size);
+                    !(i / (2 * block) == j / (2 * block) && i / block != j / block && i > j)
+                })
+                .collect();
+            outside_bridges
+                .push(Tensor::<B, 2, Bool>::from_data(TensorData::new(outside, [size, size]), device).unsqueeze::<5>());
+            block *= 2;
+        }
+        ChunkPlan {
+            size,
+            seq,
+            chunks,
+            blocked: Tensor::<B, 4, Bool>::from_data(TensorData::new(blocked, [batch, chunks, size, size]), device)
+                .unsqueeze_dim::<5>(1),
+            carry: per_position(carry),
+            reaches_end: per_position(reaches_end),
+            outside_bridges,
+        }
     }
-    ChunkMasks { blocked, carry, reaches_end }
 }
 
 /// The chunked form (transformers' `torch_chunk_gated_delta_rule` with document resets): inside a chunk the
 /// delta-rule updates are one triangular solve, across chunks a scan over `seq / size` steps. Equal to
-/// `recurrent` up to float rounding. `size` must be a power of two. Returns the outputs `[batch, heads, seq,
-/// dv]` (f32) and the final state.
+/// `recurrent` up to float rounding. Returns the outputs `[batch, heads, seq, dv]` (f32) and the final state.
 pub fn chunked<B: Backend>(
     inputs: ScanInputs<B>,
-    segments: &DocSegments,
+    plan: &ChunkPlan<B>,
     initial: Option<Tensor<B, 4>>,
-    size: usize,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-    assert!(size.is_power_of_two(), "scan chunk {size} is not a power of two");
     let ScanInputs { q, k, v, g, beta } = inputs.into_f32();
     let [batch, heads, seq, dk] = k.dims();
+    assert_eq!(seq, plan.seq, "the plan was made for another sequence length");
+    let (size, chunks) = (plan.size, plan.chunks);
     let dv = v.dims()[3];
     let device = q.device();
-    let chunks = seq.div_ceil(size).max(1);
     let pad = chunks * size - seq;
     let pad4 = |x: Tensor<B, 4>| {
         if pad == 0 {
@@ -196,12 +220,7 @@ pub fn chunked<B: Backend>(
     let (q, k, v) = (split(pad4(q), dk), split(pad4(k), dk), split(pad4(v), dv));
     let beta = pad3(beta).reshape([batch, heads, chunks, size]);
     let cum = pad3(g).reshape([batch, heads, chunks, size]).cumsum(3);
-
-    let masks = chunk_masks(segments, chunks, size);
-    let blocked = Tensor::<B, 4, Bool>::from_data(TensorData::new(masks.blocked, [batch, chunks, size, size]), &device)
-        .unsqueeze_dim::<5>(1);
-    let per_position = |m: Vec<f32>| host_tensor::<B, 3>(m, [batch, chunks, size], &device).unsqueeze_dim::<4>(1);
-    let (carry, reaches_end) = (per_position(masks.carry), per_position(masks.reaches_end));
+    let (blocked, carry, reaches_end) = (plan.blocked.clone(), plan.carry.clone(), plan.reaches_end.clone());
 
     // decay[i, j] = exp(cum_i − cum_j) for j ≤ i in one document, else 0 (masked before exp: no overflow).
     let gap = cum.clone().unsqueeze_dim::<5>(4) - cum.clone().unsqueeze_dim::<5>(3);
@@ -211,7 +230,7 @@ pub fn chunked<B: Backend>(
     // `tril_mask(-1)` is true on and above the diagonal: only the strictly lower part stays.
     let diagonal_and_above = Tensor::<B, 2, Bool>::tril_mask([size, size], -1, &device).unsqueeze::<5>();
     let lower = (k_beta.clone().matmul(k.clone().swap_dims(3, 4)) * decay.clone()).mask_fill(diagonal_and_above, 0.0);
-    let inverse = unit_lower_inverse(lower, size);
+    let inverse = unit_lower_inverse(lower, &plan.outside_bridges);
     let from_start = cum.clone().exp() * carry; // decay since the chunk began, 0 once a new document began
     let new_values = inverse.clone().matmul(v_beta);
     let state_reads = inverse.matmul(k_beta * from_start.clone().unsqueeze_dim::<5>(4));
@@ -292,7 +311,7 @@ mod tests {
         let segments = DocSegments::from_doc_ids(batch, seq, docs);
         let inputs = random_inputs(batch, heads, seq, dk, dv);
         let (a, sa) = recurrent(clone_inputs(&inputs), &segments, None);
-        let (b, sb) = chunked(inputs, &segments, None, size);
+        let (b, sb) = chunked(inputs, &ChunkPlan::new(&segments, size, &Default::default()), None);
         assert!(max_abs_diff(a, b) < 1e-5);
         assert!(max_abs_diff(sa, sb) < 1e-5);
     }
@@ -303,7 +322,7 @@ mod tests {
         let (heads, dk, dv) = (2, 4, 4);
         let inputs = random_inputs(1, heads, 12, dk, dv);
         let packed = DocSegments::from_doc_ids(1, 12, (0..12).map(|t| u32::from(t >= 7)).collect());
-        let (out, _) = chunked(clone_inputs(&inputs), &packed, None, 4);
+        let (out, _) = chunked(clone_inputs(&inputs), &ChunkPlan::new(&packed, 4, &Default::default()), None);
         let tail = |x: Tensor<B, 4>| x.narrow(2, 7, 5);
         let alone = ScanInputs {
             q: tail(inputs.q),
@@ -330,9 +349,10 @@ mod tests {
             g: x.g.clone().narrow(2, from, len),
             beta: x.beta.clone().narrow(2, from, len),
         };
-        let (_, state) = chunked(part(&inputs, 0, 10), &DocSegments::from_doc_ids(2, 10, vec![0; 20]), None, 4);
+        let first = DocSegments::from_doc_ids(2, 10, vec![0; 20]);
+        let (_, state) = chunked(part(&inputs, 0, 10), &ChunkPlan::new(&first, 4, &Default::default()), None);
         let next = DocSegments { batch: 2, seq: 5, doc_ids: vec![0; 10], initial_doc: vec![0, 1] };
-        let (tail, _) = chunked(part(&inputs, 10, 5), &next, Some(state), 4);
+        let (tail, _) = chunked(part(&inputs, 10, 5), &ChunkPlan::new(&next, 4, &Default::default()), Some(state));
         let continued = tail.clone().narrow(0, 0, 1);
         assert!(max_abs_diff(continued, full.narrow(2, 10, 5).narrow(0, 0, 1)) < 1e-5);
         let fresh = part(&inputs, 10, 5);

@@ -13,7 +13,7 @@ use super::config::{LayerKind, Lfm2Config};
 use super::layers::{
     RmsNorm, SequenceLayout, SwiGlu, apply_rope, causal_depthwise_conv, grouped_attention, rope_tables,
 };
-use super::weights::{HostTensor, TensorSource};
+use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 
 /// The gated short convolution: `in_proj` → B | C | x, `y = conv(B·x)` (depthwise, causal, kernel L),
 /// `out_proj(C·y)`.
@@ -251,27 +251,15 @@ impl<B: Backend> Lfm2Model<B> {
 
 // ---- construction from a checkpoint ----------------------------------------------------------------
 
-fn tensor<B: Backend, const D: usize>(t: HostTensor, device: &B::Device) -> Tensor<B, D> {
-    Tensor::from_data(TensorData::new(t.data, t.shape), device)
-}
-
-/// A PyTorch Linear `[out, in]` as burn's `[in, out]`.
-fn linear<B: Backend>(store: &dyn TensorSource, key: &str, d_in: usize, d_out: usize, device: &B::Device) -> Linear<B> {
-    let w: Tensor<B, 2> = tensor(store.take(&format!("{key}.weight"), &[d_out, d_in]), device);
-    let bias =
-        store.take_optional(&format!("{key}.bias"), &[d_out]).map(|b| Param::from_tensor(tensor::<B, 1>(b, device)));
-    Linear { weight: Param::from_tensor(w.transpose()), bias }
-}
-
 fn norm<B: Backend>(store: &dyn TensorSource, key: &str, dim: usize, eps: f64, device: &B::Device) -> RmsNorm<B> {
-    RmsNorm { weight: Param::from_tensor(tensor(store.take(&format!("{key}.weight"), &[dim]), device)), eps }
+    RmsNorm { weight: load_param(store, &format!("{key}.weight"), [dim], device), eps }
 }
 
 fn swiglu<B: Backend>(store: &dyn TensorSource, key: &str, hidden: usize, ff: usize, device: &B::Device) -> SwiGlu<B> {
     SwiGlu {
-        w1: linear(store, &format!("{key}.w1"), hidden, ff, device),
-        w3: linear(store, &format!("{key}.w3"), hidden, ff, device),
-        w2: linear(store, &format!("{key}.w2"), ff, hidden, device),
+        w1: load_linear(store, &format!("{key}.w1"), hidden, ff, device),
+        w3: load_linear(store, &format!("{key}.w3"), hidden, ff, device),
+        w2: load_linear(store, &format!("{key}.w2"), ff, hidden, device),
     }
 }
 
@@ -287,16 +275,20 @@ fn experts<B: Backend>(
 ) -> (Tensor<B, 3>, Tensor<B, 3>) {
     let fused = format!("{key}.experts.gate_up_proj");
     if store.contains(&fused) {
-        let gate_up: Tensor<B, 3> = tensor(store.take(&fused, &[e, 2 * ff, hidden]), device);
-        let down: Tensor<B, 3> = tensor(store.take(&format!("{key}.experts.down_proj"), &[e, hidden, ff]), device);
+        let gate_up: Tensor<B, 3> = device_tensor(store.take(&fused, &[e, 2 * ff, hidden]), device);
+        let down: Tensor<B, 3> =
+            device_tensor(store.take(&format!("{key}.experts.down_proj"), &[e, hidden, ff]), device);
         return (gate_up.swap_dims(1, 2), down.swap_dims(1, 2));
     }
     let mut gate_ups = Vec::with_capacity(e);
     let mut downs = Vec::with_capacity(e);
     for i in 0..e {
-        let w1: Tensor<B, 2> = tensor(store.take(&format!("{key}.experts.{i}.w1.weight"), &[ff, hidden]), device);
-        let w3: Tensor<B, 2> = tensor(store.take(&format!("{key}.experts.{i}.w3.weight"), &[ff, hidden]), device);
-        let w2: Tensor<B, 2> = tensor(store.take(&format!("{key}.experts.{i}.w2.weight"), &[hidden, ff]), device);
+        let w1: Tensor<B, 2> =
+            device_tensor(store.take(&format!("{key}.experts.{i}.w1.weight"), &[ff, hidden]), device);
+        let w3: Tensor<B, 2> =
+            device_tensor(store.take(&format!("{key}.experts.{i}.w3.weight"), &[ff, hidden]), device);
+        let w2: Tensor<B, 2> =
+            device_tensor(store.take(&format!("{key}.experts.{i}.w2.weight"), &[hidden, ff]), device);
         gate_ups.push(Tensor::cat(vec![w1, w3], 0).transpose().unsqueeze::<3>());
         downs.push(w2.transpose().unsqueeze::<3>());
     }
@@ -318,21 +310,22 @@ impl<B: Backend> Lfm2Model<B> {
             let mixer = match kind {
                 LayerKind::Conv => {
                     let taps = config.conv_l_cache;
-                    let w: Tensor<B, 3> = tensor(store.take(&format!("{p}.conv.conv.weight"), &[h, 1, taps]), device);
+                    let w: Tensor<B, 3> =
+                        device_tensor(store.take(&format!("{p}.conv.conv.weight"), &[h, 1, taps]), device);
                     Mixer::Conv(ShortConv {
-                        in_proj: linear(store, &format!("{p}.conv.in_proj"), h, 3 * h, device),
+                        in_proj: load_linear(store, &format!("{p}.conv.in_proj"), h, 3 * h, device),
                         conv: Param::from_tensor(w.reshape([h, taps])),
                         conv_bias: store
                             .take_optional(&format!("{p}.conv.conv.bias"), &[h])
-                            .map(|b| Param::from_tensor(tensor(b, device))),
-                        out_proj: linear(store, &format!("{p}.conv.out_proj"), h, h, device),
+                            .map(|b| Param::from_tensor(device_tensor(b, device))),
+                        out_proj: load_linear(store, &format!("{p}.conv.out_proj"), h, h, device),
                     })
                 }
                 LayerKind::FullAttention => Mixer::Attention(Attention {
-                    q_proj: linear(store, &format!("{p}.self_attn.q_proj"), h, nh * hd, device),
-                    k_proj: linear(store, &format!("{p}.self_attn.k_proj"), h, nkv * hd, device),
-                    v_proj: linear(store, &format!("{p}.self_attn.v_proj"), h, nkv * hd, device),
-                    out_proj: linear(store, &format!("{p}.self_attn.out_proj"), nh * hd, h, device),
+                    q_proj: load_linear(store, &format!("{p}.self_attn.q_proj"), h, nh * hd, device),
+                    k_proj: load_linear(store, &format!("{p}.self_attn.k_proj"), h, nkv * hd, device),
+                    v_proj: load_linear(store, &format!("{p}.self_attn.v_proj"), h, nkv * hd, device),
+                    out_proj: load_linear(store, &format!("{p}.self_attn.out_proj"), nh * hd, h, device),
                     q_layernorm: norm(store, &format!("{p}.self_attn.q_layernorm"), hd, eps, device),
                     k_layernorm: norm(store, &format!("{p}.self_attn.k_layernorm"), hd, eps, device),
                     num_heads: nh,
@@ -345,11 +338,11 @@ impl<B: Backend> Lfm2Model<B> {
                     let key = format!("{p}.feed_forward");
                     let (gate_up, down) = experts(store, &key, moe.num_experts, h, moe.moe_intermediate_size, device);
                     FeedForward::Moe(MoeBlock {
-                        gate: linear(store, &format!("{key}.gate"), h, moe.num_experts, device),
+                        gate: load_linear(store, &format!("{key}.gate"), h, moe.num_experts, device),
                         // A buffer in transformers, never trained.
                         expert_bias: if moe.use_expert_bias {
                             Some(
-                                Param::from_tensor(tensor(
+                                Param::from_tensor(device_tensor(
                                     store.take(&format!("{key}.expert_bias"), &[moe.num_experts]),
                                     device,
                                 ))
@@ -375,11 +368,11 @@ impl<B: Backend> Lfm2Model<B> {
             });
         }
         let embed_tokens =
-            Param::from_tensor(tensor(store.take("model.embed_tokens.weight", &[config.vocab_size, h]), device));
+            Param::from_tensor(device_tensor(store.take("model.embed_tokens.weight", &[config.vocab_size, h]), device));
         let lm_head = if config.tie_word_embeddings {
             None
         } else {
-            Some(Param::from_tensor(tensor(store.take("lm_head.weight", &[config.vocab_size, h]), device)))
+            Some(Param::from_tensor(device_tensor(store.take("lm_head.weight", &[config.vocab_size, h]), device)))
         };
         let model = Lfm2Model {
             embed_tokens,

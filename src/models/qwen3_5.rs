@@ -7,15 +7,15 @@ use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::activation::{sigmoid, silu};
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor};
 
 use super::config::{Qwen35Config, Qwen35LayerKind};
-use super::deltanet::{self, DocSegments, ScanInputs};
+use super::deltanet::{self, ChunkPlan, DocSegments, ScanInputs};
 use super::layers::{
     RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, causal_depthwise_conv, grouped_attention,
     l2_normalize, rope_tables, softplus,
 };
-use super::weights::{HostTensor, TensorSource};
+use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 
 /// Tokens per chunk of the DeltaNet scan (transformers' and FLA's training path).
 pub const SCAN_CHUNK: usize = 64;
@@ -84,21 +84,12 @@ impl<B: Backend> GatedDeltaNet<B> {
         self.out_proj.forward(gated.reshape([batch, seq, nv * dv]))
     }
 
-    pub fn forward(&self, x: Tensor<B, 3>, lag_masks: &[Tensor<B, 3>], segments: &DocSegments) -> Tensor<B, 3> {
-        let dtype = float_dtype(&x);
+    pub fn forward(&self, x: Tensor<B, 3>, lag_masks: &[Tensor<B, 3>], plan: &ChunkPlan<B>) -> Tensor<B, 3> {
+        let dtype = FloatDType::from(x.dtype());
         let mixed = silu(causal_depthwise_conv(self.in_proj_qkv.forward(x.clone()), self.conv1d.val(), lag_masks));
         let inputs = self.scan_inputs(x, mixed);
-        let (core, _) = deltanet::chunked(inputs.scan, segments, None, SCAN_CHUNK);
+        let (core, _) = deltanet::chunked(inputs.scan, plan, None);
         self.output(core, inputs.z, dtype)
-    }
-}
-
-pub(crate) fn float_dtype<B: Backend, const D: usize>(x: &Tensor<B, D>) -> FloatDType {
-    match x.dtype() {
-        burn::tensor::DType::BF16 => FloatDType::BF16,
-        burn::tensor::DType::F16 => FloatDType::F16,
-        burn::tensor::DType::F64 => FloatDType::F64,
-        _ => FloatDType::F32,
     }
 }
 
@@ -228,10 +219,11 @@ impl<B: Backend> Qwen35Model<B> {
         let lag_masks: Vec<Tensor<B, 3>> =
             (1..=self.max_conv_lag()).map(|lag| layout.lag_mask::<B>(lag, &device)).collect();
         let segments = DocSegments::from_doc_ids(layout.batch, layout.seq, layout.doc_ids.clone());
+        let plan = ChunkPlan::new(&segments, SCAN_CHUNK, &device);
         for layer in &self.layers {
             let x = layer.input_layernorm.forward(h.clone());
             let y = match &layer.mixer {
-                Qwen35Mixer::Linear(net) => net.forward(x, &lag_masks, &segments),
+                Qwen35Mixer::Linear(net) => net.forward(x, &lag_masks, &plan),
                 Qwen35Mixer::Full(attn) => attn.forward(
                     x,
                     cos.as_ref().expect("tables built for attention"),
@@ -253,25 +245,6 @@ impl<B: Backend> Qwen35Model<B> {
 
 // ---- construction from a checkpoint ----------------------------------------------------------------
 
-fn tensor<B: Backend, const D: usize>(t: HostTensor, device: &B::Device) -> Tensor<B, D> {
-    Tensor::from_data(TensorData::new(t.data, t.shape), device)
-}
-
-fn param<B: Backend, const D: usize>(
-    store: &dyn TensorSource,
-    key: &str,
-    shape: [usize; D],
-    device: &B::Device,
-) -> Param<Tensor<B, D>> {
-    Param::from_tensor(tensor(store.take(key, &shape), device))
-}
-
-/// A PyTorch Linear `[out, in]` (no bias in Qwen3.5) as burn's `[in, out]`.
-fn linear<B: Backend>(store: &dyn TensorSource, key: &str, d_in: usize, d_out: usize, device: &B::Device) -> Linear<B> {
-    let w: Tensor<B, 2> = tensor(store.take(&format!("{key}.weight"), &[d_out, d_in]), device);
-    Linear { weight: Param::from_tensor(w.transpose()), bias: None }
-}
-
 fn centered_norm<B: Backend>(
     store: &dyn TensorSource,
     key: &str,
@@ -279,7 +252,7 @@ fn centered_norm<B: Backend>(
     eps: f64,
     device: &B::Device,
 ) -> ZeroCenteredRmsNorm<B> {
-    ZeroCenteredRmsNorm { weight: param(store, &format!("{key}.weight"), [dim], device), eps }
+    ZeroCenteredRmsNorm { weight: load_param(store, &format!("{key}.weight"), [dim], device), eps }
 }
 
 impl<B: Backend> Qwen35Model<B> {
@@ -302,17 +275,17 @@ impl<B: Backend> Qwen35Model<B> {
                     let a = format!("{p}.linear_attn");
                     let conv_dim = 2 * nk * dk + nv * dv;
                     let kernel: Tensor<B, 3> =
-                        tensor(store.take(&format!("{a}.conv1d.weight"), &[conv_dim, 1, taps]), device);
+                        device_tensor(store.take(&format!("{a}.conv1d.weight"), &[conv_dim, 1, taps]), device);
                     Qwen35Mixer::Linear(GatedDeltaNet {
-                        in_proj_qkv: linear(store, &format!("{a}.in_proj_qkv"), h, conv_dim, device),
-                        in_proj_z: linear(store, &format!("{a}.in_proj_z"), h, nv * dv, device),
-                        in_proj_b: linear(store, &format!("{a}.in_proj_b"), h, nv, device),
-                        in_proj_a: linear(store, &format!("{a}.in_proj_a"), h, nv, device),
+                        in_proj_qkv: load_linear(store, &format!("{a}.in_proj_qkv"), h, conv_dim, device),
+                        in_proj_z: load_linear(store, &format!("{a}.in_proj_z"), h, nv * dv, device),
+                        in_proj_b: load_linear(store, &format!("{a}.in_proj_b"), h, nv, device),
+                        in_proj_a: load_linear(store, &format!("{a}.in_proj_a"), h, nv, device),
                         conv1d: Param::from_tensor(kernel.reshape([conv_dim, taps])),
-                        dt_bias: param(store, &format!("{a}.dt_bias"), [nv], device),
-                        a_log: param(store, &format!("{a}.A_log"), [nv], device),
-                        norm: RmsNorm { weight: param(store, &format!("{a}.norm.weight"), [dv], device), eps },
-                        out_proj: linear(store, &format!("{a}.out_proj"), nv * dv, h, device),
+                        dt_bias: load_param(store, &format!("{a}.dt_bias"), [nv], device),
+                        a_log: load_param(store, &format!("{a}.A_log"), [nv], device),
+                        norm: RmsNorm { weight: load_param(store, &format!("{a}.norm.weight"), [dv], device), eps },
+                        out_proj: load_linear(store, &format!("{a}.out_proj"), nv * dv, h, device),
                         num_k_heads: nk,
                         num_v_heads: nv,
                         head_k_dim: dk,
@@ -322,10 +295,10 @@ impl<B: Backend> Qwen35Model<B> {
                 Qwen35LayerKind::FullAttention => {
                     let a = format!("{p}.self_attn");
                     Qwen35Mixer::Full(GatedAttention {
-                        q_proj: linear(store, &format!("{a}.q_proj"), h, 2 * nh * hd, device),
-                        k_proj: linear(store, &format!("{a}.k_proj"), h, nkv * hd, device),
-                        v_proj: linear(store, &format!("{a}.v_proj"), h, nkv * hd, device),
-                        o_proj: linear(store, &format!("{a}.o_proj"), nh * hd, h, device),
+                        q_proj: load_linear(store, &format!("{a}.q_proj"), h, 2 * nh * hd, device),
+                        k_proj: load_linear(store, &format!("{a}.k_proj"), h, nkv * hd, device),
+                        v_proj: load_linear(store, &format!("{a}.v_proj"), h, nkv * hd, device),
+                        o_proj: load_linear(store, &format!("{a}.o_proj"), nh * hd, h, device),
                         q_norm: centered_norm(store, &format!("{a}.q_norm"), hd, eps, device),
                         k_norm: centered_norm(store, &format!("{a}.k_norm"), hd, eps, device),
                         num_heads: nh,
@@ -346,16 +319,16 @@ impl<B: Backend> Qwen35Model<B> {
                     device,
                 ),
                 mlp: SwiGlu {
-                    w1: linear(store, &format!("{p}.mlp.gate_proj"), h, ff, device),
-                    w3: linear(store, &format!("{p}.mlp.up_proj"), h, ff, device),
-                    w2: linear(store, &format!("{p}.mlp.down_proj"), ff, h, device),
+                    w1: load_linear(store, &format!("{p}.mlp.gate_proj"), h, ff, device),
+                    w3: load_linear(store, &format!("{p}.mlp.up_proj"), h, ff, device),
+                    w2: load_linear(store, &format!("{p}.mlp.down_proj"), ff, h, device),
                 },
             });
         }
         let lm_head =
-            (!config.tie_word_embeddings).then(|| param(store, "lm_head.weight", [config.vocab_size, h], device));
+            (!config.tie_word_embeddings).then(|| load_param(store, "lm_head.weight", [config.vocab_size, h], device));
         let model = Qwen35Model {
-            embed_tokens: param(store, &format!("{pre}embed_tokens.weight"), [config.vocab_size, h], device),
+            embed_tokens: load_param(store, &format!("{pre}embed_tokens.weight"), [config.vocab_size, h], device),
             layers,
             norm: centered_norm(store, &format!("{pre}norm"), h, eps, device),
             lm_head,

@@ -112,6 +112,39 @@ pub struct WeightStore {
     mismatched: RefCell<Vec<String>>,
 }
 
+/// `t` on `device`.
+pub(crate) fn device_tensor<B: burn::tensor::backend::Backend, const D: usize>(
+    t: HostTensor,
+    device: &B::Device,
+) -> burn::tensor::Tensor<B, D> {
+    burn::tensor::Tensor::from_data(burn::tensor::TensorData::new(t.data, t.shape), device)
+}
+
+/// The parameter `key` of `shape`.
+pub(crate) fn load_param<B: burn::tensor::backend::Backend, const D: usize>(
+    store: &dyn TensorSource,
+    key: &str,
+    shape: [usize; D],
+    device: &B::Device,
+) -> burn::module::Param<burn::tensor::Tensor<B, D>> {
+    burn::module::Param::from_tensor(device_tensor(store.take(key, &shape), device))
+}
+
+/// A PyTorch Linear `[out, in]` (bias when the checkpoint has one) as burn's `[in, out]`.
+pub(crate) fn load_linear<B: burn::tensor::backend::Backend>(
+    store: &dyn TensorSource,
+    key: &str,
+    d_in: usize,
+    d_out: usize,
+    device: &B::Device,
+) -> burn::nn::Linear<B> {
+    let w: burn::tensor::Tensor<B, 2> = device_tensor(store.take(&format!("{key}.weight"), &[d_out, d_in]), device);
+    let bias = store
+        .take_optional(&format!("{key}.bias"), &[d_out])
+        .map(|b| burn::module::Param::from_tensor(device_tensor::<B, 1>(b, device)));
+    burn::nn::Linear { weight: burn::module::Param::from_tensor(w.transpose()), bias }
+}
+
 /// A tensor read as f32, row-major.
 pub struct HostTensor {
     pub shape: Vec<usize>,

@@ -23,7 +23,7 @@ use super::optim::{AdamW, AdamWConfig, step};
 use super::schedule::{Decay, Schedule};
 use crate::models::hf::{ExportDtype, HfNamed, write_safetensors};
 use crate::models::weights::HostTensor;
-use crate::models::{CausalLm, ModelConfig, SequenceLayout, load_model};
+use crate::models::{CausalLm, SequenceLayout, load_model};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -182,10 +182,6 @@ fn param_names<B: burn::tensor::backend::Backend>(model: &CausalLm<B>) -> HashMa
     names
 }
 
-fn params_and_attention(config: &ModelConfig, model_params: usize) -> (f64, f64) {
-    (model_params as f64, config.attention_width() as f64)
-}
-
 fn write_state<B: AutodiffBackend>(
     dir: &Path,
     model: &CausalLm<B>,
@@ -291,7 +287,7 @@ pub fn train<B: AutodiffBackend>(
         Schedule { peak: cfg.lr, min_ratio: cfg.min_lr_ratio, warmup_steps: warmup, total_steps, decay: cfg.decay };
     // Counted on the module, not by copying every weight to the host.
     let n_params = burn::module::Module::num_params(&model);
-    let (params_f, attn_width) = params_and_attention(&config, n_params);
+    let (params_f, attn_width) = (n_params as f64, config.attention_width() as f64);
 
     let bar = if show_progress { ProgressBar::new(total_steps as u64) } else { ProgressBar::hidden() };
     bar.set_style(
