@@ -9,7 +9,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-use super::config::ModelConfig;
+use super::config::{ModelConfig, outside_text_tower};
 use super::decode::generate_greedy;
 use super::hf::{ExportDtype, HfEntry, HfNamed, RawTensor, export_dir, hf_tensors};
 use super::lfm2::Lfm2Model;
@@ -81,7 +81,7 @@ impl<B: Backend> CausalLm<B> {
     pub fn is_carried(&self, key: &str) -> bool {
         match self {
             CausalLm::Lfm2(_) => false,
-            CausalLm::Qwen35(m) => !(key.starts_with(&m.text_prefix) || key == "lm_head.weight"),
+            CausalLm::Qwen35(m) => outside_text_tower(&m.text_prefix, key),
         }
     }
 

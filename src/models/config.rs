@@ -341,8 +341,13 @@ impl Qwen35Config {
     /// Whether `key` is a checkpoint tensor outside the text tower (vision tower, multi-token prediction),
     /// which kiln neither loads nor trains but carries into its exports unchanged.
     pub fn is_other_tower(&self, key: &str) -> bool {
-        !(key.starts_with(&self.text_prefix) || key == "lm_head.weight")
+        outside_text_tower(&self.text_prefix, key)
     }
+}
+
+/// Whether checkpoint tensor `key` lies outside a text tower whose tensors start with `text_prefix`.
+pub fn outside_text_tower(text_prefix: &str, key: &str) -> bool {
+    !(key.starts_with(text_prefix) || key == "lm_head.weight")
 }
 
 /// The architecture of a checkpoint, picked by its `model_type`.
