@@ -49,9 +49,11 @@ test:
 	$(CARGO) test --all-targets
 	$(CARGO) check --all-targets --features cuda
 
-# Benchmarks (figures go to docs/BENCHMARKS.md): prepare throughput, kiln vs transformers.
+# Benchmarks (figures go to docs/BENCHMARKS.md): prepare throughput, kiln vs transformers; a training step,
+# kiln vs transformers + PyTorch on the same device (cuda shapes where a GPU is present, tiny ones on the CPU).
 bench: build
 	KILN=$(KILN) tests/bench/prepare.sh
+	KILN=$(KILN) tests/bench/train.sh
 
 clean:
 	$(CARGO) clean

@@ -1,6 +1,6 @@
 //! The burn backends kiln computes on: Flex on the CPU (tests, the offline default) and, with the `cuda`
-//! feature, burn's CUDA backend in bf16. Model and trainer code is generic over `Backend`; this module
-//! only names the concrete choices and reports which ones this build has.
+//! feature, burn's CUDA backend in bf16 (or f32). Model and trainer code is generic over `Backend`; this
+//! module names the concrete choices, reports which ones this build has and what they say of device memory.
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
@@ -17,13 +17,57 @@ pub type CpuTrainCheckpointed = Autodiff<Cpu, burn::backend::autodiff::checkpoin
 /// GPU backend: burn's CUDA backend in bf16 (NVRTC at run time; no toolkit needed to build).
 #[cfg(feature = "cuda")]
 pub type Gpu = burn::backend::Cuda<burn::tensor::bf16>;
-/// GPU training backend: f32 parameters, gradients and AdamW moments (16 bytes per parameter plus
-/// activations) until bf16 compute with f32 master weights lands (the performance issue).
+/// GPU training in bf16 (`precision = "bf16"`, the GPU default): bf16 weights, activations and gradients,
+/// f32 master weights and moments in the optimizer; norms, softmax and the loss in f32.
 #[cfg(feature = "cuda")]
-pub type GpuTrain = Autodiff<burn::backend::Cuda<f32>>;
+pub type GpuTrain = Autodiff<Gpu>;
 #[cfg(feature = "cuda")]
-pub type GpuTrainCheckpointed =
+pub type GpuTrainCheckpointed = Autodiff<Gpu, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
+/// GPU training in f32 throughout (`precision = "f32"`), the reference for the bf16 path.
+#[cfg(feature = "cuda")]
+pub type GpuTrainF32 = Autodiff<burn::backend::Cuda<f32>>;
+#[cfg(feature = "cuda")]
+pub type GpuTrainF32Checkpointed =
     Autodiff<burn::backend::Cuda<f32>, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
+
+/// What a backend says of its device memory, for the trainer's and the benchmark's peak-memory figures.
+pub trait DeviceMemory: Backend {
+    /// Bytes the backend's allocator holds on the device (its pools, as `torch.cuda.memory_reserved`);
+    /// `None` where the backend keeps tensors in host memory (the CPU: the process's RSS says it).
+    fn reserved_bytes(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+}
+
+impl DeviceMemory for Flex {}
+
+impl<B: DeviceMemory, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy> DeviceMemory
+    for Autodiff<B, C>
+{
+    fn reserved_bytes(device: &Self::Device) -> Option<u64> {
+        B::reserved_bytes(device)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_reserved_bytes(device: &burn::backend::cuda::CudaDevice) -> Option<u64> {
+    use cubecl::Runtime;
+    cubecl::cuda::CudaRuntime::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
+}
+
+#[cfg(feature = "cuda")]
+impl DeviceMemory for burn::backend::Cuda<f32> {
+    fn reserved_bytes(device: &Self::Device) -> Option<u64> {
+        cuda_reserved_bytes(device)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl DeviceMemory for Gpu {
+    fn reserved_bytes(device: &Self::Device) -> Option<u64> {
+        cuda_reserved_bytes(device)
+    }
+}
 
 /// The backends compiled into this binary.
 pub fn compiled() -> Vec<&'static str> {

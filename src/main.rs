@@ -64,6 +64,9 @@ enum Command {
     InitModel(InitModelArgs),
     /// Full fine-tuning on prepared shards, exporting a checkpoint every epoch.
     Train(TrainArgs),
+    /// Training-step benchmark of a random-init model of a config.json shape (tokens/s, MFU, peak memory)
+    /// as JSON; tests/bench/train.sh runs it beside the PyTorch reference.
+    BenchTrain(BenchTrainArgs),
     /// Score predictions on the TB2-lite replay set exactly as the reference evaluator.
     Score(ScoreArgs),
     /// Evaluate a checkpoint on the TB2-lite replay set (render, greedy decode, score).
@@ -437,6 +440,54 @@ struct TrainArgs {
     /// Recompute memory-bound activations in the backward pass instead of keeping them.
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Parameter / activation dtype: auto is f32 on the CPU, bf16 (with f32 master weights) on CUDA.
+    #[arg(long, value_enum)]
+    precision: Option<kiln::train::Precision>,
+    /// The dtype AdamW keeps its moments in between steps (bf16 saves 4 bytes a parameter).
+    #[arg(long, value_enum)]
+    moments: Option<kiln::train::optim::MomentDtype>,
+}
+
+#[derive(Args)]
+struct BenchTrainArgs {
+    /// A config.json, or a folder holding one (tests/bench/shapes/ has the benchmark shapes).
+    #[arg(long)]
+    config: PathBuf,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    #[arg(long, value_enum, default_value = "auto")]
+    precision: kiln::train::Precision,
+    #[arg(long, default_value_t = 4096)]
+    seq: usize,
+    #[arg(long, default_value_t = 1)]
+    micro_batch: usize,
+    /// Forward passes per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    accumulation: usize,
+    /// Timed optimizer steps.
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Untimed steps first (kernel compilation, autotuning, allocator growth).
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Documents packed per row (1 = one causal document, as the PyTorch reference).
+    #[arg(long, default_value_t = 1)]
+    docs_per_row: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, default_value_t = 1e-5)]
+    lr: f64,
+    /// Dense bf16 peak of the accelerator in TFLOP/s, for MFU (H100/H200 SXM: 989).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
+    #[arg(long)]
+    activation_checkpointing: bool,
+    /// The dtype AdamW keeps its moments in (bf16 saves 4 bytes a parameter).
+    #[arg(long, value_enum, default_value = "f32")]
+    moments: kiln::train::optim::MomentDtype,
+    /// Write the result JSON here too (it is always printed on stdout).
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -501,6 +552,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Convert(args) => on_device(&args.model.device.clone(), Job::Convert(args)),
         Command::InitModel(args) => init_model(args),
         Command::Train(args) => train_cmd(args, cli.quiet),
+        Command::BenchTrain(args) => bench_train_cmd(args),
         Command::Score(args) => score_cmd(args),
         Command::Eval(args) => eval_cmd(args, cli.quiet),
         Command::Select(args) => select_cmd(args, cli.quiet),
@@ -997,7 +1049,50 @@ fn train_config(args: &TrainArgs) -> Result<kiln::train::TrainConfig> {
     if args.peak_tflops.is_some() {
         cfg.peak_tflops = args.peak_tflops;
     }
+    if let Some(p) = args.precision {
+        cfg.precision = p;
+    }
+    if let Some(m) = args.moments {
+        cfg.adamw.moments = m;
+    }
     Ok(cfg)
+}
+
+fn bench_train_cmd(args: BenchTrainArgs) -> Result<()> {
+    let path = if args.config.is_dir() { args.config.join("config.json") } else { args.config.clone() };
+    let config = kiln::models::ModelConfig::from_file(&path)?;
+    let cfg = kiln::train::bench::BenchConfig {
+        seq: args.seq,
+        micro_batch: args.micro_batch,
+        accumulation: args.accumulation,
+        steps: args.steps,
+        warmup: args.warmup,
+        docs_per_row: args.docs_per_row,
+        seed: args.seed,
+        lr: args.lr,
+        peak_tflops: args.peak_tflops,
+        activation_checkpointing: args.activation_checkpointing,
+        precision: args.precision,
+        moments: args.moments,
+    };
+    let result = kiln::train::bench::bench_on_device(&config, &cfg, &args.device)
+        .with_context(|| format!("benchmarking {} on {}", path.display(), args.device))?;
+    if let Some(out) = &args.out {
+        kiln::files::write_json(out, &result).with_context(|| format!("writing {}", out.display()))?;
+    }
+    println!("{}", serde_json::to_string(&result)?);
+    eprintln!(
+        "bench-train: {} ({:.1} M params, {}) on {}: {:.0} tokens/s, median step {:.3} s{}{}",
+        result.model_type,
+        result.params as f64 / 1e6,
+        result.precision,
+        result.device,
+        result.tokens_per_s,
+        result.median_step_seconds,
+        result.mfu.map(|m| format!(", MFU {:.1} %", m * 100.0)).unwrap_or_default(),
+        result.peak_memory_bytes.map(|b| format!(", peak {:.2} GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_default(),
+    );
+    Ok(())
 }
 
 fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {

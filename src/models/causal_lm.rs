@@ -5,9 +5,11 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use burn::module::Module;
+use std::collections::HashSet;
+
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{FloatDType, Int, Tensor};
 
 use super::config::{ModelConfig, outside_text_tower};
 use super::decode::generate_greedy;
@@ -76,6 +78,15 @@ impl<B: Backend> CausalLm<B> {
         }
     }
 
+    /// The model with its parameters stored in `dtype` (the compute dtype: activations and gradients follow
+    /// it), except the tensors `keeps_f32` names, which stay f32 as in the released checkpoints. Parameters
+    /// stay leaves of the autodiff graph.
+    pub fn cast_params(self, dtype: FloatDType) -> Self {
+        let keep: HashSet<ParamId> =
+            self.hf_entries().into_iter().filter(|e| self.keeps_f32(&e.key)).map(|e| e.id).collect();
+        self.map(&mut CastParams { dtype, keep })
+    }
+
     /// Whether a checkpoint tensor belongs to a tower this model does not hold (Qwen3.5's vision tower and
     /// multi-token-prediction head): exports carry such tensors from the source unchanged.
     pub fn is_carried(&self, key: &str) -> bool {
@@ -118,6 +129,26 @@ impl<B: Backend> HfNamed for CausalLm<B> {
             CausalLm::Lfm2(m) => m.hf_entries(),
             CausalLm::Qwen35(m) => m.hf_entries(),
         }
+    }
+}
+
+struct CastParams {
+    dtype: FloatDType,
+    keep: HashSet<ParamId>,
+}
+
+impl<B: Backend> ModuleMapper<B> for CastParams {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let target = if self.keep.contains(&id) { FloatDType::F32 } else { self.dtype };
+        let tensor = if FloatDType::from(tensor.dtype()) == target {
+            tensor
+        } else {
+            let require_grad = tensor.is_require_grad();
+            let cast = tensor.cast(target).detach();
+            if require_grad { cast.require_grad() } else { cast }
+        };
+        Param::from_mapped_value(id, tensor, mapper)
     }
 }
 

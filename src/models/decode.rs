@@ -5,7 +5,7 @@
 
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::deltanet::{self, ChunkPlan, DocSegments};
 use super::layers::{SequenceLayout, causal_depthwise_conv_cached, rope_tables};
@@ -34,7 +34,8 @@ impl History {
         History { valid: vec![Vec::new(); batch], lengths: vec![0; batch] }
     }
 
-    fn step<B: Backend>(&self, valid: &[Vec<bool>], device: &B::Device) -> Step<B> {
+    /// The layout, mask and validity of the next tokens, in `dtype` (the model's).
+    fn step<B: Backend>(&self, valid: &[Vec<bool>], dtype: FloatDType, device: &B::Device) -> Step<B> {
         let batch = valid.len();
         let seq = valid.first().map_or(0, Vec::len);
         // Positions continue each row's real-token count; padding takes position 0.
@@ -63,8 +64,8 @@ impl History {
         let valid_f: Vec<f32> = valid.iter().flatten().map(|&v| if v { 1.0 } else { 0.0 }).collect();
         Step {
             layout,
-            mask: Tensor::from_data(TensorData::new(mask, [batch, 1, seq, total]), device),
-            valid: Tensor::from_data(TensorData::new(valid_f, [batch, seq, 1]), device),
+            mask: Tensor::<B, 4>::from_data(TensorData::new(mask, [batch, 1, seq, total]), device).cast(dtype),
+            valid: Tensor::<B, 3>::from_data(TensorData::new(valid_f, [batch, seq, 1]), device).cast(dtype),
         }
     }
 
@@ -154,7 +155,9 @@ impl<B: Backend> CachedDecoding<B> for Lfm2Model<B> {
             .layers
             .iter()
             .map(|l| match &l.mixer {
-                Mixer::Conv(c) => Lfm2LayerCache::Conv(Tensor::zeros([batch, c.conv.dims()[1] - 1, hidden], device)),
+                Mixer::Conv(c) => Lfm2LayerCache::Conv(
+                    Tensor::<B, 3>::zeros([batch, c.conv.dims()[1] - 1, hidden], device).cast(c.conv.val().dtype()),
+                ),
                 Mixer::Attention(_) => Lfm2LayerCache::Attention { k: None, v: None },
             })
             .collect();
@@ -165,8 +168,9 @@ impl<B: Backend> CachedDecoding<B> for Lfm2Model<B> {
         let device = ids.device();
         let [batch, seq] = ids.dims();
         let hidden = self.embed_tokens.dims()[1];
-        let step = cache.history.step::<B>(valid, &device);
-        let (cos, sin) = rope_tables::<B>(&step.layout, self.head_dim, self.rope_theta, &device);
+        let dtype = FloatDType::from(self.embed_tokens.val().dtype());
+        let step = cache.history.step::<B>(valid, dtype, &device);
+        let (cos, sin) = rope_tables::<B>(&step.layout, self.head_dim, self.rope_theta, dtype, &device);
         let mut h = self.embed_tokens.val().select(0, ids.reshape([batch * seq])).reshape([batch, seq, hidden]);
         for (layer, state) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let x = layer.operator_norm.forward(h.clone());
@@ -275,7 +279,10 @@ impl<B: Backend> CachedDecoding<B> for Qwen35Model<B> {
             .map(|l| match &l.mixer {
                 Qwen35Mixer::Linear(d) => {
                     let [channels, taps] = d.conv1d.dims();
-                    QwenLayerCache::DeltaNet { conv: Tensor::zeros([batch, taps - 1, channels], device), state: None }
+                    QwenLayerCache::DeltaNet {
+                        conv: Tensor::<B, 3>::zeros([batch, taps - 1, channels], device).cast(d.conv1d.val().dtype()),
+                        state: None,
+                    }
                 }
                 Qwen35Mixer::Full(_) => QwenLayerCache::Attention { k: None, v: None },
             })
@@ -290,8 +297,9 @@ impl<B: Backend> CachedDecoding<B> for Qwen35Model<B> {
         cache: &mut QwenDecodeCache<B>,
     ) -> Tensor<B, 3> {
         let device = ids.device();
-        let step = cache.history.step::<B>(valid, &device);
-        let (cos, sin) = rope_tables::<B>(&step.layout, self.rotary_dim, self.rope_theta, &device);
+        let dtype = FloatDType::from(self.head_weight().dtype());
+        let step = cache.history.step::<B>(valid, dtype, &device);
+        let (cos, sin) = rope_tables::<B>(&step.layout, self.rotary_dim, self.rope_theta, dtype, &device);
         let segments = decoding_segments(valid);
         // Prefill runs the chunked form, single tokens the recurrent one.
         let plan = (segments.seq > 1).then(|| ChunkPlan::new(&segments, SCAN_CHUNK, &device));

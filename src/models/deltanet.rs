@@ -62,7 +62,7 @@ impl<B: Backend> ScanInputs<B> {
 }
 
 fn host_tensor<B: Backend, const D: usize>(data: Vec<f32>, shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
-    Tensor::from_data(TensorData::new(data, shape), device)
+    Tensor::<B, D>::from_data(TensorData::new(data, shape), device).cast(FloatDType::F32)
 }
 
 /// The reference: one token at a time. Returns the outputs `[batch, heads, seq, dv]` (f32) and the final
@@ -77,7 +77,7 @@ pub fn recurrent<B: Backend>(
     let dv = v.dims()[3];
     let device = q.device();
     let mut state =
-        initial.map(|s| s.cast(FloatDType::F32)).unwrap_or_else(|| Tensor::zeros([batch, heads, dk, dv], &device));
+        initial.unwrap_or_else(|| Tensor::zeros([batch, heads, dk, dv], &device)).cast(FloatDType::F32);
     let keep: Vec<f32> = (0..seq)
         .flat_map(|t| (0..batch).map(move |r| (r, t)))
         .map(|(r, t)| f32::from(u8::from(segments.continues(r, t))))
@@ -207,14 +207,14 @@ pub fn chunked<B: Backend>(
             return x;
         }
         let [b, h, _, d] = x.dims();
-        Tensor::cat(vec![x, Tensor::zeros([b, h, pad, d], &device)], 2)
+        Tensor::cat(vec![x, Tensor::<B, 4>::zeros([b, h, pad, d], &device).cast(FloatDType::F32)], 2)
     };
     let pad3 = |x: Tensor<B, 3>| {
         if pad == 0 {
             return x;
         }
         let [b, h, _] = x.dims();
-        Tensor::cat(vec![x, Tensor::zeros([b, h, pad], &device)], 2)
+        Tensor::cat(vec![x, Tensor::<B, 3>::zeros([b, h, pad], &device).cast(FloatDType::F32)], 2)
     };
     let split = |x: Tensor<B, 4>, d: usize| x.reshape([batch, heads, chunks, size, d]);
     let (q, k, v) = (split(pad4(q), dk), split(pad4(k), dk), split(pad4(v), dv));
@@ -242,7 +242,7 @@ pub fn chunked<B: Backend>(
     let chunk_decay = from_start.narrow(3, size - 1, 1); // [B, H, N, 1]
 
     let mut state =
-        initial.map(|s| s.cast(FloatDType::F32)).unwrap_or_else(|| Tensor::zeros([batch, heads, dk, dv], &device));
+        initial.unwrap_or_else(|| Tensor::zeros([batch, heads, dk, dv], &device)).cast(FloatDType::F32);
     let mut outputs = Vec::with_capacity(chunks);
     let chunk = |x: &Tensor<B, 5>, n: usize| {
         let [b, h, _, c, d] = x.dims();

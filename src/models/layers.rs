@@ -7,10 +7,11 @@ use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData};
 
 /// `weight * x / sqrt(mean(x²) + eps)` over the last dimension (LFM2's form: no `1 +` offset), normalized
-/// in f32 whatever the compute dtype, then cast back before the weight, as transformers does.
+/// in f32 whatever the compute dtype, then cast back before the weight, as transformers does. A weight kept
+/// in f32 under a bf16 compute dtype (Qwen3.5's DeltaNet norm) promotes the product to f32, as torch does.
 #[derive(Module, Debug)]
 pub struct RmsNorm<B: Backend> {
     pub weight: Param<Tensor<B, 1>>,
@@ -23,7 +24,12 @@ impl<B: Backend> RmsNorm<B> {
         let x = x.cast(FloatDType::F32);
         let variance = x.clone().powf_scalar(2.0).mean_dim(D - 1);
         let normed = (x * (variance + self.eps).sqrt().recip()).cast(dtype);
-        normed * self.weight.val().unsqueeze::<D>()
+        let weight = self.weight.val();
+        if FloatDType::from(weight.dtype()) == FloatDType::from(dtype) {
+            normed * weight.unsqueeze::<D>()
+        } else {
+            normed.cast(FloatDType::F32) * weight.cast(FloatDType::F32).unsqueeze::<D>()
+        }
     }
 }
 
@@ -66,12 +72,11 @@ pub fn causal_depthwise_conv<B: Backend>(
     kernel: Tensor<B, 2>,
     lag_masks: &[Tensor<B, 3>],
 ) -> Tensor<B, 3> {
-    let [batch, seq, channels] = x.dims();
+    let [_, seq, channels] = x.dims();
     let taps = kernel.dims()[1];
     let mut y = x.clone() * kernel.clone().narrow(1, taps - 1, 1).reshape([1, 1, channels]);
     for lag in 1..taps.min(seq) {
-        let shifted =
-            Tensor::cat(vec![Tensor::zeros([batch, lag, channels], &x.device()), x.clone().narrow(1, 0, seq - lag)], 1);
+        let shifted = Tensor::cat(vec![x.clone().narrow(1, 0, lag).zeros_like(), x.clone().narrow(1, 0, seq - lag)], 1);
         let w = kernel.clone().narrow(1, taps - 1 - lag, 1).reshape([1, 1, channels]);
         y = y + shifted * lag_masks[lag - 1].clone() * w;
     }
@@ -88,7 +93,7 @@ pub fn causal_depthwise_conv_cached<B: Backend>(
     let [batch, seq, channels] = x.dims();
     let taps = kernel.dims()[1];
     let full = Tensor::cat(vec![state, x], 1); // [B, L-1+S, C]
-    let mut y = Tensor::<B, 3>::zeros([batch, seq, channels], &full.device());
+    let mut y = Tensor::<B, 3>::zeros([batch, seq, channels], &full.device()).cast(full.dtype());
     for j in 0..taps {
         y = y + full.clone().narrow(1, j, seq) * kernel.clone().narrow(1, j, 1).reshape([1, 1, channels]);
     }
@@ -174,35 +179,34 @@ impl SequenceLayout {
         SequenceLayout { batch: rows.len(), seq, doc_ids, positions }
     }
 
-    /// Additive causal, same-document attention mask `[batch, 1, seq, seq]` (0 allowed, -inf blocked).
-    pub fn attention_mask<B: Backend>(&self, device: &B::Device) -> Tensor<B, 4> {
+    /// Additive causal, same-document attention mask `[batch, 1, seq, seq]` (0 allowed, -inf blocked), built on
+    /// the device from the `[batch, seq]` document ids: only `batch · seq` ids travel, not `batch · seq²` mask
+    /// values computed on the host (67 MB a row at sequence 4096). In `dtype`, the scores' dtype.
+    pub fn attention_mask<B: Backend>(&self, dtype: FloatDType, device: &B::Device) -> Tensor<B, 4> {
         let (b, s) = (self.batch, self.seq);
-        let mut mask = vec![f32::NEG_INFINITY; b * s * s];
-        for row in 0..b {
-            let docs = &self.doc_ids[row * s..(row + 1) * s];
-            for q in 0..s {
-                for k in 0..=q {
-                    if docs[k] == docs[q] {
-                        mask[(row * s + q) * s + k] = 0.0;
-                    }
-                }
-            }
-        }
-        Tensor::from_data(TensorData::new(mask, [b, 1, s, s]), device)
+        let ids: Vec<i64> = self.doc_ids.iter().map(|&d| d as i64).collect();
+        let docs = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, s]), device);
+        let other_doc = docs.clone().unsqueeze_dim::<3>(2).not_equal(docs.unsqueeze_dim::<3>(1));
+        // `tril_mask` is true above the diagonal: the future keys.
+        let future = Tensor::<B, 2, Bool>::tril_mask([s, s], 0, device).unsqueeze::<3>().expand([b, s, s]);
+        let blocked = other_doc.bool_or(future);
+        Tensor::<B, 3>::zeros([b, s, s], device).cast(dtype).mask_fill(blocked, f32::NEG_INFINITY).unsqueeze_dim(1)
     }
 
     /// `[batch, seq, 1]` masks that keep token `t`'s input from `lag` steps back only inside its document.
-    pub fn lag_mask<B: Backend>(&self, lag: usize, device: &B::Device) -> Tensor<B, 3> {
+    pub fn lag_mask<B: Backend>(&self, lag: usize, dtype: FloatDType, device: &B::Device) -> Tensor<B, 3> {
         let keep: Vec<f32> = self.positions.iter().map(|&p| if p as usize >= lag { 1.0 } else { 0.0 }).collect();
-        Tensor::from_data(TensorData::new(keep, [self.batch, self.seq, 1]), device)
+        Tensor::<B, 3>::from_data(TensorData::new(keep, [self.batch, self.seq, 1]), device).cast(dtype)
     }
 }
 
-/// `cos` and `sin` tables `[batch, 1, seq, head_dim]` for the layout's positions, HF's `cat(freqs, freqs)` form.
+/// `cos` and `sin` tables `[batch, 1, seq, head_dim]` for the layout's positions, HF's `cat(freqs, freqs)` form,
+/// computed in f32 and cast to `dtype` (the activations' dtype), as transformers does.
 pub fn rope_tables<B: Backend>(
     layout: &SequenceLayout,
     head_dim: usize,
     theta: f64,
+    dtype: FloatDType,
     device: &B::Device,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
     let half = head_dim / 2;
@@ -219,7 +223,8 @@ pub fn rope_tables<B: Backend>(
         }
     }
     let shape = [layout.batch, 1, layout.seq, head_dim];
-    (Tensor::from_data(TensorData::new(cos, shape), device), Tensor::from_data(TensorData::new(sin, shape), device))
+    let table = |values: Vec<f32>| Tensor::<B, 4>::from_data(TensorData::new(values, shape), device).cast(dtype);
+    (table(cos), table(sin))
 }
 
 /// RoPE on the first `cos.dims()[3]` dims of each head only, the rest passed through (partial rotary).
@@ -250,5 +255,25 @@ mod tests {
         let l = SequenceLayout::from_doc_lengths(&[vec![2, 3], vec![4]], 6);
         assert_eq!(l.positions, [0, 1, 0, 1, 2, 0, 0, 1, 2, 3, 0, 0]);
         assert_eq!(l.doc_ids, [0, 0, 1, 1, 1, 2, 0, 0, 0, 0, 1, 2]);
+    }
+
+    #[test]
+    fn attention_mask_is_causal_within_each_document() {
+        type B = crate::backend::Cpu;
+        let l = SequenceLayout::from_doc_lengths(&[vec![3, 2], vec![1, 4]], 7);
+        let mask = l.attention_mask::<B>(FloatDType::F32, &Default::default());
+        assert_eq!(mask.dims(), [2, 1, 7, 7]);
+        let got = mask.into_data().to_vec::<f32>().unwrap();
+        for row in 0..2 {
+            let docs = &l.doc_ids[row * 7..(row + 1) * 7];
+            for q in 0..7 {
+                for k in 0..7 {
+                    let allowed = k <= q && docs[k] == docs[q];
+                    let value = got[(row * 7 + q) * 7 + k];
+                    assert_eq!(value == 0.0, allowed, "row {row} query {q} key {k}: {value}");
+                    assert!(allowed || value == f32::NEG_INFINITY);
+                }
+            }
+        }
     }
 }

@@ -7,7 +7,7 @@ use burn::nn::Linear;
 use burn::tensor::IndexingUpdateOp;
 use burn::tensor::activation::{sigmoid, silu};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::config::{LayerKind, Lfm2Config};
 use super::layers::{
@@ -115,7 +115,8 @@ impl<B: Backend> MoeBlock<B> {
         let x = x.reshape([tokens, hidden]);
         let probs = sigmoid(self.gate.forward(x.clone()));
         let choice = match &self.expert_bias {
-            Some(bias) => probs.clone() + bias.val().unsqueeze::<2>(),
+            // Selection in f32, as the fp32 `expert_bias` buffer promotes it in transformers.
+            Some(bias) => probs.clone().cast(FloatDType::F32) + bias.val().cast(FloatDType::F32).unsqueeze::<2>(),
             None => probs.clone(),
         };
         let (_, selected) = choice.detach().topk_with_indices(self.top_k, 1);
@@ -129,7 +130,7 @@ impl<B: Backend> MoeBlock<B> {
         let experts = self.gate_up.dims()[0];
         let ff = self.down.dims()[1];
         let device = x.device();
-        let mut out = Tensor::<B, 2>::zeros([tokens, hidden], &device);
+        let mut out = Tensor::<B, 2>::zeros([tokens, hidden], &device).cast(x.dtype());
         // Group tokens by expert on the host, then one batched matmul pair per expert that has tokens.
         let mut rows: Vec<Vec<i64>> = vec![Vec::new(); experts];
         let mut slots: Vec<Vec<i64>> = vec![Vec::new(); experts];
@@ -209,10 +210,12 @@ impl<B: Backend> Lfm2Model<B> {
         let [batch, seq] = ids.dims();
         let hidden = self.embed_tokens.dims()[1];
         let mut h = self.embed_tokens.val().select(0, ids.reshape([batch * seq])).reshape([batch, seq, hidden]);
+        // Everything the forward pass builds (RoPE tables, masks) follows the weights' dtype.
+        let dtype = FloatDType::from(h.dtype());
         let needs_attention = self.layers.iter().any(|l| matches!(l.mixer, Mixer::Attention(_)));
         let (cos, sin, mask) = if needs_attention {
-            let (cos, sin) = rope_tables::<B>(layout, self.head_dim, self.rope_theta, &device);
-            (Some(cos), Some(sin), Some(layout.attention_mask::<B>(&device)))
+            let (cos, sin) = rope_tables::<B>(layout, self.head_dim, self.rope_theta, dtype, &device);
+            (Some(cos), Some(sin), Some(layout.attention_mask::<B>(dtype, &device)))
         } else {
             (None, None, None)
         };
@@ -225,7 +228,7 @@ impl<B: Backend> Lfm2Model<B> {
             })
             .max()
             .unwrap_or(0);
-        let lag_masks: Vec<Tensor<B, 3>> = (1..=max_lag).map(|lag| layout.lag_mask::<B>(lag, &device)).collect();
+        let lag_masks: Vec<Tensor<B, 3>> = (1..=max_lag).map(|lag| layout.lag_mask::<B>(lag, dtype, &device)).collect();
         for layer in &self.layers {
             let x = layer.operator_norm.forward(h.clone());
             let y = match &layer.mixer {

@@ -209,15 +209,17 @@ impl<B: Backend> Qwen35Model<B> {
     pub fn forward_hidden(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
         let device = ids.device();
         let mut h = self.embed(ids);
+        // Everything the forward pass builds (RoPE tables, masks) follows the weights' dtype.
+        let dtype = FloatDType::from(h.dtype());
         let needs_attention = self.layers.iter().any(|l| matches!(l.mixer, Qwen35Mixer::Full(_)));
         let (cos, sin, mask) = if needs_attention {
-            let (cos, sin) = rope_tables::<B>(layout, self.rotary_dim, self.rope_theta, &device);
-            (Some(cos), Some(sin), Some(layout.attention_mask::<B>(&device)))
+            let (cos, sin) = rope_tables::<B>(layout, self.rotary_dim, self.rope_theta, dtype, &device);
+            (Some(cos), Some(sin), Some(layout.attention_mask::<B>(dtype, &device)))
         } else {
             (None, None, None)
         };
         let lag_masks: Vec<Tensor<B, 3>> =
-            (1..=self.max_conv_lag()).map(|lag| layout.lag_mask::<B>(lag, &device)).collect();
+            (1..=self.max_conv_lag()).map(|lag| layout.lag_mask::<B>(lag, dtype, &device)).collect();
         let segments = DocSegments::from_doc_ids(layout.batch, layout.seq, layout.doc_ids.clone());
         let plan = ChunkPlan::new(&segments, SCAN_CHUNK, &device);
         for layer in &self.layers {

@@ -305,7 +305,7 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let cfg = &ctx.config.train;
     let base = require_base(ctx, Stage::Train)?;
     let saved = crate::train::trainer::saved_config(ctx.run_dir);
-    let resume = saved.as_ref() == Some(cfg);
+    let resume = saved.as_ref() == Some(&cfg.for_device(ctx.device));
     if resume {
         eprintln!("  resuming from {}", ctx.run_dir.join("train/state").display());
     } else {

@@ -2,14 +2,16 @@
 //! normalized by the whole optimizer step's supervised count, gradient accumulation, global-norm clipping,
 //! AdamW, warmup + decay), per-epoch HF exports, exact resume, and per-step metrics.
 
+pub mod bench;
 pub mod data;
 pub mod optim;
 pub mod schedule;
+pub mod step;
 pub mod trainer;
 
 use std::path::PathBuf;
 
-pub use trainer::{TrainConfig, TrainSummary, train};
+pub use trainer::{Precision, TrainConfig, TrainSummary, train};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -29,6 +31,33 @@ pub enum TrainError {
     Device(String),
 }
 
+/// Runs `$go!(Backend)` with the autodiff backend for `$device` (`&str`), `$precision` (resolved) and
+/// activation checkpointing (`bool`); an unknown or uncompiled device is a `TrainError::Device`. On the CPU
+/// the parameters are cast to the precision on Flex; on CUDA the backend's default dtype is the precision,
+/// so every tensor the model builds is born in it.
+macro_rules! with_train_backend {
+    ($device:expr, $precision:expr, $checkpointing:expr, $go:ident) => {{
+        #[cfg(feature = "cuda")]
+        let bf16 = $precision == $crate::train::Precision::Bf16;
+        #[cfg(not(feature = "cuda"))]
+        let _ = $precision;
+        match ($device, $checkpointing) {
+            ("cpu", false) => $go!($crate::backend::CpuTrain),
+            ("cpu", true) => $go!($crate::backend::CpuTrainCheckpointed),
+            #[cfg(feature = "cuda")]
+            ("cuda", false) if bf16 => $go!($crate::backend::GpuTrain),
+            #[cfg(feature = "cuda")]
+            ("cuda", true) if bf16 => $go!($crate::backend::GpuTrainCheckpointed),
+            #[cfg(feature = "cuda")]
+            ("cuda", false) => $go!($crate::backend::GpuTrainF32),
+            #[cfg(feature = "cuda")]
+            ("cuda", true) => $go!($crate::backend::GpuTrainF32Checkpointed),
+            (other, _) => Err($crate::train::TrainError::Device($crate::train::device_error(other))),
+        }
+    }};
+}
+pub(crate) use with_train_backend;
+
 /// The message for `--device cuda` in a build without the `cuda` feature, and for unknown devices.
 pub fn device_error(device: &str) -> String {
     if device == "cuda" {
@@ -38,7 +67,8 @@ pub fn device_error(device: &str) -> String {
     }
 }
 
-/// `train` on the named device (`cpu`, or `cuda` in a CUDA build), optionally with activation checkpointing.
+/// `train` on the named device (`cpu`, or `cuda` in a CUDA build) with `cfg.precision` resolved for it,
+/// optionally with activation checkpointing.
 #[allow(clippy::too_many_arguments)]
 pub fn train_on_device(
     device: &str,
@@ -52,6 +82,7 @@ pub fn train_on_device(
     halt_after: Option<usize>,
     show_progress: bool,
 ) -> Result<TrainSummary, TrainError> {
+    let cfg = &cfg.for_device(device);
     macro_rules! go {
         ($backend:ty) => {
             train::<$backend>(
@@ -68,13 +99,5 @@ pub fn train_on_device(
             .map(|(summary, _)| summary)
         };
     }
-    match (device, activation_checkpointing) {
-        ("cpu", false) => go!(crate::backend::CpuTrain),
-        ("cpu", true) => go!(crate::backend::CpuTrainCheckpointed),
-        #[cfg(feature = "cuda")]
-        ("cuda", false) => go!(crate::backend::GpuTrain),
-        #[cfg(feature = "cuda")]
-        ("cuda", true) => go!(crate::backend::GpuTrainCheckpointed),
-        (other, _) => Err(TrainError::Device(device_error(other))),
-    }
+    with_train_backend!(device, cfg.precision, activation_checkpointing, go)
 }

@@ -1,16 +1,39 @@
 //! AdamW as PyTorch computes it (decoupled weight decay applied first, bias-corrected moments, `eps` added to
-//! the corrected root), no decay on vectors (norm weights, biases), global-norm gradient clipping, and
-//! moments that save and load by parameter name for exact resume.
+//! the corrected root), no decay on vectors (norm weights, biases), global-norm gradient clipping, gradient
+//! accumulation in f32, and a state that saves and loads by parameter name for exact resume.
+//!
+//! Mixed precision: burn has no master weights, so the optimizer keeps them. A parameter stored below f32
+//! (bf16 on the GPU) gets an f32 master copy here; every update runs in f32 on the master and the parameter
+//! is the master rounded to its dtype — the update is the f32 update, bit for bit, whatever the compute
+//! dtype. Moments are f32, or bf16 (`moments = "bf16"`) to save 4 bytes per parameter on large models.
 
 use std::collections::HashMap;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::models::weights::HostTensor;
+
+/// The dtype AdamW's moments are stored in between steps (they are always updated in f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum MomentDtype {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl MomentDtype {
+    fn float(self) -> FloatDType {
+        match self {
+            MomentDtype::F32 => FloatDType::F32,
+            MomentDtype::Bf16 => FloatDType::BF16,
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -19,17 +42,20 @@ pub struct AdamWConfig {
     pub beta2: f64,
     pub eps: f64,
     pub weight_decay: f64,
+    pub moments: MomentDtype,
 }
 
 impl Default for AdamWConfig {
     fn default() -> Self {
-        AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+        AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, moments: MomentDtype::F32 }
     }
 }
 
-struct Moments<B: Backend> {
+/// What AdamW keeps for one parameter: its moments and, for a parameter stored below f32, the f32 master.
+struct ParamState<B: Backend> {
     m: Tensor<B, 1>,
     v: Tensor<B, 1>,
+    master: Option<Tensor<B, 1>>,
 }
 
 /// Optimizer state over the inner (non-autodiff) backend `B`.
@@ -37,20 +63,22 @@ pub struct AdamW<B: Backend> {
     pub config: AdamWConfig,
     /// Completed optimizer steps.
     pub steps: usize,
-    moments: HashMap<ParamId, Moments<B>>,
+    states: HashMap<ParamId, ParamState<B>>,
 }
 
 impl<B: Backend> AdamW<B> {
     pub fn new(config: AdamWConfig) -> Self {
-        AdamW { config, steps: 0, moments: HashMap::new() }
+        AdamW { config, steps: 0, states: HashMap::new() }
     }
 
-    /// Moments as host tensors named by `names` (parameter id → stable name), for a training-state file.
-    pub fn export_moments(&self, names: &HashMap<ParamId, String>) -> Vec<(String, HostTensor)> {
+    /// Moments (`<name>.m`, `<name>.v`) and f32 master weights (`<name>.master`) as f32 host tensors named
+    /// by `names` (parameter id → stable name), for a training-state file.
+    pub fn export_state(&self, names: &HashMap<ParamId, String>) -> Vec<(String, HostTensor)> {
         let mut out = Vec::new();
-        for (id, mo) in &self.moments {
+        for (id, state) in &self.states {
             let Some(name) = names.get(id) else { continue };
-            for (suffix, t) in [("m", &mo.m), ("v", &mo.v)] {
+            for (suffix, t) in [("m", Some(&state.m)), ("v", Some(&state.v)), ("master", state.master.as_ref())] {
+                let Some(t) = t else { continue };
                 let data = t.clone().into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
                 out.push((format!("{name}.{suffix}"), HostTensor { shape: vec![data.len()], data }));
             }
@@ -59,28 +87,84 @@ impl<B: Backend> AdamW<B> {
         out
     }
 
-    /// Restores moments saved by `export_moments` onto the parameters of `names`.
-    pub fn import_moments(
+    /// Restores a state saved by `export_state` onto the parameters of `names`, in this config's moment dtype.
+    pub fn import_state(
         &mut self,
         names: &HashMap<ParamId, String>,
         saved: &HashMap<String, HostTensor>,
         device: &B::Device,
     ) -> Result<(), String> {
+        let f32_tensor = |h: &HostTensor| {
+            Tensor::<B, 1>::from_data(TensorData::new(h.data.clone(), [h.data.len()]), device).cast(FloatDType::F32)
+        };
+        let moment_dtype = self.config.moments.float();
         for (id, name) in names {
             let (Some(m), Some(v)) = (saved.get(&format!("{name}.m")), saved.get(&format!("{name}.v"))) else {
                 continue;
             };
-            let t = |h: &HostTensor| Tensor::<B, 1>::from_data(TensorData::new(h.data.clone(), [h.data.len()]), device);
-            self.moments.insert(*id, Moments { m: t(m), v: t(v) });
+            let master = saved.get(&format!("{name}.master")).map(f32_tensor);
+            let state =
+                ParamState { m: f32_tensor(m).cast(moment_dtype), v: f32_tensor(v).cast(moment_dtype), master };
+            self.states.insert(*id, state);
         }
-        if self.moments.is_empty() && !saved.is_empty() {
+        if self.states.is_empty() && !saved.is_empty() {
             return Err("no saved moment matches a parameter of this model".into());
         }
         Ok(())
     }
+
+    /// Bytes the optimizer holds on the device (moments and master weights).
+    pub fn state_bytes(&self) -> u64 {
+        let bytes = |t: &Tensor<B, 1>| (t.dims()[0] * t.dtype().size()) as u64;
+        self.states.values().map(|s| bytes(&s.m) + bytes(&s.v) + s.master.as_ref().map_or(0, bytes)).sum()
+    }
 }
 
-/// Sum of squared gradients over every parameter that has one.
+/// Sums the gradients of a step's micro-batches in f32, whatever dtype the backward pass produced them in
+/// (bf16 gradients summed in bf16 would lose the small contributions of later micro-batches).
+pub struct F32Accumulator<B: AutodiffBackend> {
+    sum: Option<GradientsParams>,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> Default for F32Accumulator<B> {
+    fn default() -> Self {
+        F32Accumulator { sum: None, _backend: std::marker::PhantomData }
+    }
+}
+
+struct AddInF32<'a, B: AutodiffBackend> {
+    sum: &'a mut GradientsParams,
+    new: &'a mut GradientsParams,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for AddInF32<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(new) = self.new.remove::<B::InnerBackend, D>(param.id) else { return };
+        let new = new.cast(FloatDType::F32);
+        let total = match self.sum.remove::<B::InnerBackend, D>(param.id) {
+            Some(old) => old + new,
+            None => new,
+        };
+        self.sum.register(param.id, total);
+    }
+}
+
+impl<B: AutodiffBackend> F32Accumulator<B> {
+    /// Adds one micro-batch's gradients of `model`'s parameters.
+    pub fn add<M: Module<B>>(&mut self, model: &M, mut grads: GradientsParams) {
+        let sum = self.sum.get_or_insert_with(GradientsParams::new);
+        model.visit(&mut AddInF32::<B> { sum, new: &mut grads, _backend: std::marker::PhantomData });
+    }
+
+    /// The summed gradients (empty when nothing was added).
+    pub fn finish(self) -> GradientsParams {
+        self.sum.unwrap_or_default()
+    }
+}
+
+/// Sum of squared gradients over every parameter that has one, in f32.
 struct SquaredNorm<'a> {
     grads: &'a GradientsParams,
     total: f64,
@@ -89,7 +173,7 @@ struct SquaredNorm<'a> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let s: f32 = g.powf_scalar(2.0).sum().into_scalar().to_f32();
+            let s: f32 = g.cast(FloatDType::F32).powf_scalar(2.0).sum().into_scalar().to_f32();
             self.total += s as f64;
         }
     }
@@ -131,25 +215,30 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
         let n: usize = shape.iter().product();
         let c = self.opt.config;
         let t = (self.opt.steps + 1) as i32;
-        let g = if self.scale != 1.0 { grad * self.scale } else { grad }.reshape([n]);
-        let mut p = tensor.inner().reshape([n]);
+        let param = tensor.inner().reshape([n]);
+        let param_dtype = FloatDType::from(param.dtype());
+        let g = grad.cast(FloatDType::F32).reshape([n]);
+        let g = if self.scale != 1.0 { g * self.scale } else { g };
+        let state = self.opt.states.remove(&id).unwrap_or_else(|| {
+            let zeros = Tensor::<B::InnerBackend, 1>::zeros([n], &param.device()).cast(c.moments.float());
+            let master = (param_dtype != FloatDType::F32).then(|| param.clone().cast(FloatDType::F32));
+            ParamState { m: zeros.clone(), v: zeros, master }
+        });
+        // The update runs on the f32 master when the parameter is stored below f32, else on the parameter.
+        let mut p = state.master.unwrap_or(param);
         if D > 1 && c.weight_decay != 0.0 {
             p = p * (1.0 - self.lr * c.weight_decay);
         }
-        let device = p.device();
-        let moments = self
-            .opt
-            .moments
-            .remove(&id)
-            .unwrap_or_else(|| Moments { m: Tensor::zeros([n], &device), v: Tensor::zeros([n], &device) });
-        let m = moments.m * c.beta1 + g.clone() * (1.0 - c.beta1);
-        let v = moments.v * c.beta2 + g.powf_scalar(2.0) * (1.0 - c.beta2);
+        let m = state.m.cast(FloatDType::F32) * c.beta1 + g.clone() * (1.0 - c.beta1);
+        let v = state.v.cast(FloatDType::F32) * c.beta2 + g.powf_scalar(2.0) * (1.0 - c.beta2);
         let bias1 = 1.0 - c.beta1.powi(t);
         let bias2 = 1.0 - c.beta2.powi(t);
         let denom = v.clone().sqrt() / bias2.sqrt() + c.eps;
         let p = p - m.clone() / denom * (self.lr / bias1);
-        self.opt.moments.insert(id, Moments { m, v });
-        let mut out = Tensor::from_inner(p.reshape(shape));
+        let master = (param_dtype != FloatDType::F32).then(|| p.clone());
+        let state = ParamState { m: m.cast(c.moments.float()), v: v.cast(c.moments.float()), master };
+        self.opt.states.insert(id, state);
+        let mut out = Tensor::from_inner(p.cast(param_dtype).reshape(shape));
         if require_grad {
             out = out.require_grad();
         }

@@ -10,20 +10,53 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use burn::module::ParamId;
-use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::activation::log_softmax;
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use burn::tensor::FloatDType;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 use super::TrainError;
-use super::data::{TrainData, target_weights};
-use super::optim::{AdamW, AdamWConfig, step};
+use super::data::TrainData;
+use super::optim::{AdamW, AdamWConfig};
 use super::schedule::{Decay, Schedule};
+use super::step::{MicroBatch, optimizer_step};
+use crate::backend::DeviceMemory;
 use crate::models::hf::{ExportDtype, HfNamed, write_safetensors};
 use crate::models::weights::HostTensor;
-use crate::models::{CausalLm, SequenceLayout, load_model};
+use crate::models::{CausalLm, ModelConfig, load_model};
+use crate::tokens::shards::Row;
+
+/// The dtype parameters, activations and gradients are stored in. The optimizer's master weights and moments
+/// stay f32 either way (bf16 moments are `adamw.moments`); norms, softmax and the loss run in f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// f32 on the CPU, bf16 on CUDA.
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+}
+
+impl Precision {
+    /// What `Auto` means on `device`.
+    pub fn resolve(self, device: &str) -> Precision {
+        match self {
+            Precision::Auto if device == "cuda" => Precision::Bf16,
+            Precision::Auto => Precision::F32,
+            other => other,
+        }
+    }
+
+    /// The parameters' dtype (`None` for `Auto`: whatever the backend loads).
+    pub fn dtype(self) -> Option<FloatDType> {
+        match self {
+            Precision::Auto => None,
+            Precision::F32 => Some(FloatDType::F32),
+            Precision::Bf16 => Some(FloatDType::BF16),
+        }
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -49,6 +82,15 @@ pub struct TrainConfig {
     pub export_dtype: ExportDtype,
     /// The accelerator's dense peak in TFLOP/s, for MFU (none on the CPU).
     pub peak_tflops: Option<f64>,
+    pub precision: Precision,
+}
+
+impl TrainConfig {
+    /// The config as it runs on `device` (`precision = "auto"` resolved): what a saved state records and a
+    /// resume compares against.
+    pub fn for_device(&self, device: &str) -> TrainConfig {
+        TrainConfig { precision: self.precision.resolve(device), ..self.clone() }
+    }
 }
 
 impl Default for TrainConfig {
@@ -69,6 +111,7 @@ impl Default for TrainConfig {
             save_every: None,
             export_dtype: ExportDtype::Bf16,
             peak_tflops: None,
+            precision: Precision::Auto,
         }
     }
 }
@@ -125,53 +168,8 @@ pub struct TrainSummary {
     pub checkpoints: Vec<PathBuf>,
     pub interrupted: bool,
     pub seconds: f64,
-}
-
-/// Mean next-token cross-entropy over the rows' supervised targets, summed and divided by `normalizer`
-/// (the supervised count of the whole optimizer step), computed in f32.
-pub fn masked_loss<B: burn::tensor::backend::Backend>(
-    logits: Tensor<B, 3>,
-    targets: &[i64],
-    weights: &[f32],
-    normalizer: f32,
-) -> Tensor<B, 1> {
-    let [b, s, _] = logits.dims();
-    let device = logits.device();
-    let logp = log_softmax(logits.cast(FloatDType::F32), 2);
-    let target = Tensor::<B, 3, Int>::from_data(TensorData::new(targets.to_vec(), [b, s, 1]), &device);
-    let nll = logp.gather(2, target).neg().reshape([b * s]);
-    let w = Tensor::<B, 1>::from_data(TensorData::new(weights.to_vec(), [b * s]), &device);
-    (nll * w).sum() / normalizer
-}
-
-/// `masked_loss` without the full logits: the output projection and the softmax run only on the positions
-/// with a non-zero weight (the supervised targets, 30–40 % of tokens in chat SFT), so the `[tokens, vocab]`
-/// logits — the memory peak of large-vocabulary models — shrink by that share. `None` when nothing in
-/// `weights` is supervised.
-pub fn supervised_loss<B: burn::tensor::backend::Backend>(
-    hidden: Tensor<B, 3>,
-    head: Tensor<B, 2>,
-    targets: &[i64],
-    weights: &[f32],
-    normalizer: f32,
-) -> Option<Tensor<B, 1>> {
-    let [b, s, h] = hidden.dims();
-    let device = hidden.device();
-    let positions: Vec<i64> = (0..weights.len()).filter(|&i| weights[i] != 0.0).map(|i| i as i64).collect();
-    if positions.is_empty() {
-        return None;
-    }
-    let n = positions.len();
-    let picked_targets: Vec<i64> = positions.iter().map(|&i| targets[i as usize]).collect();
-    let picked_weights: Vec<f32> = positions.iter().map(|&i| weights[i as usize]).collect();
-    let index = Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [n]), &device);
-    let rows = hidden.reshape([b * s, h]).select(0, index);
-    let logits = rows.matmul(head.transpose());
-    let logp = log_softmax(logits.cast(FloatDType::F32), 1);
-    let target = Tensor::<B, 2, Int>::from_data(TensorData::new(picked_targets, [n, 1]), &device);
-    let nll = logp.gather(1, target).neg().reshape([n]);
-    let w = Tensor::<B, 1>::from_data(TensorData::new(picked_weights, [n]), &device);
-    Some((nll * w).sum() / normalizer)
+    #[serde(default)]
+    pub precision: Precision,
 }
 
 fn param_names<B: burn::tensor::backend::Backend>(model: &CausalLm<B>) -> HashMap<ParamId, String> {
@@ -192,7 +190,7 @@ fn write_state<B: AutodiffBackend>(
     let tmp = dir.with_extension("partial");
     let _ = std::fs::remove_dir_all(&tmp);
     model.export(source_dir, &tmp, ExportDtype::F32, usize::MAX)?;
-    let moments = opt.export_moments(&param_names(model));
+    let moments = opt.export_state(&param_names(model));
     let moments: std::collections::BTreeMap<String, HostTensor> = moments.into_iter().collect();
     let moments_dir = tmp.join("optimizer");
     write_safetensors(&moments, &Default::default(), &moments_dir, ExportDtype::F32, &|_| false, usize::MAX)?;
@@ -220,7 +218,7 @@ fn read_moments(dir: &Path) -> Result<HashMap<String, HostTensor>, TrainError> {
 /// `resume` continues from `run_dir/train/state` exactly where it stopped. `stop` (Ctrl-C) and `halt_after`
 /// (a step count) save the state and return early. Returns the summary and the trained model.
 #[allow(clippy::too_many_arguments)]
-pub fn train<B: AutodiffBackend>(
+pub fn train<B: AutodiffBackend + DeviceMemory>(
     cfg: &TrainConfig,
     model_dir: &Path,
     data_dir: &Path,
@@ -270,10 +268,13 @@ pub fn train<B: AutodiffBackend>(
         )
     };
     let (config, mut model) = load_model::<B>(&load_dir, device)?;
+    if let Some(dtype) = cfg.precision.dtype() {
+        model = model.cast_params(dtype);
+    }
     let mut opt = AdamW::<B::InnerBackend>::new(cfg.adamw);
     if load_dir == state_dir {
         opt.steps = position.optimizer_steps;
-        opt.import_moments(&param_names(&model), &read_moments(&state_dir.join("optimizer"))?, device)
+        opt.import_state(&param_names(&model), &read_moments(&state_dir.join("optimizer"))?, device)
             .map_err(|message| TrainError::State { path: state_dir.clone(), message })?;
     }
     if !resume {
@@ -285,9 +286,7 @@ pub fn train<B: AutodiffBackend>(
     let warmup = cfg.warmup_steps.unwrap_or_else(|| (cfg.warmup_ratio * total_steps as f64).ceil() as usize);
     let schedule =
         Schedule { peak: cfg.lr, min_ratio: cfg.min_lr_ratio, warmup_steps: warmup, total_steps, decay: cfg.decay };
-    // Counted on the module, not by copying every weight to the host.
-    let n_params = burn::module::Module::num_params(&model);
-    let (params_f, attn_width) = (n_params as f64, config.attention_width() as f64);
+    let flops = StepFlops::of(&model, &config, data.seq_len);
 
     let bar = if show_progress { ProgressBar::new(total_steps as u64) } else { ProgressBar::hidden() };
     bar.set_style(
@@ -302,7 +301,7 @@ pub fn train<B: AutodiffBackend>(
         .map_err(|e| TrainError::State { path: train_dir.clone(), message: e.to_string() })?;
     let mut checkpoints = Vec::new();
     let mut last_loss = None;
-    let seq = data.seq_len;
+    let mut peak = PeakMemory::default();
 
     while position.epoch < cfg.epochs {
         let order = data.order(cfg.seed, position.epoch);
@@ -317,89 +316,56 @@ pub fn train<B: AutodiffBackend>(
                     checkpoints,
                     interrupted: true,
                     seconds: started.elapsed().as_secs_f64(),
+                    precision: cfg.precision,
                 };
                 write_summary(&train_dir, &summary)?;
                 return Ok((summary, model));
             }
             let step_started = Instant::now();
             let start = position.step_in_epoch * global_batch;
-            let rows: Vec<usize> = order[start..(start + global_batch).min(order.len())].to_vec();
-            let weights: Vec<Vec<f32>> = rows.iter().map(|&r| target_weights(&data.rows[r])).collect();
-            let supervised: f32 = weights.iter().flatten().sum();
+            let rows: Vec<&Row> = order[start..(start + global_batch).min(order.len())].iter().map(|&r| &data.rows[r]).collect();
+            let batches: Vec<MicroBatch> = rows.chunks(cfg.micro_batch).map(MicroBatch::from_rows).collect();
             let lr = schedule.lr(position.global_step);
-            let mut loss_value = 0.0f64;
-            let mut accumulator = GradientsAccumulator::<CausalLm<B>>::new();
-            let mut tokens = 0u64;
-            if supervised > 0.0 {
-                for (micro, (chunk, chunk_weights)) in
-                    rows.chunks(cfg.micro_batch).zip(weights.chunks(cfg.micro_batch)).enumerate()
-                {
-                    let b = chunk.len();
-                    let mut ids = Vec::with_capacity(b * seq);
-                    let mut targets = Vec::with_capacity(b * seq);
-                    let mut w = Vec::with_capacity(b * seq);
-                    let mut docs = Vec::with_capacity(b);
-                    for (&r, row_weights) in chunk.iter().zip(chunk_weights) {
-                        let row = &data.rows[r];
-                        ids.extend(row.input_ids.iter().map(|&x| x as i64));
-                        targets.extend(row.input_ids.iter().skip(1).map(|&x| x as i64).chain([0]));
-                        w.extend_from_slice(row_weights);
-                        docs.push(row.doc_lengths.clone());
-                        tokens += row.used() as u64;
+            let (updated, outcome) = optimizer_step(model, &mut opt, &batches, lr, cfg.max_grad_norm, device)
+                .map_err(|e| {
+                    let samples: Vec<String> = rows
+                        .chunks(cfg.micro_batch)
+                        .nth(e.micro)
+                        .into_iter()
+                        .flatten()
+                        .flat_map(|r| r.sample_ids.clone())
+                        .collect();
+                    TrainError::NonFinite {
+                        loss: e.loss,
+                        step: position.global_step,
+                        epoch: position.epoch,
+                        micro: e.micro,
+                        samples: samples.join(", "),
                     }
-                    let layout = SequenceLayout::from_doc_lengths(&docs, seq);
-                    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, seq]), device);
-                    let hidden = model.forward_hidden(input, &layout);
-                    // A micro-batch with nothing supervised adds nothing to the step's loss or gradients.
-                    let Some(loss) = supervised_loss(hidden, model.head_weight(), &targets, &w, supervised) else {
-                        continue;
-                    };
-                    let value: f32 = loss
-                        .clone()
-                        .into_data()
-                        .convert::<f32>()
-                        .to_vec::<f32>()
-                        .unwrap_or_default()
-                        .first()
-                        .copied()
-                        .unwrap_or(f32::NAN);
-                    if !value.is_finite() {
-                        let samples: Vec<String> =
-                            chunk.iter().flat_map(|&r| data.rows[r].sample_ids.clone()).collect();
-                        return Err(TrainError::NonFinite {
-                            loss: value,
-                            step: position.global_step,
-                            epoch: position.epoch,
-                            micro,
-                            samples: samples.join(", "),
-                        });
-                    }
-                    loss_value += value as f64;
-                    let grads = GradientsParams::from_grads(loss.backward(), &model);
-                    accumulator.accumulate(&model, grads);
-                }
-                let grads = accumulator.grads();
-                let (updated, norm) = step::<B, _>(model, &mut opt, &grads, lr, cfg.max_grad_norm);
-                model = updated;
+                })?;
+            model = updated;
+            if let Some(outcome) = outcome {
+                B::sync(device).map_err(|e| TrainError::Device(format!("{e:?}")))?;
                 let secs = step_started.elapsed().as_secs_f64();
+                let tokens: u64 = batches.iter().map(|b| b.tokens).sum();
+                let supervised: f32 = batches.iter().map(MicroBatch::supervised).sum();
                 let tokens_f = tokens as f64;
-                let flops = 6.0 * params_f * tokens_f + 12.0 * attn_width * seq as f64 * tokens_f;
                 let line = StepMetrics {
                     step: position.global_step,
                     epoch: position.epoch,
-                    loss: loss_value,
+                    loss: outcome.loss,
                     lr,
-                    grad_norm: norm,
+                    grad_norm: outcome.grad_norm,
                     tokens,
                     supervised_tokens: supervised as u64,
                     tokens_per_s: tokens_f / secs.max(1e-9),
-                    mfu: cfg.peak_tflops.map(|p| flops / (secs.max(1e-9) * p * 1e12)),
-                    peak_memory_bytes: crate::data::readers::peak_rss_bytes(),
+                    mfu: cfg.peak_tflops.map(|p| flops.step_flops(tokens_f) / (secs.max(1e-9) * p * 1e12)),
+                    peak_memory_bytes: peak.observe::<B>(device),
                 };
                 writeln!(metrics, "{}", serde_json::to_string(&line).unwrap_or_default())
                     .map_err(|e| TrainError::State { path: train_dir.clone(), message: e.to_string() })?;
-                bar.set_message(format!("loss {loss_value:.4} lr {lr:.2e}"));
-                last_loss = Some(loss_value);
+                bar.set_message(format!("loss {:.4} lr {lr:.2e}", outcome.loss));
+                last_loss = Some(outcome.loss);
             }
             position.step_in_epoch += 1;
             position.global_step += 1;
@@ -424,9 +390,51 @@ pub fn train<B: AutodiffBackend>(
         checkpoints,
         interrupted: false,
         seconds: started.elapsed().as_secs_f64(),
+        precision: cfg.precision,
     };
     write_summary(&train_dir, &summary)?;
     Ok((summary, model))
+}
+
+/// The FLOPs of a training step by the trainer's MFU formula: 6 · P · T for the dense forward and backward
+/// matmuls plus 12 · (attention layers · heads · head_dim) · S · T for the attention scores and values.
+#[derive(Debug, Clone, Copy)]
+pub struct StepFlops {
+    pub params: f64,
+    pub attention_width: f64,
+    pub seq: f64,
+}
+
+impl StepFlops {
+    pub fn of<B: Backend>(model: &CausalLm<B>, config: &ModelConfig, seq: usize) -> Self {
+        // Counted on the module, not by copying every weight to the host.
+        let params = burn::module::Module::num_params(model) as f64;
+        StepFlops { params, attention_width: config.attention_width() as f64, seq: seq as f64 }
+    }
+
+    pub fn step_flops(&self, tokens: f64) -> f64 {
+        6.0 * self.params * tokens + 12.0 * self.attention_width * self.seq * tokens
+    }
+}
+
+/// Peak memory so far: the most the accelerator's allocator has reserved where the backend says (its pools
+/// can shrink, so the peak is kept here), else the process's resident peak.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PeakMemory {
+    device_bytes: Option<u64>,
+}
+
+impl PeakMemory {
+    pub fn observe<B: DeviceMemory>(&mut self, device: &B::Device) -> Option<u64> {
+        match B::reserved_bytes(device) {
+            Some(now) => {
+                let peak = self.device_bytes.map_or(now, |p| p.max(now));
+                self.device_bytes = Some(peak);
+                Some(peak)
+            }
+            None => crate::data::readers::peak_rss_bytes(),
+        }
+    }
 }
 
 /// `train/summary.json`, written at every return so a stopped run says where it stopped.

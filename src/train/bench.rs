@@ -1,0 +1,189 @@
+//! The training-step benchmark (`kiln bench-train`, run by `make bench` beside
+//! `tests/bench/train_python.py`): a seeded random-init model of a config.json shape trained for warmup +
+//! timed optimizer steps on seeded random tokens, through the trainer's own `step::optimizer_step`
+//! (forward, f32 loss, backward, f32 gradient sum, clipping, AdamW). Reports per-step times, tokens/s, MFU by
+//! the trainer's formula and peak memory as JSON with the same fields as the PyTorch script.
+
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use super::optim::{AdamW, AdamWConfig, MomentDtype};
+use super::step::{MicroBatch, optimizer_step};
+use super::trainer::{PeakMemory, Precision, StepFlops};
+use super::{TrainError, with_train_backend};
+use crate::backend::DeviceMemory;
+use crate::models::{ModelConfig, random_model};
+use crate::tokens::shards::Row;
+
+/// What to measure.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchConfig {
+    /// Tokens per row.
+    pub seq: usize,
+    /// Rows per forward pass.
+    pub micro_batch: usize,
+    /// Forward passes per optimizer step (gradient accumulation).
+    pub accumulation: usize,
+    /// Timed optimizer steps.
+    pub steps: usize,
+    /// Untimed steps first (kernel compilation, autotuning, allocator growth).
+    pub warmup: usize,
+    /// Documents packed per row (1: one causal document per row, as the PyTorch reference).
+    pub docs_per_row: usize,
+    pub seed: u64,
+    pub lr: f64,
+    /// The accelerator's dense bf16 peak in TFLOP/s, for MFU.
+    pub peak_tflops: Option<f64>,
+    pub activation_checkpointing: bool,
+    pub precision: Precision,
+    /// The dtype AdamW keeps its moments in (bf16 for the 8B model on one GPU).
+    pub moments: MomentDtype,
+}
+
+/// One benchmark run; the PyTorch script writes the same fields.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchResult {
+    pub framework: String,
+    pub model_type: String,
+    pub params: u64,
+    pub device: String,
+    pub precision: String,
+    pub seq: usize,
+    pub micro_batch: usize,
+    pub accumulation: usize,
+    pub docs_per_row: usize,
+    pub tokens_per_step: u64,
+    pub warmup: usize,
+    /// Wall seconds of each timed step (the device synchronized at its end).
+    pub step_seconds: Vec<f64>,
+    pub median_step_seconds: f64,
+    pub tokens_per_s: f64,
+    pub mfu: Option<f64>,
+    /// The most the device allocator reserved (CUDA), or the process's resident peak (CPU).
+    pub peak_memory_bytes: Option<u64>,
+    /// Loss of every step, warmup included (random tokens: near ln(vocab) at first).
+    pub losses: Vec<f64>,
+}
+
+/// Seeded random rows of `seq` tokens below `vocab`, every target supervised, `docs` equal documents a row.
+pub fn random_rows(rows: usize, seq: usize, docs: usize, vocab: usize, seed: u64) -> Vec<Row> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let docs = docs.clamp(1, seq.max(1));
+    let base = seq / docs;
+    let doc_lengths: Vec<u32> = (0..docs).map(|d| (base + usize::from(d < seq % docs)) as u32).collect();
+    (0..rows)
+        .map(|r| Row {
+            input_ids: (0..seq).map(|_| rng.random_range(0..vocab as u32)).collect(),
+            loss_mask: vec![1; seq],
+            doc_lengths: doc_lengths.clone(),
+            sample_ids: (0..docs).map(|d| format!("random-{r}-{d}")).collect(),
+            sources: vec!["random".into(); docs],
+        })
+        .collect()
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+/// Runs the benchmark on backend `B` (precision already resolved in `cfg`).
+pub fn bench_train<B: burn::tensor::backend::AutodiffBackend + DeviceMemory>(
+    config: &ModelConfig,
+    cfg: &BenchConfig,
+    device_name: &str,
+    device: &B::Device,
+) -> Result<BenchResult, TrainError> {
+    if cfg.seq < 2 || cfg.micro_batch == 0 || cfg.accumulation == 0 || cfg.steps == 0 {
+        return Err(TrainError::Config("bench-train needs seq ≥ 2 and micro-batch, accumulation, steps ≥ 1".into()));
+    }
+    let mut model = random_model::<B>(config, cfg.seed, 0.02, device)?;
+    if let Some(dtype) = cfg.precision.dtype() {
+        model = model.cast_params(dtype);
+    }
+    let flops = StepFlops::of(&model, config, cfg.seq);
+    let adamw = AdamWConfig { weight_decay: 0.01, moments: cfg.moments, ..AdamWConfig::default() };
+    let mut opt = AdamW::<B::InnerBackend>::new(adamw);
+    let rows_per_step = cfg.micro_batch * cfg.accumulation;
+    let mut peak = PeakMemory::default();
+    let (mut step_seconds, mut losses) = (Vec::new(), Vec::new());
+    let mut tokens_per_step = 0;
+    for step in 0..cfg.warmup + cfg.steps {
+        // New tokens every step, made before the clock starts.
+        let rows = random_rows(rows_per_step, cfg.seq, cfg.docs_per_row, config.vocab_size(), cfg.seed + step as u64);
+        let refs: Vec<&Row> = rows.iter().collect();
+        let batches: Vec<MicroBatch> = refs.chunks(cfg.micro_batch).map(MicroBatch::from_rows).collect();
+        tokens_per_step = batches.iter().map(|b| b.tokens).sum();
+        let started = Instant::now();
+        let (updated, outcome) = optimizer_step(model, &mut opt, &batches, cfg.lr, Some(1.0), device)
+            .map_err(|e| TrainError::Config(format!("non-finite loss {} at benchmark step {step}", e.loss)))?;
+        model = updated;
+        B::sync(device).map_err(|e| TrainError::Device(format!("{e:?}")))?;
+        let secs = started.elapsed().as_secs_f64();
+        peak.observe::<B>(device);
+        losses.push(outcome.map_or(f64::NAN, |o| o.loss));
+        if step >= cfg.warmup {
+            step_seconds.push(secs);
+        }
+    }
+    let median_step_seconds = median(&step_seconds);
+    let tokens = tokens_per_step as f64;
+    Ok(BenchResult {
+        framework: "kiln".into(),
+        model_type: config.model_type().into(),
+        params: burn::module::Module::num_params(&model) as u64,
+        device: device_name.into(),
+        precision: format!("{:?}", cfg.precision).to_lowercase(),
+        seq: cfg.seq,
+        micro_batch: cfg.micro_batch,
+        accumulation: cfg.accumulation,
+        docs_per_row: cfg.docs_per_row,
+        tokens_per_step,
+        warmup: cfg.warmup,
+        median_step_seconds,
+        tokens_per_s: tokens / median_step_seconds,
+        mfu: cfg.peak_tflops.map(|p| flops.step_flops(tokens) / (median_step_seconds * p * 1e12)),
+        peak_memory_bytes: peak.observe::<B>(device),
+        step_seconds,
+        losses,
+    })
+}
+
+/// `bench_train` on the named device with `cfg.precision` resolved for it.
+pub fn bench_on_device(config: &ModelConfig, cfg: &BenchConfig, device: &str) -> Result<BenchResult, TrainError> {
+    let cfg = BenchConfig { precision: cfg.precision.resolve(device), ..cfg.clone() };
+    macro_rules! go {
+        ($backend:ty) => {
+            bench_train::<$backend>(config, &cfg, device, &Default::default())
+        };
+    }
+    with_train_backend!(device, cfg.precision, cfg.activation_checkpointing, go)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_rows_split_documents_evenly_and_stay_in_the_vocabulary() {
+        let rows = random_rows(2, 10, 3, 50, 1);
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].doc_lengths, [4, 3, 3]);
+        assert!(rows.iter().all(|r| r.input_ids.len() == 10 && r.input_ids.iter().all(|&t| t < 50)));
+        assert_ne!(rows[0].input_ids, rows[1].input_ids);
+        assert_eq!(random_rows(2, 10, 3, 50, 1)[1].input_ids, rows[1].input_ids);
+    }
+
+    #[test]
+    fn median_of_even_and_odd_counts() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
+}

@@ -1,0 +1,150 @@
+//! One optimizer step, shared by `kiln train` and the training benchmark: micro-batches of packed rows →
+//! forward with document boundaries → next-token cross-entropy in f32 on the supervised targets, normalized
+//! by the whole step's supervised count → backward → gradients summed in f32 → global-norm clipping → AdamW.
+
+use burn::optim::GradientsParams;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+
+use super::data::target_weights;
+use super::optim::{AdamW, F32Accumulator, step};
+use crate::models::{CausalLm, SequenceLayout};
+use crate::tokens::shards::Row;
+
+/// Mean next-token cross-entropy over the rows' supervised targets, summed and divided by `normalizer`
+/// (the supervised count of the whole optimizer step), computed in f32.
+pub fn masked_loss<B: Backend>(logits: Tensor<B, 3>, targets: &[i64], weights: &[f32], normalizer: f32) -> Tensor<B, 1> {
+    let [b, s, _] = logits.dims();
+    let device = logits.device();
+    let logp = log_softmax(logits.cast(FloatDType::F32), 2);
+    let target = Tensor::<B, 3, Int>::from_data(TensorData::new(targets.to_vec(), [b, s, 1]), &device);
+    let nll = logp.gather(2, target).neg().reshape([b * s]);
+    let w = Tensor::<B, 1>::from_data(TensorData::new(weights.to_vec(), [b * s]), &device).cast(FloatDType::F32);
+    (nll * w).sum() / normalizer
+}
+
+/// `masked_loss` without the full logits: the output projection and the softmax run only on the positions
+/// with a non-zero weight (the supervised targets, 30–40 % of tokens in chat SFT), so the `[tokens, vocab]`
+/// logits — the memory peak of large-vocabulary models — shrink by that share. `None` when nothing in
+/// `weights` is supervised.
+pub fn supervised_loss<B: Backend>(
+    hidden: Tensor<B, 3>,
+    head: Tensor<B, 2>,
+    targets: &[i64],
+    weights: &[f32],
+    normalizer: f32,
+) -> Option<Tensor<B, 1>> {
+    let [b, s, h] = hidden.dims();
+    let device = hidden.device();
+    let positions: Vec<i64> = (0..weights.len()).filter(|&i| weights[i] != 0.0).map(|i| i as i64).collect();
+    if positions.is_empty() {
+        return None;
+    }
+    let n = positions.len();
+    let picked_targets: Vec<i64> = positions.iter().map(|&i| targets[i as usize]).collect();
+    let picked_weights: Vec<f32> = positions.iter().map(|&i| weights[i as usize]).collect();
+    let index = Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [n]), &device);
+    let rows = hidden.reshape([b * s, h]).select(0, index);
+    let logits = rows.matmul(head.transpose());
+    let logp = log_softmax(logits.cast(FloatDType::F32), 1);
+    let target = Tensor::<B, 2, Int>::from_data(TensorData::new(picked_targets, [n, 1]), &device);
+    let nll = logp.gather(1, target).neg().reshape([n]);
+    let w = Tensor::<B, 1>::from_data(TensorData::new(picked_weights, [n]), &device).cast(FloatDType::F32);
+    Some((nll * w).sum() / normalizer)
+}
+
+/// The packed rows of one forward pass, flattened for the model.
+pub struct MicroBatch {
+    pub rows: usize,
+    pub seq: usize,
+    pub ids: Vec<i64>,
+    /// The next token of each position (0 after a row's last token, never supervised).
+    pub targets: Vec<i64>,
+    /// 1 where the next token is supervised and in the same document (`target_weights`).
+    pub weights: Vec<f32>,
+    pub doc_lengths: Vec<Vec<u32>>,
+    /// Non-padding tokens.
+    pub tokens: u64,
+}
+
+impl MicroBatch {
+    pub fn from_rows(rows: &[&Row]) -> Self {
+        let seq = rows.first().map_or(0, |r| r.input_ids.len());
+        let mut batch = MicroBatch {
+            rows: rows.len(),
+            seq,
+            ids: Vec::with_capacity(rows.len() * seq),
+            targets: Vec::with_capacity(rows.len() * seq),
+            weights: Vec::with_capacity(rows.len() * seq),
+            doc_lengths: Vec::with_capacity(rows.len()),
+            tokens: 0,
+        };
+        for row in rows {
+            batch.ids.extend(row.input_ids.iter().map(|&x| x as i64));
+            batch.targets.extend(row.input_ids.iter().skip(1).map(|&x| x as i64).chain([0]));
+            batch.weights.extend(target_weights(row));
+            batch.doc_lengths.push(row.doc_lengths.clone());
+            batch.tokens += row.used() as u64;
+        }
+        batch
+    }
+
+    pub fn supervised(&self) -> f32 {
+        self.weights.iter().sum()
+    }
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy)]
+pub struct StepOutcome {
+    /// The step's loss (summed over micro-batches, each normalized by the step's supervised count).
+    pub loss: f64,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f64,
+}
+
+/// A micro-batch whose loss was NaN or infinite; nothing was updated.
+#[derive(Debug, Clone, Copy)]
+pub struct NonFiniteLoss {
+    pub micro: usize,
+    pub loss: f32,
+}
+
+/// Runs one optimizer step over `batches` (the loss of each normalized by the supervised count of all of
+/// them) and updates `model` with AdamW at `lr` after clipping to `max_norm`. A step with nothing supervised
+/// returns the model unchanged and `None`.
+pub fn optimizer_step<B: AutodiffBackend>(
+    model: CausalLm<B>,
+    opt: &mut AdamW<B::InnerBackend>,
+    batches: &[MicroBatch],
+    lr: f64,
+    max_norm: Option<f64>,
+    device: &B::Device,
+) -> Result<(CausalLm<B>, Option<StepOutcome>), NonFiniteLoss> {
+    let supervised: f32 = batches.iter().map(MicroBatch::supervised).sum();
+    if supervised == 0.0 {
+        return Ok((model, None));
+    }
+    let mut loss_sum = 0.0f64;
+    let mut accumulator = F32Accumulator::<B>::default();
+    for (micro, batch) in batches.iter().enumerate() {
+        let layout = SequenceLayout::from_doc_lengths(&batch.doc_lengths, batch.seq);
+        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(batch.ids.clone(), [batch.rows, batch.seq]), device);
+        let hidden = model.forward_hidden(input, &layout);
+        // A micro-batch with nothing supervised adds nothing to the step's loss or gradients.
+        let Some(loss) = supervised_loss(hidden, model.head_weight(), &batch.targets, &batch.weights, supervised)
+        else {
+            continue;
+        };
+        let value = loss.clone().into_data().convert::<f32>().to_vec::<f32>().ok().and_then(|v| v.first().copied());
+        let value = value.unwrap_or(f32::NAN);
+        if !value.is_finite() {
+            return Err(NonFiniteLoss { micro, loss: value });
+        }
+        loss_sum += value as f64;
+        accumulator.add(&model, GradientsParams::from_grads(loss.backward(), &model));
+    }
+    let (model, grad_norm) = step::<B, _>(model, opt, &accumulator.finish(), lr, max_norm);
+    Ok((model, Some(StepOutcome { loss: loss_sum, grad_norm })))
+}

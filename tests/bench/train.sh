@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Training-step benchmark: kiln (`kiln bench-train`) beside transformers + PyTorch (tests/bench/train_python.py)
+# on the same config shapes, sequence length, micro-batch, accumulation and step counts, on the same device,
+# one after the other. Result JSON files go to $OUT; the table (with kiln / PyTorch ratios) to stdout.
+#
+#   KILN=target/release/kiln tests/bench/train.sh [shape ...]
+#
+# A shape is tests/bench/shapes/<shape>.json or configs/models/<shape>/config.json. Settings (environment):
+#   DEVICE      cuda when nvidia-smi sees a GPU, else cpu
+#   SEQ MICRO ACC STEPS WARMUP   4096 1 1 10 3 on cuda; 128 1 1 2 1 on cpu
+#   PEAK_TFLOPS 989 on cuda (H100/H200 SXM dense bf16), for MFU
+#   PRECISION   kiln's precision (auto: bf16 on cuda, f32 on cpu); MOMENTS kiln's AdamW moment dtype (f32)
+#   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py)
+#   PYTHON      a python with torch and transformers (python3); without them the reference is skipped
+#   OUT         runs/bench-train
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+KILN=${KILN:-target/release/kiln}
+PYTHON=${PYTHON:-python3}
+if [[ -z ${DEVICE:-} ]]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=cuda; else DEVICE=cpu; fi
+fi
+if [[ $DEVICE == cuda ]]; then
+    : "${SEQ:=4096}" "${STEPS:=10}" "${WARMUP:=3}" "${PEAK_TFLOPS:=989}" "${REFERENCE:=bf16 amp}"
+    default_shapes=(lfm2-350m lfm2.5-1.2b qwen3.5-0.8b)
+else
+    : "${SEQ:=128}" "${STEPS:=2}" "${WARMUP:=1}" "${PEAK_TFLOPS:=}" "${REFERENCE:=f32}"
+    default_shapes=(tiny tiny-qwen3.5)
+fi
+: "${MICRO:=1}" "${ACC:=1}" "${PRECISION:=auto}" "${MOMENTS:=f32}" "${OUT:=runs/bench-train}"
+shapes=("$@")
+((${#shapes[@]})) || shapes=("${default_shapes[@]}")
+mkdir -p "$OUT"
+have_torch=1
+"$PYTHON" -c "import torch, transformers" 2>/dev/null || {
+    have_torch=0
+    echo "note: $PYTHON has no torch + transformers: the PyTorch reference is skipped" >&2
+}
+common=(--seq "$SEQ" --micro-batch "$MICRO" --accumulation "$ACC" --steps "$STEPS" --warmup "$WARMUP")
+[[ -n $PEAK_TFLOPS ]] && common+=(--peak-tflops "$PEAK_TFLOPS")
+failures=0
+results=()
+for shape in "${shapes[@]}"; do
+    config=tests/bench/shapes/$shape.json
+    [[ -f $config ]] || config=configs/models/$shape/config.json
+    if [[ ! -f $config ]]; then
+        echo "unknown shape '$shape': no tests/bench/shapes/$shape.json or configs/models/$shape/config.json" >&2
+        exit 2
+    fi
+    out=$OUT/$shape-kiln.json
+    echo "== $shape: kiln ($DEVICE, $PRECISION)" >&2
+    if "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" --precision "$PRECISION" --moments "$MOMENTS" \
+        "${common[@]}" --out "$out" >/dev/null; then
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['shape']=sys.argv[2]; json.dump(r, open(sys.argv[1],'w'))" "$out" "$shape"
+        results+=("$out")
+    else
+        echo "kiln failed on $shape" >&2
+        failures=$((failures + 1))
+    fi
+    ((have_torch)) || continue
+    for precision in $REFERENCE; do
+        out=$OUT/$shape-pytorch-$precision.json
+        echo "== $shape: PyTorch ($DEVICE, $precision)" >&2
+        if "$PYTHON" tests/bench/train_python.py --config "$config" --device "$DEVICE" --precision "$precision" \
+            "${common[@]}" --shape "$shape" --out "$out" >/dev/null; then
+            results+=("$out")
+        else
+            echo "PyTorch failed on $shape ($precision)" >&2
+            failures=$((failures + 1))
+        fi
+    done
+done
+((${#results[@]})) && python3 tests/bench/train_python.py table "${results[@]}"
+exit $((failures > 0))

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""The PyTorch reference for kiln's training-step benchmark (`kiln bench-train`), as TRL / Unsloth run it:
+transformers' model for the same config.json, SDPA attention, fused AdamW, the same sequence length, micro-batch,
+accumulation and step counts on seeded random tokens (every target supervised), grad clipping at 1.0.
+Prints one JSON object with the same fields as kiln's, so tests/bench/train.sh can put them side by side.
+
+Precisions:
+  bf16  weights, gradients and AdamW state in bf16 (a model loaded with dtype=bfloat16: TRL's usual run)
+  amp   f32 weights and AdamW state, bf16 autocast compute (f32 master weights, as kiln's bf16 mode)
+  f32   everything in f32
+
+`table FILE...` prints a markdown table of result files (kiln's and this script's) with kiln/PyTorch ratios.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def attention_width(config: dict) -> int:
+    """Attention layers × heads × head_dim, as kiln's MFU formula counts them."""
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        layer_types = ["full_attention" if i in config.get("full_attn_idxs", []) else "conv"
+                       for i in range(config["num_hidden_layers"])]
+    layers = sum(1 for t in layer_types if t == "full_attention")
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return layers * heads * head_dim
+
+
+def peak_rss_bytes() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def bench(args) -> dict:
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = args.config if args.config.endswith(".json") else f"{args.config}/config.json"
+    with open(path) as f:
+        raw = json.load(f)
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "dtype")}
+    config = AutoConfig.for_model(raw["model_type"], **fields)
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    weights_dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype, attn_implementation=args.attn)
+    model.to(device).train()
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    params = list(model.parameters())
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
+    n_params = sum(p.numel() for p in params)
+    vocab = raw["vocab_size"]
+    generator = torch.Generator().manual_seed(args.seed)
+    tokens_per_step = args.seq * args.micro_batch * args.accumulation
+    autocast = args.precision == "amp"
+    cuda = device.type == "cuda"
+    step_seconds, losses = [], []
+    for step in range(args.warmup + args.steps):
+        batches = [torch.randint(0, vocab, (args.micro_batch, args.seq), generator=generator).to(device)
+                   for _ in range(args.accumulation)]
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        total = 0.0
+        for ids in batches:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=ids, labels=ids).loss / args.accumulation
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        losses.append(total)
+        if step >= args.warmup:
+            step_seconds.append(seconds)
+    median = statistics.median(step_seconds)
+    flops = 6 * n_params * tokens_per_step + 12 * attention_width(raw) * args.seq * tokens_per_step
+    return {
+        "framework": "pytorch",
+        "model_type": raw["model_type"],
+        "params": n_params,
+        "device": device.type,
+        "precision": args.precision,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "accumulation": args.accumulation,
+        "docs_per_row": 1,
+        "tokens_per_step": tokens_per_step,
+        "warmup": args.warmup,
+        "step_seconds": step_seconds,
+        "median_step_seconds": median,
+        "tokens_per_s": tokens_per_step / median,
+        "mfu": flops / (median * args.peak_tflops * 1e12) if args.peak_tflops else None,
+        "peak_memory_bytes": torch.cuda.max_memory_reserved(device) if cuda else peak_rss_bytes(),
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "losses": losses,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "attn_implementation": args.attn,
+    }
+
+
+def table(files) -> str:
+    results = []
+    for name in files:
+        with open(name) as f:
+            results.append(json.load(f))
+    lines = ["| shape | framework | precision | params M | seq × micro × acc | tokens/s | MFU % | peak GiB | kiln / PyTorch tokens/s | kiln / PyTorch memory |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        shape = r.get("shape", r["model_type"])
+        mfu = f"{r['mfu'] * 100:.1f}" if r.get("mfu") is not None else "-"
+        mem = f"{r['peak_memory_bytes'] / 2**30:.2f}" if r.get("peak_memory_bytes") else "-"
+        ratio = mem_ratio = ""
+        if r["framework"] == "kiln":
+            refs = [o for o in results if o["framework"] == "pytorch" and o.get("shape", o["model_type"]) == shape]
+            ratio = " ".join(f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}× ({o['precision']})" for o in refs)
+            mem_ratio = " ".join(f"{r['peak_memory_bytes'] / o['peak_memory_bytes']:.2f}× ({o['precision']})"
+                                 for o in refs if o.get("peak_memory_bytes") and r.get("peak_memory_bytes"))
+        lines.append(f"| {shape} | {r['framework']} | {r['precision']} | {r['params'] / 1e6:.1f} | "
+                     f"{r['seq']} × {r['micro_batch']} × {r['accumulation']} | {r['tokens_per_s']:,.0f} | {mfu} | "
+                     f"{mem} | {ratio} | {mem_ratio} |")
+    return "\n".join(lines)
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "table":
+        print(table(sys.argv[2:]))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="a config.json or a folder holding one")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--precision", choices=["bf16", "amp", "f32"], default="bf16")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--accumulation", type=int, default=1)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--attn", default="sdpa")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--shape", default=None, help="a name for the table (default: the model type)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    result = bench(args)
+    if args.shape:
+        result["shape"] = args.shape
+    text = json.dumps(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
