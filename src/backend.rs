@@ -49,25 +49,21 @@ impl<B: DeviceMemory, C: burn::backend::autodiff::checkpoint::strategy::Checkpoi
     }
 }
 
+/// The CUDA backends' allocator reserved bytes (one body for the f32 and bf16 backends: burn does not
+/// export the element bounds a generic impl over `Cuda<F, I>` needs).
 #[cfg(feature = "cuda")]
-fn cuda_reserved_bytes(device: &burn::backend::cuda::CudaDevice) -> Option<u64> {
-    use cubecl::Runtime;
-    cubecl::cuda::CudaRuntime::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
+macro_rules! cuda_device_memory {
+    ($($backend:ty),*) => {$(
+        impl DeviceMemory for $backend {
+            fn reserved_bytes(device: &Self::Device) -> Option<u64> {
+                use cubecl::Runtime;
+                cubecl::cuda::CudaRuntime::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
+            }
+        }
+    )*};
 }
-
 #[cfg(feature = "cuda")]
-impl DeviceMemory for burn::backend::Cuda<f32> {
-    fn reserved_bytes(device: &Self::Device) -> Option<u64> {
-        cuda_reserved_bytes(device)
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl DeviceMemory for Gpu {
-    fn reserved_bytes(device: &Self::Device) -> Option<u64> {
-        cuda_reserved_bytes(device)
-    }
-}
+cuda_device_memory!(burn::backend::Cuda<f32>, Gpu);
 
 /// The backends compiled into this binary.
 pub fn compiled() -> Vec<&'static str> {

@@ -361,19 +361,36 @@ fn supervised_only_logits_give_the_full_logits_loss_and_gradients() {
     );
 }
 
-/// The f32 values of every parameter of `model` by checkpoint name (hf_tensors without the layout views).
-fn named_dtypes<B: burn::tensor::backend::Backend>(model: &kiln::models::CausalLm<B>) -> Vec<(String, burn::tensor::DType)> {
+/// Every parameter of `model` by its (first) checkpoint name: its dtype and its values as f32 in burn's layout.
+fn named_params<B: burn::tensor::backend::Backend>(
+    model: &kiln::models::CausalLm<B>,
+) -> Vec<(String, burn::tensor::DType, Vec<f32>)> {
     use burn::module::{Module, ModuleVisitor, Param};
     use kiln::models::hf::HfNamed;
-    struct Dtypes(std::collections::HashMap<burn::module::ParamId, burn::tensor::DType>);
-    impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Dtypes {
+    struct Params(std::collections::HashMap<burn::module::ParamId, (burn::tensor::DType, Vec<f32>)>);
+    impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Params {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.insert(param.id, param.val().dtype());
+            let t = param.val();
+            let dtype = t.dtype();
+            self.0.insert(param.id, (dtype, t.into_data().convert::<f32>().to_vec::<f32>().unwrap()));
         }
     }
-    let mut v = Dtypes(Default::default());
+    let mut v = Params(Default::default());
     model.visit(&mut v);
-    model.hf_entries().into_iter().map(|e| (e.key, v.0[&e.id])).collect()
+    let mut seen = std::collections::HashSet::new();
+    model
+        .hf_entries()
+        .into_iter()
+        .filter(|e| seen.insert(e.id))
+        .map(|e| {
+            let (dtype, values) = v.0[&e.id].clone();
+            (e.key, dtype, values)
+        })
+        .collect()
+}
+
+fn all_bf16<B: burn::tensor::backend::Backend>(model: &kiln::models::CausalLm<B>) -> bool {
+    named_params(model).iter().all(|(_, d, _)| *d == burn::tensor::DType::BF16)
 }
 
 /// With the same gradients, AdamW on bf16 parameters moves their f32 master weights exactly as it moves f32
@@ -391,7 +408,7 @@ fn master_weights_of_bf16_parameters_take_the_exact_f32_update() {
     let f32_model = model.cast_params(FloatDType::BF16).cast_params(FloatDType::F32);
     let mut bf16_model = f32_model.clone().cast_params(FloatDType::BF16);
     let mut bf16_moments_model = bf16_model.clone();
-    assert!(named_dtypes(&bf16_model).iter().all(|(_, d)| *d == burn::tensor::DType::BF16));
+    assert!(all_bf16(&bf16_model));
     // A tied embedding appears twice in the checkpoint names: its first name, as the trainer's state uses.
     let mut names = std::collections::HashMap::new();
     for e in f32_model.hf_entries() {
@@ -420,7 +437,7 @@ fn master_weights_of_bf16_parameters_take_the_exact_f32_update() {
         .collect();
     let rounded = hf_tensors(&bf16_model);
     let mut off_grid = 0;
-    for (key, view) in f32_model_views(&reference) {
+    for (key, _, view) in named_params(&reference) {
         let master = &masters[&key];
         // hf_tensors applies the checkpoint layout; the master is in burn's layout, as the parameter.
         assert_eq!(master, &view, "{key}: the master weights differ from the f32 update");
@@ -445,23 +462,6 @@ fn master_weights_of_bf16_parameters_take_the_exact_f32_update() {
     }
 }
 
-/// Every parameter of `model` flattened in burn's layout, by checkpoint name.
-fn f32_model_views(model: &kiln::models::CausalLm<CpuTrain>) -> Vec<(String, Vec<f32>)> {
-    use burn::module::{Module, ModuleVisitor, Param};
-    use kiln::models::hf::HfNamed;
-    struct Values(std::collections::HashMap<burn::module::ParamId, Vec<f32>>);
-    impl ModuleVisitor<CpuTrain> for Values {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<CpuTrain, D>>) {
-            let data = param.val().into_data().convert::<f32>().to_vec::<f32>().unwrap();
-            self.0.insert(param.id, data);
-        }
-    }
-    let mut v = Values(Default::default());
-    model.visit(&mut v);
-    let mut seen = std::collections::HashSet::new();
-    model.hf_entries().into_iter().filter(|e| seen.insert(e.id)).map(|e| (e.key, v.0[&e.id].clone())).collect()
-}
-
 /// bf16 training (bf16 weights, activations and gradients; f32 masters, moments, norms, softmax and loss)
 /// follows PyTorch's f32 run of the parity fixture within bf16's precision, and says so in its summary.
 #[test]
@@ -471,7 +471,7 @@ fn bf16_training_tracks_the_pytorch_f32_run() {
     let cfg = TrainConfig { precision: Precision::Bf16, ..parity_config() };
     let (summary, model) = run(&cfg, &data, &dir.path().join("run"), false, None);
     assert_eq!(summary.precision, Precision::Bf16);
-    assert!(named_dtypes(&model).iter().all(|(_, d)| *d == burn::tensor::DType::BF16));
+    assert!(all_bf16(&model));
     let bytes = std::fs::read(fixture_dir().join("train_fixture.safetensors")).unwrap();
     let want = SafeTensors::deserialize(&bytes).unwrap();
     let losses = f32s(&want.tensor("losses").unwrap());

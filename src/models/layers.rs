@@ -25,7 +25,7 @@ impl<B: Backend> RmsNorm<B> {
         let variance = x.clone().powf_scalar(2.0).mean_dim(D - 1);
         let normed = (x * (variance + self.eps).sqrt().recip()).cast(dtype);
         let weight = self.weight.val();
-        if FloatDType::from(weight.dtype()) == FloatDType::from(dtype) {
+        if weight.dtype() == dtype {
             normed * weight.unsqueeze::<D>()
         } else {
             normed.cast(FloatDType::F32) * weight.cast(FloatDType::F32).unsqueeze::<D>()
@@ -90,10 +90,10 @@ pub fn causal_depthwise_conv_cached<B: Backend>(
     kernel: Tensor<B, 2>,
     state: Tensor<B, 3>,
 ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-    let [batch, seq, channels] = x.dims();
+    let [_, seq, channels] = x.dims();
     let taps = kernel.dims()[1];
     let full = Tensor::cat(vec![state, x], 1); // [B, L-1+S, C]
-    let mut y = Tensor::<B, 3>::zeros([batch, seq, channels], &full.device()).cast(full.dtype());
+    let mut y = full.clone().narrow(1, 0, seq).zeros_like();
     for j in 0..taps {
         y = y + full.clone().narrow(1, j, seq) * kernel.clone().narrow(1, j, 1).reshape([1, 1, channels]);
     }

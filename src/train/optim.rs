@@ -112,12 +112,6 @@ impl<B: Backend> AdamW<B> {
         }
         Ok(())
     }
-
-    /// Bytes the optimizer holds on the device (moments and master weights).
-    pub fn state_bytes(&self) -> u64 {
-        let bytes = |t: &Tensor<B, 1>| (t.dims()[0] * t.dtype().size()) as u64;
-        self.states.values().map(|s| bytes(&s.m) + bytes(&s.v) + s.master.as_ref().map_or(0, bytes)).sum()
-    }
 }
 
 /// Sums the gradients of a step's micro-batches in f32, whatever dtype the backward pass produced them in
