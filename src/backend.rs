@@ -6,6 +6,8 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
+use crate::models::ModelBackend;
+
 /// CPU backend: pure-Rust Flex in f32.
 pub type Cpu = Flex<f32>;
 /// CPU backend with gradients, for training.
@@ -64,6 +66,14 @@ macro_rules! cuda_device_memory {
 }
 #[cfg(feature = "cuda")]
 cuda_device_memory!(burn::backend::Cuda<f32>, Gpu);
+
+// The plain backends run the models' attention chunk by chunk with tensor ops (the trait's default);
+// their autodiff wrappers add its backward (`models::attention`).
+impl ModelBackend for Flex {}
+#[cfg(feature = "cuda")]
+impl ModelBackend for burn::backend::Cuda<f32> {}
+#[cfg(feature = "cuda")]
+impl ModelBackend for Gpu {}
 
 /// The backends compiled into this binary.
 pub fn compiled() -> Vec<&'static str> {

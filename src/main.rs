@@ -932,7 +932,7 @@ fn model_tokenizer(dir: &Path) -> Result<(TextTokenizer, kiln::chat::SpecialToke
     Ok((TextTokenizer::load(dir, &special, None)?, special))
 }
 
-fn run_job<B: burn::tensor::backend::Backend>(device: &B::Device, job: Job) -> Result<()> {
+fn run_job<B: kiln::models::ModelBackend>(device: &B::Device, job: Job) -> Result<()> {
     use burn::tensor::{Int, Tensor, TensorData};
     use kiln::models::{SequenceLayout, load_model};
     match job {

@@ -9,10 +9,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::backend::Backend;
 use common::parity::{self, Fixture, ids_tensor, masked_ce, max_abs_diff, read_f32};
 use kiln::models::hf::{ExportDtype, export_dir, hf_gradients, hf_tensors};
-use kiln::models::{Lfm2Model, SequenceLayout, load_lfm2};
+use kiln::models::{Lfm2Model, ModelBackend, SequenceLayout, load_lfm2};
 use safetensors::SafeTensors;
 
 type Cpu = Flex<f32>;
@@ -26,7 +25,7 @@ fn fixture(name: &str) -> Fixture {
     parity::fixture(&fixture_dir(name))
 }
 
-fn logits_of<B: Backend>(model: &Lfm2Model<B>, ids: &[i64], shape: [usize; 2], layout: &SequenceLayout) -> Vec<f32> {
+fn logits_of<B: ModelBackend>(model: &Lfm2Model<B>, ids: &[i64], shape: [usize; 2], layout: &SequenceLayout) -> Vec<f32> {
     let device = Default::default();
     model.forward(ids_tensor::<B>(ids, shape, &device), layout).into_data().convert::<f32>().to_vec().unwrap()
 }

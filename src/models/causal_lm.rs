@@ -17,7 +17,7 @@ use super::hf::{ExportDtype, HfEntry, HfNamed, RawTensor, export_dir, hf_tensors
 use super::lfm2::Lfm2Model;
 use super::qwen3_5::Qwen35Model;
 use super::weights::{Init, RandomInit, TensorSource, WeightStore, lfm2_init, qwen3_5_init};
-use super::{ModelError, SequenceLayout};
+use super::{ModelBackend, ModelError, SequenceLayout};
 
 #[derive(Module, Debug)]
 #[allow(clippy::large_enum_variant)]
@@ -34,25 +34,12 @@ impl<B: Backend> CausalLm<B> {
         })
     }
 
-    /// The final normalized hidden states `[batch, seq, hidden]`.
-    pub fn forward_hidden(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
-        match self {
-            CausalLm::Lfm2(m) => m.forward_hidden(ids, layout),
-            CausalLm::Qwen35(m) => m.forward_hidden(ids, layout),
-        }
-    }
-
     /// The output projection `[vocab, hidden]`.
     pub fn head_weight(&self) -> Tensor<B, 2> {
         match self {
             CausalLm::Lfm2(m) => m.head_weight(),
             CausalLm::Qwen35(m) => m.head_weight(),
         }
-    }
-
-    /// Logits `[batch, seq, vocab]`.
-    pub fn forward(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
-        self.forward_hidden(ids, layout).matmul(self.head_weight().transpose().unsqueeze::<3>())
     }
 
     /// Greedy decoding with the architecture's cache (see `decode::generate_greedy`).
@@ -120,6 +107,21 @@ impl<B: Backend> CausalLm<B> {
     ) -> Result<Vec<PathBuf>, ModelError> {
         let carried = self.carried_tensors(source_dir)?;
         export_dir(&hf_tensors(self), &carried, source_dir, out_dir, dtype, &|k: &str| self.keeps_f32(k), shard_bytes)
+    }
+}
+
+impl<B: ModelBackend> CausalLm<B> {
+    /// The final normalized hidden states `[batch, seq, hidden]`.
+    pub fn forward_hidden(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
+        match self {
+            CausalLm::Lfm2(m) => m.forward_hidden(ids, layout),
+            CausalLm::Qwen35(m) => m.forward_hidden(ids, layout),
+        }
+    }
+
+    /// Logits `[batch, seq, vocab]`.
+    pub fn forward(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
+        self.forward_hidden(ids, layout).matmul(self.head_weight().transpose().unsqueeze::<3>())
     }
 }
 

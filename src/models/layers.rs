@@ -1,13 +1,13 @@
 //! Building blocks shared by the architectures, written to match transformers' numerics: HF-style RMSNorms
 //! (LFM2's `w·x̂`, Qwen3.5's zero-centered `(1+w)·x̂`), rotate-half RoPE (full or partial) from precomputed
-//! tables, grouped-query attention, the causal depthwise convolution, SwiGLU, and the sequence layout
+//! tables, the causal depthwise convolution, SwiGLU, and the sequence layout
 //! (documents, positions) that keeps attention and recurrent state inside each document.
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
-use burn::tensor::activation::{silu, softmax};
+use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 
 /// `weight * x / sqrt(mean(x²) + eps)` over the last dimension (LFM2's form: no `1 +` offset), normalized
 /// in f32 whatever the compute dtype, then cast back before the weight, as transformers does. A weight kept
@@ -101,26 +101,6 @@ pub fn causal_depthwise_conv_cached<B: Backend>(
     (y, state)
 }
 
-/// `softmax(q kᵀ / √d + mask) v` for queries `[batch, heads, seq, d]` and keys, values `[batch, kv_heads,
-/// total, d]`, each kv head serving `heads / kv_heads` consecutive query heads (repeat_interleave); softmax
-/// in f32 whatever the compute dtype, as transformers' eager attention. Returns `[batch, seq, heads * d]`.
-pub fn grouped_attention<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    mask: &Tensor<B, 4>,
-) -> Tensor<B, 3> {
-    let [batch, nh, seq, hd] = q.dims();
-    let [_, nkv, total, _] = k.dims();
-    let repeat = |t: Tensor<B, 4>| {
-        if nh == nkv { t } else { t.unsqueeze_dim::<5>(2).repeat_dim(2, nh / nkv).reshape([batch, nh, total, hd]) }
-    };
-    let scores = q.matmul(repeat(k).swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask.clone();
-    let dtype = scores.dtype();
-    let out = softmax(scores.cast(FloatDType::F32), 3).cast(dtype).matmul(repeat(v));
-    out.swap_dims(1, 2).reshape([batch, seq, nh * hd])
-}
-
 /// SwiGLU feed-forward: `w2(silu(w1 x) * w3 x)` (w1 = gate, w3 = up, w2 = down).
 #[derive(Module, Debug)]
 pub struct SwiGlu<B: Backend> {
@@ -177,20 +157,6 @@ impl SequenceLayout {
             }
         }
         SequenceLayout { batch: rows.len(), seq, doc_ids, positions }
-    }
-
-    /// Additive causal, same-document attention mask `[batch, 1, seq, seq]` (0 allowed, -inf blocked), built on
-    /// the device from the `[batch, seq]` document ids: only `batch · seq` ids travel, not `batch · seq²` mask
-    /// values computed on the host (67 MB a row at sequence 4096). In `dtype`, the scores' dtype.
-    pub fn attention_mask<B: Backend>(&self, dtype: FloatDType, device: &B::Device) -> Tensor<B, 4> {
-        let (b, s) = (self.batch, self.seq);
-        let ids: Vec<i64> = self.doc_ids.iter().map(|&d| d as i64).collect();
-        let docs = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, s]), device);
-        let other_doc = docs.clone().unsqueeze_dim::<3>(2).not_equal(docs.unsqueeze_dim::<3>(1));
-        // `tril_mask` is true above the diagonal: the future keys.
-        let future = Tensor::<B, 2, Bool>::tril_mask([s, s], 0, device).unsqueeze::<3>().expand([b, s, s]);
-        let blocked = other_doc.bool_or(future);
-        Tensor::<B, 3>::zeros([b, s, s], device).cast(dtype).mask_fill(blocked, f32::NEG_INFINITY).unsqueeze_dim(1)
     }
 
     /// `[batch, seq, 1]` masks that keep token `t`'s input from `lag` steps back only inside its document.
@@ -255,25 +221,5 @@ mod tests {
         let l = SequenceLayout::from_doc_lengths(&[vec![2, 3], vec![4]], 6);
         assert_eq!(l.positions, [0, 1, 0, 1, 2, 0, 0, 1, 2, 3, 0, 0]);
         assert_eq!(l.doc_ids, [0, 0, 1, 1, 1, 2, 0, 0, 0, 0, 1, 2]);
-    }
-
-    #[test]
-    fn attention_mask_is_causal_within_each_document() {
-        type B = crate::backend::Cpu;
-        let l = SequenceLayout::from_doc_lengths(&[vec![3, 2], vec![1, 4]], 7);
-        let mask = l.attention_mask::<B>(FloatDType::F32, &Default::default());
-        assert_eq!(mask.dims(), [2, 1, 7, 7]);
-        let got = mask.into_data().to_vec::<f32>().unwrap();
-        for row in 0..2 {
-            let docs = &l.doc_ids[row * 7..(row + 1) * 7];
-            for q in 0..7 {
-                for k in 0..7 {
-                    let allowed = k <= q && docs[k] == docs[q];
-                    let value = got[(row * 7 + q) * 7 + k];
-                    assert_eq!(value == 0.0, allowed, "row {row} query {q} key {k}: {value}");
-                    assert!(allowed || value == f32::NEG_INFINITY);
-                }
-            }
-        }
     }
 }

@@ -10,9 +10,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::config::{LayerKind, Lfm2Config};
-use super::layers::{
-    RmsNorm, SequenceLayout, SwiGlu, apply_rope, causal_depthwise_conv, grouped_attention, rope_tables,
-};
+use super::attention::{DocumentAttention, ModelBackend, grouped_attention, merge_heads};
+use super::layers::{RmsNorm, SequenceLayout, SwiGlu, apply_rope, causal_depthwise_conv, rope_tables};
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 
 /// The gated short convolution: `in_proj` → B | C | x, `y = conv(B·x)` (depthwise, causal, kernel L),
@@ -83,15 +82,19 @@ impl<B: Backend> Attention<B> {
         self.out_proj.forward(grouped_attention(q, k, v, mask))
     }
 
+}
+
+impl<B: ModelBackend> Attention<B> {
+    /// Attention over the whole sequence, inside each document (the training and full-forward path).
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         cos: &Tensor<B, 4>,
         sin: &Tensor<B, 4>,
-        mask: &Tensor<B, 4>,
+        docs: &DocumentAttention<B>,
     ) -> Tensor<B, 3> {
         let (q, k, v) = self.qkv(x, cos, sin);
-        self.attend(q, k, v, mask)
+        self.out_proj.forward(merge_heads(B::document_attention(q, k, v, docs)))
     }
 }
 
@@ -191,17 +194,19 @@ pub struct Lfm2Model<B: Backend> {
 }
 
 impl<B: Backend> Lfm2Model<B> {
-    /// Logits `[batch, seq, vocab]` for `ids [batch, seq]` laid out as `layout` says.
-    pub fn forward(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
-        self.forward_hidden(ids, layout).matmul(self.head_weight().transpose().unsqueeze::<3>())
-    }
-
     /// The output projection `[vocab, hidden]` (the embedding when tied).
     pub fn head_weight(&self) -> Tensor<B, 2> {
         match &self.lm_head {
             Some(w) => w.val(),
             None => self.embed_tokens.val(),
         }
+    }
+}
+
+impl<B: ModelBackend> Lfm2Model<B> {
+    /// Logits `[batch, seq, vocab]` for `ids [batch, seq]` laid out as `layout` says.
+    pub fn forward(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
+        self.forward_hidden(ids, layout).matmul(self.head_weight().transpose().unsqueeze::<3>())
     }
 
     /// The final normalized hidden states `[batch, seq, hidden]`, before the output projection.
@@ -213,9 +218,9 @@ impl<B: Backend> Lfm2Model<B> {
         // Everything the forward pass builds (RoPE tables, masks) follows the weights' dtype.
         let dtype = FloatDType::from(h.dtype());
         let needs_attention = self.layers.iter().any(|l| matches!(l.mixer, Mixer::Attention(_)));
-        let (cos, sin, mask) = if needs_attention {
+        let (cos, sin, docs) = if needs_attention {
             let (cos, sin) = rope_tables::<B>(layout, self.head_dim, self.rope_theta, dtype, &device);
-            (Some(cos), Some(sin), Some(layout.attention_mask::<B>(dtype, &device)))
+            (Some(cos), Some(sin), Some(DocumentAttention::<B>::new(layout, &device)))
         } else {
             (None, None, None)
         };
@@ -237,7 +242,7 @@ impl<B: Backend> Lfm2Model<B> {
                     x,
                     cos.as_ref().expect("tables built for attention"),
                     sin.as_ref().expect("tables built for attention"),
-                    mask.as_ref().expect("mask built for attention"),
+                    docs.as_ref().expect("documents built for attention"),
                 ),
             };
             h = h + y;

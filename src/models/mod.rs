@@ -2,6 +2,7 @@
 //! and LFM2-MoE in `lfm2`, Qwen3.5 in `qwen3_5` with its DeltaNet scan in `deltanet`), behind `CausalLm`.
 //! Knows nothing of datasets, training or the CLI.
 
+pub mod attention;
 pub mod causal_lm;
 pub mod config;
 pub mod decode;
@@ -16,6 +17,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 
+pub use attention::{DocumentAttention, ModelBackend};
 pub use causal_lm::{CausalLm, load_model, random_model};
 pub use config::{LayerKind, Lfm2Config, ModelConfig, Qwen35Config, Qwen35LayerKind};
 pub use layers::SequenceLayout;

@@ -11,9 +11,10 @@ use burn::tensor::{FloatDType, Int, Tensor};
 
 use super::config::{Qwen35Config, Qwen35LayerKind};
 use super::deltanet::{self, ChunkPlan, DocSegments, ScanInputs};
+use super::attention::{DocumentAttention, ModelBackend, grouped_attention, merge_heads};
 use super::layers::{
-    RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, causal_depthwise_conv, grouped_attention,
-    l2_normalize, rope_tables, softplus,
+    RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, causal_depthwise_conv, l2_normalize,
+    rope_tables, softplus,
 };
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 
@@ -138,15 +139,19 @@ impl<B: Backend> GatedAttention<B> {
         self.o_proj.forward(grouped_attention(q, k, v, mask) * sigmoid(gate))
     }
 
+}
+
+impl<B: ModelBackend> GatedAttention<B> {
+    /// Attention over the whole sequence, inside each document (the training and full-forward path).
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         cos: &Tensor<B, 4>,
         sin: &Tensor<B, 4>,
-        mask: &Tensor<B, 4>,
+        docs: &DocumentAttention<B>,
     ) -> Tensor<B, 3> {
         let (q, k, v, gate) = self.qkv_gate(x, cos, sin);
-        self.attend(q, k, v, gate, mask)
+        self.o_proj.forward(merge_heads(B::document_attention(q, k, v, docs)) * sigmoid(gate))
     }
 }
 
@@ -205,6 +210,9 @@ impl<B: Backend> Qwen35Model<B> {
             .unwrap_or(0)
     }
 
+}
+
+impl<B: ModelBackend> Qwen35Model<B> {
     /// The final normalized hidden states `[batch, seq, hidden]` for `ids` laid out as `layout` says.
     pub fn forward_hidden(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
         let device = ids.device();
@@ -212,9 +220,9 @@ impl<B: Backend> Qwen35Model<B> {
         // Everything the forward pass builds (RoPE tables, masks) follows the weights' dtype.
         let dtype = FloatDType::from(h.dtype());
         let needs_attention = self.layers.iter().any(|l| matches!(l.mixer, Qwen35Mixer::Full(_)));
-        let (cos, sin, mask) = if needs_attention {
+        let (cos, sin, docs) = if needs_attention {
             let (cos, sin) = rope_tables::<B>(layout, self.rotary_dim, self.rope_theta, dtype, &device);
-            (Some(cos), Some(sin), Some(layout.attention_mask::<B>(dtype, &device)))
+            (Some(cos), Some(sin), Some(DocumentAttention::<B>::new(layout, &device)))
         } else {
             (None, None, None)
         };
@@ -230,7 +238,7 @@ impl<B: Backend> Qwen35Model<B> {
                     x,
                     cos.as_ref().expect("tables built for attention"),
                     sin.as_ref().expect("tables built for attention"),
-                    mask.as_ref().expect("mask built for attention"),
+                    docs.as_ref().expect("documents built for attention"),
                 ),
             };
             h = h + y;

@@ -9,6 +9,7 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use super::linear_ce::LinearCrossEntropy;
 use super::optim::{AdamW, AdamWConfig, MomentDtype};
 use super::step::{MicroBatch, optimizer_step};
 use super::trainer::{PeakMemory, Precision, StepFlops};
@@ -95,7 +96,7 @@ fn median(values: &[f64]) -> f64 {
 }
 
 /// Runs the benchmark on backend `B` (precision already resolved in `cfg`).
-pub fn bench_train<B: burn::tensor::backend::AutodiffBackend + DeviceMemory>(
+pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
     config: &ModelConfig,
     cfg: &BenchConfig,
     device_name: &str,

@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod data;
+pub mod linear_ce;
 pub mod optim;
 pub mod schedule;
 pub mod step;

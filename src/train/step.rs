@@ -4,10 +4,11 @@
 
 use burn::optim::GradientsParams;
 use burn::tensor::activation::log_softmax;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::data::target_weights;
+use super::linear_ce::{LinearCrossEntropy, chunk_rows_for};
 use super::optim::{AdamW, F32Accumulator, step};
 use crate::models::{CausalLm, SequenceLayout};
 use crate::tokens::shards::Row;
@@ -24,11 +25,11 @@ pub fn masked_loss<B: Backend>(logits: Tensor<B, 3>, targets: &[i64], weights: &
     (nll * w).sum() / normalizer
 }
 
-/// `masked_loss` without the full logits: the output projection and the softmax run only on the positions
-/// with a non-zero weight (the supervised targets, 30–40 % of tokens in chat SFT), so the `[tokens, vocab]`
-/// logits — the memory peak of large-vocabulary models — shrink by that share. `None` when nothing in
-/// `weights` is supervised.
-pub fn supervised_loss<B: Backend>(
+/// `masked_loss` without the full logits: the output projection and the cross-entropy run only on the
+/// positions with a non-zero weight (the supervised targets, 30–40 % of tokens in chat SFT), and there as
+/// the fused chunked op of `linear_ce`, so at most one chunk of `[rows, vocab]` logits is ever alive. `None`
+/// when nothing in `weights` is supervised.
+pub fn supervised_loss<B: LinearCrossEntropy>(
     hidden: Tensor<B, 3>,
     head: Tensor<B, 2>,
     targets: &[i64],
@@ -46,12 +47,8 @@ pub fn supervised_loss<B: Backend>(
     let picked_weights: Vec<f32> = positions.iter().map(|&i| weights[i as usize]).collect();
     let index = Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [n]), &device);
     let rows = hidden.reshape([b * s, h]).select(0, index);
-    let logits = rows.matmul(head.transpose());
-    let logp = log_softmax(logits.cast(FloatDType::F32), 1);
-    let target = Tensor::<B, 2, Int>::from_data(TensorData::new(picked_targets, [n, 1]), &device);
-    let nll = logp.gather(1, target).neg().reshape([n]);
-    let w = Tensor::<B, 1>::from_data(TensorData::new(picked_weights, [n]), &device).cast(FloatDType::F32);
-    Some((nll * w).sum() / normalizer)
+    let chunk = chunk_rows_for(head.dims()[0]);
+    Some(B::linear_cross_entropy(rows, head, &picked_targets, &picked_weights, normalizer, chunk))
 }
 
 /// The packed rows of one forward pass, flattened for the model.
@@ -114,7 +111,7 @@ pub struct NonFiniteLoss {
 /// Runs one optimizer step over `batches` (the loss of each normalized by the supervised count of all of
 /// them) and updates `model` with AdamW at `lr` after clipping to `max_norm`. A step with nothing supervised
 /// returns the model unchanged and `None`.
-pub fn optimizer_step<B: AutodiffBackend>(
+pub fn optimizer_step<B: LinearCrossEntropy>(
     model: CausalLm<B>,
     opt: &mut AdamW<B::InnerBackend>,
     batches: &[MicroBatch],

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use super::TrainError;
 use super::data::TrainData;
+use super::linear_ce::LinearCrossEntropy;
 use super::optim::{AdamW, AdamWConfig};
 use super::schedule::{Decay, Schedule};
 use super::step::{MicroBatch, optimizer_step};
@@ -218,7 +219,7 @@ fn read_moments(dir: &Path) -> Result<HashMap<String, HostTensor>, TrainError> {
 /// `resume` continues from `run_dir/train/state` exactly where it stopped. `stop` (Ctrl-C) and `halt_after`
 /// (a step count) save the state and return early. Returns the summary and the trained model.
 #[allow(clippy::too_many_arguments)]
-pub fn train<B: AutodiffBackend + DeviceMemory>(
+pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     cfg: &TrainConfig,
     model_dir: &Path,
     data_dir: &Path,

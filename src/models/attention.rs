@@ -1,0 +1,493 @@
+//! Causal, same-document softmax attention over whole sequences (training and the full forward pass),
+//! computed exactly but one chunk of queries at a time, as FlashAttention organizes it: each chunk's scores
+//! see only the keys it may attend to (from the earliest document start among its queries to its last
+//! query), softmax runs in f32 with a per-query log-sum-exp, and no `[batch, heads, seq, seq]` tensor ever
+//! exists. Under autodiff the backward pass is written by hand (scores recomputed per chunk from the saved
+//! log-sum-exp), so training keeps `O(seq)` per head instead of burn's composed backward that holds the
+//! full scores and probabilities of every attention layer until the end of the step.
+//!
+//! `grouped_attention` (one softmax over an explicit additive mask) stays the path of cached decoding and
+//! the reference the tests hold the chunked computation to. `ModelBackend` is how the model code, generic
+//! over its backend, reaches the hand-written backward on autodiff backends.
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::NodeId;
+use burn::tensor::activation::softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
+
+use super::SequenceLayout;
+
+/// The f32 scores one chunk of queries may hold (all heads and rows of the batch together).
+pub const CHUNK_SCORE_BYTES: usize = 256 << 20;
+
+/// A backend the models run on: plain backends compute attention chunk by chunk without a graph, autodiff
+/// backends record the chunked attention as one op with its own backward.
+pub trait ModelBackend: Backend {
+    /// `softmax(q kᵀ / √d + causal same-document mask) v` for queries `[batch, heads, seq, d]` and keys,
+    /// values `[batch, kv_heads, seq, d]` (each kv head serving `heads / kv_heads` consecutive query
+    /// heads); returns `[batch, heads, seq, d]` in the queries' dtype.
+    fn document_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        docs: &DocumentAttention<Self>,
+    ) -> Tensor<Self, 4> {
+        chunked_attention(q, k, v, docs).out
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
+    fn document_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        docs: &DocumentAttention<Self>,
+    ) -> Tensor<Self, 4> {
+        let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
+        let inner = |t: &FloatTensor<B>| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t.clone()));
+        let inner_docs = DocumentAttention::<B> {
+            docs: Tensor::from_primitive(docs.docs.clone().into_primitive()),
+            first_key: docs.first_key.clone(),
+            chunk_rows: docs.chunk_rows,
+        };
+        let forward = chunked_attention(inner(&q.primitive), inner(&k.primitive), inner(&v.primitive), &inner_docs);
+        let out = forward.out.clone().into_primitive().tensor();
+        let output = match ChunkedAttentionBackward
+            .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let saved = SavedAttention {
+                    q: prep.checkpoint(&q),
+                    k: prep.checkpoint(&k),
+                    v: prep.checkpoint(&v),
+                    out: out.clone(),
+                    lse: forward.lse.into_primitive().tensor(),
+                    docs: inner_docs.docs.into_primitive(),
+                    first_key: inner_docs.first_key,
+                    chunk_rows: inner_docs.chunk_rows,
+                };
+                prep.finish(saved, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+}
+
+/// What attention may see in one forward pass: the `[batch, seq]` document ids on the device, and per
+/// query position the first key any row's query there may attend to (the earliest document start among
+/// the rows at that position; non-decreasing along the sequence), which bounds each chunk's keys.
+#[derive(Debug, Clone)]
+pub struct DocumentAttention<B: Backend> {
+    docs: Tensor<B, 2, Int>,
+    first_key: Vec<usize>,
+    /// Queries per chunk; `None`: as many as keep a chunk's f32 scores within `CHUNK_SCORE_BYTES`.
+    chunk_rows: Option<usize>,
+}
+
+impl<B: Backend> DocumentAttention<B> {
+    pub fn new(layout: &SequenceLayout, device: &B::Device) -> Self {
+        let (batch, seq) = (layout.batch, layout.seq);
+        let ids: Vec<i64> = layout.doc_ids.iter().map(|&d| d as i64).collect();
+        let first_key = (0..seq)
+            .map(|i| (0..batch).map(|b| i - layout.positions[b * seq + i] as usize).min().unwrap_or(i))
+            .collect();
+        DocumentAttention {
+            docs: Tensor::from_data(TensorData::new(ids, [batch, seq]), device),
+            first_key,
+            chunk_rows: None,
+        }
+    }
+
+    /// The same with a fixed number of queries per chunk (at least one).
+    pub fn with_chunk_rows(mut self, rows: usize) -> Self {
+        self.chunk_rows = Some(rows.max(1));
+        self
+    }
+
+    /// The query chunks `(start, len, first_key)` for `heads` heads: each chunk attends to keys
+    /// `first_key..start + len`.
+    fn chunks(&self, heads: usize) -> Vec<(usize, usize, usize)> {
+        let [batch, seq] = self.docs.dims();
+        let rows = self.chunk_rows.unwrap_or_else(|| chunk_rows_for(batch, heads, seq));
+        (0..seq).step_by(rows).map(|start| (start, rows.min(seq - start), self.first_key[start])).collect()
+    }
+
+    /// The additive mask `[batch, len, keys]` (0 allowed, -inf blocked) of queries `start..start + len`
+    /// against keys `first..first + keys`: same document and not in the future. In f32.
+    fn chunk_mask(&self, start: usize, len: usize, first: usize, keys: usize) -> Tensor<B, 3> {
+        let [batch, _] = self.docs.dims();
+        let device = self.docs.device();
+        let query_docs = self.docs.clone().narrow(1, start, len).unsqueeze_dim::<3>(2);
+        let key_docs = self.docs.clone().narrow(1, first, keys).unsqueeze_dim::<3>(1);
+        let other_doc = query_docs.not_equal(key_docs);
+        // `tril_mask(offset)` is true where key − query > offset: with the chunk's origins, the future keys.
+        let offset = start as i64 - first as i64;
+        let future = Tensor::<B, 2, Bool>::tril_mask([len, keys], offset, &device).unsqueeze::<3>().expand([batch, len, keys]);
+        Tensor::<B, 3>::zeros([batch, len, keys], &device)
+            .cast(FloatDType::F32)
+            .mask_fill(other_doc.bool_or(future), f32::NEG_INFINITY)
+    }
+
+    /// The whole `[batch, 1, seq, seq]` additive mask in `dtype` (for the single-softmax reference path).
+    pub fn full_mask(&self, dtype: FloatDType) -> Tensor<B, 4> {
+        let [_, seq] = self.docs.dims();
+        self.chunk_mask(0, seq, 0, seq).cast(dtype).unsqueeze_dim(1)
+    }
+}
+
+/// Queries per chunk so that `batch · heads · rows · seq` f32 scores stay within `CHUNK_SCORE_BYTES`,
+/// a multiple of 64 (matmul tiles) when that many fit, never more than the sequence.
+pub fn chunk_rows_for(batch: usize, heads: usize, seq: usize) -> usize {
+    let per_row = batch.max(1).saturating_mul(heads.max(1)).saturating_mul(seq.max(1)).saturating_mul(4);
+    let rows = (CHUNK_SCORE_BYTES / per_row).max(1);
+    let rows = if rows >= 64 { rows / 64 * 64 } else { rows };
+    rows.min(seq.max(1))
+}
+
+/// The chunked forward pass: the output `[batch, heads, seq, d]` and each query's log-sum-exp of its
+/// scaled, masked scores `[batch, kv_heads, group, seq, 1]` in f32 (what the backward pass needs to
+/// rebuild the probabilities).
+pub struct AttentionForward<B: Backend> {
+    pub out: Tensor<B, 4>,
+    pub lse: Tensor<B, 5>,
+}
+
+/// Queries regrouped by the kv head they read: `[batch, kv_heads, group, seq, d]`.
+fn grouped_queries<B: Backend>(q: Tensor<B, 4>, kv_heads: usize) -> Tensor<B, 5> {
+    let [batch, heads, seq, d] = q.dims();
+    q.reshape([batch, kv_heads, heads / kv_heads, seq, d])
+}
+
+/// One chunk's queries `[batch, kv_heads, group · len, d]`, keys and values `[batch, kv_heads, keys, d]`,
+/// and its scaled, masked scores in f32 `[batch, kv_heads, group, len, keys]`.
+struct Chunk<B: Backend> {
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    scores: Tensor<B, 5>,
+}
+
+impl<B: Backend> Chunk<B> {
+    fn new(
+        q5: &Tensor<B, 5>,
+        k: &Tensor<B, 4>,
+        v: &Tensor<B, 4>,
+        docs: &DocumentAttention<B>,
+        (start, len, first): (usize, usize, usize),
+    ) -> Self {
+        let [batch, kv_heads, group, _, d] = q5.dims();
+        let keys = start + len - first;
+        let q = q5.clone().narrow(3, start, len).reshape([batch, kv_heads, group * len, d]);
+        let k = k.clone().narrow(2, first, keys);
+        let v = v.clone().narrow(2, first, keys);
+        let mask = docs.chunk_mask(start, len, first, keys).reshape([batch, 1, 1, len, keys]);
+        let scores = q.clone().matmul(k.clone().swap_dims(2, 3)).cast(FloatDType::F32) * (1.0 / (d as f64).sqrt());
+        let scores = scores.reshape([batch, kv_heads, group, len, keys]) + mask;
+        Chunk { q, k, v, scores }
+    }
+}
+
+/// The exact attention of `ModelBackend::document_attention`, chunk by chunk, on any backend.
+pub fn chunked_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    docs: &DocumentAttention<B>,
+) -> AttentionForward<B> {
+    let [batch, heads, seq, d] = q.dims();
+    let kv_heads = k.dims()[1];
+    let dtype = FloatDType::from(q.dtype());
+    let q5 = grouped_queries(q, kv_heads);
+    let group = heads / kv_heads;
+    let mut outs = Vec::new();
+    let mut lses = Vec::new();
+    for chunk in docs.chunks(heads) {
+        let len = chunk.1;
+        let Chunk { v, scores, .. } = Chunk::new(&q5, &k, &v, docs, chunk);
+        let keys = scores.dims()[4];
+        let max = scores.clone().max_dim(4);
+        let exp = (scores - max.clone()).exp();
+        let sum = exp.clone().sum_dim(4);
+        let probs = (exp / sum.clone()).cast(dtype).reshape([batch, kv_heads, group * len, keys]);
+        outs.push(probs.matmul(v).reshape([batch, kv_heads, group, len, d]));
+        lses.push(max + sum.log());
+    }
+    AttentionForward { out: Tensor::cat(outs, 3).reshape([batch, heads, seq, d]), lse: Tensor::cat(lses, 3) }
+}
+
+/// Gradients of `chunked_attention` with respect to q, k and v (in their dtypes) for the output gradient
+/// `grad_out`, from the saved output and log-sum-exp: per chunk `P = exp(S − lse)`, `dV += Pᵀ dO`,
+/// `dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)) / √d`, `dQ = dS K`, `dK += dSᵀ Q` (dK, dV summed in f32).
+pub fn chunked_attention_backward<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    docs: &DocumentAttention<B>,
+    forward: AttentionForward<B>,
+    grad_out: Tensor<B, 4>,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+    let [batch, heads, seq, d] = q.dims();
+    let kv_heads = k.dims()[1];
+    let group = heads / kv_heads;
+    let dtype = FloatDType::from(q.dtype());
+    let device = q.device();
+    let q5 = grouped_queries(q, kv_heads);
+    let grad_out = grouped_queries(grad_out.cast(dtype), kv_heads);
+    let out = grouped_queries(forward.out, kv_heads);
+    let delta = (grad_out.clone().cast(FloatDType::F32) * out.cast(FloatDType::F32)).sum_dim(4);
+    let zeros = || Tensor::<B, 4>::zeros([batch, kv_heads, seq, d], &device).cast(FloatDType::F32);
+    let (mut grad_k, mut grad_v) = (zeros(), zeros());
+    let mut grad_q = Vec::new();
+    for chunk in docs.chunks(heads) {
+        let (start, len, first) = chunk;
+        let Chunk { q, k, v, scores } = Chunk::new(&q5, &k, &v, docs, chunk);
+        let keys = scores.dims()[4];
+        let probs = (scores - forward.lse.clone().narrow(3, start, len)).exp();
+        let grad_o = grad_out.clone().narrow(3, start, len).reshape([batch, kv_heads, group * len, d]);
+        let probs_low = probs.clone().cast(dtype).reshape([batch, kv_heads, group * len, keys]);
+        let part_v = probs_low.swap_dims(2, 3).matmul(grad_o.clone());
+        let grad_p = grad_o.matmul(v.swap_dims(2, 3)).cast(FloatDType::F32).reshape([batch, kv_heads, group, len, keys]);
+        let grad_s = (probs * (grad_p - delta.clone().narrow(3, start, len))) * (1.0 / (d as f64).sqrt());
+        let grad_s = grad_s.cast(dtype).reshape([batch, kv_heads, group * len, keys]);
+        grad_q.push(grad_s.clone().matmul(k).reshape([batch, kv_heads, group, len, d]));
+        let part_k = grad_s.swap_dims(2, 3).matmul(q);
+        let rows = [0..batch, 0..kv_heads, first..start + len, 0..d];
+        grad_k = grad_k.clone().slice_assign(rows.clone(), grad_k.slice(rows.clone()) + part_k.cast(FloatDType::F32));
+        grad_v = grad_v.clone().slice_assign(rows.clone(), grad_v.slice(rows) + part_v.cast(FloatDType::F32));
+    }
+    let grad_q = Tensor::cat(grad_q, 3).reshape([batch, heads, seq, d]);
+    (grad_q, grad_k.cast(dtype), grad_v.cast(dtype))
+}
+
+/// The inputs the backward pass needs: q, k, v through the checkpointer (recomputed or kept, as the
+/// checkpointing strategy decides), the output and log-sum-exp, and the document layout.
+#[derive(Debug, Clone)]
+struct SavedAttention<B: Backend> {
+    q: NodeId,
+    k: NodeId,
+    v: NodeId,
+    out: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    docs: IntTensor<B>,
+    first_key: Vec<usize>,
+    chunk_rows: Option<usize>,
+}
+
+#[derive(Debug)]
+struct ChunkedAttentionBackward;
+
+impl<B: Backend> Backward<B, 3> for ChunkedAttentionBackward {
+    type State = SavedAttention<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let saved = ops.state;
+        let [parent_q, parent_k, parent_v] = ops.parents;
+        let grad_out = grads.consume::<B>(&ops.node);
+        if parent_q.is_none() && parent_k.is_none() && parent_v.is_none() {
+            return;
+        }
+        let tensor4 = |t: FloatTensor<B>| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+        let q = tensor4(checkpointer.retrieve_node_output(saved.q));
+        let k = tensor4(checkpointer.retrieve_node_output(saved.k));
+        let v = tensor4(checkpointer.retrieve_node_output(saved.v));
+        let docs = DocumentAttention::<B> {
+            docs: Tensor::from_primitive(saved.docs),
+            first_key: saved.first_key,
+            chunk_rows: saved.chunk_rows,
+        };
+        let forward = AttentionForward {
+            out: tensor4(saved.out),
+            lse: Tensor::from_primitive(TensorPrimitive::Float(saved.lse)),
+        };
+        let (grad_q, grad_k, grad_v) = chunked_attention_backward(q, k, v, &docs, forward, tensor4(grad_out));
+        for (parent, grad) in [(parent_q, grad_q), (parent_k, grad_k), (parent_v, grad_v)] {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, grad.into_primitive().tensor());
+            }
+        }
+    }
+}
+
+/// `softmax(q kᵀ / √d + mask) v` for queries `[batch, heads, seq, d]` and keys, values `[batch, kv_heads,
+/// total, d]`, each kv head serving `heads / kv_heads` consecutive query heads (repeat_interleave); softmax
+/// in f32 whatever the compute dtype, as transformers' eager attention. Returns `[batch, seq, heads * d]`.
+/// Cached decoding's attention (its mask spans the cache), and the tests' reference.
+pub fn grouped_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: &Tensor<B, 4>,
+) -> Tensor<B, 3> {
+    let [batch, nh, seq, hd] = q.dims();
+    let [_, nkv, total, _] = k.dims();
+    let repeat = |t: Tensor<B, 4>| {
+        if nh == nkv { t } else { t.unsqueeze_dim::<5>(2).repeat_dim(2, nh / nkv).reshape([batch, nh, total, hd]) }
+    };
+    let scores = q.matmul(repeat(k).swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask.clone();
+    let dtype = scores.dtype();
+    let out = softmax(scores.cast(FloatDType::F32), 3).cast(dtype).matmul(repeat(v));
+    out.swap_dims(1, 2).reshape([batch, seq, nh * hd])
+}
+
+/// `[batch, heads, seq, d]` heads side by side: `[batch, seq, heads · d]`.
+pub fn merge_heads<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 3> {
+    let [batch, heads, seq, d] = x.dims();
+    x.swap_dims(1, 2).reshape([batch, seq, heads * d])
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::Distribution;
+
+    use super::*;
+    use crate::backend::{Cpu, CpuTrain, CpuTrainCheckpointed};
+
+    /// Two rows packed with documents and padding: row 0 = docs of 3, 5, 2 then 2 padding tokens; row 1 = 9, 3.
+    fn layout() -> SequenceLayout {
+        SequenceLayout::from_doc_lengths(&[vec![3, 5, 2], vec![9, 3]], 12)
+    }
+
+    fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+        t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
+    }
+
+    #[test]
+    fn the_mask_is_causal_within_each_document_and_chunks_skip_only_blocked_keys() {
+        let l = layout();
+        let docs = DocumentAttention::<Cpu>::new(&l, &Default::default());
+        let full = docs.full_mask(FloatDType::F32);
+        assert_eq!(full.dims(), [2, 1, 12, 12]);
+        let got = values(full);
+        let allowed = |row: usize, q: usize, k: usize| k <= q && l.doc_ids[row * 12 + k] == l.doc_ids[row * 12 + q];
+        for row in 0..2 {
+            for q in 0..12 {
+                for k in 0..12 {
+                    let value = got[(row * 12 + q) * 12 + k];
+                    assert_eq!(value == 0.0, allowed(row, q, k), "row {row} query {q} key {k}: {value}");
+                    assert!(allowed(row, q, k) || value == f32::NEG_INFINITY);
+                }
+            }
+        }
+        // Row 1's first document spans 0..9, so no query before 9 may skip a key; from 9 on, row 0's
+        // documents (starting at 8, then padding at 10, 11) bound what both rows need.
+        assert_eq!(docs.first_key, [0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 9, 9]);
+        for rows in [1, 3, 5] {
+            let chunked = docs.clone().with_chunk_rows(rows);
+            let chunks = chunked.chunks(4);
+            assert_eq!(chunks.iter().map(|c| c.1).sum::<usize>(), 12, "chunks of {rows} cover the sequence");
+            for (start, len, first) in chunks {
+                let mask = values(chunked.chunk_mask(start, len, first, start + len - first));
+                for row in 0..2 {
+                    for q in start..start + len {
+                        // Every allowed key of the chunk's queries lies inside its key range …
+                        assert!((0..first).chain(start + len..12).all(|k| !allowed(row, q, k)));
+                        // … and inside it the chunk's mask is the full mask.
+                        for k in first..start + len {
+                            let value = mask[(row * len + q - start) * (start + len - first) + k - first];
+                            assert_eq!(value == 0.0, allowed(row, q, k), "chunk at {start}: row {row} q {q} k {k}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Output, and gradients of `Σ out ⊙ R` for a random `R`, of the chunked op and of the single softmax.
+    #[allow(clippy::type_complexity)]
+    fn both<B: ModelBackend + burn::tensor::backend::AutodiffBackend>(
+        dtype: FloatDType,
+        chunk_rows: usize,
+    ) -> ([Vec<f32>; 4], [Vec<f32>; 4]) {
+        let device = Default::default();
+        let l = layout();
+        let (batch, heads, kv_heads, seq, d) = (2, 4, 2, 12, 8);
+        let leaf = |dims: [usize; 4], seed: u64| {
+            B::seed(&device, seed);
+            Tensor::<B, 4>::random(dims, Distribution::Normal(0.0, 1.0), &device).cast(dtype).require_grad()
+        };
+        let q = leaf([batch, heads, seq, d], 1);
+        let k = leaf([batch, kv_heads, seq, d], 2);
+        let v = leaf([batch, kv_heads, seq, d], 3);
+        B::seed(&device, 4);
+        let weights = Tensor::<B, 3>::random([batch, seq, heads * d], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+        let docs = DocumentAttention::<B>::new(&l, &device).with_chunk_rows(chunk_rows);
+        let run = |out: Tensor<B, 3>| {
+            let grads = (out.clone() * weights.clone()).sum().backward();
+            let grad = |t: &Tensor<B, 4>| values(t.grad(&grads).expect("a gradient"));
+            [values(out), grad(&q), grad(&k), grad(&v)]
+        };
+        let chunked = run(merge_heads(B::document_attention(q.clone(), k.clone(), v.clone(), &docs)));
+        let plain = run(grouped_attention(q.clone(), k.clone(), v.clone(), &docs.full_mask(dtype)));
+        (chunked, plain)
+    }
+
+    fn assert_close(what: &str, a: &[f32], b: &[f32], tolerance: f32) {
+        assert_eq!(a.len(), b.len(), "{what}");
+        let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        assert!(scale > 0.0, "{what}: an all-zero reference checks nothing");
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x - y).abs() <= tolerance * scale, "{what}[{i}]: chunked {x} vs plain {y} (scale {scale})");
+        }
+    }
+
+    const NAMES: [&str; 4] = ["output", "dq", "dk", "dv"];
+
+    #[test]
+    fn chunked_attention_and_its_backward_equal_the_single_softmax_in_f32() {
+        for rows in [1, 3, 5, 12] {
+            let (chunked, plain) = both::<CpuTrain>(FloatDType::F32, rows);
+            for (name, (a, b)) in NAMES.iter().zip(chunked.iter().zip(&plain)) {
+                assert_close(&format!("{name}, chunks of {rows}"), a, b, 2e-6);
+            }
+        }
+        let (chunked, plain) = both::<CpuTrainCheckpointed>(FloatDType::F32, 5);
+        for (name, (a, b)) in NAMES.iter().zip(chunked.iter().zip(&plain)) {
+            assert_close(&format!("{name}, checkpointed"), a, b, 2e-6);
+        }
+    }
+
+    #[test]
+    fn chunked_attention_in_bf16_stays_within_bf16_rounding_of_the_single_softmax() {
+        let (chunked, plain) = both::<CpuTrain>(FloatDType::BF16, 5);
+        // The reference scales the bf16 scores before its f32 softmax, the chunked op after the cast, and
+        // rounds probabilities and gradients at other points: agreement to two bf16 ulps (2⁻⁷ each) of the
+        // largest value (seen: one ulp, 0.6 % of it).
+        for (name, (a, b)) in NAMES.iter().zip(chunked.iter().zip(&plain)) {
+            assert_close(name, a, b, 1.0 / 64.0);
+        }
+    }
+
+    #[test]
+    fn a_plain_backend_gives_the_autodiff_forward() {
+        let device = Default::default();
+        let l = layout();
+        let tensor = |dims: [usize; 4], seed: u64| {
+            Cpu::seed(&device, seed);
+            Tensor::<Cpu, 4>::random(dims, Distribution::Normal(0.0, 1.0), &device)
+        };
+        let (q, k, v) = (tensor([2, 4, 12, 8], 1), tensor([2, 2, 12, 8], 2), tensor([2, 2, 12, 8], 3));
+        let docs = DocumentAttention::<Cpu>::new(&l, &device).with_chunk_rows(4);
+        let plain = values(merge_heads(Cpu::document_attention(q.clone(), k.clone(), v.clone(), &docs)));
+        let reference = values(grouped_attention(q, k, v, &docs.full_mask(FloatDType::F32)));
+        assert_close("output", &plain, &reference, 2e-6);
+    }
+
+    #[test]
+    fn chunks_hold_a_bounded_share_of_scores() {
+        // LFM2.5-1.2B at 4096: 32 heads → 512 queries a chunk (256 MiB of f32 scores).
+        assert_eq!(chunk_rows_for(1, 32, 4096), 512);
+        assert_eq!(chunk_rows_for(2, 32, 4096), 256);
+        assert_eq!(chunk_rows_for(1, 16, 8192), 512);
+        assert_eq!(chunk_rows_for(1, 4, 12), 12);
+        assert_eq!(chunk_rows_for(64, 64, 1 << 20), 1);
+    }
+}

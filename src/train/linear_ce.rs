@@ -1,0 +1,307 @@
+//! The output projection and the cross-entropy as one differentiable op that never holds the whole
+//! `[tokens, vocab]` logits: rows go through in chunks, and each chunk's gradients (of the hidden rows and
+//! of the head) are taken while its logits are alive, in the forward pass. The backward pass then only
+//! scales the stored gradients by the loss's incoming gradient, so the op costs the three matmuls of the
+//! plain composition and its memory peak is one chunk of logits instead of several full `[tokens, vocab]`
+//! tensors in f32 (the peak of 65k–248k vocabularies). The loss is in f32 whatever the compute dtype.
+//!
+//! The plain composition (`step::masked_loss`: matmul → f32 → log-softmax → gather) is the reference the
+//! tests compare this op with, in value and in both gradients.
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
+
+use crate::models::ModelBackend;
+
+/// The f32 logits one chunk may hold (256 MiB: 1024 rows of a 65k vocabulary, 264 of Qwen3.5's 248k).
+pub const CHUNK_LOGIT_BYTES: usize = 256 << 20;
+
+/// Rows per chunk for a vocabulary, so that a chunk's f32 logits stay within `CHUNK_LOGIT_BYTES`.
+pub fn chunk_rows_for(vocab: usize) -> usize {
+    (CHUNK_LOGIT_BYTES / vocab.max(1).saturating_mul(4)).max(1)
+}
+
+/// A training backend: the models' attention with its hand-written backward (`ModelBackend`) and the
+/// fused projection + cross-entropy.
+pub trait LinearCrossEntropy: AutodiffBackend + ModelBackend {
+    /// `Σᵢ weightsᵢ · CE(hiddenᵢ · headᵀ, targetsᵢ) / normalizer` as a `[1]` f32 tensor, differentiable in
+    /// `hidden` (`[rows, width]`) and `head` (`[vocab, width]`), with `chunk_rows` rows of logits at a time.
+    fn linear_cross_entropy(
+        hidden: Tensor<Self, 2>,
+        head: Tensor<Self, 2>,
+        targets: &[i64],
+        weights: &[f32],
+        normalizer: f32,
+        chunk_rows: usize,
+    ) -> Tensor<Self, 1>;
+}
+
+/// The loss of `chunked_cross_entropy` and the gradients it was asked for (of the loss with respect to
+/// the hidden rows and to the head, in their dtypes).
+pub struct ChunkedCrossEntropy<B: Backend> {
+    pub loss: Tensor<B, 1>,
+    pub grad_hidden: Option<Tensor<B, 2>>,
+    pub grad_head: Option<Tensor<B, 2>>,
+}
+
+/// The op's forward pass on a plain backend: the weighted cross-entropy of `hidden · headᵀ` chunk by chunk
+/// (logits cast to f32, max-shifted log-sum-exp), and, when asked, its gradients
+/// `dlogits = coef · (softmax − onehot(target))` with `coef = weight / normalizer`, carried back through the
+/// projection per chunk (`dlogits · head` for the rows, `Σ dlogitsᵀ · rows` in f32 for the head).
+#[allow(clippy::too_many_arguments)]
+pub fn chunked_cross_entropy<B: Backend>(
+    hidden: Tensor<B, 2>,
+    head: Tensor<B, 2>,
+    targets: &[i64],
+    weights: &[f32],
+    normalizer: f32,
+    chunk_rows: usize,
+    want_hidden: bool,
+    want_head: bool,
+) -> ChunkedCrossEntropy<B> {
+    let [rows, _] = hidden.dims();
+    assert_eq!(targets.len(), rows, "one target per hidden row");
+    assert_eq!(weights.len(), rows, "one weight per hidden row");
+    let device = hidden.device();
+    let compute = FloatDType::from(hidden.dtype());
+    let head_t = head.clone().transpose();
+    let mut loss = f32_column::<B>(&[0.0], &device).reshape([1]);
+    let mut grad_rows = Vec::new();
+    let mut grad_head: Option<Tensor<B, 2>> = None;
+    let chunk = chunk_rows.max(1);
+    for start in (0..rows).step_by(chunk) {
+        let len = chunk.min(rows - start);
+        let rows_in = hidden.clone().narrow(0, start, len);
+        let logits = rows_in.clone().matmul(head_t.clone()).cast(FloatDType::F32);
+        let shifted = logits.clone() - logits.max_dim(1);
+        let exp = shifted.clone().exp();
+        let sum = exp.clone().sum_dim(1);
+        let target = Tensor::<B, 2, Int>::from_data(TensorData::new(targets[start..start + len].to_vec(), [len, 1]), &device);
+        let weight = f32_column::<B>(&weights[start..start + len], &device);
+        let nll = sum.clone().log() - shifted.gather(1, target.clone());
+        loss = loss + (nll * weight.clone()).sum();
+        if !(want_hidden || want_head) {
+            continue;
+        }
+        let coef = weight / normalizer;
+        let dlogits = (exp / sum * coef.clone()).scatter(1, target, coef.neg(), IndexingUpdateOp::Add).cast(compute);
+        if want_hidden {
+            grad_rows.push(dlogits.clone().matmul(head.clone()));
+        }
+        if want_head {
+            let part = dlogits.transpose().matmul(rows_in).cast(FloatDType::F32);
+            grad_head = Some(match grad_head {
+                Some(sum) => sum + part,
+                None => part,
+            });
+        }
+    }
+    let head_dtype = FloatDType::from(head.dtype());
+    ChunkedCrossEntropy {
+        loss: loss / normalizer,
+        grad_hidden: (want_hidden && !grad_rows.is_empty()).then(|| Tensor::cat(grad_rows, 0)),
+        grad_head: grad_head.map(|g| g.cast(head_dtype)),
+    }
+}
+
+/// `values` as an f32 `[n, 1]` column (cast explicitly: a bf16 backend's default dtype would round them).
+fn f32_column<B: Backend>(values: &[f32], device: &B::Device) -> Tensor<B, 2> {
+    Tensor::<B, 2>::from_data(TensorData::new(values.to_vec(), [values.len(), 1]), device).cast(FloatDType::F32)
+}
+
+/// The stored gradient times the loss's incoming gradient (a `[1]` tensor), in the stored gradient's dtype.
+fn scaled<B: Backend>(stored: FloatTensor<B>, incoming: FloatTensor<B>) -> FloatTensor<B> {
+    let stored = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(stored));
+    let factor = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(incoming)).cast(FloatDType::from(stored.dtype()));
+    (stored * factor.reshape([1, 1])).into_primitive().tensor()
+}
+
+#[derive(Debug)]
+struct LinearCrossEntropyBackward;
+
+impl<B: Backend> Backward<B, 2> for LinearCrossEntropyBackward {
+    /// The gradients taken in the forward pass, for the parents that track one.
+    type State = (Option<FloatTensor<B>>, Option<FloatTensor<B>>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let (grad_hidden, grad_head) = ops.state;
+        binary::<B, _, _>(
+            ops.parents,
+            ops.node,
+            grads,
+            |incoming| scaled::<B>(grad_hidden.expect("the forward took the gradient of a tracked hidden"), incoming),
+            |incoming| scaled::<B>(grad_head.expect("the forward took the gradient of a tracked head"), incoming),
+        );
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> LinearCrossEntropy for Autodiff<B, C> {
+    fn linear_cross_entropy(
+        hidden: Tensor<Self, 2>,
+        head: Tensor<Self, 2>,
+        targets: &[i64],
+        weights: &[f32],
+        normalizer: f32,
+        chunk_rows: usize,
+    ) -> Tensor<Self, 1> {
+        let hidden = hidden.into_primitive().tensor();
+        let head = head.into_primitive().tensor();
+        let inner = |t: FloatTensor<B>| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t));
+        let out = chunked_cross_entropy(
+            inner(hidden.primitive.clone()),
+            inner(head.primitive.clone()),
+            targets,
+            weights,
+            normalizer,
+            chunk_rows,
+            hidden.is_tracked(),
+            head.is_tracked(),
+        );
+        let loss = out.loss.into_primitive().tensor();
+        let output = match LinearCrossEntropyBackward
+            .prepare::<C>([hidden.node.clone(), head.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                (out.grad_hidden.map(|g| g.into_primitive().tensor()), out.grad_head.map(|g| g.into_primitive().tensor())),
+                loss,
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(loss),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::Distribution;
+
+    use super::*;
+    use crate::backend::{CpuTrain, CpuTrainCheckpointed};
+    use crate::train::step::masked_loss;
+
+    const ROWS: usize = 10;
+    const WIDTH: usize = 8;
+    const VOCAB: usize = 37;
+
+    fn targets() -> Vec<i64> {
+        (0..ROWS).map(|i| (i * 11 % VOCAB) as i64).collect()
+    }
+
+    /// Fractional and repeated weights, so the weighting is checked and not only the mean.
+    fn weights() -> Vec<f32> {
+        (0..ROWS).map(|i| [1.0, 0.5, 2.0][i % 3]).collect()
+    }
+
+    fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+        t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
+    }
+
+    /// Loss and gradients (hidden, head) of the fused op and of the plain composition on the same leaves.
+    #[allow(clippy::type_complexity)]
+    fn both<B: LinearCrossEntropy>(
+        dtype: FloatDType,
+        chunk: usize,
+    ) -> ((f32, Vec<f32>, Vec<f32>), (f32, Vec<f32>, Vec<f32>)) {
+        let device = Default::default();
+        let leaf = |dims: [usize; 2], seed: u64| {
+            B::seed(&device, seed);
+            Tensor::<B, 2>::random(dims, Distribution::Normal(0.0, 1.0), &device).cast(dtype).require_grad()
+        };
+        let (hidden, head) = (leaf([ROWS, WIDTH], 1), leaf([VOCAB, WIDTH], 2));
+        let (t, w) = (targets(), weights());
+        let fused = B::linear_cross_entropy(hidden.clone(), head.clone(), &t, &w, 7.0, chunk);
+        let logits = hidden.clone().matmul(head.clone().transpose()).unsqueeze::<3>();
+        let plain = masked_loss(logits, &t, &w, 7.0);
+        let measure = |loss: Tensor<B, 1>| {
+            let grads = loss.backward();
+            let grad = |x: &Tensor<B, 2>| values(x.grad(&grads).expect("a gradient"));
+            (values(loss)[0], grad(&hidden), grad(&head))
+        };
+        (measure(fused), measure(plain))
+    }
+
+    fn assert_close(what: &str, a: &[f32], b: &[f32], tolerance: f32) {
+        assert_eq!(a.len(), b.len(), "{what}");
+        let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        assert!(scale > 0.0, "{what}: an all-zero reference checks nothing");
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x - y).abs() <= tolerance * scale, "{what}[{i}]: fused {x} vs plain {y} (scale {scale})");
+        }
+    }
+
+    #[test]
+    fn the_fused_op_equals_the_plain_composition_in_f32_for_any_chunking() {
+        for chunk in [1, 3, ROWS, 64] {
+            let ((fl, fh, fw), (pl, ph, pw)) = both::<CpuTrain>(FloatDType::F32, chunk);
+            assert!((fl - pl).abs() <= 1e-6 * pl.abs(), "chunk {chunk}: loss {fl} vs {pl}");
+            assert_close(&format!("chunk {chunk} hidden grad"), &fh, &ph, 1e-6);
+            assert_close(&format!("chunk {chunk} head grad"), &fw, &pw, 1e-6);
+        }
+        let ((fl, ..), (pl, ..)) = both::<CpuTrainCheckpointed>(FloatDType::F32, 4);
+        assert!((fl - pl).abs() <= 1e-6 * pl.abs(), "checkpointed: loss {fl} vs {pl}");
+    }
+
+    #[test]
+    fn the_fused_op_keeps_bf16_gradients_in_bf16_and_its_loss_in_f32() {
+        let ((fl, fh, fw), (pl, ph, pw)) = both::<CpuTrain>(FloatDType::BF16, 3);
+        // The same bf16 logits go into the same f32 softmax: the losses agree to f32 rounding.
+        assert!((fl - pl).abs() <= 1e-6 * pl.abs(), "loss {fl} vs {pl}");
+        // Both round dlogits to bf16 before the projection's backward; the fused op sums the head's
+        // chunks in f32 where the plain matmul rounds once, so the two may differ by a bf16 ulp (2⁻⁷) of the
+        // largest gradient (seen: 1.4e-4 of it).
+        assert_close("hidden grad", &fh, &ph, 1.0 / 128.0);
+        assert_close("head grad", &fw, &pw, 1.0 / 128.0);
+    }
+
+    #[test]
+    fn an_untracked_call_gives_the_loss_and_a_half_tracked_call_one_gradient() {
+        let device = Default::default();
+        CpuTrain::seed(&device, 3);
+        let hidden = Tensor::<CpuTrain, 2>::random([ROWS, WIDTH], Distribution::Normal(0.0, 1.0), &device);
+        let head = Tensor::<CpuTrain, 2>::random([VOCAB, WIDTH], Distribution::Normal(0.0, 1.0), &device);
+        let (t, w) = (targets(), weights());
+        let plain = values(masked_loss(hidden.clone().matmul(head.clone().transpose()).unsqueeze::<3>(), &t, &w, 7.0))[0];
+        let untracked = values(CpuTrain::linear_cross_entropy(hidden.clone(), head.clone(), &t, &w, 7.0, 4))[0];
+        assert!((untracked - plain).abs() <= 1e-6 * plain.abs(), "{untracked} vs {plain}");
+
+        let head = head.require_grad();
+        let loss = CpuTrain::linear_cross_entropy(hidden.clone(), head.clone(), &t, &w, 7.0, 4);
+        let grads = loss.backward();
+        assert!(hidden.grad(&grads).is_none());
+        let fused = values(head.grad(&grads).expect("the head's gradient"));
+        let plain = masked_loss(hidden.matmul(head.clone().transpose()).unsqueeze::<3>(), &t, &w, 7.0);
+        let expected = values(head.grad(&plain.backward()).expect("the head's gradient"));
+        assert_close("head grad", &fused, &expected, 1e-6);
+    }
+
+    #[test]
+    fn a_scaled_loss_scales_the_gradients() {
+        let device = Default::default();
+        CpuTrain::seed(&device, 4);
+        let hidden = Tensor::<CpuTrain, 2>::random([ROWS, WIDTH], Distribution::Normal(0.0, 1.0), &device).require_grad();
+        let head = Tensor::<CpuTrain, 2>::random([VOCAB, WIDTH], Distribution::Normal(0.0, 1.0), &device);
+        let (t, w) = (targets(), weights());
+        let once = CpuTrain::linear_cross_entropy(hidden.clone(), head.clone(), &t, &w, 7.0, 4);
+        let grad = values(hidden.grad(&once.backward()).expect("a gradient"));
+        let thrice = CpuTrain::linear_cross_entropy(hidden.clone(), head, &t, &w, 7.0, 4) * 3.0;
+        let grad3 = values(hidden.grad(&thrice.backward()).expect("a gradient"));
+        let tripled: Vec<f32> = grad.iter().map(|g| g * 3.0).collect();
+        assert_close("3 × loss", &grad3, &tripled, 1e-6);
+    }
+
+    #[test]
+    fn chunks_hold_a_bounded_share_of_logits() {
+        assert_eq!(chunk_rows_for(65_536), 1024);
+        assert_eq!(chunk_rows_for(248_320), 270);
+        assert_eq!(chunk_rows_for(usize::MAX / 2), 1);
+        assert_eq!(chunk_rows_for(0), CHUNK_LOGIT_BYTES / 4);
+    }
+}
