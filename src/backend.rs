@@ -1,6 +1,7 @@
 //! The burn backends kiln computes on: Flex on the CPU (tests, the offline default) and, with the `cuda`
-//! feature, burn's CUDA backend in bf16 (or f32). Model and trainer code is generic over `Backend`; this
-//! module names the concrete choices, reports which ones this build has and what they say of device memory.
+//! feature, burn's CUDA backend in bf16 (or f32). Model and trainer code is generic over the backend
+//! (`models::ModelBackend`, `train::linear_ce::LinearCrossEntropy`); this module names the concrete
+//! choices, reports which ones this build has and what they say of device memory.
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;

@@ -15,5 +15,7 @@ pub mod models;
 pub mod pipeline;
 pub mod report;
 pub mod synth;
+#[cfg(test)]
+pub(crate) mod testing;
 pub mod tokens;
 pub mod train;

@@ -349,15 +349,12 @@ mod tests {
     use burn::tensor::Distribution;
 
     use super::*;
+    use crate::testing::{assert_close, values};
     use crate::backend::{Cpu, CpuTrain, CpuTrainCheckpointed};
 
     /// Two rows packed with documents and padding: row 0 = docs of 3, 5, 2 then 2 padding tokens; row 1 = 9, 3.
     fn layout() -> SequenceLayout {
         SequenceLayout::from_doc_lengths(&[vec![3, 5, 2], vec![9, 3]], 12)
-    }
-
-    fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-        t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
     }
 
     #[test]
@@ -428,15 +425,6 @@ mod tests {
         let chunked = run(merge_heads(B::document_attention(q.clone(), k.clone(), v.clone(), &docs)));
         let plain = run(grouped_attention(q.clone(), k.clone(), v.clone(), &docs.full_mask(dtype)));
         (chunked, plain)
-    }
-
-    fn assert_close(what: &str, a: &[f32], b: &[f32], tolerance: f32) {
-        assert_eq!(a.len(), b.len(), "{what}");
-        let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        assert!(scale > 0.0, "{what}: an all-zero reference checks nothing");
-        for (i, (x, y)) in a.iter().zip(b).enumerate() {
-            assert!((x - y).abs() <= tolerance * scale, "{what}[{i}]: chunked {x} vs plain {y} (scale {scale})");
-        }
     }
 
     const NAMES: [&str; 4] = ["output", "dq", "dk", "dv"];

@@ -1,5 +1,6 @@
 //! The model zoo: HF config parsing, safetensors import and export, and one module per architecture (LFM2
-//! and LFM2-MoE in `lfm2`, Qwen3.5 in `qwen3_5` with its DeltaNet scan in `deltanet`), behind `CausalLm`.
+//! and LFM2-MoE in `lfm2`, Qwen3.5 in `qwen3_5` with its DeltaNet scan in `deltanet`; their full-sequence
+//! attention in `attention`), behind `CausalLm`.
 //! Knows nothing of datasets, training or the CLI.
 
 pub mod attention;

@@ -184,6 +184,7 @@ mod tests {
     use burn::tensor::Distribution;
 
     use super::*;
+    use crate::testing::{assert_close, values};
     use crate::backend::{CpuTrain, CpuTrainCheckpointed};
     use crate::train::step::masked_loss;
 
@@ -198,10 +199,6 @@ mod tests {
     /// Fractional and repeated weights, so the weighting is checked and not only the mean.
     fn weights() -> Vec<f32> {
         (0..ROWS).map(|i| [1.0, 0.5, 2.0][i % 3]).collect()
-    }
-
-    fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-        t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
     }
 
     /// Loss and gradients (hidden, head) of the fused op and of the plain composition on the same leaves.
@@ -226,15 +223,6 @@ mod tests {
             (values(loss)[0], grad(&hidden), grad(&head))
         };
         (measure(fused), measure(plain))
-    }
-
-    fn assert_close(what: &str, a: &[f32], b: &[f32], tolerance: f32) {
-        assert_eq!(a.len(), b.len(), "{what}");
-        let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        assert!(scale > 0.0, "{what}: an all-zero reference checks nothing");
-        for (i, (x, y)) in a.iter().zip(b).enumerate() {
-            assert!((x - y).abs() <= tolerance * scale, "{what}[{i}]: fused {x} vs plain {y} (scale {scale})");
-        }
     }
 
     #[test]
