@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
-use burn::tensor::backend::Backend;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
@@ -14,7 +13,7 @@ use serde_json::{Map, Value, json};
 use super::parse::{ScorerVersion, parse_response};
 use super::result::{EvalResult, ReplayStep, StepRow, aggregate, score_step};
 use crate::chat::{ChatTemplate, PinnedClock, SpecialTokens, strip_thinking};
-use crate::models::load_model;
+use crate::models::{ModelBackend, load_model};
 use crate::tokens::TextTokenizer;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -101,7 +100,7 @@ pub fn evaluate_on_device(
 
 /// Evaluates a loaded checkpoint on `steps`; returns the result document.
 #[allow(clippy::too_many_arguments)]
-pub fn evaluate<B: Backend>(
+pub fn evaluate<B: ModelBackend>(
     name: &str,
     checkpoint: &Path,
     eval_path: &Path,

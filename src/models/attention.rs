@@ -7,8 +7,8 @@
 //! full scores and probabilities of every attention layer until the end of the step.
 //!
 //! `grouped_attention` (one softmax over an explicit additive mask) stays the path of cached decoding and
-//! the reference the tests hold the chunked computation to. `ModelBackend` is how the model code, generic
-//! over its backend, reaches the hand-written backward on autodiff backends.
+//! the reference the tests hold the chunked computation to. The models reach this through
+//! `ops::ModelBackend::document_attention`.
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -22,64 +22,50 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 
 use super::SequenceLayout;
+#[cfg(test)]
+use super::ops::ModelBackend;
 
 /// The f32 scores one chunk of queries may hold (all heads and rows of the batch together).
 pub const CHUNK_SCORE_BYTES: usize = 256 << 20;
 
-/// A backend the models run on: plain backends compute attention chunk by chunk without a graph, autodiff
-/// backends record the chunked attention as one op with its own backward.
-pub trait ModelBackend: Backend {
-    /// `softmax(q kᵀ / √d + causal same-document mask) v` for queries `[batch, heads, seq, d]` and keys,
-    /// values `[batch, kv_heads, seq, d]` (each kv head serving `heads / kv_heads` consecutive query
-    /// heads); returns `[batch, heads, seq, d]` in the queries' dtype.
-    fn document_attention(
-        q: Tensor<Self, 4>,
-        k: Tensor<Self, 4>,
-        v: Tensor<Self, 4>,
-        docs: &DocumentAttention<Self>,
-    ) -> Tensor<Self, 4> {
-        chunked_attention(q, k, v, docs).out
-    }
-}
-
-impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
-    fn document_attention(
-        q: Tensor<Self, 4>,
-        k: Tensor<Self, 4>,
-        v: Tensor<Self, 4>,
-        docs: &DocumentAttention<Self>,
-    ) -> Tensor<Self, 4> {
-        let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
-        let inner = |t: &FloatTensor<B>| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t.clone()));
-        let inner_docs = DocumentAttention::<B> {
-            docs: Tensor::from_primitive(docs.docs.clone().into_primitive()),
-            first_key: docs.first_key.clone(),
-            chunk_rows: docs.chunk_rows,
-        };
-        let forward = chunked_attention(inner(&q.primitive), inner(&k.primitive), inner(&v.primitive), &inner_docs);
-        let out = forward.out.clone().into_primitive().tensor();
-        let output = match ChunkedAttentionBackward
-            .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let saved = SavedAttention {
-                    q: prep.checkpoint(&q),
-                    k: prep.checkpoint(&k),
-                    v: prep.checkpoint(&v),
-                    out: out.clone(),
-                    lse: forward.lse.into_primitive().tensor(),
-                    docs: inner_docs.docs.into_primitive(),
-                    first_key: inner_docs.first_key,
-                    chunk_rows: inner_docs.chunk_rows,
-                };
-                prep.finish(saved, out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(out),
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(output))
-    }
+/// `ModelBackend::document_attention` on an autodiff backend: the chunked forward on the inner backend,
+/// recorded as one op whose backward is `chunked_attention_backward`.
+pub(super) fn tracked_document_attention<B: Backend, C: CheckpointStrategy>(
+    q: Tensor<Autodiff<B, C>, 4>,
+    k: Tensor<Autodiff<B, C>, 4>,
+    v: Tensor<Autodiff<B, C>, 4>,
+    docs: &DocumentAttention<Autodiff<B, C>>,
+) -> Tensor<Autodiff<B, C>, 4> {
+    let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
+    let inner = |t: &FloatTensor<B>| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t.clone()));
+    let inner_docs = DocumentAttention::<B> {
+        docs: Tensor::from_primitive(docs.docs.clone().into_primitive()),
+        first_key: docs.first_key.clone(),
+        chunk_rows: docs.chunk_rows,
+    };
+    let forward = chunked_attention(inner(&q.primitive), inner(&k.primitive), inner(&v.primitive), &inner_docs);
+    let out = forward.out.clone().into_primitive().tensor();
+    let output = match ChunkedAttentionBackward
+        .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(mut prep) => {
+            let saved = SavedAttention {
+                q: prep.checkpoint(&q),
+                k: prep.checkpoint(&k),
+                v: prep.checkpoint(&v),
+                out: out.clone(),
+                lse: forward.lse.into_primitive().tensor(),
+                docs: inner_docs.docs.into_primitive(),
+                first_key: inner_docs.first_key,
+                chunk_rows: inner_docs.chunk_rows,
+            };
+            prep.finish(saved, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(output))
 }
 
 /// What attention may see in one forward pass: the `[batch, seq]` document ids on the device, and per

@@ -42,20 +42,6 @@ impl<B: Backend> CausalLm<B> {
         }
     }
 
-    /// Greedy decoding with the architecture's cache (see `decode::generate_greedy`).
-    pub fn generate_greedy(
-        &self,
-        prompts: &[Vec<u32>],
-        max_tokens: usize,
-        stop: &[u32],
-        device: &B::Device,
-    ) -> Vec<Vec<u32>> {
-        match self {
-            CausalLm::Lfm2(m) => generate_greedy(m, prompts, max_tokens, stop, device),
-            CausalLm::Qwen35(m) => generate_greedy(m, prompts, max_tokens, stop, device),
-        }
-    }
-
     /// Tensors the released checkpoints keep in f32 in a bf16 export: LFM2-MoE's `expert_bias` buffer,
     /// Qwen3.5's `A_log` and DeltaNet output norm.
     pub fn keeps_f32(&self, key: &str) -> bool {
@@ -111,6 +97,20 @@ impl<B: Backend> CausalLm<B> {
 }
 
 impl<B: ModelBackend> CausalLm<B> {
+    /// Greedy decoding with the architecture's cache (see `decode::generate_greedy`).
+    pub fn generate_greedy(
+        &self,
+        prompts: &[Vec<u32>],
+        max_tokens: usize,
+        stop: &[u32],
+        device: &B::Device,
+    ) -> Vec<Vec<u32>> {
+        match self {
+            CausalLm::Lfm2(m) => generate_greedy(m, prompts, max_tokens, stop, device),
+            CausalLm::Qwen35(m) => generate_greedy(m, prompts, max_tokens, stop, device),
+        }
+    }
+
     /// The final normalized hidden states `[batch, seq, hidden]`.
     pub fn forward_hidden(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
         match self {

@@ -11,6 +11,7 @@ use super::deltanet::{self, ChunkPlan, DocSegments};
 use super::layers::{SequenceLayout, causal_depthwise_conv_cached, rope_tables};
 use super::lfm2::{Attention, FeedForward, Lfm2Model, Mixer, ShortConv};
 use super::qwen3_5::{GatedAttention, GatedDeltaNet, Qwen35Mixer, Qwen35Model, SCAN_CHUNK};
+use super::ops::ModelBackend;
 
 /// What a batch has decoded so far: per row, which cached positions are real tokens (padding is not).
 #[derive(Debug, Clone)]
@@ -146,7 +147,7 @@ impl<B: Backend> Attention<B> {
     }
 }
 
-impl<B: Backend> CachedDecoding<B> for Lfm2Model<B> {
+impl<B: ModelBackend> CachedDecoding<B> for Lfm2Model<B> {
     type Cache = DecodeCache<B>;
 
     fn new_cache(&self, batch: usize, device: &B::Device) -> DecodeCache<B> {
@@ -269,7 +270,7 @@ impl<B: Backend> GatedAttention<B> {
     }
 }
 
-impl<B: Backend> CachedDecoding<B> for Qwen35Model<B> {
+impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
     type Cache = QwenDecodeCache<B>;
 
     fn new_cache(&self, batch: usize, device: &B::Device) -> QwenDecodeCache<B> {

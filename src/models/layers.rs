@@ -5,9 +5,10 @@
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
-use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
+
+use super::ops::ModelBackend;
 
 /// `weight * x / sqrt(mean(x²) + eps)` over the last dimension (LFM2's form: no `1 +` offset), normalized
 /// in f32 whatever the compute dtype, then cast back before the weight, as transformers does. A weight kept
@@ -109,9 +110,9 @@ pub struct SwiGlu<B: Backend> {
     pub w2: Linear<B>,
 }
 
-impl<B: Backend> SwiGlu<B> {
+impl<B: ModelBackend> SwiGlu<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        self.w2.forward(silu(self.w1.forward(x.clone())) * self.w3.forward(x))
+        self.w2.forward(B::swiglu(self.w1.forward(x.clone()), self.w3.forward(x)))
     }
 }
 

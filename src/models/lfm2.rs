@@ -5,12 +5,13 @@
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::IndexingUpdateOp;
-use burn::tensor::activation::{sigmoid, silu};
+use burn::tensor::activation::sigmoid;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::config::{LayerKind, Lfm2Config};
-use super::attention::{DocumentAttention, ModelBackend, grouped_attention, merge_heads};
+use super::attention::{DocumentAttention, grouped_attention, merge_heads};
+use super::ops::ModelBackend;
 use super::layers::{RmsNorm, SequenceLayout, SwiGlu, apply_rope, causal_depthwise_conv, rope_tables};
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 
@@ -111,7 +112,7 @@ pub struct MoeBlock<B: Backend> {
     pub routed_scaling_factor: f64,
 }
 
-impl<B: Backend> MoeBlock<B> {
+impl<B: ModelBackend> MoeBlock<B> {
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [batch, seq, hidden] = x.dims();
         let tokens = batch * seq;
@@ -147,7 +148,7 @@ impl<B: Backend> MoeBlock<B> {
             let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(rows[e].clone(), [n]), &device);
             let gate_up = self.gate_up.val().narrow(0, e, 1).reshape([hidden, 2 * ff]);
             let h = x.clone().select(0, idx).matmul(gate_up);
-            let act = silu(h.clone().narrow(1, 0, ff)) * h.narrow(1, ff, ff);
+            let act = B::swiglu(h.clone().narrow(1, 0, ff), h.narrow(1, ff, ff));
             outputs.push(act.matmul(self.down.val().narrow(0, e, 1).reshape([ff, hidden])));
         }
         let zeros = Tensor::<B, 2>::zeros([tokens, hidden], &device).cast(x.dtype());

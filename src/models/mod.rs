@@ -1,6 +1,6 @@
 //! The model zoo: HF config parsing, safetensors import and export, and one module per architecture (LFM2
 //! and LFM2-MoE in `lfm2`, Qwen3.5 in `qwen3_5` with its DeltaNet scan in `deltanet`; their full-sequence
-//! attention in `attention`), behind `CausalLm`.
+//! attention in `attention`, the ops with hand-written backward passes in `ops`), behind `CausalLm`.
 //! Knows nothing of datasets, training or the CLI.
 
 pub mod attention;
@@ -11,6 +11,7 @@ pub mod deltanet;
 pub mod hf;
 pub mod layers;
 pub mod lfm2;
+pub mod ops;
 pub mod qwen3_5;
 pub mod weights;
 
@@ -18,11 +19,12 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 
-pub use attention::{DocumentAttention, ModelBackend};
+pub use attention::DocumentAttention;
 pub use causal_lm::{CausalLm, load_model, random_model};
 pub use config::{LayerKind, Lfm2Config, ModelConfig, Qwen35Config, Qwen35LayerKind};
 pub use layers::SequenceLayout;
 pub use lfm2::Lfm2Model;
+pub use ops::ModelBackend;
 pub use qwen3_5::Qwen35Model;
 pub use weights::{RandomInit, TensorSource, WeightStore};
 

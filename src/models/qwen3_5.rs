@@ -11,7 +11,8 @@ use burn::tensor::{FloatDType, Int, Tensor};
 
 use super::config::{Qwen35Config, Qwen35LayerKind};
 use super::deltanet::{self, ChunkPlan, DocSegments, ScanInputs};
-use super::attention::{DocumentAttention, ModelBackend, grouped_attention, merge_heads};
+use super::attention::{DocumentAttention, grouped_attention, merge_heads};
+use super::ops::ModelBackend;
 use super::layers::{
     RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, causal_depthwise_conv, l2_normalize,
     rope_tables, softplus,

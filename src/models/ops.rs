@@ -1,0 +1,170 @@
+//! The model ops that go through the backend (`ModelBackend`), so that autodiff backends record each as one
+//! op with a backward pass written by hand instead of burn's composition, which keeps every intermediate:
+//! full-sequence attention (`attention`: no `[heads, seq, seq]` scores kept) and the SwiGLU gate
+//! `silu(gate) · up` (here: keeps its two inputs instead of also `σ(gate)` and `silu(gate)`). Plain
+//! backends run the same forward without a graph.
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::NodeId;
+use burn::tensor::activation::{sigmoid, silu};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
+
+use super::attention::{DocumentAttention, chunked_attention, tracked_document_attention};
+
+/// A backend the models run on.
+pub trait ModelBackend: Backend {
+    /// `softmax(q kᵀ / √d + causal same-document mask) v` for queries `[batch, heads, seq, d]` and keys,
+    /// values `[batch, kv_heads, seq, d]` (each kv head serving `heads / kv_heads` consecutive query
+    /// heads); returns `[batch, heads, seq, d]` in the queries' dtype. Exact, one chunk of queries at a
+    /// time (`attention::chunked_attention`).
+    fn document_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        docs: &DocumentAttention<Self>,
+    ) -> Tensor<Self, 4> {
+        chunked_attention(q, k, v, docs).out
+    }
+
+    /// SwiGLU's gate `silu(gate) · up`, in the inputs' dtype.
+    fn swiglu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>) -> Tensor<Self, D> {
+        silu(gate) * up
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
+    fn document_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        docs: &DocumentAttention<Self>,
+    ) -> Tensor<Self, 4> {
+        tracked_document_attention(q, k, v, docs)
+    }
+
+    fn swiglu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>) -> Tensor<Self, D> {
+        let (gate, up) = (gate.into_primitive().tensor(), up.into_primitive().tensor());
+        let inner = |t: &FloatTensor<B>| Tensor::<B, D>::from_primitive(TensorPrimitive::Float(t.clone()));
+        let out = (silu(inner(&gate.primitive)) * inner(&up.primitive)).into_primitive().tensor();
+        let output = match SwigluBackward::<D>.prepare::<C>([gate.node.clone(), up.node.clone()]).compute_bound().stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = (prep.checkpoint(&gate), prep.checkpoint(&up));
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+}
+
+/// Gradients of `silu(gate) · up` for the output gradient `grad`, in f32 and returned in the inputs'
+/// dtypes: `d up = grad · silu(gate)`, `d gate = grad · up · σ(gate) · (1 + gate · (1 − σ(gate)))`.
+pub fn swiglu_backward<B: Backend, const D: usize>(
+    gate: Tensor<B, D>,
+    up: Tensor<B, D>,
+    grad: Tensor<B, D>,
+) -> (Tensor<B, D>, Tensor<B, D>) {
+    let (gate_dtype, up_dtype) = (FloatDType::from(gate.dtype()), FloatDType::from(up.dtype()));
+    let gate = gate.cast(FloatDType::F32);
+    let grad = grad.cast(FloatDType::F32);
+    let sig = sigmoid(gate.clone());
+    let grad_up = grad.clone() * gate.clone() * sig.clone();
+    let grad_gate = grad * up.cast(FloatDType::F32) * sig.clone() * ((gate * (sig.neg() + 1.0)) + 1.0);
+    (grad_gate.cast(gate_dtype), grad_up.cast(up_dtype))
+}
+
+#[derive(Debug)]
+struct SwigluBackward<const D: usize>;
+
+impl<B: Backend, const D: usize> Backward<B, 2> for SwigluBackward<D> {
+    /// The gate and up inputs, through the checkpointer.
+    type State = (NodeId, NodeId);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let [parent_gate, parent_up] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if parent_gate.is_none() && parent_up.is_none() {
+            return;
+        }
+        let tensor = |t: FloatTensor<B>| Tensor::<B, D>::from_primitive(TensorPrimitive::Float(t));
+        let gate = tensor(checkpointer.retrieve_node_output(ops.state.0));
+        let up = tensor(checkpointer.retrieve_node_output(ops.state.1));
+        let (grad_gate, grad_up) = swiglu_backward(gate, up, tensor(grad));
+        for (parent, grad) in [(parent_gate, grad_gate), (parent_up, grad_up)] {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, grad.into_primitive().tensor());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::Distribution;
+    use burn::tensor::backend::AutodiffBackend;
+
+    use super::*;
+    use crate::backend::{Cpu, CpuTrain, CpuTrainCheckpointed};
+    use crate::testing::{assert_close, values};
+
+    /// Output and input gradients of `Σ swiglu(gate, up) ⊙ R` through the op and through burn's
+    /// composition `silu(gate) * up`, on the same leaves.
+    fn both<B: ModelBackend + AutodiffBackend>(dtype: FloatDType) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
+        let device = Default::default();
+        let leaf = |seed: u64| {
+            B::seed(&device, seed);
+            Tensor::<B, 3>::random([2, 5, 7], Distribution::Normal(0.0, 2.0), &device).cast(dtype).require_grad()
+        };
+        let (gate, up, weights) = (leaf(1), leaf(2), leaf(3).detach());
+        let run = |out: Tensor<B, 3>| {
+            let grads = (out.clone() * weights.clone()).sum().backward();
+            let grad = |t: &Tensor<B, 3>| values(t.grad(&grads).expect("a gradient"));
+            [values(out), grad(&gate), grad(&up)]
+        };
+        (run(B::swiglu(gate.clone(), up.clone())), run(silu(gate.clone()) * up.clone()))
+    }
+
+    const NAMES: [&str; 3] = ["output", "d gate", "d up"];
+
+    #[test]
+    fn swiglu_and_its_backward_equal_the_composition() {
+        let (op, composed) = both::<CpuTrain>(FloatDType::F32);
+        for (name, (a, b)) in NAMES.iter().zip(op.iter().zip(&composed)) {
+            assert_close(name, a, b, 1e-6);
+        }
+        assert_eq!(op[0], composed[0], "the forward is the composition itself");
+        let (op, composed) = both::<CpuTrainCheckpointed>(FloatDType::F32);
+        for (name, (a, b)) in NAMES.iter().zip(op.iter().zip(&composed)) {
+            assert_close(&format!("{name}, checkpointed"), a, b, 1e-6);
+        }
+    }
+
+    #[test]
+    fn swiglu_in_bf16_keeps_the_forward_and_rounds_the_gradients_once() {
+        let (op, composed) = both::<CpuTrain>(FloatDType::BF16);
+        assert_eq!(op[0], composed[0]);
+        // The op computes the gradients in f32 and rounds once; the composition rounds after every product,
+        // so the two differ by up to a few bf16 ulps (2⁻⁸ relative each).
+        for (name, (a, b)) in NAMES.iter().zip(op.iter().zip(&composed)).skip(1) {
+            assert_close(name, a, b, 1.0 / 64.0);
+        }
+    }
+
+    #[test]
+    fn a_plain_backend_runs_the_same_forward() {
+        let device = Default::default();
+        let tensor = |seed: u64| {
+            Cpu::seed(&device, seed);
+            Tensor::<Cpu, 2>::random([4, 6], Distribution::Normal(0.0, 2.0), &device)
+        };
+        let (gate, up) = (tensor(1), tensor(2));
+        assert_eq!(values(Cpu::swiglu(gate.clone(), up.clone())), values(silu(gate) * up));
+    }
+}
