@@ -11,11 +11,11 @@
 //! `ops::ModelBackend::document_attention`.
 
 use burn::backend::Autodiff;
+use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn::backend::autodiff::NodeId;
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -84,7 +84,7 @@ impl<B: Backend> DocumentAttention<B> {
         let (batch, seq) = (layout.batch, layout.seq);
         let ids: Vec<i64> = layout.doc_ids.iter().map(|&d| d as i64).collect();
         let first_key = (0..seq)
-            .map(|i| (0..batch).map(|b| i - layout.positions[b * seq + i] as usize).min().unwrap_or(i))
+            .map(|i| (0..batch).map(|b| i.saturating_sub(layout.positions[b * seq + i] as usize)).min().unwrap_or(i))
             .collect();
         DocumentAttention {
             docs: Tensor::from_data(TensorData::new(ids, [batch, seq]), device),
@@ -117,7 +117,8 @@ impl<B: Backend> DocumentAttention<B> {
         let other_doc = query_docs.not_equal(key_docs);
         // `tril_mask(offset)` is true where key − query > offset: with the chunk's origins, the future keys.
         let offset = start as i64 - first as i64;
-        let future = Tensor::<B, 2, Bool>::tril_mask([len, keys], offset, &device).unsqueeze::<3>().expand([batch, len, keys]);
+        let future =
+            Tensor::<B, 2, Bool>::tril_mask([len, keys], offset, &device).unsqueeze::<3>().expand([batch, len, keys]);
         Tensor::<B, 3>::zeros([batch, len, keys], &device)
             .cast(FloatDType::F32)
             .mask_fill(other_doc.bool_or(future), f32::NEG_INFINITY)
@@ -241,7 +242,8 @@ pub fn chunked_attention_backward<B: Backend>(
         let grad_o = grad_out.clone().narrow(3, start, len).reshape([batch, kv_heads, group * len, d]);
         let probs_low = probs.clone().cast(dtype).reshape([batch, kv_heads, group * len, keys]);
         let part_v = probs_low.swap_dims(2, 3).matmul(grad_o.clone());
-        let grad_p = grad_o.matmul(v.swap_dims(2, 3)).cast(FloatDType::F32).reshape([batch, kv_heads, group, len, keys]);
+        let grad_p =
+            grad_o.matmul(v.swap_dims(2, 3)).cast(FloatDType::F32).reshape([batch, kv_heads, group, len, keys]);
         let grad_s = (probs * (grad_p - delta.clone().narrow(3, start, len))) * (1.0 / (d as f64).sqrt());
         let grad_s = grad_s.cast(dtype).reshape([batch, kv_heads, group * len, keys]);
         grad_q.push(grad_s.clone().matmul(k).reshape([batch, kv_heads, group, len, d]));
@@ -335,8 +337,8 @@ mod tests {
     use burn::tensor::Distribution;
 
     use super::*;
-    use crate::testing::{assert_close, values};
     use crate::backend::{Cpu, CpuTrain, CpuTrainCheckpointed};
+    use crate::testing::{assert_close, values};
 
     /// Two rows packed with documents and padding: row 0 = docs of 3, 5, 2 then 2 padding tokens; row 1 = 9, 3.
     fn layout() -> SequenceLayout {
@@ -401,7 +403,8 @@ mod tests {
         let k = leaf([batch, kv_heads, seq, d], 2);
         let v = leaf([batch, kv_heads, seq, d], 3);
         B::seed(&device, 4);
-        let weights = Tensor::<B, 3>::random([batch, seq, heads * d], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+        let weights =
+            Tensor::<B, 3>::random([batch, seq, heads * d], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
         let docs = DocumentAttention::<B>::new(&l, &device).with_chunk_rows(chunk_rows);
         let run = |out: Tensor<B, 3>| {
             let grads = (out.clone() * weights.clone()).sum().backward();

@@ -10,8 +10,8 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use super::deltanet::{self, ChunkPlan, DocSegments};
 use super::layers::{SequenceLayout, causal_depthwise_conv_cached, rope_tables};
 use super::lfm2::{Attention, FeedForward, Lfm2Model, Mixer, ShortConv};
-use super::qwen3_5::{GatedAttention, GatedDeltaNet, Qwen35Mixer, Qwen35Model, SCAN_CHUNK};
 use super::ops::ModelBackend;
+use super::qwen3_5::{GatedAttention, GatedDeltaNet, Qwen35Mixer, Qwen35Model, SCAN_CHUNK};
 
 /// What a batch has decoded so far: per row, which cached positions are real tokens (padding is not).
 #[derive(Debug, Clone)]

@@ -9,10 +9,10 @@ use burn::tensor::activation::sigmoid;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
-use super::config::{LayerKind, Lfm2Config};
 use super::attention::{DocumentAttention, grouped_attention, merge_heads};
-use super::ops::ModelBackend;
+use super::config::{LayerKind, Lfm2Config};
 use super::layers::{RmsNorm, SequenceLayout, SwiGlu, apply_rope, causal_depthwise_conv, rope_tables};
+use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 
 /// The gated short convolution: `in_proj` → B | C | x, `y = conv(B·x)` (depthwise, causal, kernel L),
@@ -82,7 +82,6 @@ impl<B: Backend> Attention<B> {
     pub fn attend(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, mask: &Tensor<B, 4>) -> Tensor<B, 3> {
         self.out_proj.forward(grouped_attention(q, k, v, mask))
     }
-
 }
 
 impl<B: ModelBackend> Attention<B> {

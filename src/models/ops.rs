@@ -5,11 +5,11 @@
 //! backends run the same forward without a graph.
 
 use burn::backend::Autodiff;
+use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn::backend::autodiff::NodeId;
 use burn::tensor::activation::{sigmoid, silu};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
@@ -52,14 +52,14 @@ impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         let (gate, up) = (gate.into_primitive().tensor(), up.into_primitive().tensor());
         let inner = |t: &FloatTensor<B>| Tensor::<B, D>::from_primitive(TensorPrimitive::Float(t.clone()));
         let out = (silu(inner(&gate.primitive)) * inner(&up.primitive)).into_primitive().tensor();
-        let output = match SwigluBackward::<D>.prepare::<C>([gate.node.clone(), up.node.clone()]).compute_bound().stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let state = (prep.checkpoint(&gate), prep.checkpoint(&up));
-                prep.finish(state, out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(out),
-        };
+        let output =
+            match SwigluBackward::<D>.prepare::<C>([gate.node.clone(), up.node.clone()]).compute_bound().stateful() {
+                OpsKind::Tracked(mut prep) => {
+                    let state = (prep.checkpoint(&gate), prep.checkpoint(&up));
+                    prep.finish(state, out)
+                }
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            };
         Tensor::from_primitive(TensorPrimitive::Float(output))
     }
 }

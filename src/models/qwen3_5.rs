@@ -9,14 +9,14 @@ use burn::tensor::activation::{sigmoid, silu};
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor};
 
+use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{Qwen35Config, Qwen35LayerKind};
 use super::deltanet::{self, ChunkPlan, DocSegments, ScanInputs};
-use super::attention::{DocumentAttention, grouped_attention, merge_heads};
-use super::ops::ModelBackend;
 use super::layers::{
     RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, causal_depthwise_conv, l2_normalize,
     rope_tables, softplus,
 };
+use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 
 /// Tokens per chunk of the DeltaNet scan (transformers' and FLA's training path).
@@ -139,7 +139,6 @@ impl<B: Backend> GatedAttention<B> {
     ) -> Tensor<B, 3> {
         self.o_proj.forward(grouped_attention(q, k, v, mask) * sigmoid(gate))
     }
-
 }
 
 impl<B: ModelBackend> GatedAttention<B> {
@@ -210,7 +209,6 @@ impl<B: Backend> Qwen35Model<B> {
             .max()
             .unwrap_or(0)
     }
-
 }
 
 impl<B: ModelBackend> Qwen35Model<B> {

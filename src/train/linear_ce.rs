@@ -82,7 +82,8 @@ pub fn chunked_cross_entropy<B: Backend>(
         let shifted = logits.clone() - logits.max_dim(1);
         let exp = shifted.clone().exp();
         let sum = exp.clone().sum_dim(1);
-        let target = Tensor::<B, 2, Int>::from_data(TensorData::new(targets[start..start + len].to_vec(), [len, 1]), &device);
+        let target =
+            Tensor::<B, 2, Int>::from_data(TensorData::new(targets[start..start + len].to_vec(), [len, 1]), &device);
         let weight = f32_column::<B>(&weights[start..start + len], &device);
         let nll = sum.clone().log() - shifted.gather(1, target.clone());
         loss = loss + (nll * weight.clone()).sum();
@@ -118,7 +119,8 @@ fn f32_column<B: Backend>(values: &[f32], device: &B::Device) -> Tensor<B, 2> {
 /// The stored gradient times the loss's incoming gradient (a `[1]` tensor), in the stored gradient's dtype.
 fn scaled<B: Backend>(stored: FloatTensor<B>, incoming: FloatTensor<B>) -> FloatTensor<B> {
     let stored = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(stored));
-    let factor = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(incoming)).cast(FloatDType::from(stored.dtype()));
+    let factor =
+        Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(incoming)).cast(FloatDType::from(stored.dtype()));
     (stored * factor.reshape([1, 1])).into_primitive().tensor()
 }
 
@@ -170,7 +172,10 @@ impl<B: Backend, C: CheckpointStrategy> LinearCrossEntropy for Autodiff<B, C> {
             .stateful()
         {
             OpsKind::Tracked(prep) => prep.finish(
-                (out.grad_hidden.map(|g| g.into_primitive().tensor()), out.grad_head.map(|g| g.into_primitive().tensor())),
+                (
+                    out.grad_hidden.map(|g| g.into_primitive().tensor()),
+                    out.grad_head.map(|g| g.into_primitive().tensor()),
+                ),
                 loss,
             ),
             OpsKind::UnTracked(prep) => prep.finish(loss),
@@ -184,8 +189,8 @@ mod tests {
     use burn::tensor::Distribution;
 
     use super::*;
-    use crate::testing::{assert_close, values};
     use crate::backend::{CpuTrain, CpuTrainCheckpointed};
+    use crate::testing::{assert_close, values};
     use crate::train::step::masked_loss;
 
     const ROWS: usize = 10;
@@ -256,7 +261,8 @@ mod tests {
         let hidden = Tensor::<CpuTrain, 2>::random([ROWS, WIDTH], Distribution::Normal(0.0, 1.0), &device);
         let head = Tensor::<CpuTrain, 2>::random([VOCAB, WIDTH], Distribution::Normal(0.0, 1.0), &device);
         let (t, w) = (targets(), weights());
-        let plain = values(masked_loss(hidden.clone().matmul(head.clone().transpose()).unsqueeze::<3>(), &t, &w, 7.0))[0];
+        let plain =
+            values(masked_loss(hidden.clone().matmul(head.clone().transpose()).unsqueeze::<3>(), &t, &w, 7.0))[0];
         let untracked = values(CpuTrain::linear_cross_entropy(hidden.clone(), head.clone(), &t, &w, 7.0, 4))[0];
         assert!((untracked - plain).abs() <= 1e-6 * plain.abs(), "{untracked} vs {plain}");
 
@@ -274,7 +280,8 @@ mod tests {
     fn a_scaled_loss_scales_the_gradients() {
         let device = Default::default();
         CpuTrain::seed(&device, 4);
-        let hidden = Tensor::<CpuTrain, 2>::random([ROWS, WIDTH], Distribution::Normal(0.0, 1.0), &device).require_grad();
+        let hidden =
+            Tensor::<CpuTrain, 2>::random([ROWS, WIDTH], Distribution::Normal(0.0, 1.0), &device).require_grad();
         let head = Tensor::<CpuTrain, 2>::random([VOCAB, WIDTH], Distribution::Normal(0.0, 1.0), &device);
         let (t, w) = (targets(), weights());
         let once = CpuTrain::linear_cross_entropy(hidden.clone(), head.clone(), &t, &w, 7.0, 4);
