@@ -446,6 +446,10 @@ struct TrainArgs {
     /// The dtype AdamW keeps its moments in between steps (bf16 saves 4 bytes a parameter).
     #[arg(long, value_enum)]
     moments: Option<kiln::train::optim::MomentDtype>,
+    /// burn's plain compositions instead of kiln's hand-written attention, SwiGLU and loss ops (same
+    /// results to rounding, more memory): an A/B switch.
+    #[arg(long)]
+    reference_ops: bool,
 }
 
 #[derive(Args)]
@@ -485,6 +489,10 @@ struct BenchTrainArgs {
     /// The dtype AdamW keeps its moments in (bf16 saves 4 bytes a parameter).
     #[arg(long, value_enum, default_value = "f32")]
     moments: kiln::train::optim::MomentDtype,
+    /// burn's plain compositions instead of kiln's hand-written attention, SwiGLU and loss ops (to
+    /// measure what the ops buy).
+    #[arg(long)]
+    reference_ops: bool,
     /// Write the result JSON here too (it is always printed on stdout).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -1074,6 +1082,7 @@ fn bench_train_cmd(args: BenchTrainArgs) -> Result<()> {
         activation_checkpointing: args.activation_checkpointing,
         precision: args.precision,
         moments: args.moments,
+        reference_ops: args.reference_ops,
     };
     let result = kiln::train::bench::bench_on_device(&config, &cfg, &args.device)
         .with_context(|| format!("benchmarking {} on {}", path.display(), args.device))?;
@@ -1097,6 +1106,7 @@ fn bench_train_cmd(args: BenchTrainArgs) -> Result<()> {
 
 fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
     let cfg = train_config(&args)?;
+    kiln::models::set_reference_ops(args.reference_ops);
     let stop = stop_on_ctrl_c();
     let summary = kiln::train::train_on_device(
         &args.device,

@@ -523,6 +523,7 @@ fn the_training_benchmark_measures_both_architectures() {
         activation_checkpointing: false,
         precision: Precision::Auto,
         moments: kiln::train::optim::MomentDtype::F32,
+        reference_ops: false,
     };
     for (shape, precision) in [("tiny", Precision::Auto), ("tiny-qwen3.5", Precision::Bf16)] {
         let config = ModelConfig::from_file(&root.join("configs/models").join(shape).join("config.json")).unwrap();

@@ -307,23 +307,33 @@ impl<B: Backend> Backward<B, 3> for ChunkedAttentionBackward {
 
 /// `softmax(q kᵀ / √d + mask) v` for queries `[batch, heads, seq, d]` and keys, values `[batch, kv_heads,
 /// total, d]`, each kv head serving `heads / kv_heads` consecutive query heads (repeat_interleave); softmax
-/// in f32 whatever the compute dtype, as transformers' eager attention. Returns `[batch, seq, heads * d]`.
-/// Cached decoding's attention (its mask spans the cache), and the tests' reference.
-pub fn grouped_attention<B: Backend>(
+/// in f32 whatever the compute dtype, as transformers' eager attention. Returns `[batch, heads, seq, d]`.
+/// One softmax over the whole mask: cached decoding's attention (its mask spans the cache), the tests'
+/// reference, and the reference ops' (`ops::set_reference_ops`).
+pub fn softmax_attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     mask: &Tensor<B, 4>,
-) -> Tensor<B, 3> {
-    let [batch, nh, seq, hd] = q.dims();
+) -> Tensor<B, 4> {
+    let [batch, nh, _, hd] = q.dims();
     let [_, nkv, total, _] = k.dims();
     let repeat = |t: Tensor<B, 4>| {
         if nh == nkv { t } else { t.unsqueeze_dim::<5>(2).repeat_dim(2, nh / nkv).reshape([batch, nh, total, hd]) }
     };
     let scores = q.matmul(repeat(k).swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask.clone();
     let dtype = scores.dtype();
-    let out = softmax(scores.cast(FloatDType::F32), 3).cast(dtype).matmul(repeat(v));
-    out.swap_dims(1, 2).reshape([batch, seq, nh * hd])
+    softmax(scores.cast(FloatDType::F32), 3).cast(dtype).matmul(repeat(v))
+}
+
+/// `softmax_attention` with the heads merged: `[batch, seq, heads * d]`.
+pub fn grouped_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: &Tensor<B, 4>,
+) -> Tensor<B, 3> {
+    merge_heads(softmax_attention(q, k, v, mask))
 }
 
 /// `[batch, heads, seq, d]` heads side by side: `[batch, seq, heads · d]`.

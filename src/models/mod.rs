@@ -24,7 +24,7 @@ pub use causal_lm::{CausalLm, load_model, random_model};
 pub use config::{LayerKind, Lfm2Config, ModelConfig, Qwen35Config, Qwen35LayerKind};
 pub use layers::SequenceLayout;
 pub use lfm2::Lfm2Model;
-pub use ops::ModelBackend;
+pub use ops::{ModelBackend, set_reference_ops};
 pub use qwen3_5::Qwen35Model;
 pub use weights::{RandomInit, TensorSource, WeightStore};
 

@@ -2,7 +2,11 @@
 //! op with a backward pass written by hand instead of burn's composition, which keeps every intermediate:
 //! full-sequence attention (`attention`: no `[heads, seq, seq]` scores kept) and the SwiGLU gate
 //! `silu(gate) · up` (here: keeps its two inputs instead of also `σ(gate)` and `silu(gate)`). Plain
-//! backends run the same forward without a graph.
+//! backends run the same forward without a graph. `set_reference_ops` switches autodiff backends back to
+//! burn's compositions, process-wide: the A/B switch for measuring what the ops buy, or for ruling them
+//! out when a run misbehaves.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::NodeId;
@@ -15,7 +19,21 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 
-use super::attention::{DocumentAttention, chunked_attention, tracked_document_attention};
+use super::attention::{DocumentAttention, chunked_attention, softmax_attention, tracked_document_attention};
+
+static REFERENCE_OPS: AtomicBool = AtomicBool::new(false);
+
+/// With `true`, autodiff backends record burn's plain compositions instead of the hand-written ops: one
+/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, and the cross-entropy of full logits
+/// (`train::linear_ce`). Same results to rounding; more memory. Process-wide; off by default.
+pub fn set_reference_ops(on: bool) {
+    REFERENCE_OPS.store(on, Ordering::Relaxed);
+}
+
+/// Whether `set_reference_ops(true)` is in force.
+pub fn reference_ops() -> bool {
+    REFERENCE_OPS.load(Ordering::Relaxed)
+}
 
 /// A backend the models run on.
 pub trait ModelBackend: Backend {
@@ -45,10 +63,17 @@ impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         v: Tensor<Self, 4>,
         docs: &DocumentAttention<Self>,
     ) -> Tensor<Self, 4> {
+        if reference_ops() {
+            let mask = docs.full_mask(FloatDType::from(q.dtype()));
+            return softmax_attention(q, k, v, &mask);
+        }
         tracked_document_attention(q, k, v, docs)
     }
 
     fn swiglu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>) -> Tensor<Self, D> {
+        if reference_ops() {
+            return silu(gate) * up;
+        }
         let (gate, up) = (gate.into_primitive().tensor(), up.into_primitive().tensor());
         let inner = |t: &FloatTensor<B>| Tensor::<B, D>::from_primitive(TensorPrimitive::Float(t.clone()));
         let out = (silu(inner(&gate.primitive)) * inner(&up.primitive)).into_primitive().tensor();

@@ -15,7 +15,8 @@ use super::step::{MicroBatch, optimizer_step};
 use super::trainer::{PeakMemory, Precision, StepFlops};
 use super::{TrainError, with_train_backend};
 use crate::backend::DeviceMemory;
-use crate::models::{ModelConfig, random_model};
+use crate::models::ops::reference_ops;
+use crate::models::{ModelConfig, random_model, set_reference_ops};
 use crate::tokens::shards::Row;
 
 /// What to measure.
@@ -41,6 +42,9 @@ pub struct BenchConfig {
     pub precision: Precision,
     /// The dtype AdamW keeps its moments in (bf16 for the 8B model on one GPU).
     pub moments: MomentDtype,
+    /// burn's plain compositions instead of the hand-written ops (`models::set_reference_ops`).
+    #[serde(default)]
+    pub reference_ops: bool,
 }
 
 /// One benchmark run; the PyTorch script writes the same fields.
@@ -55,6 +59,9 @@ pub struct BenchResult {
     pub micro_batch: usize,
     pub accumulation: usize,
     pub docs_per_row: usize,
+    /// Whether burn's plain compositions ran instead of kiln's hand-written ops (kiln only).
+    #[serde(default)]
+    pub reference_ops: bool,
     pub tokens_per_step: u64,
     pub warmup: usize,
     /// Wall seconds of each timed step (the device synchronized at its end).
@@ -146,6 +153,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         micro_batch: cfg.micro_batch,
         accumulation: cfg.accumulation,
         docs_per_row: cfg.docs_per_row,
+        reference_ops: cfg.reference_ops,
         tokens_per_step,
         warmup: cfg.warmup,
         median_step_seconds,
@@ -157,7 +165,8 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
     })
 }
 
-/// `bench_train` on the named device with `cfg.precision` resolved for it.
+/// `bench_train` on the named device with `cfg.precision` resolved for it, and the process-wide
+/// reference-ops switch set as `cfg` says for the run (restored after).
 pub fn bench_on_device(config: &ModelConfig, cfg: &BenchConfig, device: &str) -> Result<BenchResult, TrainError> {
     let cfg = BenchConfig { precision: cfg.precision.resolve(device), ..cfg.clone() };
     macro_rules! go {
@@ -165,7 +174,11 @@ pub fn bench_on_device(config: &ModelConfig, cfg: &BenchConfig, device: &str) ->
             bench_train::<$backend>(config, &cfg, device, &Default::default())
         };
     }
-    with_train_backend!(device, cfg.precision, cfg.activation_checkpointing, go)
+    let before = reference_ops();
+    set_reference_ops(cfg.reference_ops);
+    let result = with_train_backend!(device, cfg.precision, cfg.activation_checkpointing, go);
+    set_reference_ops(before);
+    result
 }
 
 #[cfg(test)]

@@ -17,7 +17,9 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 
+use super::step::masked_loss;
 use crate::models::ModelBackend;
+use crate::models::ops::reference_ops;
 
 /// The f32 logits one chunk may hold (256 MiB: 1024 rows of a 65k vocabulary, 264 of Qwen3.5's 248k).
 pub const CHUNK_LOGIT_BYTES: usize = 256 << 20;
@@ -152,6 +154,10 @@ impl<B: Backend, C: CheckpointStrategy> LinearCrossEntropy for Autodiff<B, C> {
         normalizer: f32,
         chunk_rows: usize,
     ) -> Tensor<Self, 1> {
+        if reference_ops() {
+            let logits = hidden.matmul(head.transpose()).unsqueeze::<3>();
+            return masked_loss(logits, targets, weights, normalizer);
+        }
         let hidden = hidden.into_primitive().tensor();
         let head = head.into_primitive().tensor();
         let inner = |t: FloatTensor<B>| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t));
@@ -191,7 +197,6 @@ mod tests {
     use super::*;
     use crate::backend::{CpuTrain, CpuTrainCheckpointed};
     use crate::testing::{assert_close, values};
-    use crate::train::step::masked_loss;
 
     const ROWS: usize = 10;
     const WIDTH: usize = 8;

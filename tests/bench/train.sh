@@ -10,6 +10,8 @@
 #   SEQ MICRO ACC STEPS WARMUP   4096 1 1 10 3 on cuda; 128 1 1 2 1 on cpu
 #   PEAK_TFLOPS 989 on cuda (H100/H200 SXM dense bf16), for MFU
 #   PRECISION   kiln's precision (auto: bf16 on cuda, f32 on cpu); MOMENTS kiln's AdamW moment dtype (f32)
+#   KILN_OPS    "ops" (kiln's hand-written attention / SwiGLU / loss ops), "reference" (burn's plain
+#               compositions, `--reference-ops`), or both: "ops reference"
 #   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py)
 #   PYTHON      a python with torch and transformers (python3); without them the reference is skipped
 #   OUT         runs/bench-train
@@ -27,7 +29,7 @@ else
     : "${SEQ:=128}" "${STEPS:=2}" "${WARMUP:=1}" "${PEAK_TFLOPS:=}" "${REFERENCE:=f32}"
     default_shapes=(tiny tiny-qwen3.5)
 fi
-: "${MICRO:=1}" "${ACC:=1}" "${PRECISION:=auto}" "${MOMENTS:=f32}" "${OUT:=runs/bench-train}"
+: "${MICRO:=1}" "${ACC:=1}" "${PRECISION:=auto}" "${MOMENTS:=f32}" "${KILN_OPS:=ops}" "${OUT:=runs/bench-train}"
 shapes=("$@")
 ((${#shapes[@]})) || shapes=("${default_shapes[@]}")
 mkdir -p "$OUT"
@@ -47,16 +49,22 @@ for shape in "${shapes[@]}"; do
         echo "unknown shape '$shape': no tests/bench/shapes/$shape.json or configs/models/$shape/config.json" >&2
         exit 2
     fi
-    out=$OUT/$shape-kiln.json
-    echo "== $shape: kiln ($DEVICE, $PRECISION)" >&2
-    if "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" --precision "$PRECISION" --moments "$MOMENTS" \
-        "${common[@]}" --out "$out" >/dev/null; then
-        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['shape']=sys.argv[2]; json.dump(r, open(sys.argv[1],'w'))" "$out" "$shape"
-        results+=("$out")
-    else
-        echo "kiln failed on $shape" >&2
-        failures=$((failures + 1))
-    fi
+    for ops in $KILN_OPS; do
+        case $ops in
+            ops) out=$OUT/$shape-kiln.json; switch=() ;;
+            reference) out=$OUT/$shape-kiln-reference.json; switch=(--reference-ops) ;;
+            *) echo "KILN_OPS: unknown '$ops' (ops or reference)" >&2; exit 2 ;;
+        esac
+        echo "== $shape: kiln ($DEVICE, $PRECISION, $ops)" >&2
+        if "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" --precision "$PRECISION" \
+            --moments "$MOMENTS" "${switch[@]}" "${common[@]}" --out "$out" >/dev/null; then
+            python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['shape']=sys.argv[2]; json.dump(r, open(sys.argv[1],'w'))" "$out" "$shape"
+            results+=("$out")
+        else
+            echo "kiln failed on $shape ($ops)" >&2
+            failures=$((failures + 1))
+        fi
+    done
     ((have_torch)) || continue
     for precision in $REFERENCE; do
         out=$OUT/$shape-pytorch-$precision.json
