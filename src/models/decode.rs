@@ -132,7 +132,7 @@ impl<B: Backend> ShortConv<B> {
     }
 }
 
-impl<B: Backend> Attention<B> {
+impl<B: ModelBackend> Attention<B> {
     fn forward_cached(
         &self,
         x: Tensor<B, 3>,
@@ -232,7 +232,7 @@ fn decoding_segments(valid: &[Vec<bool>]) -> DocSegments {
     DocSegments { batch, seq, doc_ids, initial_doc: vec![0; batch] }
 }
 
-impl<B: Backend> GatedDeltaNet<B> {
+impl<B: ModelBackend> GatedDeltaNet<B> {
     fn forward_cached(
         &self,
         x: Tensor<B, 3>,
@@ -255,7 +255,7 @@ impl<B: Backend> GatedDeltaNet<B> {
     }
 }
 
-impl<B: Backend> GatedAttention<B> {
+impl<B: ModelBackend> GatedAttention<B> {
     fn forward_cached(
         &self,
         x: Tensor<B, 3>,

@@ -8,7 +8,7 @@ use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 
-use super::ops::ModelBackend;
+use super::ops::{ModelBackend, NormKind};
 
 /// `weight * x / sqrt(mean(x²) + eps)` over the last dimension (LFM2's form: no `1 +` offset), normalized
 /// in f32 whatever the compute dtype, then cast back before the weight, as transformers does. A weight kept
@@ -19,18 +19,9 @@ pub struct RmsNorm<B: Backend> {
     pub eps: f64,
 }
 
-impl<B: Backend> RmsNorm<B> {
+impl<B: ModelBackend> RmsNorm<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let dtype = x.dtype();
-        let x = x.cast(FloatDType::F32);
-        let variance = x.clone().powf_scalar(2.0).mean_dim(D - 1);
-        let normed = (x * (variance + self.eps).sqrt().recip()).cast(dtype);
-        let weight = self.weight.val();
-        if weight.dtype() == dtype {
-            normed * weight.unsqueeze::<D>()
-        } else {
-            normed.cast(FloatDType::F32) * weight.cast(FloatDType::F32).unsqueeze::<D>()
-        }
+        B::rms_norm(x, self.weight.val(), self.eps, NormKind::Plain)
     }
 }
 
@@ -42,13 +33,9 @@ pub struct ZeroCenteredRmsNorm<B: Backend> {
     pub eps: f64,
 }
 
-impl<B: Backend> ZeroCenteredRmsNorm<B> {
+impl<B: ModelBackend> ZeroCenteredRmsNorm<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let dtype = x.dtype();
-        let x = x.cast(FloatDType::F32);
-        let variance = x.clone().powf_scalar(2.0).mean_dim(D - 1);
-        let scale = self.weight.val().cast(FloatDType::F32) + 1.0;
-        (x * (variance + self.eps).sqrt().recip() * scale.unsqueeze::<D>()).cast(dtype)
+        B::rms_norm(x, self.weight.val(), self.eps, NormKind::ZeroCentered)
     }
 }
 

@@ -53,7 +53,7 @@ pub struct Attention<B: Backend> {
     pub head_dim: usize,
 }
 
-impl<B: Backend> Attention<B> {
+impl<B: ModelBackend> Attention<B> {
     /// Queries `[batch, heads, seq, head_dim]` and keys, values `[batch, kv_heads, seq, head_dim]`, with the
     /// per-head norms and RoPE applied.
     pub fn qkv(
@@ -82,9 +82,7 @@ impl<B: Backend> Attention<B> {
     pub fn attend(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, mask: &Tensor<B, 4>) -> Tensor<B, 3> {
         self.out_proj.forward(grouped_attention(q, k, v, mask))
     }
-}
 
-impl<B: ModelBackend> Attention<B> {
     /// Attention over the whole sequence, inside each document (the training and full-forward path).
     pub fn forward(
         &self,

@@ -1,10 +1,11 @@
 //! The model ops that go through the backend (`ModelBackend`), so that autodiff backends record each as one
 //! op with a backward pass written by hand instead of burn's composition, which keeps every intermediate:
-//! full-sequence attention (`attention`: no `[heads, seq, seq]` scores kept) and the SwiGLU gate
-//! `silu(gate) · up` (here: keeps its two inputs instead of also `σ(gate)` and `silu(gate)`). Plain
-//! backends run the same forward without a graph. `set_reference_ops` switches autodiff backends back to
-//! burn's compositions, process-wide: the A/B switch for measuring what the ops buy, or for ruling them
-//! out when a run misbehaves.
+//! full-sequence attention (`attention`: no `[heads, seq, seq]` scores kept), the SwiGLU gate
+//! `silu(gate) · up` (keeps its two inputs instead of also `σ(gate)` and `silu(gate)`), and the RMSNorms
+//! (keep the input and weight instead of an f32 copy of the input and the normalized rows; the statistics
+//! are recomputed in the backward pass). Plain backends run the same forward without a graph.
+//! `set_reference_ops` switches autodiff backends back to burn's compositions, process-wide: the A/B switch
+//! for measuring what the ops buy, or for ruling them out when a run misbehaves.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -24,8 +25,8 @@ use super::attention::{DocumentAttention, chunked_attention, softmax_attention, 
 static REFERENCE_OPS: AtomicBool = AtomicBool::new(false);
 
 /// With `true`, autodiff backends record burn's plain compositions instead of the hand-written ops: one
-/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, and the cross-entropy of full logits
-/// (`train::linear_ce`). Same results to rounding; more memory. Process-wide; off by default.
+/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, the composed RMSNorms, and the cross-entropy
+/// of full logits (`train::linear_ce`). Same results to rounding; more memory. Process-wide; off by default.
 pub fn set_reference_ops(on: bool) {
     REFERENCE_OPS.store(on, Ordering::Relaxed);
 }
@@ -54,6 +55,74 @@ pub trait ModelBackend: Backend {
     fn swiglu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>) -> Tensor<Self, D> {
         silu(gate) * up
     }
+
+    /// RMSNorm over the last dimension as transformers computes it (`NormKind` says which form).
+    fn rms_norm<const D: usize>(
+        x: Tensor<Self, D>,
+        weight: Tensor<Self, 1>,
+        eps: f64,
+        kind: NormKind,
+    ) -> Tensor<Self, D> {
+        rms_norm_forward(x, weight, eps, kind)
+    }
+}
+
+/// The two HF RMSNorms. Both normalize in f32: `x̂ = x / sqrt(mean(x²) + eps)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormKind {
+    /// LFM2's `cast(x̂) · w` (the product in the weight's dtype when it is the input's, else in f32, as
+    /// torch promotes an f32 weight).
+    Plain,
+    /// Qwen3.5's zero-centered `cast(x̂ · (1 + w))`, scaled in f32.
+    ZeroCentered,
+}
+
+/// The RMSNorm forward pass, the composition transformers runs.
+pub fn rms_norm_forward<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 1>,
+    eps: f64,
+    kind: NormKind,
+) -> Tensor<B, D> {
+    let dtype = x.dtype();
+    let x = x.cast(FloatDType::F32);
+    let variance = x.clone().powf_scalar(2.0).mean_dim(D - 1);
+    let normed = x * (variance + eps).sqrt().recip();
+    match kind {
+        NormKind::Plain if weight.dtype() == dtype => normed.cast(dtype) * weight.unsqueeze::<D>(),
+        NormKind::Plain => normed.cast(dtype).cast(FloatDType::F32) * weight.cast(FloatDType::F32).unsqueeze::<D>(),
+        NormKind::ZeroCentered => (normed * (weight.cast(FloatDType::F32) + 1.0).unsqueeze::<D>()).cast(dtype),
+    }
+}
+
+/// Gradients of `rms_norm_forward` with respect to `x` and `weight` (in their dtypes) for the output
+/// gradient `grad`, in f32 from `x` alone (the statistics are recomputed, not kept): with `s` the scale
+/// (`w`, or `1 + w`) and `n` what multiplies it (`cast(x̂)`, or `x̂`), `d w = Σ grad · n` over every row,
+/// `d x̂ = grad · s`, `d x = r · (d x̂ − x̂ · mean(d x̂ · x̂))` with `r = 1 / sqrt(mean(x²) + eps)`.
+pub fn rms_norm_backward<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 1>,
+    eps: f64,
+    kind: NormKind,
+    grad: Tensor<B, D>,
+) -> (Tensor<B, D>, Tensor<B, 1>) {
+    let (x_dtype, weight_dtype) = (FloatDType::from(x.dtype()), FloatDType::from(weight.dtype()));
+    let width = weight.dims()[0];
+    let x = x.cast(FloatDType::F32);
+    let grad = grad.cast(FloatDType::F32);
+    let inv = (x.clone().powf_scalar(2.0).mean_dim(D - 1) + eps).sqrt().recip();
+    let normed = x * inv.clone();
+    let weight = weight.cast(FloatDType::F32);
+    let (scale, multiplied) = match kind {
+        // The plain form multiplies the weight with x̂ rounded to the input's dtype.
+        NormKind::Plain => (weight, normed.clone().cast(x_dtype).cast(FloatDType::F32)),
+        NormKind::ZeroCentered => (weight + 1.0, normed.clone()),
+    };
+    let grad_weight = (grad.clone() * multiplied).reshape([-1, width as i64]).sum_dim(0).reshape([width]);
+    let grad_normed = grad * scale.unsqueeze::<D>();
+    let projection = (grad_normed.clone() * normed.clone()).mean_dim(D - 1);
+    let grad_x = (grad_normed - normed * projection) * inv;
+    (grad_x.cast(x_dtype), grad_weight.cast(weight_dtype))
 }
 
 impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
@@ -81,6 +150,35 @@ impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             match SwigluBackward::<D>.prepare::<C>([gate.node.clone(), up.node.clone()]).compute_bound().stateful() {
                 OpsKind::Tracked(mut prep) => {
                     let state = (prep.checkpoint(&gate), prep.checkpoint(&up));
+                    prep.finish(state, out)
+                }
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            };
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+
+    fn rms_norm<const D: usize>(
+        x: Tensor<Self, D>,
+        weight: Tensor<Self, 1>,
+        eps: f64,
+        kind: NormKind,
+    ) -> Tensor<Self, D> {
+        if reference_ops() {
+            return rms_norm_forward(x, weight, eps, kind);
+        }
+        let (x, weight) = (x.into_primitive().tensor(), weight.into_primitive().tensor());
+        let out = rms_norm_forward(
+            Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x.primitive.clone())),
+            Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(weight.primitive.clone())),
+            eps,
+            kind,
+        )
+        .into_primitive()
+        .tensor();
+        let output =
+            match RmsNormBackward::<D>.prepare::<C>([x.node.clone(), weight.node.clone()]).compute_bound().stateful() {
+                OpsKind::Tracked(mut prep) => {
+                    let state = (prep.checkpoint(&x), prep.checkpoint(&weight), eps, kind);
                     prep.finish(state, out)
                 }
                 OpsKind::UnTracked(prep) => prep.finish(out),
@@ -126,6 +224,38 @@ impl<B: Backend, const D: usize> Backward<B, 2> for SwigluBackward<D> {
             if let Some(node) = parent {
                 grads.register::<B>(node.id, grad.into_primitive().tensor());
             }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RmsNormBackward<const D: usize>;
+
+impl<B: Backend, const D: usize> Backward<B, 2> for RmsNormBackward<D> {
+    /// The input and the weight through the checkpointer, eps and the form.
+    type State = (NodeId, NodeId, f64, NormKind);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let (x, weight, eps, kind) = ops.state;
+        let [parent_x, parent_weight] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if parent_x.is_none() && parent_weight.is_none() {
+            return;
+        }
+        let x: FloatTensor<B> = checkpointer.retrieve_node_output(x);
+        let weight: FloatTensor<B> = checkpointer.retrieve_node_output(weight);
+        let (grad_x, grad_weight) = rms_norm_backward(
+            Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x)),
+            Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(weight)),
+            eps,
+            kind,
+            Tensor::<B, D>::from_primitive(TensorPrimitive::Float(grad)),
+        );
+        if let Some(node) = parent_x {
+            grads.register::<B>(node.id, grad_x.into_primitive().tensor());
+        }
+        if let Some(node) = parent_weight {
+            grads.register::<B>(node.id, grad_weight.into_primitive().tensor());
         }
     }
 }
@@ -179,6 +309,58 @@ mod tests {
         // so the two differ by up to a few bf16 ulps (2⁻⁸ relative each).
         for (name, (a, b)) in NAMES.iter().zip(op.iter().zip(&composed)).skip(1) {
             assert_close(name, a, b, 1.0 / 64.0);
+        }
+    }
+
+    /// Output and gradients (x, weight) of `Σ rms_norm(x, w) ⊙ R` through the op and through the
+    /// composition, for an input in `x_dtype` and a weight in `weight_dtype` (near 1, or near 0 for the
+    /// zero-centered form, as trained).
+    fn norms<B: ModelBackend + AutodiffBackend>(
+        kind: NormKind,
+        x_dtype: FloatDType,
+        weight_dtype: FloatDType,
+    ) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
+        let device = Default::default();
+        B::seed(&device, 7);
+        let x = Tensor::<B, 3>::random([2, 5, 16], Distribution::Normal(0.5, 2.0), &device).cast(x_dtype).require_grad();
+        let centre = if kind == NormKind::Plain { 1.0 } else { 0.0 };
+        let weight =
+            Tensor::<B, 1>::random([16], Distribution::Normal(centre, 0.3), &device).cast(weight_dtype).require_grad();
+        let weights = Tensor::<B, 3>::random([2, 5, 16], Distribution::Normal(0.0, 1.0), &device);
+        let run = |out: Tensor<B, 3>| {
+            let grads = (out.clone().cast(FloatDType::F32) * weights.clone()).sum().backward();
+            [values(out), values(x.grad(&grads).expect("d x")), values(weight.grad(&grads).expect("d w"))]
+        };
+        let op = run(B::rms_norm(x.clone(), weight.clone(), 1e-6, kind));
+        let composed = run(rms_norm_forward(x.clone(), weight.clone(), 1e-6, kind));
+        (op, composed)
+    }
+
+    const NORM_NAMES: [&str; 3] = ["output", "d x", "d weight"];
+
+    #[test]
+    fn rms_norms_and_their_backward_equal_the_composition() {
+        use FloatDType::{BF16, F32};
+        // (form, input dtype, weight dtype, gradient tolerance): f32 to rounding; bf16 to two bf16 ulps
+        // (the op rounds its gradients once, the composition after each product); Qwen3.5's DeltaNet norm
+        // keeps an f32 weight under bf16 inputs.
+        let cases = [
+            (NormKind::Plain, F32, F32, 1e-6),
+            (NormKind::ZeroCentered, F32, F32, 1e-6),
+            (NormKind::Plain, BF16, BF16, 1.0 / 128.0),
+            (NormKind::ZeroCentered, BF16, BF16, 1.0 / 128.0),
+            (NormKind::Plain, BF16, F32, 1.0 / 128.0),
+        ];
+        for (kind, x_dtype, weight_dtype, tolerance) in cases {
+            let (op, composed) = norms::<CpuTrain>(kind, x_dtype, weight_dtype);
+            assert_eq!(op[0], composed[0], "{kind:?} {x_dtype:?}/{weight_dtype:?}: the forward is the composition");
+            for (name, (a, b)) in NORM_NAMES.iter().zip(op.iter().zip(&composed)).skip(1) {
+                assert_close(&format!("{kind:?} {x_dtype:?}/{weight_dtype:?} {name}"), a, b, tolerance);
+            }
+        }
+        let (op, composed) = norms::<CpuTrainCheckpointed>(NormKind::ZeroCentered, F32, F32);
+        for (name, (a, b)) in NORM_NAMES.iter().zip(op.iter().zip(&composed)) {
+            assert_close(&format!("checkpointed {name}"), a, b, 1e-6);
         }
     }
 

@@ -52,7 +52,7 @@ pub struct DeltaNetInputs<B: Backend> {
     pub z: Tensor<B, 4>,
 }
 
-impl<B: Backend> GatedDeltaNet<B> {
+impl<B: ModelBackend> GatedDeltaNet<B> {
     /// Everything the scan needs, from the (already convolved and activated) `mixed` q | k | v and the
     /// layer input `x`.
     pub fn scan_inputs(&self, x: Tensor<B, 3>, mixed: Tensor<B, 3>) -> DeltaNetInputs<B> {
@@ -110,7 +110,7 @@ pub struct GatedAttention<B: Backend> {
     pub head_dim: usize,
 }
 
-impl<B: Backend> GatedAttention<B> {
+impl<B: ModelBackend> GatedAttention<B> {
     /// Queries `[batch, heads, seq, hd]`, keys and values `[batch, kv_heads, seq, hd]` (normed, rotated), and
     /// the output gate `[batch, seq, heads * hd]`.
     pub fn qkv_gate(
@@ -139,9 +139,7 @@ impl<B: Backend> GatedAttention<B> {
     ) -> Tensor<B, 3> {
         self.o_proj.forward(grouped_attention(q, k, v, mask) * sigmoid(gate))
     }
-}
 
-impl<B: ModelBackend> GatedAttention<B> {
     /// Attention over the whole sequence, inside each document (the training and full-forward path).
     pub fn forward(
         &self,
