@@ -6,7 +6,8 @@
 //! tensors in f32 (the peak of 65k–248k vocabularies). The loss is in f32 whatever the compute dtype.
 //!
 //! The plain composition (`step::masked_loss`: matmul → f32 → log-softmax → gather) is the reference the
-//! tests compare this op with, in value and in both gradients.
+//! tests compare this op with, in value and in both gradients, and what runs under
+//! `models::set_reference_ops(true)`.
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
