@@ -18,7 +18,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 
 use super::SequenceLayout;
@@ -57,9 +57,7 @@ pub(super) fn tracked_document_attention<B: Backend, C: CheckpointStrategy>(
                 v: prep.checkpoint(&v),
                 out: out.clone(),
                 lse: forward.lse.into_primitive().tensor(),
-                docs: inner_docs.docs.into_primitive(),
-                first_key: inner_docs.first_key,
-                chunk_rows: inner_docs.chunk_rows,
+                docs: inner_docs,
             };
             prep.finish(saved, out)
         }
@@ -265,9 +263,7 @@ struct SavedAttention<B: Backend> {
     v: NodeId,
     out: FloatTensor<B>,
     lse: FloatTensor<B>,
-    docs: IntTensor<B>,
-    first_key: Vec<usize>,
-    chunk_rows: Option<usize>,
+    docs: DocumentAttention<B>,
 }
 
 #[derive(Debug)]
@@ -287,16 +283,11 @@ impl<B: Backend> Backward<B, 3> for ChunkedAttentionBackward {
         let q = tensor4(checkpointer.retrieve_node_output(saved.q));
         let k = tensor4(checkpointer.retrieve_node_output(saved.k));
         let v = tensor4(checkpointer.retrieve_node_output(saved.v));
-        let docs = DocumentAttention::<B> {
-            docs: Tensor::from_primitive(saved.docs),
-            first_key: saved.first_key,
-            chunk_rows: saved.chunk_rows,
-        };
         let forward = AttentionForward {
             out: tensor4(saved.out),
             lse: Tensor::from_primitive(TensorPrimitive::Float(saved.lse)),
         };
-        let (grad_q, grad_k, grad_v) = chunked_attention_backward(q, k, v, &docs, forward, tensor4(grad_out));
+        let (grad_q, grad_k, grad_v) = chunked_attention_backward(q, k, v, &saved.docs, forward, tensor4(grad_out));
         for (parent, grad) in [(parent_q, grad_q), (parent_k, grad_k), (parent_v, grad_v)] {
             if let Some(node) = parent {
                 grads.register::<B>(node.id, grad.into_primitive().tensor());
