@@ -16,7 +16,7 @@ use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
 use kiln::models::decode::{CachedDecoding, generate_greedy};
 use kiln::models::deltanet::{self, ChunkPlan, DocSegments, ScanInputs};
 use kiln::models::hf::{ExportDtype, hf_gradients, hf_tensors};
-use kiln::models::{CausalLm, ModelConfig, Qwen35Model, SequenceLayout, WeightStore, load_model};
+use kiln::models::{CausalLm, ModelBackend, ModelConfig, Qwen35Model, SequenceLayout, WeightStore, load_model};
 
 type Cpu = Flex<f32>;
 type Train = Autodiff<Cpu>;
@@ -207,7 +207,8 @@ fn chunked_scan_gradients_equal_the_recurrent_reference() {
     let segments = DocSegments::from_doc_ids(batch, seq, docs);
     let plan = ChunkPlan::<Train>::new(&segments, 64, &device);
     let weights = normal([batch, heads, seq, dv]);
-    let run = |chunked: bool| {
+    // The scan op (hand-written backward), burn's composition of the chunked form, the recurrent reference.
+    let run = |form: &str| {
         let leaf = |t: Tensor<Cpu, 4>| Tensor::<Train, 4>::from_inner(t).require_grad();
         let (q, k, v) = (leaf(raw.0.clone()), leaf(raw.1.clone()), leaf(raw.2.clone()));
         let g = Tensor::<Train, 3>::from_inner(g.clone()).require_grad();
@@ -220,18 +221,24 @@ fn chunked_scan_gradients_equal_the_recurrent_reference() {
             g: g.clone(),
             beta: beta.clone(),
         };
-        let (out, _) =
-            if chunked { deltanet::chunked(inputs, &plan, None) } else { deltanet::recurrent(inputs, &segments, None) };
+        let out = match form {
+            "op" => <Train as ModelBackend>::gated_delta_rule(inputs, &plan),
+            "chunked" => deltanet::chunked(inputs, &plan, None).0,
+            _ => deltanet::recurrent(inputs, &segments, None).0,
+        };
         let loss = (out * Tensor::<Train, 4>::from_inner(weights.clone())).sum();
         let grads = loss.backward();
         let grad4 = |t: &Tensor<Train, 4>| values(t.grad(&grads).unwrap());
         let grad3 = |t: &Tensor<Train, 3>| values(t.grad(&grads).unwrap());
         [grad4(&q), grad4(&k), grad4(&v), grad3(&g), grad3(&beta)]
     };
-    let (chunked, recurrent) = (run(true), run(false));
-    for (name, (a, b)) in ["q", "k", "v", "g", "beta"].iter().zip(chunked.iter().zip(&recurrent)) {
-        let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let err = max_abs_diff(a, b) / scale;
-        assert!(err <= 1e-4, "gradient of {name}: chunked and recurrent differ by {err} (relative)");
+    let recurrent = run("recurrent");
+    for form in ["op", "chunked"] {
+        let grads = run(form);
+        for (name, (a, b)) in ["q", "k", "v", "g", "beta"].iter().zip(grads.iter().zip(&recurrent)) {
+            let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let err = max_abs_diff(a, b) / scale;
+            assert!(err <= 1e-4, "gradient of {name}: {form} and recurrent differ by {err} (relative)");
+        }
     }
 }

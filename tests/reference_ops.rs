@@ -1,5 +1,6 @@
 //! The reference-ops switch (`kiln train --reference-ops`, `kiln bench-train --reference-ops`): training
-//! through burn's plain compositions gives the hand-written ops' losses to rounding, for both architectures.
+//! through burn's plain compositions gives the hand-written ops' losses to rounding, for both architectures
+//! and the MoE.
 //! Its own test binary, because the switch is process-wide and the other training tests compare runs bit
 //! for bit.
 
@@ -29,8 +30,9 @@ fn the_reference_compositions_train_to_the_same_losses() {
         moments: MomentDtype::F32,
         reference_ops: false,
     };
-    for shape in ["tiny", "tiny-qwen3.5"] {
-        let config = ModelConfig::from_file(&root.join("configs/models").join(shape).join("config.json")).unwrap();
+    // LFM2, Qwen3.5 (DeltaNet scan op) and LFM2-MoE (grouped expert matmuls).
+    for shape in ["configs/models/tiny", "configs/models/tiny-qwen3.5", "tests/fixtures/lfm2/lfm2-moe-tiny"] {
+        let config = ModelConfig::from_file(&root.join(shape).join("config.json")).unwrap();
         let ops = bench_on_device(&config, &cfg, "cpu").unwrap();
         let reference = bench_on_device(&config, &BenchConfig { reference_ops: true, ..cfg.clone() }, "cpu").unwrap();
         assert!(!ops.reference_ops && reference.reference_ops, "{shape}: the results say which ran");

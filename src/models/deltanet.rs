@@ -6,8 +6,15 @@
 //! Per head, with the state `S ∈ R^{dk×dv}`: `S ← S·exp(g_t)`, `δ = β_t (v_t − Sᵀk_t)`, `S ← S + k_t δᵀ`,
 //! `o_t = Sᵀ q_t`. q and k arrive L2-normalized and q scaled by 1/√dk; everything runs in f32.
 
-use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, FloatDType, Tensor, TensorData};
+use burn::backend::Autodiff;
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Bool, FloatDType, Tensor, TensorData, TensorPrimitive};
 
 /// Which document each position of a `[batch, seq]` block belongs to, and which document the state a call
 /// starts from belongs to (per row): a position continues that state only inside the same document.
@@ -76,8 +83,7 @@ pub fn recurrent<B: Backend>(
     let [batch, heads, seq, dk] = k.dims();
     let dv = v.dims()[3];
     let device = q.device();
-    let mut state =
-        initial.unwrap_or_else(|| Tensor::zeros([batch, heads, dk, dv], &device)).cast(FloatDType::F32);
+    let mut state = initial.unwrap_or_else(|| Tensor::zeros([batch, heads, dk, dv], &device)).cast(FloatDType::F32);
     let keep: Vec<f32> = (0..seq)
         .flat_map(|t| (0..batch).map(move |r| (r, t)))
         .map(|(r, t)| f32::from(u8::from(segments.continues(r, t))))
@@ -116,6 +122,7 @@ fn unit_lower_inverse<B: Backend>(l: Tensor<B, 5>, outside_bridges: &[Tensor<B, 
 
 /// Everything the chunked form needs from the document layout, built once per layout and shared by every
 /// DeltaNet layer of a forward pass (the masks are host work).
+#[derive(Debug, Clone)]
 pub struct ChunkPlan<B: Backend> {
     size: usize,
     seq: usize,
@@ -187,76 +194,391 @@ impl<B: Backend> ChunkPlan<B> {
     }
 }
 
+impl<B: AutodiffBackend> ChunkPlan<B> {
+    /// The same plan on the inner backend (the masks carry no gradient).
+    fn inner(&self) -> ChunkPlan<B::InnerBackend> {
+        ChunkPlan {
+            size: self.size,
+            seq: self.seq,
+            chunks: self.chunks,
+            blocked: self.blocked.clone().inner(),
+            carry: self.carry.clone().inner(),
+            reaches_end: self.reaches_end.clone().inner(),
+            outside_bridges: self.outside_bridges.iter().map(|m| m.clone().inner()).collect(),
+        }
+    }
+}
+
+/// `ModelBackend::gated_delta_rule` on an autodiff backend: `chunked_scan` from an empty state on the inner
+/// backend, recorded as one op whose backward is `chunked_backward`. It keeps the five inputs (through the
+/// checkpointer) and the state each chunk starts from, where burn's composition keeps every intermediate of
+/// the chunk solve and, per chunk of the scan, gives each slice it reads a full-size gradient.
+pub(super) fn tracked_gated_delta_rule<B: Backend, C: CheckpointStrategy>(
+    inputs: ScanInputs<Autodiff<B, C>>,
+    plan: &ChunkPlan<Autodiff<B, C>>,
+) -> Tensor<Autodiff<B, C>, 4> {
+    let ScanInputs { q, k, v, g, beta } = inputs;
+    let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
+    let (g, beta) = (g.into_primitive().tensor(), beta.into_primitive().tensor());
+    let inner_plan = plan.inner();
+    let float = |t: &FloatTensor<B>| TensorPrimitive::Float(t.clone());
+    let scan = chunked_scan(
+        ScanInputs {
+            q: Tensor::from_primitive(float(&q.primitive)),
+            k: Tensor::from_primitive(float(&k.primitive)),
+            v: Tensor::from_primitive(float(&v.primitive)),
+            g: Tensor::from_primitive(float(&g.primitive)),
+            beta: Tensor::from_primitive(float(&beta.primitive)),
+        },
+        &inner_plan,
+        None,
+    );
+    let out = scan.out.into_primitive().tensor();
+    let parents = [q.node.clone(), k.node.clone(), v.node.clone(), g.node.clone(), beta.node.clone()];
+    let output = match GatedDeltaRuleBackward.prepare::<C>(parents).compute_bound().stateful() {
+        OpsKind::Tracked(mut prep) => {
+            let saved = SavedScan {
+                inputs: [&q, &k, &v, &g, &beta].map(|t| prep.checkpoint(t)),
+                chunk_states: scan.chunk_states.into_primitive().tensor(),
+                plan: inner_plan,
+            };
+            prep.finish(saved, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(output))
+}
+
+/// What the backward pass needs: q, k, v, g, β through the checkpointer, the chunk states, the plan.
+#[derive(Debug, Clone)]
+struct SavedScan<B: Backend> {
+    inputs: [NodeId; 5],
+    chunk_states: FloatTensor<B>,
+    plan: ChunkPlan<B>,
+}
+
+#[derive(Debug)]
+struct GatedDeltaRuleBackward;
+
+impl<B: Backend> Backward<B, 5> for GatedDeltaRuleBackward {
+    type State = SavedScan<B>;
+
+    fn backward(self, ops: Ops<Self::State, 5>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let saved = ops.state;
+        let grad_out = grads.consume::<B>(&ops.node);
+        if ops.parents.iter().all(Option::is_none) {
+            return;
+        }
+        let [q, k, v, g, beta] = saved.inputs.map(|id| checkpointer.retrieve_node_output::<FloatTensor<B>>(id));
+        let inputs = ScanInputs {
+            q: Tensor::from_primitive(TensorPrimitive::Float(q)),
+            k: Tensor::from_primitive(TensorPrimitive::Float(k)),
+            v: Tensor::from_primitive(TensorPrimitive::Float(v)),
+            g: Tensor::from_primitive(TensorPrimitive::Float(g)),
+            beta: Tensor::from_primitive(TensorPrimitive::Float(beta)),
+        };
+        let chunk_states = Tensor::from_primitive(TensorPrimitive::Float(saved.chunk_states));
+        let d = chunked_backward(
+            inputs,
+            &saved.plan,
+            chunk_states,
+            Tensor::from_primitive(TensorPrimitive::Float(grad_out)),
+        );
+        let gradients = [
+            d.q.into_primitive().tensor(),
+            d.k.into_primitive().tensor(),
+            d.v.into_primitive().tensor(),
+            d.g.into_primitive().tensor(),
+            d.beta.into_primitive().tensor(),
+        ];
+        for (parent, grad) in ops.parents.into_iter().zip(gradients) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+/// Every quantity of the chunked form inside the chunks, `[batch, heads, chunks, C, ·]` in f32 (inputs
+/// padded to whole chunks): what the scan across chunks consumes, and what the hand-written backward pass
+/// (`chunked_backward`) recomputes instead of keeping.
+struct ChunkForm<B: Backend> {
+    q: Tensor<B, 5>,
+    k: Tensor<B, 5>,
+    v: Tensor<B, 5>,
+    beta: Tensor<B, 4>,
+    /// `exp(cum_i − cum_j)` for `j ≤ i` in one document, else 0 (`cum` the in-chunk cumulative log-decay).
+    decay: Tensor<B, 5>,
+    k_beta: Tensor<B, 5>,
+    v_beta: Tensor<B, 5>,
+    /// `k_β kᵀ` before the decay and the strictly-lower mask.
+    key_products: Tensor<B, 5>,
+    /// `T = (I + L)⁻¹`, `L` the strictly lower `k_β kᵀ ⊙ decay`.
+    inverse: Tensor<B, 5>,
+    /// `exp(cum)`, 0 once a new document began in the chunk.
+    from_start: Tensor<B, 4>,
+    /// `exp(cum_last − cum)` for positions in the chunk's last document, else 0.
+    to_end: Tensor<B, 4>,
+    /// `U = T v_β`: the chunk's value corrections before the carried state is subtracted.
+    new_values: Tensor<B, 5>,
+    /// `W = T (k_β ⊙ from_start)`: how much of the carried state each correction subtracts.
+    state_reads: Tensor<B, 5>,
+    /// `q kᵀ`, and `intra = q kᵀ ⊙ decay`: the chunk's own contributions to its outputs.
+    scores: Tensor<B, 5>,
+    intra: Tensor<B, 5>,
+    q_decayed: Tensor<B, 5>,
+    k_decayed: Tensor<B, 5>,
+    /// `[batch, heads, chunks]`: the decay across the whole chunk.
+    chunk_decay: Tensor<B, 3>,
+}
+
+/// The chunked form's outputs and states.
+pub struct ChunkedScan<B: Backend> {
+    /// `[batch, heads, seq, dv]`, f32.
+    pub out: Tensor<B, 4>,
+    /// The state each chunk starts from, `[batch, heads, chunks, dk, dv]`.
+    pub chunk_states: Tensor<B, 5>,
+    /// The state after the last position, `[batch, heads, dk, dv]`.
+    pub last: Tensor<B, 4>,
+}
+
+/// `x` padded with zeros along dim 2 to `len`.
+fn pad_to<B: Backend, const D: usize>(x: Tensor<B, D>, len: usize) -> Tensor<B, D> {
+    let mut dims = x.dims();
+    if dims[2] >= len {
+        return x;
+    }
+    dims[2] = len - dims[2];
+    let zeros = Tensor::<B, D>::zeros(dims, &x.device()).cast(FloatDType::F32);
+    Tensor::cat(vec![x, zeros], 2)
+}
+
+/// `[batch, heads, seq, d]` → `[batch, heads, chunks, C, d]`, padded with zeros (the padding continues the
+/// last document with zero keys, values and rates: it changes nothing).
+fn into_chunks<B: Backend>(x: Tensor<B, 4>, plan: &ChunkPlan<B>) -> Tensor<B, 5> {
+    let [batch, heads, _, d] = x.dims();
+    pad_to(x, plan.chunks * plan.size).reshape([batch, heads, plan.chunks, plan.size, d])
+}
+
+/// The inverse of `into_chunks`.
+fn from_chunks<B: Backend>(x: Tensor<B, 5>, seq: usize) -> Tensor<B, 4> {
+    let [batch, heads, chunks, size, d] = x.dims();
+    x.reshape([batch, heads, chunks * size, d]).narrow(2, 0, seq)
+}
+
+/// `[.., C, C]` true on and above the diagonal (`tril_mask(-1)`): where a strictly lower matrix is 0.
+fn diagonal_and_above<B: Backend>(size: usize, device: &B::Device) -> Tensor<B, 5, Bool> {
+    Tensor::<B, 2, Bool>::tril_mask([size, size], -1, device).unsqueeze::<5>()
+}
+
+fn chunk_form<B: Backend>(inputs: ScanInputs<B>, plan: &ChunkPlan<B>) -> ChunkForm<B> {
+    let ScanInputs { q, k, v, g, beta } = inputs.into_f32();
+    let [batch, heads, seq, _] = k.dims();
+    assert_eq!(seq, plan.seq, "the plan was made for another sequence length");
+    let (size, chunks) = (plan.size, plan.chunks);
+    let (q, k, v) = (into_chunks(q, plan), into_chunks(k, plan), into_chunks(v, plan));
+    let per_position = |x: Tensor<B, 3>| pad_to(x, chunks * size).reshape([batch, heads, chunks, size]);
+    let beta = per_position(beta);
+    let cum = per_position(g).cumsum(3);
+    // Masked before exp: no overflow from the blocked (future or other-document) entries.
+    let gap = cum.clone().unsqueeze_dim::<5>(4) - cum.clone().unsqueeze_dim::<5>(3);
+    let decay = gap.mask_fill(plan.blocked.clone(), f32::NEG_INFINITY).exp();
+    let k_beta = k.clone() * beta.clone().unsqueeze_dim::<5>(4);
+    let v_beta = v.clone() * beta.clone().unsqueeze_dim::<5>(4);
+    let key_products = k_beta.clone().matmul(k.clone().swap_dims(3, 4));
+    let lower = (key_products.clone() * decay.clone()).mask_fill(diagonal_and_above(size, &q.device()), 0.0);
+    let inverse = unit_lower_inverse(lower, &plan.outside_bridges);
+    let from_start = cum.clone().exp() * plan.carry.clone();
+    let new_values = inverse.clone().matmul(v_beta.clone());
+    let state_reads = inverse.clone().matmul(k_beta.clone() * from_start.clone().unsqueeze_dim::<5>(4));
+    let scores = q.clone().matmul(k.clone().swap_dims(3, 4));
+    let intra = scores.clone() * decay.clone();
+    let q_decayed = q.clone() * from_start.clone().unsqueeze_dim::<5>(4);
+    let last = cum.clone().narrow(3, size - 1, 1);
+    let to_end = (last - cum).exp() * plan.reaches_end.clone();
+    let k_decayed = k.clone() * to_end.clone().unsqueeze_dim::<5>(4);
+    let chunk_decay = from_start.clone().narrow(3, size - 1, 1).reshape([batch, heads, chunks]);
+    ChunkForm {
+        q,
+        k,
+        v,
+        beta,
+        decay,
+        k_beta,
+        v_beta,
+        key_products,
+        inverse,
+        from_start,
+        to_end,
+        new_values,
+        state_reads,
+        scores,
+        intra,
+        q_decayed,
+        k_decayed,
+        chunk_decay,
+    }
+}
+
+/// Chunk `n` of a `[batch, heads, chunks, C, d]` tensor, `[batch, heads, C, d]`.
+fn chunk_at<B: Backend>(x: &Tensor<B, 5>, n: usize) -> Tensor<B, 4> {
+    let [b, h, _, c, d] = x.dims();
+    x.clone().narrow(2, n, 1).reshape([b, h, c, d])
+}
+
+/// Chunk `n`'s decay `[batch, heads, 1, 1]`.
+fn decay_at<B: Backend>(chunk_decay: &Tensor<B, 3>, n: usize) -> Tensor<B, 4> {
+    let [b, h, _] = chunk_decay.dims();
+    chunk_decay.clone().narrow(2, n, 1).reshape([b, h, 1, 1])
+}
+
 /// The chunked form (transformers' `torch_chunk_gated_delta_rule` with document resets): inside a chunk the
-/// delta-rule updates are one triangular solve, across chunks a scan over `seq / size` steps. Equal to
-/// `recurrent` up to float rounding. Returns the outputs `[batch, heads, seq, dv]` (f32) and the final state.
+/// delta-rule updates are one triangular solve, across chunks a scan over `seq / size` steps that carries
+/// only the state; the outputs are then one batched product over all chunks. Equal to `recurrent` up to
+/// float rounding. Returns the outputs `[batch, heads, seq, dv]` (f32) and the final state.
 pub fn chunked<B: Backend>(
     inputs: ScanInputs<B>,
     plan: &ChunkPlan<B>,
     initial: Option<Tensor<B, 4>>,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-    let ScanInputs { q, k, v, g, beta } = inputs.into_f32();
-    let [batch, heads, seq, dk] = k.dims();
-    assert_eq!(seq, plan.seq, "the plan was made for another sequence length");
-    let (size, chunks) = (plan.size, plan.chunks);
-    let dv = v.dims()[3];
-    let device = q.device();
-    let pad = chunks * size - seq;
-    let pad4 = |x: Tensor<B, 4>| {
-        if pad == 0 {
-            return x;
-        }
-        let [b, h, _, d] = x.dims();
-        Tensor::cat(vec![x, Tensor::<B, 4>::zeros([b, h, pad, d], &device).cast(FloatDType::F32)], 2)
-    };
-    let pad3 = |x: Tensor<B, 3>| {
-        if pad == 0 {
-            return x;
-        }
-        let [b, h, _] = x.dims();
-        Tensor::cat(vec![x, Tensor::<B, 3>::zeros([b, h, pad], &device).cast(FloatDType::F32)], 2)
-    };
-    let split = |x: Tensor<B, 4>, d: usize| x.reshape([batch, heads, chunks, size, d]);
-    let (q, k, v) = (split(pad4(q), dk), split(pad4(k), dk), split(pad4(v), dv));
-    let beta = pad3(beta).reshape([batch, heads, chunks, size]);
-    let cum = pad3(g).reshape([batch, heads, chunks, size]).cumsum(3);
-    let (blocked, carry, reaches_end) = (plan.blocked.clone(), plan.carry.clone(), plan.reaches_end.clone());
+    let scan = chunked_scan(inputs, plan, initial);
+    (scan.out, scan.last)
+}
 
-    // decay[i, j] = exp(cum_i − cum_j) for j ≤ i in one document, else 0 (masked before exp: no overflow).
-    let gap = cum.clone().unsqueeze_dim::<5>(4) - cum.clone().unsqueeze_dim::<5>(3);
-    let decay = gap.mask_fill(blocked, f32::NEG_INFINITY).exp();
-    let k_beta = k.clone() * beta.clone().unsqueeze_dim::<5>(4);
-    let v_beta = v * beta.unsqueeze_dim::<5>(4);
-    // `tril_mask(-1)` is true on and above the diagonal: only the strictly lower part stays.
-    let diagonal_and_above = Tensor::<B, 2, Bool>::tril_mask([size, size], -1, &device).unsqueeze::<5>();
-    let lower = (k_beta.clone().matmul(k.clone().swap_dims(3, 4)) * decay.clone()).mask_fill(diagonal_and_above, 0.0);
-    let inverse = unit_lower_inverse(lower, &plan.outside_bridges);
-    let from_start = cum.clone().exp() * carry; // decay since the chunk began, 0 once a new document began
-    let new_values = inverse.clone().matmul(v_beta);
-    let state_reads = inverse.matmul(k_beta * from_start.clone().unsqueeze_dim::<5>(4));
-    let intra = q.clone().matmul(k.clone().swap_dims(3, 4)) * decay;
-    let q_decayed = q * from_start.clone().unsqueeze_dim::<5>(4);
-    let last = cum.clone().narrow(3, size - 1, 1);
-    let to_end = (last.clone() - cum).exp() * reaches_end;
-    let k_decayed = k * to_end.unsqueeze_dim::<5>(4);
-    let chunk_decay = from_start.narrow(3, size - 1, 1); // [B, H, N, 1]
-
+/// `chunked`, also returning the state every chunk starts from (what its backward pass needs).
+pub fn chunked_scan<B: Backend>(
+    inputs: ScanInputs<B>,
+    plan: &ChunkPlan<B>,
+    initial: Option<Tensor<B, 4>>,
+) -> ChunkedScan<B> {
+    let seq = inputs.q.dims()[2];
+    let form = chunk_form(inputs, plan);
+    let [batch, heads, chunks, _, dk] = form.k.dims();
+    let dv = form.v.dims()[4];
     let mut state =
-        initial.unwrap_or_else(|| Tensor::zeros([batch, heads, dk, dv], &device)).cast(FloatDType::F32);
-    let mut outputs = Vec::with_capacity(chunks);
-    let chunk = |x: &Tensor<B, 5>, n: usize| {
-        let [b, h, _, c, d] = x.dims();
-        x.clone().narrow(2, n, 1).reshape([b, h, c, d])
-    };
+        initial.unwrap_or_else(|| Tensor::zeros([batch, heads, dk, dv], &form.q.device())).cast(FloatDType::F32);
+    let mut starts = Vec::with_capacity(chunks);
     for n in 0..chunks {
-        let corrected = chunk(&new_values, n) - chunk(&state_reads, n).matmul(state.clone());
-        let out = chunk(&q_decayed, n).matmul(state.clone()) + chunk(&intra, n).matmul(corrected.clone());
-        outputs.push(out);
-        let carried = chunk_decay.clone().narrow(2, n, 1).reshape([batch, heads, 1, 1]);
-        state = state * carried + chunk(&k_decayed, n).swap_dims(2, 3).matmul(corrected);
+        starts.push(state.clone());
+        let corrected = chunk_at(&form.new_values, n) - chunk_at(&form.state_reads, n).matmul(state.clone());
+        state = state * decay_at(&form.chunk_decay, n) + chunk_at(&form.k_decayed, n).swap_dims(2, 3).matmul(corrected);
     }
-    let out = Tensor::cat(outputs, 2).narrow(2, 0, seq);
-    (out, state)
+    let chunk_states = Tensor::stack::<5>(starts, 2);
+    let corrected = form.new_values - form.state_reads.matmul(chunk_states.clone());
+    let out = form.q_decayed.matmul(chunk_states.clone()) + form.intra.matmul(corrected);
+    ChunkedScan { out: from_chunks(out, seq), chunk_states, last: state }
+}
+
+/// `x` with `extra` `[.., 1]` added at its last position along dim 3.
+fn add_at_last<B: Backend>(x: Tensor<B, 4>, extra: Tensor<B, 4>) -> Tensor<B, 4> {
+    let size = x.dims()[3];
+    let last = x.clone().narrow(3, size - 1, 1) + extra;
+    Tensor::cat(vec![x.narrow(3, 0, size - 1), last], 3)
+}
+
+/// `Σ` over the last dimension of a `[.., C, d]` tensor, `[.., C]`.
+fn row_sums<B: Backend>(x: Tensor<B, 5>) -> Tensor<B, 4> {
+    let [b, h, n, c, _] = x.dims();
+    x.sum_dim(4).reshape([b, h, n, c])
+}
+
+/// Gradients of `chunked_scan(inputs, plan, None).out` for the output gradient `grad_out`
+/// `[batch, heads, seq, dv]`, given the state every chunk started from (`chunk_states`), as `ScanInputs`
+/// in the inputs' dtypes. Everything inside the chunks is recomputed; across chunks the state gradient
+/// runs backwards, `dS_n = a_n dS_{n+1} + Qd_nᵀ dO_n − W_nᵀ dU'_n` with `dU'_n = A_nᵀ dO_n + Kd_n dS_{n+1}`;
+/// the rest is batched over all chunks: through the triangular solve (`dL = −Tᵀ dT Tᵀ`), the decays
+/// (`d cum` from every `exp` of a cumulative-sum difference) and the cumulative sum itself (`dg` its
+/// reverse cumulative sum).
+pub fn chunked_backward<B: Backend>(
+    inputs: ScanInputs<B>,
+    plan: &ChunkPlan<B>,
+    chunk_states: Tensor<B, 5>,
+    grad_out: Tensor<B, 4>,
+) -> ScanInputs<B> {
+    let dtypes = [&inputs.q, &inputs.k, &inputs.v].map(|x| FloatDType::from(x.dtype()));
+    let (g_dtype, beta_dtype) = (FloatDType::from(inputs.g.dtype()), FloatDType::from(inputs.beta.dtype()));
+    let seq = inputs.q.dims()[2];
+    let f = chunk_form(inputs, plan);
+    let [batch, heads, chunks, size, dk] = f.k.dims();
+    let dv = f.v.dims()[4];
+    let device = f.q.device();
+    let d_out = into_chunks(grad_out.cast(FloatDType::F32), plan);
+
+    // The scan across chunks.
+    let corrected = f.new_values.clone() - f.state_reads.clone().matmul(chunk_states.clone());
+    let d_intra = d_out.clone().matmul(corrected.clone().swap_dims(3, 4));
+    let d_q_decayed = d_out.clone().matmul(chunk_states.clone().swap_dims(3, 4));
+    let from_outputs = f.intra.clone().swap_dims(3, 4).matmul(d_out.clone());
+    let into_states = f.q_decayed.clone().swap_dims(3, 4).matmul(d_out);
+    let mut d_state = Tensor::<B, 4>::zeros([batch, heads, dk, dv], &device).cast(FloatDType::F32);
+    let (mut d_next, mut d_corrected) = (Vec::with_capacity(chunks), Vec::with_capacity(chunks));
+    for n in (0..chunks).rev() {
+        let d_corr = chunk_at(&from_outputs, n) + chunk_at(&f.k_decayed, n).matmul(d_state.clone());
+        d_next.push(d_state.clone());
+        d_state = d_state * decay_at(&f.chunk_decay, n) + chunk_at(&into_states, n)
+            - chunk_at(&f.state_reads, n).swap_dims(2, 3).matmul(d_corr.clone());
+        d_corrected.push(d_corr);
+    }
+    d_next.reverse();
+    d_corrected.reverse();
+    let d_next = Tensor::stack::<5>(d_next, 2);
+    let d_new_values = Tensor::stack::<5>(d_corrected, 2);
+    let d_state_reads = d_new_values.clone().matmul(chunk_states.clone().swap_dims(3, 4)).neg();
+    let d_k_decayed = corrected.matmul(d_next.clone().swap_dims(3, 4));
+    let d_chunk_decay = (chunk_states * d_next).sum_dim(4).sum_dim(3).reshape([batch, heads, chunks, 1]);
+
+    // Inside the chunks. k_decayed = k ⊙ to_end, to_end = exp(cum_last − cum) on the last document.
+    let along = |x: &Tensor<B, 4>| x.clone().unsqueeze_dim::<5>(4);
+    let mut d_k = d_k_decayed.clone() * along(&f.to_end);
+    let d_end_gap = row_sums(d_k_decayed * f.k.clone()) * f.to_end;
+    let mut d_cum = d_end_gap.clone().neg();
+    let d_last = d_end_gap.sum_dim(3);
+    // q_decayed = q ⊙ from_start; the chunk's decay is from_start's last entry.
+    let mut d_q = d_q_decayed.clone() * along(&f.from_start);
+    let mut d_from_start = add_at_last(row_sums(d_q_decayed * f.q.clone()), d_chunk_decay);
+    // intra = (q kᵀ) ⊙ decay.
+    let d_scores = d_intra.clone() * f.decay.clone();
+    d_q = d_q + d_scores.clone().matmul(f.k.clone());
+    d_k = d_k + d_scores.swap_dims(3, 4).matmul(f.q.clone());
+    let mut d_decay = d_intra * f.scores;
+    // new_values = T v_β, state_reads = T (k_β ⊙ from_start).
+    let keys_from_start = f.k_beta.clone() * along(&f.from_start);
+    let d_inverse = d_new_values.clone().matmul(f.v_beta.swap_dims(3, 4))
+        + d_state_reads.clone().matmul(keys_from_start.swap_dims(3, 4));
+    let inverse_t = f.inverse.swap_dims(3, 4);
+    let d_v_beta = inverse_t.clone().matmul(d_new_values);
+    let d_keys_from_start = inverse_t.clone().matmul(d_state_reads);
+    let mut d_k_beta = d_keys_from_start.clone() * along(&f.from_start);
+    d_from_start = d_from_start + row_sums(d_keys_from_start * f.k_beta.clone());
+    // T = (I + L)⁻¹, L strictly lower.
+    let d_lower =
+        inverse_t.clone().matmul(d_inverse).matmul(inverse_t).neg().mask_fill(diagonal_and_above(size, &device), 0.0);
+    // L = (k_β kᵀ) ⊙ decay.
+    let d_products = d_lower.clone() * f.decay.clone();
+    d_k_beta = d_k_beta + d_products.clone().matmul(f.k.clone());
+    d_k = d_k + d_products.swap_dims(3, 4).matmul(f.k_beta);
+    d_decay = d_decay + d_lower * f.key_products;
+    // decay = exp(cum_i − cum_j) (0 where blocked).
+    let d_gap = d_decay * f.decay;
+    let [b, h, n, c, _] = d_gap.dims();
+    d_cum = d_cum + d_gap.clone().sum_dim(4).reshape([b, h, n, c]) - d_gap.sum_dim(3).reshape([b, h, n, c]);
+    // from_start = exp(cum) (0 after a document start).
+    d_cum = add_at_last(d_cum + d_from_start * f.from_start, d_last);
+    // k_β = k ⊙ β, v_β = v ⊙ β.
+    let beta = along(&f.beta);
+    d_k = d_k + d_k_beta.clone() * beta.clone();
+    let d_v = d_v_beta.clone() * beta;
+    let d_beta = row_sums(d_k_beta * f.k) + row_sums(d_v_beta * f.v);
+    // cum = cumsum(g) within the chunk.
+    let d_g = d_cum.flip([3]).cumsum(3).flip([3]);
+    let per_position = |x: Tensor<B, 4>| x.reshape([batch, heads, chunks * size]).narrow(2, 0, seq);
+    ScanInputs {
+        q: from_chunks(d_q, seq).cast(dtypes[0]),
+        k: from_chunks(d_k, seq).cast(dtypes[1]),
+        v: from_chunks(d_v, seq).cast(dtypes[2]),
+        g: per_position(d_g).cast(g_dtype),
+        beta: per_position(d_beta).cast(beta_dtype),
+    }
 }
 
 #[cfg(test)]
@@ -358,5 +680,91 @@ mod tests {
         let fresh = part(&inputs, 10, 5);
         let (alone, _) = recurrent(fresh, &DocSegments::from_doc_ids(2, 5, vec![0; 10]), None);
         assert!(max_abs_diff(tail.narrow(0, 1, 1), alone.narrow(0, 1, 1)) < 1e-5);
+    }
+
+    /// Outputs and the gradients of `Σ out ⊙ R` (q, k, v, g, β) through the op and through burn's
+    /// composition of `chunked`, on the same leaves: three rows (one document over 2.6 chunks; three
+    /// documents, one across a chunk boundary; single-token documents at the end), padding in the last chunk.
+    fn op_and_composition<A>(dtype: FloatDType) -> ([Vec<f32>; 6], [Vec<f32>; 6])
+    where
+        A: crate::models::ModelBackend + burn::tensor::backend::AutodiffBackend,
+    {
+        let (batch, heads, seq, dk, dv, size) = (3, 2, 21, 4, 3, 8);
+        let mut docs = vec![0u32; seq];
+        docs.extend((0..seq).map(|t| u32::from(t >= 5) + u32::from(t >= 13)));
+        docs.extend((0..seq).map(|t| if t < 17 { 0 } else { t as u32 - 16 }));
+        let segments = DocSegments::from_doc_ids(batch, seq, docs);
+        B::seed(&Default::default(), 11);
+        let ScanInputs { q, k, v, g, beta } = random_inputs(batch, heads, seq, dk, dv);
+        let device = A::Device::default();
+        let leaf4 = |x: Tensor<B, 4>| Tensor::<A, 4>::from_data(x.into_data(), &device).cast(dtype).require_grad();
+        let leaf3 =
+            |x: Tensor<B, 3>, dtype| Tensor::<A, 3>::from_data(x.into_data(), &device).cast(dtype).require_grad();
+        // g stays f32, as the model computes it.
+        let leaves = ScanInputs {
+            q: leaf4(q),
+            k: leaf4(k),
+            v: leaf4(v),
+            g: leaf3(g, FloatDType::F32),
+            beta: leaf3(beta, dtype),
+        };
+        let weights = Tensor::<A, 4>::random([batch, heads, seq, dv], Distribution::Normal(0.0, 1.0), &device);
+        let plan = ChunkPlan::<A>::new(&segments, size, &device);
+        let run = |out: Tensor<A, 4>| {
+            let grads = (out.clone() * weights.clone()).sum().backward();
+            let grad4 = |t: &Tensor<A, 4>| crate::testing::values(t.grad(&grads).expect("a gradient"));
+            let grad3 = |t: &Tensor<A, 3>| crate::testing::values(t.grad(&grads).expect("a gradient"));
+            [
+                crate::testing::values(out),
+                grad4(&leaves.q),
+                grad4(&leaves.k),
+                grad4(&leaves.v),
+                grad3(&leaves.g),
+                grad3(&leaves.beta),
+            ]
+        };
+        let copy = || ScanInputs {
+            q: leaves.q.clone(),
+            k: leaves.k.clone(),
+            v: leaves.v.clone(),
+            g: leaves.g.clone(),
+            beta: leaves.beta.clone(),
+        };
+        (run(A::gated_delta_rule(copy(), &plan)), run(chunked(copy(), &plan, None).0))
+    }
+
+    const NAMES: [&str; 6] = ["output", "d q", "d k", "d v", "d g", "d beta"];
+
+    #[test]
+    fn the_scan_op_and_its_backward_equal_the_composition() {
+        use crate::backend::{CpuTrain, CpuTrainCheckpointed};
+        let (op, composed) = op_and_composition::<CpuTrain>(FloatDType::F32);
+        for (name, (a, b)) in NAMES.iter().zip(op.iter().zip(&composed)) {
+            crate::testing::assert_close(name, a, b, 1e-5);
+        }
+        let (op, composed) = op_and_composition::<CpuTrainCheckpointed>(FloatDType::F32);
+        for (name, (a, b)) in NAMES.iter().zip(op.iter().zip(&composed)) {
+            crate::testing::assert_close(&format!("checkpointed {name}"), a, b, 1e-5);
+        }
+    }
+
+    #[test]
+    fn the_scan_op_in_bf16_returns_gradients_in_the_inputs_dtypes() {
+        let (op, composed) = op_and_composition::<crate::backend::CpuTrain>(FloatDType::BF16);
+        // Both compute in f32 from the same bf16 inputs; the op rounds each gradient to bf16 once, the
+        // composition after its f32 → bf16 casts: within two bf16 ulps of the largest value.
+        for (name, (a, b)) in NAMES.iter().zip(op.iter().zip(&composed)) {
+            crate::testing::assert_close(name, a, b, 1.0 / 128.0);
+        }
+    }
+
+    #[test]
+    fn a_plain_backend_runs_the_chunked_form() {
+        let segments = DocSegments::from_doc_ids(1, 10, vec![0; 10]);
+        let inputs = random_inputs(1, 2, 10, 4, 3);
+        let plan = ChunkPlan::new(&segments, 4, &Default::default());
+        let (reference, _) = chunked(clone_inputs(&inputs), &plan, None);
+        let out = <B as crate::models::ModelBackend>::gated_delta_rule(inputs, &plan);
+        assert_eq!(crate::testing::values(out), crate::testing::values(reference));
     }
 }

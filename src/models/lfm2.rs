@@ -131,32 +131,25 @@ impl<B: ModelBackend> MoeBlock<B> {
         let experts = self.gate_up.dims()[0];
         let ff = self.down.dims()[1];
         let device = x.device();
-        // Group tokens by expert on the host: one matmul pair per expert that has tokens, on its tokens only,
-        // then every weighted expert output added to its token in a single scatter.
+        // Group tokens by expert on the host (the rows of the grouped matmuls), then add every weighted expert
+        // output to its token in a single scatter.
         let mut rows: Vec<Vec<i64>> = vec![Vec::new(); experts];
         let mut slots: Vec<Vec<i64>> = vec![Vec::new(); experts];
         for (slot, &e) in chosen.iter().enumerate() {
             rows[e as usize].push((slot / self.top_k) as i64);
             slots[e as usize].push(slot as i64);
         }
-        let mut outputs = Vec::new();
-        for e in (0..experts).filter(|&e| !rows[e].is_empty()) {
-            let n = rows[e].len();
-            let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(rows[e].clone(), [n]), &device);
-            let gate_up = self.gate_up.val().narrow(0, e, 1).reshape([hidden, 2 * ff]);
-            let h = x.clone().select(0, idx).matmul(gate_up);
-            let act = B::swiglu(h.clone().narrow(1, 0, ff), h.narrow(1, ff, ff));
-            outputs.push(act.matmul(self.down.val().narrow(0, e, 1).reshape([ff, hidden])));
-        }
         let zeros = Tensor::<B, 2>::zeros([tokens, hidden], &device).cast(x.dtype());
-        if outputs.is_empty() {
+        let counts: Vec<usize> = rows.iter().map(Vec::len).collect();
+        let n = chosen.len();
+        if n == 0 {
             return zeros.reshape([batch, seq, hidden]);
         }
-        let order: Vec<i64> = slots.concat();
-        let n = order.len();
-        let slot = Tensor::<B, 1, Int>::from_data(TensorData::new(order, [n]), &device);
-        let token = Tensor::<B, 1, Int>::from_data(TensorData::new(rows.concat(), [n]), &device);
-        let weighted = Tensor::cat(outputs, 0) * flat_weights.select(0, slot).reshape([n, 1]);
+        let index = |ids: Vec<Vec<i64>>| Tensor::<B, 1, Int>::from_data(TensorData::new(ids.concat(), [n]), &device);
+        let (token, slot) = (index(rows), index(slots));
+        let h = B::grouped_matmul(x.select(0, token.clone()), self.gate_up.val(), &counts);
+        let act = B::swiglu(h.clone().narrow(1, 0, ff), h.narrow(1, ff, ff));
+        let weighted = B::grouped_matmul(act, self.down.val(), &counts) * flat_weights.select(0, slot).reshape([n, 1]);
         zeros.select_assign(0, token, weighted, IndexingUpdateOp::Add).reshape([batch, seq, hidden])
     }
 }

@@ -1,11 +1,13 @@
 //! The model ops that go through the backend (`ModelBackend`), so that autodiff backends record each as one
 //! op with a backward pass written by hand instead of burn's composition, which keeps every intermediate:
 //! full-sequence attention (`attention`: no `[heads, seq, seq]` scores kept), the SwiGLU gate
-//! `silu(gate) · up` (keeps its two inputs instead of also `σ(gate)` and `silu(gate)`), and the RMSNorms
+//! `silu(gate) · up` (keeps its two inputs instead of also `σ(gate)` and `silu(gate)`), the RMSNorms
 //! (keep the input and weight instead of an f32 copy of the input and the normalized rows; the statistics
-//! are recomputed in the backward pass). Plain backends run the same forward without a graph.
-//! `set_reference_ops` switches autodiff backends back to burn's compositions, process-wide: the A/B switch
-//! for measuring what the ops buy, or for ruling them out when a run misbehaves.
+//! are recomputed in the backward pass), the MoE's grouped expert matmul (one weight gradient for all
+//! experts instead of a full-size one per expert slice) and Qwen3.5's gated delta rule (`deltanet`: the
+//! inputs and chunk states kept, the chunk solve recomputed). Plain backends run the same forward without a
+//! graph. `set_reference_ops` switches autodiff backends back to burn's compositions, process-wide: the A/B
+//! switch for measuring what the ops buy, or for ruling them out when a run misbehaves.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -21,12 +23,13 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 
 use super::attention::{DocumentAttention, chunked_attention, softmax_attention, tracked_document_attention};
+use super::deltanet::{self, ChunkPlan, ScanInputs, tracked_gated_delta_rule};
 
 static REFERENCE_OPS: AtomicBool = AtomicBool::new(false);
 
 /// With `true`, autodiff backends record burn's plain compositions instead of the hand-written ops: one
-/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, the composed RMSNorms, and the cross-entropy
-/// of full logits (`train::linear_ce`). Same results to rounding; more memory. Process-wide; off by default.
+/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, the composed RMSNorms, one matmul per expert
+/// slice, the chunked delta rule as tensor ops, and the cross-entropy of full logits (`train::linear_ce`). Same results to rounding; more memory. Process-wide; off by default.
 pub fn set_reference_ops(on: bool) {
     REFERENCE_OPS.store(on, Ordering::Relaxed);
 }
@@ -64,6 +67,18 @@ pub trait ModelBackend: Backend {
         kind: NormKind,
     ) -> Tensor<Self, D> {
         rms_norm_forward(x, weight, eps, kind)
+    }
+
+    /// Rows grouped by expert times each group's weights: `x` `[n, in]` holds `counts[e]` consecutive rows
+    /// for expert `e`, `weights` is `[experts, in, out]`; returns `[n, out]` (the MoE's grouped matmul).
+    fn grouped_matmul(x: Tensor<Self, 2>, weights: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
+        grouped_matmul_forward(x, weights, counts)
+    }
+
+    /// The gated delta rule from an empty state over whole sequences (Qwen3.5's DeltaNet core in training
+    /// and the full forward pass): outputs `[batch, heads, seq, dv]` in f32 (`deltanet::chunked`).
+    fn gated_delta_rule(inputs: ScanInputs<Self>, plan: &ChunkPlan<Self>) -> Tensor<Self, 4> {
+        deltanet::chunked(inputs, plan, None).0
     }
 }
 
@@ -184,6 +199,115 @@ impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
                 OpsKind::UnTracked(prep) => prep.finish(out),
             };
         Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+
+    fn grouped_matmul(x: Tensor<Self, 2>, weights: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
+        if reference_ops() {
+            return grouped_matmul_forward(x, weights, counts);
+        }
+        let (x, weights) = (x.into_primitive().tensor(), weights.into_primitive().tensor());
+        let out = grouped_matmul_forward(
+            Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x.primitive.clone())),
+            Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(weights.primitive.clone())),
+            counts,
+        )
+        .into_primitive()
+        .tensor();
+        let output =
+            match GroupedMatmulBackward.prepare::<C>([x.node.clone(), weights.node.clone()]).compute_bound().stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let state = (prep.checkpoint(&x), prep.checkpoint(&weights), counts.to_vec());
+                    prep.finish(state, out)
+                }
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            };
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+
+    fn gated_delta_rule(inputs: ScanInputs<Self>, plan: &ChunkPlan<Self>) -> Tensor<Self, 4> {
+        if reference_ops() {
+            return deltanet::chunked(inputs, plan, None).0;
+        }
+        tracked_gated_delta_rule(inputs, plan)
+    }
+}
+
+/// The grouped matmul as burn composes it: one slice of rows and one expert's weights per group.
+pub fn grouped_matmul_forward<B: Backend>(x: Tensor<B, 2>, weights: Tensor<B, 3>, counts: &[usize]) -> Tensor<B, 2> {
+    let [experts, width, out] = weights.dims();
+    assert_eq!(counts.len(), experts, "one row count per expert");
+    assert_eq!(counts.iter().sum::<usize>(), x.dims()[0], "the counts cover every row");
+    let mut start = 0;
+    let mut groups = Vec::new();
+    for (e, &n) in counts.iter().enumerate().filter(|(_, n)| **n > 0) {
+        let expert = weights.clone().narrow(0, e, 1).reshape([width, out]);
+        groups.push(x.clone().narrow(0, start, n).matmul(expert));
+        start += n;
+    }
+    if groups.is_empty() {
+        return Tensor::<B, 2>::zeros([0, out], &x.device()).cast(x.dtype());
+    }
+    Tensor::cat(groups, 0)
+}
+
+/// Gradients of `grouped_matmul_forward` for the output gradient `grad` `[n, out]`: per group
+/// `d x_e = grad_e W_eᵀ`, `d W_e = x_eᵀ grad_e` (zero for experts without rows), written once as the whole
+/// `[experts, in, out]` gradient instead of one full-size gradient per expert slice.
+pub fn grouped_matmul_backward<B: Backend>(
+    x: Tensor<B, 2>,
+    weights: Tensor<B, 3>,
+    counts: &[usize],
+    grad: Tensor<B, 2>,
+) -> (Tensor<B, 2>, Tensor<B, 3>) {
+    let [_, width, out] = weights.dims();
+    let device = x.device();
+    let mut start = 0;
+    let (mut grad_x, mut grad_w) = (Vec::new(), Vec::with_capacity(counts.len()));
+    for (e, &n) in counts.iter().enumerate() {
+        if n == 0 {
+            grad_w.push(Tensor::<B, 2>::zeros([width, out], &device).cast(weights.dtype()));
+            continue;
+        }
+        let rows = x.clone().narrow(0, start, n);
+        let grad_rows = grad.clone().narrow(0, start, n);
+        let expert = weights.clone().narrow(0, e, 1).reshape([width, out]);
+        grad_x.push(grad_rows.clone().matmul(expert.transpose()));
+        grad_w.push(rows.transpose().matmul(grad_rows));
+        start += n;
+    }
+    let grad_x = if grad_x.is_empty() { x.zeros_like() } else { Tensor::cat(grad_x, 0) };
+    (grad_x, Tensor::stack(grad_w, 0))
+}
+
+#[derive(Debug)]
+struct GroupedMatmulBackward;
+
+impl<B: Backend> Backward<B, 2> for GroupedMatmulBackward {
+    /// The rows and the weights through the checkpointer, the rows per expert.
+    type State = (NodeId, NodeId, Vec<usize>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let (x, weights, counts) = ops.state;
+        let [parent_x, parent_weights] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if parent_x.is_none() && parent_weights.is_none() {
+            return;
+        }
+        let x: FloatTensor<B> = checkpointer.retrieve_node_output(x);
+        let weights: FloatTensor<B> = checkpointer.retrieve_node_output(weights);
+        let (grad_x, grad_weights) = grouped_matmul_backward(
+            Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x)),
+            Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(weights)),
+            &counts,
+            Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(grad)),
+        );
+        if let Some(node) = parent_x {
+            grads.register::<B>(node.id, grad_x.into_primitive().tensor());
+        }
+        if let Some(node) = parent_weights {
+            grads.register::<B>(node.id, grad_weights.into_primitive().tensor());
+        }
     }
 }
 
@@ -322,7 +446,8 @@ mod tests {
     ) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
         let device = Default::default();
         B::seed(&device, 7);
-        let x = Tensor::<B, 3>::random([2, 5, 16], Distribution::Normal(0.5, 2.0), &device).cast(x_dtype).require_grad();
+        let x =
+            Tensor::<B, 3>::random([2, 5, 16], Distribution::Normal(0.5, 2.0), &device).cast(x_dtype).require_grad();
         let centre = if kind == NormKind::Plain { 1.0 } else { 0.0 };
         let weight =
             Tensor::<B, 1>::random([16], Distribution::Normal(centre, 0.3), &device).cast(weight_dtype).require_grad();
@@ -360,6 +485,42 @@ mod tests {
         }
         let (op, composed) = norms::<CpuTrainCheckpointed>(NormKind::ZeroCentered, F32, F32);
         for (name, (a, b)) in NORM_NAMES.iter().zip(op.iter().zip(&composed)) {
+            assert_close(&format!("checkpointed {name}"), a, b, 1e-6);
+        }
+    }
+
+    /// Output and gradients (rows, weights) of `Σ grouped_matmul(x, W) ⊙ R` through the op and through the
+    /// composition, with an expert that gets no rows.
+    fn grouped<B: ModelBackend + AutodiffBackend>(dtype: FloatDType) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
+        let device = Default::default();
+        B::seed(&device, 5);
+        let counts = [3, 0, 2, 4];
+        let x = Tensor::<B, 2>::random([9, 5], Distribution::Normal(0.0, 1.0), &device).cast(dtype).require_grad();
+        let weights =
+            Tensor::<B, 3>::random([4, 5, 6], Distribution::Normal(0.0, 0.5), &device).cast(dtype).require_grad();
+        let r = Tensor::<B, 2>::random([9, 6], Distribution::Normal(0.0, 1.0), &device);
+        let run = |out: Tensor<B, 2>| {
+            let grads = (out.clone().cast(FloatDType::F32) * r.clone()).sum().backward();
+            [values(out), values(x.grad(&grads).expect("d x")), values(weights.grad(&grads).expect("d weights"))]
+        };
+        let op = run(B::grouped_matmul(x.clone(), weights.clone(), &counts));
+        (op, run(grouped_matmul_forward(x.clone(), weights.clone(), &counts)))
+    }
+
+    #[test]
+    fn the_grouped_matmul_and_its_backward_equal_the_composition() {
+        for dtype in [FloatDType::F32, FloatDType::BF16] {
+            let (op, composed) = grouped::<CpuTrain>(dtype);
+            assert_eq!(op[0], composed[0], "{dtype:?}: the forward is the composition");
+            // The same products either way: gradients equal to rounding (bf16: the same bf16 matmuls).
+            for (name, (a, b)) in ["output", "d x", "d weights"].iter().zip(op.iter().zip(&composed)).skip(1) {
+                assert_close(&format!("{dtype:?} {name}"), a, b, 1e-6);
+            }
+            // The expert without rows gets a zero gradient: weights [1, .., ..] are entries 30..60.
+            assert!(op[2][30..60].iter().all(|&g| g == 0.0));
+        }
+        let (op, composed) = grouped::<CpuTrainCheckpointed>(FloatDType::F32);
+        for (name, (a, b)) in ["output", "d x", "d weights"].iter().zip(op.iter().zip(&composed)) {
             assert_close(&format!("checkpointed {name}"), a, b, 1e-6);
         }
     }

@@ -11,7 +11,7 @@ use burn::tensor::{FloatDType, Int, Tensor};
 
 use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{Qwen35Config, Qwen35LayerKind};
-use super::deltanet::{self, ChunkPlan, DocSegments, ScanInputs};
+use super::deltanet::{ChunkPlan, DocSegments, ScanInputs};
 use super::layers::{
     RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, causal_depthwise_conv, l2_normalize,
     rope_tables, softplus,
@@ -90,7 +90,7 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
         let dtype = FloatDType::from(x.dtype());
         let mixed = silu(causal_depthwise_conv(self.in_proj_qkv.forward(x.clone()), self.conv1d.val(), lag_masks));
         let inputs = self.scan_inputs(x, mixed);
-        let (core, _) = deltanet::chunked(inputs.scan, plan, None);
+        let core = B::gated_delta_rule(inputs.scan, plan);
         self.output(core, inputs.z, dtype)
     }
 }
