@@ -71,6 +71,40 @@ pub fn causal_depthwise_conv<B: Backend>(
     y
 }
 
+/// Gradients of `causal_depthwise_conv` with respect to `x` and `kernel` (in their dtypes) for the output
+/// gradient `grad`, in f32: each lag's masked output gradient flows back `lag` positions,
+/// `d x[t − lag] += w[L−1−lag] · m_lag[t] · g[t]`, and `d w[L−1−lag] = Σ_{rows, t} m_lag[t] · g[t] · x[t − lag]`.
+pub fn causal_depthwise_conv_backward<B: Backend>(
+    x: Tensor<B, 3>,
+    kernel: Tensor<B, 2>,
+    lag_masks: &[Tensor<B, 3>],
+    grad: Tensor<B, 3>,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let (x_dtype, kernel_dtype) = (FloatDType::from(x.dtype()), FloatDType::from(kernel.dtype()));
+    let [batch, seq, channels] = x.dims();
+    let taps = kernel.dims()[1];
+    let (x, kernel, grad) = (x.cast(FloatDType::F32), kernel.cast(FloatDType::F32), grad.cast(FloatDType::F32));
+    let tap = |i: usize| kernel.clone().narrow(1, i, 1).reshape([1, 1, channels]);
+    let channel_sums = |t: Tensor<B, 3>| t.reshape([batch * seq, channels]).sum_dim(0).reshape([channels, 1]);
+    let mut grad_x = grad.clone() * tap(taps - 1);
+    // Kernel gradient columns, last tap first.
+    let mut grad_taps = vec![channel_sums(grad.clone() * x.clone())];
+    for lag in 1..taps {
+        if lag >= seq {
+            grad_taps.push(Tensor::zeros([channels, 1], &x.device()));
+            continue;
+        }
+        let masked = grad.clone() * lag_masks[lag - 1].clone().cast(FloatDType::F32);
+        let zeros = masked.clone().narrow(1, 0, lag).zeros_like();
+        let back = Tensor::cat(vec![masked.clone().narrow(1, lag, seq - lag), zeros.clone()], 1);
+        grad_x = grad_x + back * tap(taps - 1 - lag);
+        let shifted = Tensor::cat(vec![zeros, x.clone().narrow(1, 0, seq - lag)], 1);
+        grad_taps.push(channel_sums(masked * shifted));
+    }
+    grad_taps.reverse();
+    (grad_x.cast(x_dtype), Tensor::cat(grad_taps, 1).cast(kernel_dtype))
+}
+
 /// The same convolution continuing `state` (the last `L-1` inputs before `x`, zeros before a sequence
 /// starts); returns the outputs and the new state.
 pub fn causal_depthwise_conv_cached<B: Backend>(

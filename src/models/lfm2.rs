@@ -11,7 +11,7 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{LayerKind, Lfm2Config};
-use super::layers::{RmsNorm, SequenceLayout, SwiGlu, apply_rope, causal_depthwise_conv, rope_tables};
+use super::layers::{RmsNorm, SequenceLayout, SwiGlu, apply_rope, rope_tables};
 use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 
@@ -26,11 +26,11 @@ pub struct ShortConv<B: Backend> {
     pub out_proj: Linear<B>,
 }
 
-impl<B: Backend> ShortConv<B> {
+impl<B: ModelBackend> ShortConv<B> {
     pub fn forward(&self, x: Tensor<B, 3>, lag_masks: &[Tensor<B, 3>]) -> Tensor<B, 3> {
         let parts = self.in_proj.forward(x).chunk(3, 2);
         let (b, c, xx) = (parts[0].clone(), parts[1].clone(), parts[2].clone());
-        let mut y = causal_depthwise_conv(b * xx, self.conv.val(), lag_masks);
+        let mut y = B::causal_conv(b * xx, self.conv.val(), lag_masks);
         if let Some(bias) = &self.conv_bias {
             let hidden = y.dims()[2];
             y = y + bias.val().reshape([1, 1, hidden]);

@@ -3,7 +3,8 @@
 //! full-sequence attention (`attention`: no `[heads, seq, seq]` scores kept), the SwiGLU gate
 //! `silu(gate) · up` (keeps its two inputs instead of also `σ(gate)` and `silu(gate)`), the RMSNorms
 //! (keep the input and weight instead of an f32 copy of the input and the normalized rows; the statistics
-//! are recomputed in the backward pass), the MoE's grouped expert matmul (one weight gradient for all
+//! are recomputed in the backward pass), the causal depthwise convolution (keeps its input instead of each
+//! lag's shifted and masked copies), the MoE's grouped expert matmul (one weight gradient for all
 //! experts instead of a full-size one per expert slice) and Qwen3.5's gated delta rule (`deltanet`: the
 //! inputs and chunk states kept, the chunk solve recomputed). Plain backends run the same forward without a
 //! graph. `set_reference_ops` switches autodiff backends back to burn's compositions, process-wide: the A/B
@@ -24,11 +25,12 @@ use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 
 use super::attention::{DocumentAttention, chunked_attention, softmax_attention, tracked_document_attention};
 use super::deltanet::{self, ChunkPlan, ScanInputs, tracked_gated_delta_rule};
+use super::layers::{causal_depthwise_conv, causal_depthwise_conv_backward};
 
 static REFERENCE_OPS: AtomicBool = AtomicBool::new(false);
 
 /// With `true`, autodiff backends record burn's plain compositions instead of the hand-written ops: one
-/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, the composed RMSNorms, one matmul per expert
+/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, the composed RMSNorms and convolution, one matmul per expert
 /// slice, the chunked delta rule as tensor ops, and the cross-entropy of full logits (`train::linear_ce`). Same results to rounding; more memory. Process-wide; off by default.
 pub fn set_reference_ops(on: bool) {
     REFERENCE_OPS.store(on, Ordering::Relaxed);
@@ -67,6 +69,12 @@ pub trait ModelBackend: Backend {
         kind: NormKind,
     ) -> Tensor<Self, D> {
         rms_norm_forward(x, weight, eps, kind)
+    }
+
+    /// The causal depthwise convolution over each document (`layers::causal_depthwise_conv`; LFM2's short
+    /// convolutions and Qwen3.5's DeltaNet conv).
+    fn causal_conv(x: Tensor<Self, 3>, kernel: Tensor<Self, 2>, lag_masks: &[Tensor<Self, 3>]) -> Tensor<Self, 3> {
+        causal_depthwise_conv(x, kernel, lag_masks)
     }
 
     /// Rows grouped by expert times each group's weights: `x` `[n, in]` holds `counts[e]` consecutive rows
@@ -201,6 +209,31 @@ impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         Tensor::from_primitive(TensorPrimitive::Float(output))
     }
 
+    fn causal_conv(x: Tensor<Self, 3>, kernel: Tensor<Self, 2>, lag_masks: &[Tensor<Self, 3>]) -> Tensor<Self, 3> {
+        if reference_ops() {
+            return causal_depthwise_conv(x, kernel, lag_masks);
+        }
+        let masks: Vec<Tensor<B, 3>> = lag_masks.iter().map(|m| m.clone().inner()).collect();
+        let (x, kernel) = (x.into_primitive().tensor(), kernel.into_primitive().tensor());
+        let out = causal_depthwise_conv(
+            Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(x.primitive.clone())),
+            Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(kernel.primitive.clone())),
+            &masks,
+        )
+        .into_primitive()
+        .tensor();
+        let output =
+            match CausalConvBackward.prepare::<C>([x.node.clone(), kernel.node.clone()]).compute_bound().stateful() {
+                OpsKind::Tracked(mut prep) => {
+                    let masks = masks.into_iter().map(|m| m.into_primitive().tensor()).collect();
+                    let state = (prep.checkpoint(&x), prep.checkpoint(&kernel), masks);
+                    prep.finish(state, out)
+                }
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            };
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+
     fn grouped_matmul(x: Tensor<Self, 2>, weights: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
         if reference_ops() {
             return grouped_matmul_forward(x, weights, counts);
@@ -278,6 +311,39 @@ pub fn grouped_matmul_backward<B: Backend>(
     }
     let grad_x = if grad_x.is_empty() { x.zeros_like() } else { Tensor::cat(grad_x, 0) };
     (grad_x, Tensor::stack(grad_w, 0))
+}
+
+#[derive(Debug)]
+struct CausalConvBackward;
+
+impl<B: Backend> Backward<B, 2> for CausalConvBackward {
+    /// The input and the kernel through the checkpointer, the lag masks.
+    type State = (NodeId, NodeId, Vec<FloatTensor<B>>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let (x, kernel, masks) = ops.state;
+        let [parent_x, parent_kernel] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if parent_x.is_none() && parent_kernel.is_none() {
+            return;
+        }
+        let x: FloatTensor<B> = checkpointer.retrieve_node_output(x);
+        let kernel: FloatTensor<B> = checkpointer.retrieve_node_output(kernel);
+        let masks: Vec<Tensor<B, 3>> =
+            masks.into_iter().map(|m| Tensor::from_primitive(TensorPrimitive::Float(m))).collect();
+        let (grad_x, grad_kernel) = causal_depthwise_conv_backward(
+            Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(x)),
+            Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(kernel)),
+            &masks,
+            Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(grad)),
+        );
+        if let Some(node) = parent_x {
+            grads.register::<B>(node.id, grad_x.into_primitive().tensor());
+        }
+        if let Some(node) = parent_kernel {
+            grads.register::<B>(node.id, grad_kernel.into_primitive().tensor());
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -486,6 +552,53 @@ mod tests {
         let (op, composed) = norms::<CpuTrainCheckpointed>(NormKind::ZeroCentered, F32, F32);
         for (name, (a, b)) in NORM_NAMES.iter().zip(op.iter().zip(&composed)) {
             assert_close(&format!("checkpointed {name}"), a, b, 1e-6);
+        }
+    }
+
+    /// Output and gradients (x, kernel) of `Σ causal_conv(x, w) ⊙ R` through the op and the composition,
+    /// for rows packed with documents of `lengths` in `seq` tokens and a kernel of 4 taps.
+    fn convs<B: ModelBackend + AutodiffBackend>(
+        lengths: &[Vec<u32>],
+        seq: usize,
+        dtype: FloatDType,
+    ) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
+        let device = Default::default();
+        B::seed(&device, 9);
+        let layout = super::super::SequenceLayout::from_doc_lengths(lengths, seq);
+        let masks: Vec<Tensor<B, 3>> = (1..4).map(|lag| layout.lag_mask::<B>(lag, dtype, &device)).collect();
+        let x = Tensor::<B, 3>::random([lengths.len(), seq, 6], Distribution::Normal(0.0, 1.0), &device)
+            .cast(dtype)
+            .require_grad();
+        let kernel = Tensor::<B, 2>::random([6, 4], Distribution::Normal(0.0, 0.5), &device).cast(dtype).require_grad();
+        let r = Tensor::<B, 3>::random([lengths.len(), seq, 6], Distribution::Normal(0.0, 1.0), &device);
+        let run = |out: Tensor<B, 3>| {
+            let grads = (out.clone().cast(FloatDType::F32) * r.clone()).sum().backward();
+            [values(out), values(x.grad(&grads).expect("d x")), values(kernel.grad(&grads).expect("d kernel"))]
+        };
+        let op = run(B::causal_conv(x.clone(), kernel.clone(), &masks));
+        (op, run(super::super::layers::causal_depthwise_conv(x.clone(), kernel.clone(), &masks)))
+    }
+
+    #[test]
+    fn the_causal_conv_and_its_backward_equal_the_composition() {
+        // Packed documents (including ones shorter than the kernel), padding, and a row shorter than it.
+        let cases: [(&[Vec<u32>], usize); 2] = [(&[vec![4, 5], vec![2, 3, 1, 2]], 10), (&[vec![2]], 2)];
+        for (lengths, seq) in cases {
+            let (op, composed) = convs::<CpuTrain>(lengths, seq, FloatDType::F32);
+            assert_eq!(op[0], composed[0], "the forward is the composition");
+            for (name, (a, b)) in ["output", "d x", "d kernel"].iter().zip(op.iter().zip(&composed)).skip(1) {
+                assert_close(&format!("seq {seq} {name}"), a, b, 1e-6);
+            }
+        }
+        let (op, composed) = convs::<CpuTrainCheckpointed>(&[vec![3, 7]], 10, FloatDType::F32);
+        for (name, (a, b)) in ["output", "d x", "d kernel"].iter().zip(op.iter().zip(&composed)) {
+            assert_close(&format!("checkpointed {name}"), a, b, 1e-6);
+        }
+        // bf16: the op sums in f32 and rounds once; the composition rounds after every product.
+        let (op, composed) = convs::<CpuTrain>(&[vec![4, 5], vec![9]], 10, FloatDType::BF16);
+        assert_eq!(op[0], composed[0]);
+        for (name, (a, b)) in ["output", "d x", "d kernel"].iter().zip(op.iter().zip(&composed)).skip(1) {
+            assert_close(&format!("bf16 {name}"), a, b, 1.0 / 64.0);
         }
     }
 

@@ -13,8 +13,7 @@ use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{Qwen35Config, Qwen35LayerKind};
 use super::deltanet::{ChunkPlan, DocSegments, ScanInputs};
 use super::layers::{
-    RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, causal_depthwise_conv, l2_normalize,
-    rope_tables, softplus,
+    RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, l2_normalize, rope_tables, softplus,
 };
 use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
@@ -88,7 +87,7 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
 
     pub fn forward(&self, x: Tensor<B, 3>, lag_masks: &[Tensor<B, 3>], plan: &ChunkPlan<B>) -> Tensor<B, 3> {
         let dtype = FloatDType::from(x.dtype());
-        let mixed = silu(causal_depthwise_conv(self.in_proj_qkv.forward(x.clone()), self.conv1d.val(), lag_masks));
+        let mixed = silu(B::causal_conv(self.in_proj_qkv.forward(x.clone()), self.conv1d.val(), lag_masks));
         let inputs = self.scan_inputs(x, mixed);
         let core = B::gated_delta_rule(inputs.scan, plan);
         self.output(core, inputs.z, dtype)
