@@ -81,7 +81,8 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
     pub fn output(&self, core: Tensor<B, 4>, z: Tensor<B, 4>, dtype: FloatDType) -> Tensor<B, 3> {
         let [batch, nv, seq, dv] = core.dims();
         let normed = self.norm.forward(core.swap_dims(1, 2).cast(dtype));
-        let gated = (normed.cast(FloatDType::F32) * silu(z.cast(FloatDType::F32))).cast(dtype);
+        // In f32 as transformers gates; through the SwiGLU op, which keeps the two f32 inputs only.
+        let gated = B::swiglu(z.cast(FloatDType::F32), normed.cast(FloatDType::F32)).cast(dtype);
         self.out_proj.forward(gated.reshape([batch, seq, nv * dv]))
     }
 
