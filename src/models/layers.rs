@@ -47,6 +47,22 @@ pub fn l2_normalize<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Te
     x * inv
 }
 
+/// Gradient of `l2_normalize` with respect to `x` (in its dtype) for the output gradient `grad`, in f32
+/// from `x` alone: with `r = 1 / sqrt(Σx² + eps)` and `y = x r`, `d x = r (g − y Σ(g · y))`.
+pub fn l2_normalize_backward<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    eps: f64,
+    grad: Tensor<B, D>,
+) -> Tensor<B, D> {
+    let dtype = FloatDType::from(x.dtype());
+    let x = x.cast(FloatDType::F32);
+    let inv = (x.clone().powf_scalar(2.0).sum_dim(D - 1) + eps).sqrt().recip();
+    let y = x * inv.clone();
+    let grad = grad.cast(FloatDType::F32);
+    let projection = (grad.clone() * y.clone()).sum_dim(D - 1);
+    ((grad - y * projection) * inv).cast(dtype)
+}
+
 /// `log(1 + exp(x))` without overflow: `max(x, 0) + log1p(exp(−|x|))`.
 pub fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     x.clone().clamp_min(0.0) + x.abs().neg().exp().log1p()

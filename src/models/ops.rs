@@ -4,7 +4,8 @@
 //! `silu(gate) · up` (keeps its two inputs instead of also `σ(gate)` and `silu(gate)`), the RMSNorms
 //! (keep the input and weight instead of an f32 copy of the input and the normalized rows; the statistics
 //! are recomputed in the backward pass), the causal depthwise convolution (keeps its input instead of each
-//! lag's shifted and masked copies), the MoE's grouped expert matmul (one weight gradient for all
+//! lag's shifted and masked copies), the L2 norm of Qwen3.5's q and k (keeps its input, not an f32 copy),
+//! the MoE's grouped expert matmul (one weight gradient for all
 //! experts instead of a full-size one per expert slice) and Qwen3.5's gated delta rule (`deltanet`: the
 //! inputs and chunk states kept, the chunk solve recomputed). Plain backends run the same forward without a
 //! graph. `set_reference_ops` switches autodiff backends back to burn's compositions, process-wide: the A/B
@@ -25,12 +26,12 @@ use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 
 use super::attention::{DocumentAttention, chunked_attention, softmax_attention, tracked_document_attention};
 use super::deltanet::{self, ChunkPlan, ScanInputs, tracked_gated_delta_rule};
-use super::layers::{causal_depthwise_conv, causal_depthwise_conv_backward};
+use super::layers::{causal_depthwise_conv, causal_depthwise_conv_backward, l2_normalize, l2_normalize_backward};
 
 static REFERENCE_OPS: AtomicBool = AtomicBool::new(false);
 
 /// With `true`, autodiff backends record burn's plain compositions instead of the hand-written ops: one
-/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, the composed RMSNorms and convolution, one matmul per expert
+/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, the composed RMSNorms, L2 norms and convolution, one matmul per expert
 /// slice, the chunked delta rule as tensor ops, and the cross-entropy of full logits (`train::linear_ce`). Same results to rounding; more memory. Process-wide; off by default.
 pub fn set_reference_ops(on: bool) {
     REFERENCE_OPS.store(on, Ordering::Relaxed);
@@ -69,6 +70,12 @@ pub trait ModelBackend: Backend {
         kind: NormKind,
     ) -> Tensor<Self, D> {
         rms_norm_forward(x, weight, eps, kind)
+    }
+
+    /// `x / sqrt(Σx² + eps)` over the last dimension, in f32 (`layers::l2_normalize`; Qwen3.5's DeltaNet
+    /// q and k).
+    fn l2_norm<const D: usize>(x: Tensor<Self, D>, eps: f64) -> Tensor<Self, D> {
+        l2_normalize(x, eps)
     }
 
     /// The causal depthwise convolution over each document (`layers::causal_depthwise_conv`; LFM2's short
@@ -209,6 +216,24 @@ impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         Tensor::from_primitive(TensorPrimitive::Float(output))
     }
 
+    fn l2_norm<const D: usize>(x: Tensor<Self, D>, eps: f64) -> Tensor<Self, D> {
+        if reference_ops() {
+            return l2_normalize(x, eps);
+        }
+        let x = x.into_primitive().tensor();
+        let out = l2_normalize(Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x.primitive.clone())), eps)
+            .into_primitive()
+            .tensor();
+        let output = match L2NormBackward::<D>.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(mut prep) => {
+                let state = (prep.checkpoint(&x), eps);
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+
     fn causal_conv(x: Tensor<Self, 3>, kernel: Tensor<Self, 2>, lag_masks: &[Tensor<Self, 3>]) -> Tensor<Self, 3> {
         if reference_ops() {
             return causal_depthwise_conv(x, kernel, lag_masks);
@@ -311,6 +336,28 @@ pub fn grouped_matmul_backward<B: Backend>(
     }
     let grad_x = if grad_x.is_empty() { x.zeros_like() } else { Tensor::cat(grad_x, 0) };
     (grad_x, Tensor::stack(grad_w, 0))
+}
+
+#[derive(Debug)]
+struct L2NormBackward<const D: usize>;
+
+impl<B: Backend, const D: usize> Backward<B, 1> for L2NormBackward<D> {
+    /// The input through the checkpointer, eps.
+    type State = (NodeId, f64);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let (x, eps) = ops.state;
+        let [parent] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let Some(node) = parent else { return };
+        let x: FloatTensor<B> = checkpointer.retrieve_node_output(x);
+        let grad_x = l2_normalize_backward(
+            Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x)),
+            eps,
+            Tensor::<B, D>::from_primitive(TensorPrimitive::Float(grad)),
+        );
+        grads.register::<B>(node.id, grad_x.into_primitive().tensor());
+    }
 }
 
 #[derive(Debug)]
@@ -553,6 +600,31 @@ mod tests {
         for (name, (a, b)) in NORM_NAMES.iter().zip(op.iter().zip(&composed)) {
             assert_close(&format!("checkpointed {name}"), a, b, 1e-6);
         }
+    }
+
+    /// Output and input gradient of `Σ l2_norm(x) ⊙ R` through the op and the composition.
+    fn l2<B: ModelBackend + AutodiffBackend>(dtype: FloatDType) -> ([Vec<f32>; 2], [Vec<f32>; 2]) {
+        let device = Default::default();
+        B::seed(&device, 3);
+        let x =
+            Tensor::<B, 4>::random([2, 3, 4, 16], Distribution::Normal(0.2, 1.0), &device).cast(dtype).require_grad();
+        let r = Tensor::<B, 4>::random([2, 3, 4, 16], Distribution::Normal(0.0, 1.0), &device);
+        let run = |out: Tensor<B, 4>| {
+            let grads = (out.clone() * r.clone()).sum().backward();
+            [values(out), values(x.grad(&grads).expect("d x"))]
+        };
+        (run(B::l2_norm(x.clone(), 1e-6)), run(super::super::layers::l2_normalize(x.clone(), 1e-6)))
+    }
+
+    #[test]
+    fn the_l2_norm_and_its_backward_equal_the_composition() {
+        for (dtype, tolerance) in [(FloatDType::F32, 1e-6), (FloatDType::BF16, 1.0 / 128.0)] {
+            let (op, composed) = l2::<CpuTrain>(dtype);
+            assert_eq!(op[0], composed[0], "{dtype:?}: the forward is the composition");
+            assert_close(&format!("{dtype:?} d x"), &op[1], &composed[1], tolerance);
+        }
+        let (op, composed) = l2::<CpuTrainCheckpointed>(FloatDType::F32);
+        assert_close("checkpointed d x", &op[1], &composed[1], 1e-6);
     }
 
     /// Output and gradients (x, kernel) of `Σ causal_conv(x, w) ⊙ R` through the op and the composition,

@@ -12,9 +12,7 @@ use burn::tensor::{FloatDType, Int, Tensor};
 use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{Qwen35Config, Qwen35LayerKind};
 use super::deltanet::{ChunkPlan, DocSegments, ScanInputs};
-use super::layers::{
-    RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, l2_normalize, rope_tables, softplus,
-};
+use super::layers::{RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, rope_tables, softplus};
 use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 
@@ -63,7 +61,7 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
             let t = t.reshape([batch, seq, nk, dk]);
             let t =
                 if nv == nk { t } else { t.unsqueeze_dim::<5>(3).repeat_dim(3, nv / nk).reshape([batch, seq, nv, dk]) };
-            l2_normalize(t, 1e-6).swap_dims(1, 2)
+            B::l2_norm(t, 1e-6).swap_dims(1, 2)
         };
         let q = heads(mixed.clone().narrow(2, 0, key_dim)) * (1.0 / (dk as f64).sqrt());
         let k = heads(mixed.clone().narrow(2, key_dim, key_dim));
