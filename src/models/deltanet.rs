@@ -2,6 +2,8 @@
 //! exact forms: the recurrent scan (one token at a time; the reference, and decoding) and the chunked form
 //! (chunks of 64 tokens solved with a few matmuls; training and prefill). Documents packed into one row
 //! each start from an empty state; the state a call starts from belongs to a named document per row.
+//! Training records the chunked form as one autodiff op (`ModelBackend::gated_delta_rule`) whose backward
+//! pass (`chunked_backward`) is written by hand and recomputes the chunk solve from the inputs.
 //!
 //! Per head, with the state `S ∈ R^{dk×dv}`: `S ← S·exp(g_t)`, `δ = β_t (v_t − Sᵀk_t)`, `S ← S + k_t δᵀ`,
 //! `o_t = Sᵀ q_t`. q and k arrive L2-normalized and q scaled by 1/√dk; everything runs in f32.
