@@ -173,18 +173,7 @@ impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         if reference_ops() {
             return silu(gate) * up;
         }
-        let (gate, up) = (gate.into_primitive().tensor(), up.into_primitive().tensor());
-        let inner = |t: &FloatTensor<B>| Tensor::<B, D>::from_primitive(TensorPrimitive::Float(t.clone()));
-        let out = (silu(inner(&gate.primitive)) * inner(&up.primitive)).into_primitive().tensor();
-        let output =
-            match SwigluBackward::<D>.prepare::<C>([gate.node.clone(), up.node.clone()]).compute_bound().stateful() {
-                OpsKind::Tracked(mut prep) => {
-                    let state = (prep.checkpoint(&gate), prep.checkpoint(&up));
-                    prep.finish(state, out)
-                }
-                OpsKind::UnTracked(prep) => prep.finish(out),
-            };
-        Tensor::from_primitive(TensorPrimitive::Float(output))
+        record_binary(SwigluBackward::<D>, gate, up, (), |gate, up| silu(gate) * up)
     }
 
     fn rms_norm<const D: usize>(
@@ -196,24 +185,7 @@ impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         if reference_ops() {
             return rms_norm_forward(x, weight, eps, kind);
         }
-        let (x, weight) = (x.into_primitive().tensor(), weight.into_primitive().tensor());
-        let out = rms_norm_forward(
-            Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x.primitive.clone())),
-            Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(weight.primitive.clone())),
-            eps,
-            kind,
-        )
-        .into_primitive()
-        .tensor();
-        let output =
-            match RmsNormBackward::<D>.prepare::<C>([x.node.clone(), weight.node.clone()]).compute_bound().stateful() {
-                OpsKind::Tracked(mut prep) => {
-                    let state = (prep.checkpoint(&x), prep.checkpoint(&weight), eps, kind);
-                    prep.finish(state, out)
-                }
-                OpsKind::UnTracked(prep) => prep.finish(out),
-            };
-        Tensor::from_primitive(TensorPrimitive::Float(output))
+        record_binary(RmsNormBackward::<D>, x, weight, (eps, kind), |x, weight| rms_norm_forward(x, weight, eps, kind))
     }
 
     fn l2_norm<const D: usize>(x: Tensor<Self, D>, eps: f64) -> Tensor<Self, D> {
@@ -239,48 +211,17 @@ impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             return causal_depthwise_conv(x, kernel, lag_masks);
         }
         let masks: Vec<Tensor<B, 3>> = lag_masks.iter().map(|m| m.clone().inner()).collect();
-        let (x, kernel) = (x.into_primitive().tensor(), kernel.into_primitive().tensor());
-        let out = causal_depthwise_conv(
-            Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(x.primitive.clone())),
-            Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(kernel.primitive.clone())),
-            &masks,
-        )
-        .into_primitive()
-        .tensor();
-        let output =
-            match CausalConvBackward.prepare::<C>([x.node.clone(), kernel.node.clone()]).compute_bound().stateful() {
-                OpsKind::Tracked(mut prep) => {
-                    let masks = masks.into_iter().map(|m| m.into_primitive().tensor()).collect();
-                    let state = (prep.checkpoint(&x), prep.checkpoint(&kernel), masks);
-                    prep.finish(state, out)
-                }
-                OpsKind::UnTracked(prep) => prep.finish(out),
-            };
-        Tensor::from_primitive(TensorPrimitive::Float(output))
+        let saved = masks.iter().map(|m| m.clone().into_primitive().tensor()).collect();
+        record_binary(CausalConvBackward, x, kernel, saved, |x, kernel| causal_depthwise_conv(x, kernel, &masks))
     }
 
     fn grouped_matmul(x: Tensor<Self, 2>, weights: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
         if reference_ops() {
             return grouped_matmul_forward(x, weights, counts);
         }
-        let (x, weights) = (x.into_primitive().tensor(), weights.into_primitive().tensor());
-        let out = grouped_matmul_forward(
-            Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x.primitive.clone())),
-            Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(weights.primitive.clone())),
-            counts,
-        )
-        .into_primitive()
-        .tensor();
-        let output =
-            match GroupedMatmulBackward.prepare::<C>([x.node.clone(), weights.node.clone()]).compute_bound().stateful()
-            {
-                OpsKind::Tracked(mut prep) => {
-                    let state = (prep.checkpoint(&x), prep.checkpoint(&weights), counts.to_vec());
-                    prep.finish(state, out)
-                }
-                OpsKind::UnTracked(prep) => prep.finish(out),
-            };
-        Tensor::from_primitive(TensorPrimitive::Float(output))
+        record_binary(GroupedMatmulBackward, x, weights, counts.to_vec(), |x, weights| {
+            grouped_matmul_forward(x, weights, counts)
+        })
     }
 
     fn gated_delta_rule(inputs: ScanInputs<Self>, plan: &ChunkPlan<Self>) -> Tensor<Self, 4> {
@@ -288,6 +229,68 @@ impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             return deltanet::chunked(inputs, plan, None).0;
         }
         tracked_gated_delta_rule(inputs, plan)
+    }
+}
+
+/// Records `forward`, run on the inner backend, as one autodiff op of the inputs `a` and `b` whose backward
+/// pass is `op`'s, with both inputs (through the checkpointer: kept or recomputed as the strategy says) and
+/// `extra` as its state.
+fn record_binary<B, C, Op, E, const DA: usize, const DB: usize, const DO: usize>(
+    op: Op,
+    a: Tensor<Autodiff<B, C>, DA>,
+    b: Tensor<Autodiff<B, C>, DB>,
+    extra: E,
+    forward: impl FnOnce(Tensor<B, DA>, Tensor<B, DB>) -> Tensor<B, DO>,
+) -> Tensor<Autodiff<B, C>, DO>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    Op: Backward<B, 2, State = (NodeId, NodeId, E)>,
+    E: Clone + Send + std::fmt::Debug + 'static,
+{
+    let (a, b) = (a.into_primitive().tensor(), b.into_primitive().tensor());
+    let out = forward(
+        Tensor::from_primitive(TensorPrimitive::Float(a.primitive.clone())),
+        Tensor::from_primitive(TensorPrimitive::Float(b.primitive.clone())),
+    )
+    .into_primitive()
+    .tensor();
+    let output = match op.prepare::<C>([a.node.clone(), b.node.clone()]).compute_bound().stateful() {
+        OpsKind::Tracked(mut prep) => {
+            let state = (prep.checkpoint(&a), prep.checkpoint(&b), extra);
+            prep.finish(state, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(output))
+}
+
+/// The backward pass of an op `record_binary` recorded: the two inputs' gradients from `gradients` (inputs,
+/// extra state, output gradient), registered for the inputs that need one.
+fn backward_binary<B: Backend, E, const DA: usize, const DB: usize, const DO: usize>(
+    ops: Ops<(NodeId, NodeId, E), 2>,
+    grads: &mut Gradients,
+    checkpointer: &mut Checkpointer,
+    gradients: impl FnOnce(Tensor<B, DA>, Tensor<B, DB>, E, Tensor<B, DO>) -> (Tensor<B, DA>, Tensor<B, DB>),
+) {
+    let (a, b, extra) = ops.state;
+    let [parent_a, parent_b] = ops.parents;
+    let grad = grads.consume::<B>(&ops.node);
+    if parent_a.is_none() && parent_b.is_none() {
+        return;
+    }
+    let tensor = |t: FloatTensor<B>| TensorPrimitive::Float(t);
+    let (grad_a, grad_b) = gradients(
+        Tensor::from_primitive(tensor(checkpointer.retrieve_node_output(a))),
+        Tensor::from_primitive(tensor(checkpointer.retrieve_node_output(b))),
+        extra,
+        Tensor::from_primitive(tensor(grad)),
+    );
+    if let Some(node) = parent_a {
+        grads.register::<B>(node.id, grad_a.into_primitive().tensor());
+    }
+    if let Some(node) = parent_b {
+        grads.register::<B>(node.id, grad_b.into_primitive().tensor());
     }
 }
 
@@ -368,28 +371,11 @@ impl<B: Backend> Backward<B, 2> for CausalConvBackward {
     type State = (NodeId, NodeId, Vec<FloatTensor<B>>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
-        let (x, kernel, masks) = ops.state;
-        let [parent_x, parent_kernel] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        if parent_x.is_none() && parent_kernel.is_none() {
-            return;
-        }
-        let x: FloatTensor<B> = checkpointer.retrieve_node_output(x);
-        let kernel: FloatTensor<B> = checkpointer.retrieve_node_output(kernel);
-        let masks: Vec<Tensor<B, 3>> =
-            masks.into_iter().map(|m| Tensor::from_primitive(TensorPrimitive::Float(m))).collect();
-        let (grad_x, grad_kernel) = causal_depthwise_conv_backward(
-            Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(x)),
-            Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(kernel)),
-            &masks,
-            Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(grad)),
-        );
-        if let Some(node) = parent_x {
-            grads.register::<B>(node.id, grad_x.into_primitive().tensor());
-        }
-        if let Some(node) = parent_kernel {
-            grads.register::<B>(node.id, grad_kernel.into_primitive().tensor());
-        }
+        backward_binary(ops, grads, checkpointer, |x, kernel, masks, grad| {
+            let masks: Vec<Tensor<B, 3>> =
+                masks.into_iter().map(|m| Tensor::from_primitive(TensorPrimitive::Float(m))).collect();
+            causal_depthwise_conv_backward(x, kernel, &masks, grad)
+        });
     }
 }
 
@@ -401,26 +387,9 @@ impl<B: Backend> Backward<B, 2> for GroupedMatmulBackward {
     type State = (NodeId, NodeId, Vec<usize>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
-        let (x, weights, counts) = ops.state;
-        let [parent_x, parent_weights] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        if parent_x.is_none() && parent_weights.is_none() {
-            return;
-        }
-        let x: FloatTensor<B> = checkpointer.retrieve_node_output(x);
-        let weights: FloatTensor<B> = checkpointer.retrieve_node_output(weights);
-        let (grad_x, grad_weights) = grouped_matmul_backward(
-            Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x)),
-            Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(weights)),
-            &counts,
-            Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(grad)),
-        );
-        if let Some(node) = parent_x {
-            grads.register::<B>(node.id, grad_x.into_primitive().tensor());
-        }
-        if let Some(node) = parent_weights {
-            grads.register::<B>(node.id, grad_weights.into_primitive().tensor());
-        }
+        backward_binary(ops, grads, checkpointer, |x, weights, counts, grad: Tensor<B, 2>| {
+            grouped_matmul_backward(x, weights, &counts, grad)
+        });
     }
 }
 
@@ -445,23 +414,10 @@ struct SwigluBackward<const D: usize>;
 
 impl<B: Backend, const D: usize> Backward<B, 2> for SwigluBackward<D> {
     /// The gate and up inputs, through the checkpointer.
-    type State = (NodeId, NodeId);
+    type State = (NodeId, NodeId, ());
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
-        let [parent_gate, parent_up] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        if parent_gate.is_none() && parent_up.is_none() {
-            return;
-        }
-        let tensor = |t: FloatTensor<B>| Tensor::<B, D>::from_primitive(TensorPrimitive::Float(t));
-        let gate = tensor(checkpointer.retrieve_node_output(ops.state.0));
-        let up = tensor(checkpointer.retrieve_node_output(ops.state.1));
-        let (grad_gate, grad_up) = swiglu_backward(gate, up, tensor(grad));
-        for (parent, grad) in [(parent_gate, grad_gate), (parent_up, grad_up)] {
-            if let Some(node) = parent {
-                grads.register::<B>(node.id, grad.into_primitive().tensor());
-            }
-        }
+        backward_binary(ops, grads, checkpointer, |gate, up, (), grad: Tensor<B, D>| swiglu_backward(gate, up, grad));
     }
 }
 
@@ -470,30 +426,12 @@ struct RmsNormBackward<const D: usize>;
 
 impl<B: Backend, const D: usize> Backward<B, 2> for RmsNormBackward<D> {
     /// The input and the weight through the checkpointer, eps and the form.
-    type State = (NodeId, NodeId, f64, NormKind);
+    type State = (NodeId, NodeId, (f64, NormKind));
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
-        let (x, weight, eps, kind) = ops.state;
-        let [parent_x, parent_weight] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        if parent_x.is_none() && parent_weight.is_none() {
-            return;
-        }
-        let x: FloatTensor<B> = checkpointer.retrieve_node_output(x);
-        let weight: FloatTensor<B> = checkpointer.retrieve_node_output(weight);
-        let (grad_x, grad_weight) = rms_norm_backward(
-            Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x)),
-            Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(weight)),
-            eps,
-            kind,
-            Tensor::<B, D>::from_primitive(TensorPrimitive::Float(grad)),
-        );
-        if let Some(node) = parent_x {
-            grads.register::<B>(node.id, grad_x.into_primitive().tensor());
-        }
-        if let Some(node) = parent_weight {
-            grads.register::<B>(node.id, grad_weight.into_primitive().tensor());
-        }
+        backward_binary(ops, grads, checkpointer, |x, weight, (eps, kind), grad: Tensor<B, D>| {
+            rms_norm_backward(x, weight, eps, kind, grad)
+        });
     }
 }
 
