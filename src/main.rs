@@ -446,8 +446,9 @@ struct TrainArgs {
     /// The dtype AdamW keeps its moments in between steps (bf16 saves 4 bytes a parameter).
     #[arg(long, value_enum)]
     moments: Option<kiln::train::optim::MomentDtype>,
-    /// burn's plain compositions instead of kiln's hand-written attention, SwiGLU and loss ops (same
-    /// results to rounding, more memory): an A/B switch.
+    /// burn's plain compositions instead of kiln's ops with hand-written backward passes (attention,
+    /// norms, SwiGLU, convolution, expert matmul, DeltaNet scan, loss): same results to rounding, more
+    /// memory; an A/B switch.
     #[arg(long)]
     reference_ops: bool,
 }
@@ -489,8 +490,8 @@ struct BenchTrainArgs {
     /// The dtype AdamW keeps its moments in (bf16 saves 4 bytes a parameter).
     #[arg(long, value_enum, default_value = "f32")]
     moments: kiln::train::optim::MomentDtype,
-    /// burn's plain compositions instead of kiln's hand-written attention, SwiGLU and loss ops (to
-    /// measure what the ops buy).
+    /// burn's plain compositions instead of kiln's ops with hand-written backward passes (to measure what
+    /// the ops buy).
     #[arg(long)]
     reference_ops: bool,
     /// Write the result JSON here too (it is always printed on stdout).

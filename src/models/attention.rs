@@ -15,15 +15,16 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::tensor::activation::softmax;
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 
 use super::SequenceLayout;
 #[cfg(test)]
 use super::ops::ModelBackend;
+use super::ops::record_op;
 
 /// The f32 scores one chunk of queries may hold (all heads and rows of the batch together).
 pub const CHUNK_SCORE_BYTES: usize = 256 << 20;
@@ -38,31 +39,19 @@ pub(super) fn tracked_document_attention<B: Backend, C: CheckpointStrategy>(
 ) -> Tensor<Autodiff<B, C>, 4> {
     let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
     let inner = |t: &FloatTensor<B>| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t.clone()));
-    let inner_docs = DocumentAttention::<B> {
-        docs: Tensor::from_primitive(docs.docs.clone().into_primitive()),
-        first_key: docs.first_key.clone(),
-        chunk_rows: docs.chunk_rows,
-    };
+    let inner_docs = docs.inner();
     let forward = chunked_attention(inner(&q.primitive), inner(&k.primitive), inner(&v.primitive), &inner_docs);
-    let out = forward.out.clone().into_primitive().tensor();
-    let output = match ChunkedAttentionBackward
-        .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(mut prep) => {
-            let saved = SavedAttention {
-                q: prep.checkpoint(&q),
-                k: prep.checkpoint(&k),
-                v: prep.checkpoint(&v),
-                out: out.clone(),
-                lse: forward.lse.into_primitive().tensor(),
-                docs: inner_docs,
-            };
-            prep.finish(saved, out)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(out),
-    };
+    let out = forward.out.into_primitive().tensor();
+    let lse = forward.lse.into_primitive().tensor();
+    let saved_out = out.clone();
+    let output = record_op::<C, _, _, _, _>(ChunkedAttentionBackward, [&q, &k, &v], out, |[q, k, v]| SavedAttention {
+        q,
+        k,
+        v,
+        out: saved_out,
+        lse,
+        docs: inner_docs,
+    });
     Tensor::from_primitive(TensorPrimitive::Float(output))
 }
 
@@ -126,6 +115,17 @@ impl<B: Backend> DocumentAttention<B> {
     pub fn full_mask(&self, dtype: FloatDType) -> Tensor<B, 4> {
         let [_, seq] = self.docs.dims();
         self.chunk_mask(0, seq, 0, seq).cast(dtype).unsqueeze_dim(1)
+    }
+}
+
+impl<B: AutodiffBackend> DocumentAttention<B> {
+    /// The same layout on the inner backend (the document ids carry no gradient).
+    fn inner(&self) -> DocumentAttention<B::InnerBackend> {
+        DocumentAttention {
+            docs: self.docs.clone().inner(),
+            first_key: self.first_key.clone(),
+            chunk_rows: self.chunk_rows,
+        }
     }
 }
 

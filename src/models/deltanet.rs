@@ -13,10 +13,12 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, TensorPrimitive};
+
+use super::ops::record_op;
 
 /// Which document each position of a `[batch, seq]` block belongs to, and which document the state a call
 /// starts from belongs to (per row): a position continues that state only inside the same document.
@@ -236,18 +238,12 @@ pub(super) fn tracked_gated_delta_rule<B: Backend, C: CheckpointStrategy>(
         None,
     );
     let out = scan.out.into_primitive().tensor();
-    let parents = [q.node.clone(), k.node.clone(), v.node.clone(), g.node.clone(), beta.node.clone()];
-    let output = match GatedDeltaRuleBackward.prepare::<C>(parents).compute_bound().stateful() {
-        OpsKind::Tracked(mut prep) => {
-            let saved = SavedScan {
-                inputs: [&q, &k, &v, &g, &beta].map(|t| prep.checkpoint(t)),
-                chunk_states: scan.chunk_states.into_primitive().tensor(),
-                plan: inner_plan,
-            };
-            prep.finish(saved, out)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(out),
-    };
+    let chunk_states = scan.chunk_states.into_primitive().tensor();
+    let output = record_op::<C, _, _, _, _>(GatedDeltaRuleBackward, [&q, &k, &v, &g, &beta], out, |inputs| SavedScan {
+        inputs,
+        chunk_states,
+        plan: inner_plan,
+    });
     Tensor::from_primitive(TensorPrimitive::Float(output))
 }
 

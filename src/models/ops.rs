@@ -196,13 +196,7 @@ impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         let out = l2_normalize(Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x.primitive.clone())), eps)
             .into_primitive()
             .tensor();
-        let output = match L2NormBackward::<D>.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
-            OpsKind::Tracked(mut prep) => {
-                let state = (prep.checkpoint(&x), eps);
-                prep.finish(state, out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(out),
-        };
+        let output = record_op::<C, _, _, _, _>(L2NormBackward::<D>, [&x], out, |[x]| (x, eps));
         Tensor::from_primitive(TensorPrimitive::Float(output))
     }
 
@@ -232,9 +226,33 @@ impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
     }
 }
 
+/// Records `out`, computed on the inner backend from `inputs`, as one autodiff op whose backward pass is
+/// `op`'s; its state is `state` of the inputs' checkpoint ids (kept or recomputed as the checkpointing
+/// strategy says). Untracked inputs record nothing and build no state. Called as `record_op::<C, _, _, _, _>`:
+/// the tensors do not name the checkpointing strategy.
+pub(super) fn record_op<C, B, Op, S, const N: usize>(
+    op: Op,
+    inputs: [&FloatTensor<Autodiff<B, C>>; N],
+    out: FloatTensor<B>,
+    state: impl FnOnce([NodeId; N]) -> S,
+) -> FloatTensor<Autodiff<B, C>>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    Op: Backward<B, N, State = S>,
+    S: Clone + Send + std::fmt::Debug + 'static,
+{
+    match op.prepare::<C>(inputs.map(|t| t.node.clone())).compute_bound().stateful() {
+        OpsKind::Tracked(mut prep) => {
+            let ids = inputs.map(|t| prep.checkpoint(t));
+            prep.finish(state(ids), out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    }
+}
+
 /// Records `forward`, run on the inner backend, as one autodiff op of the inputs `a` and `b` whose backward
-/// pass is `op`'s, with both inputs (through the checkpointer: kept or recomputed as the strategy says) and
-/// `extra` as its state.
+/// pass is `op`'s, with both inputs and `extra` as its state (`record_op`).
 fn record_binary<B, C, Op, E, const DA: usize, const DB: usize, const DO: usize>(
     op: Op,
     a: Tensor<Autodiff<B, C>, DA>,
@@ -255,13 +273,7 @@ where
     )
     .into_primitive()
     .tensor();
-    let output = match op.prepare::<C>([a.node.clone(), b.node.clone()]).compute_bound().stateful() {
-        OpsKind::Tracked(mut prep) => {
-            let state = (prep.checkpoint(&a), prep.checkpoint(&b), extra);
-            prep.finish(state, out)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(out),
-    };
+    let output = record_op::<C, _, _, _, _>(op, [&a, &b], out, |[a, b]| (a, b, extra));
     Tensor::from_primitive(TensorPrimitive::Float(output))
 }
 

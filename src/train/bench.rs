@@ -153,7 +153,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         micro_batch: cfg.micro_batch,
         accumulation: cfg.accumulation,
         docs_per_row: cfg.docs_per_row,
-        reference_ops: cfg.reference_ops,
+        reference_ops: reference_ops(),
         tokens_per_step,
         warmup: cfg.warmup,
         median_step_seconds,
