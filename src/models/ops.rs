@@ -449,21 +449,17 @@ impl<B: Backend, const D: usize> Backward<B, 2> for RmsNormBackward<D> {
 
 #[cfg(test)]
 mod tests {
-    use burn::tensor::Distribution;
     use burn::tensor::backend::AutodiffBackend;
 
     use super::*;
     use crate::backend::{Cpu, CpuTrain, CpuTrainCheckpointed};
-    use crate::testing::{assert_close, values};
+    use crate::testing::{assert_close, normal, values};
 
     /// Output and input gradients of `Σ swiglu(gate, up) ⊙ R` through the op and through burn's
     /// composition `silu(gate) * up`, on the same leaves.
     fn both<B: ModelBackend + AutodiffBackend>(dtype: FloatDType) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
         let device = Default::default();
-        let leaf = |seed: u64| {
-            B::seed(&device, seed);
-            Tensor::<B, 3>::random([2, 5, 7], Distribution::Normal(0.0, 2.0), &device).cast(dtype).require_grad()
-        };
+        let leaf = |seed: u64| normal::<B, 3>([2, 5, 7], 0.0, 2.0, seed, &device).cast(dtype).require_grad();
         let (gate, up, weights) = (leaf(1), leaf(2), leaf(3).detach());
         let run = |out: Tensor<B, 3>| {
             let grads = (out.clone() * weights.clone()).sum().backward();
@@ -508,13 +504,10 @@ mod tests {
         weight_dtype: FloatDType,
     ) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
         let device = Default::default();
-        B::seed(&device, 7);
-        let x =
-            Tensor::<B, 3>::random([2, 5, 16], Distribution::Normal(0.5, 2.0), &device).cast(x_dtype).require_grad();
+        let x = normal::<B, 3>([2, 5, 16], 0.5, 2.0, 7, &device).cast(x_dtype).require_grad();
         let centre = if kind == NormKind::Plain { 1.0 } else { 0.0 };
-        let weight =
-            Tensor::<B, 1>::random([16], Distribution::Normal(centre, 0.3), &device).cast(weight_dtype).require_grad();
-        let weights = Tensor::<B, 3>::random([2, 5, 16], Distribution::Normal(0.0, 1.0), &device);
+        let weight = normal::<B, 1>([16], centre, 0.3, 8, &device).cast(weight_dtype).require_grad();
+        let weights = normal::<B, 3>([2, 5, 16], 0.0, 1.0, 9, &device);
         let run = |out: Tensor<B, 3>| {
             let grads = (out.clone().cast(FloatDType::F32) * weights.clone()).sum().backward();
             [values(out), values(x.grad(&grads).expect("d x")), values(weight.grad(&grads).expect("d w"))]
@@ -555,10 +548,8 @@ mod tests {
     /// Output and input gradient of `Σ l2_norm(x) ⊙ R` through the op and the composition.
     fn l2<B: ModelBackend + AutodiffBackend>(dtype: FloatDType) -> ([Vec<f32>; 2], [Vec<f32>; 2]) {
         let device = Default::default();
-        B::seed(&device, 3);
-        let x =
-            Tensor::<B, 4>::random([2, 3, 4, 16], Distribution::Normal(0.2, 1.0), &device).cast(dtype).require_grad();
-        let r = Tensor::<B, 4>::random([2, 3, 4, 16], Distribution::Normal(0.0, 1.0), &device);
+        let x = normal::<B, 4>([2, 3, 4, 16], 0.2, 1.0, 3, &device).cast(dtype).require_grad();
+        let r = normal::<B, 4>([2, 3, 4, 16], 0.0, 1.0, 4, &device);
         let run = |out: Tensor<B, 4>| {
             let grads = (out.clone() * r.clone()).sum().backward();
             [values(out), values(x.grad(&grads).expect("d x"))]
@@ -585,14 +576,11 @@ mod tests {
         dtype: FloatDType,
     ) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
         let device = Default::default();
-        B::seed(&device, 9);
         let layout = super::super::SequenceLayout::from_doc_lengths(lengths, seq);
         let masks: Vec<Tensor<B, 3>> = (1..4).map(|lag| layout.lag_mask::<B>(lag, dtype, &device)).collect();
-        let x = Tensor::<B, 3>::random([lengths.len(), seq, 6], Distribution::Normal(0.0, 1.0), &device)
-            .cast(dtype)
-            .require_grad();
-        let kernel = Tensor::<B, 2>::random([6, 4], Distribution::Normal(0.0, 0.5), &device).cast(dtype).require_grad();
-        let r = Tensor::<B, 3>::random([lengths.len(), seq, 6], Distribution::Normal(0.0, 1.0), &device);
+        let x = normal::<B, 3>([lengths.len(), seq, 6], 0.0, 1.0, 9, &device).cast(dtype).require_grad();
+        let kernel = normal::<B, 2>([6, 4], 0.0, 0.5, 10, &device).cast(dtype).require_grad();
+        let r = normal::<B, 3>([lengths.len(), seq, 6], 0.0, 1.0, 11, &device);
         let run = |out: Tensor<B, 3>| {
             let grads = (out.clone().cast(FloatDType::F32) * r.clone()).sum().backward();
             [values(out), values(x.grad(&grads).expect("d x")), values(kernel.grad(&grads).expect("d kernel"))]
@@ -628,12 +616,10 @@ mod tests {
     /// composition, with an expert that gets no rows.
     fn grouped<B: ModelBackend + AutodiffBackend>(dtype: FloatDType) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
         let device = Default::default();
-        B::seed(&device, 5);
         let counts = [3, 0, 2, 4];
-        let x = Tensor::<B, 2>::random([9, 5], Distribution::Normal(0.0, 1.0), &device).cast(dtype).require_grad();
-        let weights =
-            Tensor::<B, 3>::random([4, 5, 6], Distribution::Normal(0.0, 0.5), &device).cast(dtype).require_grad();
-        let r = Tensor::<B, 2>::random([9, 6], Distribution::Normal(0.0, 1.0), &device);
+        let x = normal::<B, 2>([9, 5], 0.0, 1.0, 5, &device).cast(dtype).require_grad();
+        let weights = normal::<B, 3>([4, 5, 6], 0.0, 0.5, 6, &device).cast(dtype).require_grad();
+        let r = normal::<B, 2>([9, 6], 0.0, 1.0, 7, &device);
         let run = |out: Tensor<B, 2>| {
             let grads = (out.clone().cast(FloatDType::F32) * r.clone()).sum().backward();
             [values(out), values(x.grad(&grads).expect("d x")), values(weights.grad(&grads).expect("d weights"))]
@@ -663,10 +649,7 @@ mod tests {
     #[test]
     fn a_plain_backend_runs_the_same_forward() {
         let device = Default::default();
-        let tensor = |seed: u64| {
-            Cpu::seed(&device, seed);
-            Tensor::<Cpu, 2>::random([4, 6], Distribution::Normal(0.0, 2.0), &device)
-        };
+        let tensor = |seed: u64| normal::<Cpu, 2>([4, 6], 0.0, 2.0, seed, &device);
         let (gate, up) = (tensor(1), tensor(2));
         assert_eq!(values(Cpu::swiglu(gate.clone(), up.clone())), values(silu(gate) * up));
     }
