@@ -335,11 +335,10 @@ pub fn merge_heads<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 3> {
 
 #[cfg(test)]
 mod tests {
-    use burn::tensor::Distribution;
 
     use super::*;
     use crate::backend::{Cpu, CpuTrain, CpuTrainCheckpointed};
-    use crate::testing::{assert_close, values};
+    use crate::testing::{assert_close, normal, values};
 
     /// Two rows packed with documents and padding: row 0 = docs of 3, 5, 2 then 2 padding tokens; row 1 = 9, 3.
     fn layout() -> SequenceLayout {
@@ -396,16 +395,12 @@ mod tests {
         let device = Default::default();
         let l = layout();
         let (batch, heads, kv_heads, seq, d) = (2, 4, 2, 12, 8);
-        let leaf = |dims: [usize; 4], seed: u64| {
-            B::seed(&device, seed);
-            Tensor::<B, 4>::random(dims, Distribution::Normal(0.0, 1.0), &device).cast(dtype).require_grad()
-        };
+        let leaf =
+            |dims: [usize; 4], seed: u64| normal::<B, 4>(dims, 0.0, 1.0, seed, &device).cast(dtype).require_grad();
         let q = leaf([batch, heads, seq, d], 1);
         let k = leaf([batch, kv_heads, seq, d], 2);
         let v = leaf([batch, kv_heads, seq, d], 3);
-        B::seed(&device, 4);
-        let weights =
-            Tensor::<B, 3>::random([batch, seq, heads * d], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+        let weights = normal::<B, 3>([batch, seq, heads * d], 0.0, 1.0, 4, &device).cast(dtype);
         let docs = DocumentAttention::<B>::new(&l, &device).with_chunk_rows(chunk_rows);
         let run = |out: Tensor<B, 3>| {
             let grads = (out.clone() * weights.clone()).sum().backward();
@@ -448,10 +443,7 @@ mod tests {
     fn a_plain_backend_gives_the_autodiff_forward() {
         let device = Default::default();
         let l = layout();
-        let tensor = |dims: [usize; 4], seed: u64| {
-            Cpu::seed(&device, seed);
-            Tensor::<Cpu, 4>::random(dims, Distribution::Normal(0.0, 1.0), &device)
-        };
+        let tensor = |dims: [usize; 4], seed: u64| normal::<Cpu, 4>(dims, 0.0, 1.0, seed, &device);
         let (q, k, v) = (tensor([2, 4, 12, 8], 1), tensor([2, 2, 12, 8], 2), tensor([2, 2, 12, 8], 3));
         let docs = DocumentAttention::<Cpu>::new(&l, &device).with_chunk_rows(4);
         let plain = values(merge_heads(Cpu::document_attention(q.clone(), k.clone(), v.clone(), &docs)));

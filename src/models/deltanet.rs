@@ -706,7 +706,7 @@ mod tests {
             g: leaf3(g, FloatDType::F32),
             beta: leaf3(beta, dtype),
         };
-        let weights = Tensor::<A, 4>::random([batch, heads, seq, dv], Distribution::Normal(0.0, 1.0), &device);
+        let weights = crate::testing::normal::<A, 4>([batch, heads, seq, dv], 0.0, 1.0, 12, &device);
         let plan = ChunkPlan::<A>::new(&segments, size, &device);
         let run = |out: Tensor<A, 4>| {
             let grads = (out.clone() * weights.clone()).sum().backward();

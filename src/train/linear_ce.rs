@@ -193,11 +193,10 @@ impl<B: Backend, C: CheckpointStrategy> LinearCrossEntropy for Autodiff<B, C> {
 
 #[cfg(test)]
 mod tests {
-    use burn::tensor::Distribution;
 
     use super::*;
     use crate::backend::{CpuTrain, CpuTrainCheckpointed};
-    use crate::testing::{assert_close, values};
+    use crate::testing::{assert_close, normal, values};
 
     const ROWS: usize = 10;
     const WIDTH: usize = 8;
@@ -219,10 +218,8 @@ mod tests {
         chunk: usize,
     ) -> ((f32, Vec<f32>, Vec<f32>), (f32, Vec<f32>, Vec<f32>)) {
         let device = Default::default();
-        let leaf = |dims: [usize; 2], seed: u64| {
-            B::seed(&device, seed);
-            Tensor::<B, 2>::random(dims, Distribution::Normal(0.0, 1.0), &device).cast(dtype).require_grad()
-        };
+        let leaf =
+            |dims: [usize; 2], seed: u64| normal::<B, 2>(dims, 0.0, 1.0, seed, &device).cast(dtype).require_grad();
         let (hidden, head) = (leaf([ROWS, WIDTH], 1), leaf([VOCAB, WIDTH], 2));
         let (t, w) = (targets(), weights());
         let fused = B::linear_cross_entropy(hidden.clone(), head.clone(), &t, &w, 7.0, chunk);
@@ -263,9 +260,8 @@ mod tests {
     #[test]
     fn an_untracked_call_gives_the_loss_and_a_half_tracked_call_one_gradient() {
         let device = Default::default();
-        CpuTrain::seed(&device, 3);
-        let hidden = Tensor::<CpuTrain, 2>::random([ROWS, WIDTH], Distribution::Normal(0.0, 1.0), &device);
-        let head = Tensor::<CpuTrain, 2>::random([VOCAB, WIDTH], Distribution::Normal(0.0, 1.0), &device);
+        let hidden = normal::<CpuTrain, 2>([ROWS, WIDTH], 0.0, 1.0, 3, &device);
+        let head = normal::<CpuTrain, 2>([VOCAB, WIDTH], 0.0, 1.0, 13, &device);
         let (t, w) = (targets(), weights());
         let plain =
             values(masked_loss(hidden.clone().matmul(head.clone().transpose()).unsqueeze::<3>(), &t, &w, 7.0))[0];
@@ -285,10 +281,8 @@ mod tests {
     #[test]
     fn a_scaled_loss_scales_the_gradients() {
         let device = Default::default();
-        CpuTrain::seed(&device, 4);
-        let hidden =
-            Tensor::<CpuTrain, 2>::random([ROWS, WIDTH], Distribution::Normal(0.0, 1.0), &device).require_grad();
-        let head = Tensor::<CpuTrain, 2>::random([VOCAB, WIDTH], Distribution::Normal(0.0, 1.0), &device);
+        let hidden = normal::<CpuTrain, 2>([ROWS, WIDTH], 0.0, 1.0, 4, &device).require_grad();
+        let head = normal::<CpuTrain, 2>([VOCAB, WIDTH], 0.0, 1.0, 14, &device);
         let (t, w) = (targets(), weights());
         let once = CpuTrain::linear_cross_entropy(hidden.clone(), head.clone(), &t, &w, 7.0, 4);
         let grad = values(hidden.grad(&once.backward()).expect("a gradient"));
