@@ -1,11 +1,14 @@
 //! The burn backends kiln computes on: Flex on the CPU (tests, the offline default) and, with the `cuda`
 //! feature, burn's CUDA backend in bf16 (or f32). Model and trainer code is generic over the backend
 //! (`models::ModelBackend`, `train::linear_ce::LinearCrossEntropy`); this module names the concrete
-//! choices, reports which ones this build has and what they say of device memory.
+//! choices, reports which ones this build has and what they say of device memory, and makes host values
+//! into tensors of an explicit dtype: every device has a default float dtype (f32 on the CPU, bf16 on the
+//! CUDA bf16 backend) that burn gives any tensor created without one, so code that names none behaves
+//! differently on the GPU (tests/bf16_device.rs runs the CPU with a bf16 default to catch it).
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 
 use crate::models::ModelBackend;
 
@@ -75,6 +78,23 @@ impl ModelBackend for Flex {}
 impl ModelBackend for burn::backend::Cuda<f32> {}
 #[cfg(feature = "cuda")]
 impl ModelBackend for Gpu {}
+
+/// Host values as a tensor created in `dtype`. burn's `from_data` without a dtype converts to the device's
+/// default float dtype first (bf16 on the CUDA bf16 backend, f32 on the CPU), which would round f32 values
+/// for good before any `.cast(F32)` after it.
+pub fn host_tensor<B: Backend, const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(values, shape), (device, DType::from(dtype)))
+}
+
+/// Zeros created in `dtype` rather than in the device's default and then cast.
+pub fn zeros_in<B: Backend, const D: usize>(shape: [usize; D], dtype: FloatDType, device: &B::Device) -> Tensor<B, D> {
+    Tensor::zeros(shape, (device, DType::from(dtype)))
+}
 
 /// The backends compiled into this binary.
 pub fn compiled() -> Vec<&'static str> {

@@ -16,6 +16,7 @@ use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
 use kiln::models::decode::{CachedDecoding, generate_greedy};
 use kiln::models::deltanet::{self, ChunkPlan, DocSegments, ScanInputs};
 use kiln::models::hf::{ExportDtype, hf_gradients, hf_tensors};
+use kiln::models::weights::kept_in_f32;
 use kiln::models::{CausalLm, ModelBackend, ModelConfig, Qwen35Model, SequenceLayout, WeightStore, load_model};
 
 type Cpu = Flex<f32>;
@@ -160,7 +161,7 @@ fn export_carries_the_other_towers_and_reloads() {
             assert_eq!(exported.raw(key).unwrap(), source.raw(key).unwrap(), "{dtype:?}: {key} changed");
         }
         for key in exported.keys() {
-            let want = if model.keeps_f32(key) || model.is_carried(key) || dtype == ExportDtype::F32 {
+            let want = if kept_in_f32(key) || model.is_carried(key) || dtype == ExportDtype::F32 {
                 source.dtype(key).unwrap()
             } else {
                 safetensors::Dtype::BF16

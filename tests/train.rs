@@ -362,35 +362,8 @@ fn supervised_only_logits_give_the_full_logits_loss_and_gradients() {
 }
 
 /// Every parameter of `model` by its (first) checkpoint name: its dtype and its values as f32 in burn's layout.
-fn named_params<B: burn::tensor::backend::Backend>(
-    model: &kiln::models::CausalLm<B>,
-) -> Vec<(String, burn::tensor::DType, Vec<f32>)> {
-    use burn::module::{Module, ModuleVisitor, Param};
-    use kiln::models::hf::HfNamed;
-    struct Params(std::collections::HashMap<burn::module::ParamId, (burn::tensor::DType, Vec<f32>)>);
-    impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Params {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let t = param.val();
-            let dtype = t.dtype();
-            self.0.insert(param.id, (dtype, t.into_data().convert::<f32>().to_vec::<f32>().unwrap()));
-        }
-    }
-    let mut v = Params(Default::default());
-    model.visit(&mut v);
-    let mut seen = std::collections::HashSet::new();
-    model
-        .hf_entries()
-        .into_iter()
-        .filter(|e| seen.insert(e.id))
-        .map(|e| {
-            let (dtype, values) = v.0[&e.id].clone();
-            (e.key, dtype, values)
-        })
-        .collect()
-}
-
 fn all_bf16<B: burn::tensor::backend::Backend>(model: &kiln::models::CausalLm<B>) -> bool {
-    named_params(model).iter().all(|(_, d, _)| *d == burn::tensor::DType::BF16)
+    common::named_params(model).iter().all(|(_, d, _)| *d == burn::tensor::DType::BF16)
 }
 
 /// With the same gradients, AdamW on bf16 parameters moves their f32 master weights exactly as it moves f32
@@ -437,7 +410,7 @@ fn master_weights_of_bf16_parameters_take_the_exact_f32_update() {
         .collect();
     let rounded = hf_tensors(&bf16_model);
     let mut off_grid = 0;
-    for (key, _, view) in named_params(&reference) {
+    for (key, _, view) in common::named_params(&reference) {
         let master = &masters[&key];
         // hf_tensors applies the checkpoint layout; the master is in burn's layout, as the parameter.
         assert_eq!(master, &view, "{key}: the master weights differ from the f32 update");

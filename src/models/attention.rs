@@ -25,6 +25,7 @@ use super::SequenceLayout;
 #[cfg(test)]
 use super::ops::ModelBackend;
 use super::ops::record_op;
+use crate::backend::zeros_in;
 
 /// The f32 scores one chunk of queries may hold (all heads and rows of the batch together).
 pub const CHUNK_SCORE_BYTES: usize = 256 << 20;
@@ -106,8 +107,7 @@ impl<B: Backend> DocumentAttention<B> {
         let offset = start as i64 - first as i64;
         let future =
             Tensor::<B, 2, Bool>::tril_mask([len, keys], offset, &device).unsqueeze::<3>().expand([batch, len, keys]);
-        Tensor::<B, 3>::zeros([batch, len, keys], &device)
-            .cast(FloatDType::F32)
+        zeros_in::<B, 3>([batch, len, keys], FloatDType::F32, &device)
             .mask_fill(other_doc.bool_or(future), f32::NEG_INFINITY)
     }
 
@@ -229,7 +229,7 @@ pub fn chunked_attention_backward<B: Backend>(
     let grad_out = grouped_queries(grad_out.cast(dtype), kv_heads);
     let out = grouped_queries(forward.out, kv_heads);
     let delta = (grad_out.clone().cast(FloatDType::F32) * out.cast(FloatDType::F32)).sum_dim(4);
-    let zeros = || Tensor::<B, 4>::zeros([batch, kv_heads, seq, d], &device).cast(FloatDType::F32);
+    let zeros = || zeros_in::<B, 4>([batch, kv_heads, seq, d], FloatDType::F32, &device);
     let (mut grad_k, mut grad_v) = (zeros(), zeros());
     let mut grad_q = Vec::new();
     for chunk in docs.chunks(heads) {

@@ -16,7 +16,7 @@ use super::decode::generate_greedy;
 use super::hf::{ExportDtype, HfEntry, HfNamed, RawTensor, export_dir, hf_tensors};
 use super::lfm2::Lfm2Model;
 use super::qwen3_5::Qwen35Model;
-use super::weights::{Init, RandomInit, TensorSource, WeightStore, lfm2_init, qwen3_5_init};
+use super::weights::{Init, RandomInit, TensorSource, WeightStore, kept_in_f32, lfm2_init, qwen3_5_init};
 use super::{ModelBackend, ModelError, SequenceLayout};
 
 #[derive(Module, Debug)]
@@ -42,21 +42,12 @@ impl<B: Backend> CausalLm<B> {
         }
     }
 
-    /// Tensors the released checkpoints keep in f32 in a bf16 export: LFM2-MoE's `expert_bias` buffer,
-    /// Qwen3.5's `A_log` and DeltaNet output norm.
-    pub fn keeps_f32(&self, key: &str) -> bool {
-        match self {
-            CausalLm::Lfm2(_) => key.ends_with("expert_bias"),
-            CausalLm::Qwen35(_) => key.ends_with("linear_attn.A_log") || key.ends_with("linear_attn.norm.weight"),
-        }
-    }
-
     /// The model with its parameters stored in `dtype` (the compute dtype: activations and gradients follow
-    /// it), except the tensors `keeps_f32` names, which stay f32 as in the released checkpoints. Parameters
-    /// stay leaves of the autodiff graph.
+    /// it), except the tensors `weights::kept_in_f32` names, which stay f32 as in the released checkpoints.
+    /// Parameters stay leaves of the autodiff graph.
     pub fn cast_params(self, dtype: FloatDType) -> Self {
         let keep: HashSet<ParamId> =
-            self.hf_entries().into_iter().filter(|e| self.keeps_f32(&e.key)).map(|e| e.id).collect();
+            self.hf_entries().into_iter().filter(|e| kept_in_f32(&e.key)).map(|e| e.id).collect();
         self.map(&mut CastParams { dtype, keep })
     }
 
@@ -82,8 +73,8 @@ impl<B: Backend> CausalLm<B> {
         keys.into_iter().map(|k| store.raw(&k).map(|t| (k, t))).collect()
     }
 
-    /// Writes the model as an HF directory: its tensors in `dtype` (f32 where `keeps_f32`), the other towers'
-    /// tensors and the companion files (config, tokenizer, template) from `source_dir`.
+    /// Writes the model as an HF directory: its tensors in `dtype` (f32 where `weights::kept_in_f32`), the
+    /// other towers' tensors and the companion files (config, tokenizer, template) from `source_dir`.
     pub fn export(
         &self,
         source_dir: &Path,
@@ -92,7 +83,7 @@ impl<B: Backend> CausalLm<B> {
         shard_bytes: usize,
     ) -> Result<Vec<PathBuf>, ModelError> {
         let carried = self.carried_tensors(source_dir)?;
-        export_dir(&hf_tensors(self), &carried, source_dir, out_dir, dtype, &|k: &str| self.keeps_f32(k), shard_bytes)
+        export_dir(&hf_tensors(self), &carried, source_dir, out_dir, dtype, &kept_in_f32, shard_bytes)
     }
 }
 

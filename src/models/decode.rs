@@ -12,6 +12,7 @@ use super::layers::{SequenceLayout, causal_depthwise_conv_cached, rope_tables};
 use super::lfm2::{Attention, FeedForward, Lfm2Model, Mixer, ShortConv};
 use super::ops::ModelBackend;
 use super::qwen3_5::{GatedAttention, GatedDeltaNet, Qwen35Mixer, Qwen35Model, SCAN_CHUNK};
+use crate::backend::{host_tensor, zeros_in};
 
 /// What a batch has decoded so far: per row, which cached positions are real tokens (padding is not).
 #[derive(Debug, Clone)]
@@ -65,8 +66,8 @@ impl History {
         let valid_f: Vec<f32> = valid.iter().flatten().map(|&v| if v { 1.0 } else { 0.0 }).collect();
         Step {
             layout,
-            mask: Tensor::<B, 4>::from_data(TensorData::new(mask, [batch, 1, seq, total]), device).cast(dtype),
-            valid: Tensor::<B, 3>::from_data(TensorData::new(valid_f, [batch, seq, 1]), device).cast(dtype),
+            mask: host_tensor(mask, [batch, 1, seq, total], dtype, device),
+            valid: host_tensor(valid_f, [batch, seq, 1], dtype, device),
         }
     }
 
@@ -156,9 +157,11 @@ impl<B: ModelBackend> CachedDecoding<B> for Lfm2Model<B> {
             .layers
             .iter()
             .map(|l| match &l.mixer {
-                Mixer::Conv(c) => Lfm2LayerCache::Conv(
-                    Tensor::<B, 3>::zeros([batch, c.conv.dims()[1] - 1, hidden], device).cast(c.conv.val().dtype()),
-                ),
+                Mixer::Conv(c) => Lfm2LayerCache::Conv(zeros_in(
+                    [batch, c.conv.dims()[1] - 1, hidden],
+                    c.conv.val().dtype().into(),
+                    device,
+                )),
                 Mixer::Attention(_) => Lfm2LayerCache::Attention { k: None, v: None },
             })
             .collect();
@@ -281,7 +284,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
                 Qwen35Mixer::Linear(d) => {
                     let [channels, taps] = d.conv1d.dims();
                     QwenLayerCache::DeltaNet {
-                        conv: Tensor::<B, 3>::zeros([batch, taps - 1, channels], device).cast(d.conv1d.val().dtype()),
+                        conv: zeros_in([batch, taps - 1, channels], d.conv1d.val().dtype().into(), device),
                         state: None,
                     }
                 }

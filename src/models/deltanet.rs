@@ -19,6 +19,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, TensorPrimitive};
 
 use super::ops::record_op;
+use crate::backend::{host_tensor, zeros_in};
 
 /// Which document each position of a `[batch, seq]` block belongs to, and which document the state a call
 /// starts from belongs to (per row): a position continues that state only inside the same document.
@@ -72,10 +73,6 @@ impl<B: Backend> ScanInputs<B> {
     }
 }
 
-fn host_tensor<B: Backend, const D: usize>(data: Vec<f32>, shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
-    Tensor::<B, D>::from_data(TensorData::new(data, shape), device).cast(FloatDType::F32)
-}
-
 /// The reference: one token at a time. Returns the outputs `[batch, heads, seq, dv]` (f32) and the final
 /// state `[batch, heads, dk, dv]`.
 pub fn recurrent<B: Backend>(
@@ -87,12 +84,13 @@ pub fn recurrent<B: Backend>(
     let [batch, heads, seq, dk] = k.dims();
     let dv = v.dims()[3];
     let device = q.device();
-    let mut state = initial.unwrap_or_else(|| Tensor::zeros([batch, heads, dk, dv], &device)).cast(FloatDType::F32);
+    let mut state =
+        initial.unwrap_or_else(|| zeros_in([batch, heads, dk, dv], FloatDType::F32, &device)).cast(FloatDType::F32);
     let keep: Vec<f32> = (0..seq)
         .flat_map(|t| (0..batch).map(move |r| (r, t)))
         .map(|(r, t)| f32::from(u8::from(segments.continues(r, t))))
         .collect();
-    let keep = host_tensor::<B, 2>(keep, [seq, batch], &device);
+    let keep = host_tensor::<B, 2>(keep, [seq, batch], FloatDType::F32, &device);
     let mut outputs = Vec::with_capacity(seq);
     for t in 0..seq {
         let at = |x: &Tensor<B, 4>| x.clone().narrow(2, t, 1); // [B, H, 1, d]
@@ -116,7 +114,8 @@ pub fn recurrent<B: Backend>(
 /// `outside_bridges[r]` masks everything but round `r`'s joining entries.
 fn unit_lower_inverse<B: Backend>(l: Tensor<B, 5>, outside_bridges: &[Tensor<B, 5, Bool>]) -> Tensor<B, 5> {
     let size = l.dims()[4];
-    let mut inverse = Tensor::<B, 2>::eye(size, &l.device()).unsqueeze::<5>().expand(l.dims());
+    // `eye` is born in the device's default dtype (bf16 on the CUDA bf16 backend); `l` is f32.
+    let mut inverse = Tensor::<B, 2>::eye(size, &l.device()).cast(l.dtype()).unsqueeze::<5>().expand(l.dims());
     for outside in outside_bridges {
         let bridge = l.clone().mask_fill(outside.clone(), 0.0);
         inverse = inverse.clone() - inverse.clone().matmul(bridge).matmul(inverse);
@@ -170,7 +169,8 @@ impl<B: Backend> ChunkPlan<B> {
                 }
             }
         }
-        let per_position = |m: Vec<f32>| host_tensor::<B, 3>(m, [batch, chunks, size], device).unsqueeze_dim::<4>(1);
+        let per_position =
+            |m: Vec<f32>| host_tensor::<B, 3>(m, [batch, chunks, size], FloatDType::F32, device).unsqueeze_dim::<4>(1);
         let mut outside_bridges = Vec::new();
         let mut block = 1;
         while block < size {
@@ -347,7 +347,7 @@ fn pad_to<B: Backend, const D: usize>(x: Tensor<B, D>, len: usize) -> Tensor<B, 
         return x;
     }
     dims[2] = len - dims[2];
-    let zeros = Tensor::<B, D>::zeros(dims, &x.device()).cast(FloatDType::F32);
+    let zeros = zeros_in::<B, D>(dims, FloatDType::F32, &x.device());
     Tensor::cat(vec![x, zeros], 2)
 }
 
@@ -453,8 +453,9 @@ pub fn chunked_scan<B: Backend>(
     let form = chunk_form(inputs, plan);
     let [batch, heads, chunks, _, dk] = form.k.dims();
     let dv = form.v.dims()[4];
-    let mut state =
-        initial.unwrap_or_else(|| Tensor::zeros([batch, heads, dk, dv], &form.q.device())).cast(FloatDType::F32);
+    let mut state = initial
+        .unwrap_or_else(|| zeros_in([batch, heads, dk, dv], FloatDType::F32, &form.q.device()))
+        .cast(FloatDType::F32);
     let mut starts = Vec::with_capacity(chunks);
     for n in 0..chunks {
         starts.push(state.clone());
@@ -508,7 +509,7 @@ pub fn chunked_backward<B: Backend>(
     let d_q_decayed = d_out.clone().matmul(chunk_states.clone().swap_dims(3, 4));
     let from_outputs = f.intra.clone().swap_dims(3, 4).matmul(d_out.clone());
     let into_states = f.q_decayed.clone().swap_dims(3, 4).matmul(d_out);
-    let mut d_state = Tensor::<B, 4>::zeros([batch, heads, dk, dv], &device).cast(FloatDType::F32);
+    let mut d_state = zeros_in::<B, 4>([batch, heads, dk, dv], FloatDType::F32, &device);
     let (mut d_next, mut d_corrected) = (Vec::with_capacity(chunks), Vec::with_capacity(chunks));
     for n in (0..chunks).rev() {
         let d_corr = chunk_at(&from_outputs, n) + chunk_at(&f.k_decayed, n).matmul(d_state.clone());

@@ -6,9 +6,10 @@
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor};
 
 use super::ops::{ModelBackend, NormKind};
+use crate::backend::{host_tensor, zeros_in};
 
 /// `weight * x / sqrt(mean(x²) + eps)` over the last dimension (LFM2's form: no `1 +` offset), normalized
 /// in f32 whatever the compute dtype, then cast back before the weight, as transformers does. A weight kept
@@ -107,7 +108,7 @@ pub fn causal_depthwise_conv_backward<B: Backend>(
     let mut grad_taps = vec![channel_sums(grad.clone() * x.clone())];
     for lag in 1..taps {
         if lag >= seq {
-            grad_taps.push(Tensor::zeros([channels, 1], &x.device()));
+            grad_taps.push(zeros_in([channels, 1], FloatDType::F32, &x.device()));
             continue;
         }
         let masked = grad.clone() * lag_masks[lag - 1].clone().cast(FloatDType::F32);
@@ -200,7 +201,7 @@ impl SequenceLayout {
     /// `[batch, seq, 1]` masks that keep token `t`'s input from `lag` steps back only inside its document.
     pub fn lag_mask<B: Backend>(&self, lag: usize, dtype: FloatDType, device: &B::Device) -> Tensor<B, 3> {
         let keep: Vec<f32> = self.positions.iter().map(|&p| if p as usize >= lag { 1.0 } else { 0.0 }).collect();
-        Tensor::<B, 3>::from_data(TensorData::new(keep, [self.batch, self.seq, 1]), device).cast(dtype)
+        host_tensor(keep, [self.batch, self.seq, 1], dtype, device)
     }
 }
 
@@ -227,7 +228,7 @@ pub fn rope_tables<B: Backend>(
         }
     }
     let shape = [layout.batch, 1, layout.seq, head_dim];
-    let table = |values: Vec<f32>| Tensor::<B, 4>::from_data(TensorData::new(values, shape), device).cast(dtype);
+    let table = |values: Vec<f32>| host_tensor::<B, 4>(values, shape, dtype, device);
     (table(cos), table(sin))
 }
 

@@ -14,6 +14,7 @@ use super::config::{LayerKind, Lfm2Config};
 use super::layers::{RmsNorm, SequenceLayout, SwiGlu, apply_rope, rope_tables};
 use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
+use crate::backend::zeros_in;
 
 /// The gated short convolution: `in_proj` → B | C | x, `y = conv(B·x)` (depthwise, causal, kernel L),
 /// `out_proj(C·y)`.
@@ -139,7 +140,7 @@ impl<B: ModelBackend> MoeBlock<B> {
             rows[e as usize].push((slot / self.top_k) as i64);
             slots[e as usize].push(slot as i64);
         }
-        let zeros = Tensor::<B, 2>::zeros([tokens, hidden], &device).cast(x.dtype());
+        let zeros = zeros_in::<B, 2>([tokens, hidden], x.dtype().into(), &device);
         let counts: Vec<usize> = rows.iter().map(Vec::len).collect();
         let n = chosen.len();
         if n == 0 {
@@ -344,11 +345,8 @@ impl<B: Backend> Lfm2Model<B> {
                         // A buffer in transformers, never trained.
                         expert_bias: if moe.use_expert_bias {
                             Some(
-                                Param::from_tensor(device_tensor(
-                                    store.take(&format!("{key}.expert_bias"), &[moe.num_experts]),
-                                    device,
-                                ))
-                                .set_require_grad(false),
+                                load_param(store, &format!("{key}.expert_bias"), [moe.num_experts], device)
+                                    .set_require_grad(false),
                             )
                         } else {
                             None

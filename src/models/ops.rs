@@ -27,6 +27,7 @@ use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 use super::attention::{DocumentAttention, chunked_attention, softmax_attention, tracked_document_attention};
 use super::deltanet::{self, ChunkPlan, ScanInputs, tracked_gated_delta_rule};
 use super::layers::{causal_depthwise_conv, causal_depthwise_conv_backward, l2_normalize, l2_normalize_backward};
+use crate::backend::zeros_in;
 
 static REFERENCE_OPS: AtomicBool = AtomicBool::new(false);
 
@@ -319,7 +320,7 @@ pub fn grouped_matmul_forward<B: Backend>(x: Tensor<B, 2>, weights: Tensor<B, 3>
         start += n;
     }
     if groups.is_empty() {
-        return Tensor::<B, 2>::zeros([0, out], &x.device()).cast(x.dtype());
+        return zeros_in([0, out], x.dtype().into(), &x.device());
     }
     Tensor::cat(groups, 0)
 }
@@ -339,7 +340,7 @@ pub fn grouped_matmul_backward<B: Backend>(
     let (mut grad_x, mut grad_w) = (Vec::new(), Vec::with_capacity(counts.len()));
     for (e, &n) in counts.iter().enumerate() {
         if n == 0 {
-            grad_w.push(Tensor::<B, 2>::zeros([width, out], &device).cast(weights.dtype()));
+            grad_w.push(zeros_in([width, out], weights.dtype().into(), &device));
             continue;
         }
         let rows = x.clone().narrow(0, start, n);

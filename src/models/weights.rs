@@ -112,7 +112,15 @@ pub struct WeightStore {
     mismatched: RefCell<Vec<String>>,
 }
 
-/// `t` on `device`.
+/// Tensors the released checkpoints keep in f32 beside bf16 weights (LFM2-MoE's `expert_bias` buffer,
+/// Qwen3.5's `A_log` and DeltaNet output norm): loaded, trained and exported in f32 whatever the compute dtype.
+pub fn kept_in_f32(key: &str) -> bool {
+    key.ends_with("feed_forward.expert_bias")
+        || key.ends_with("linear_attn.A_log")
+        || key.ends_with("linear_attn.norm.weight")
+}
+
+/// `t` on `device`, in the device's default float dtype (bf16 on the CUDA bf16 backend, f32 on the CPU).
 pub(crate) fn device_tensor<B: burn::tensor::backend::Backend, const D: usize>(
     t: HostTensor,
     device: &B::Device,
@@ -120,14 +128,20 @@ pub(crate) fn device_tensor<B: burn::tensor::backend::Backend, const D: usize>(
     burn::tensor::Tensor::from_data(burn::tensor::TensorData::new(t.data, t.shape), device)
 }
 
-/// The parameter `key` of `shape`.
+/// The parameter `key` of `shape`: in f32 where `kept_in_f32`, else in the device's default float dtype.
 pub(crate) fn load_param<B: burn::tensor::backend::Backend, const D: usize>(
     store: &dyn TensorSource,
     key: &str,
     shape: [usize; D],
     device: &B::Device,
 ) -> burn::module::Param<burn::tensor::Tensor<B, D>> {
-    burn::module::Param::from_tensor(device_tensor(store.take(key, &shape), device))
+    let t = store.take(key, &shape);
+    let tensor = if kept_in_f32(key) {
+        crate::backend::host_tensor(t.data, shape, burn::tensor::FloatDType::F32, device)
+    } else {
+        device_tensor(t, device)
+    };
+    burn::module::Param::from_tensor(tensor)
 }
 
 /// A PyTorch Linear `[out, in]` (bias when the checkpoint has one) as burn's `[in, out]`.

@@ -19,6 +19,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 
 use super::step::masked_loss;
+use crate::backend::host_tensor;
 use crate::models::ModelBackend;
 use crate::models::ops::reference_ops;
 
@@ -114,9 +115,9 @@ pub fn chunked_cross_entropy<B: Backend>(
     }
 }
 
-/// `values` as an f32 `[n, 1]` column (cast explicitly: a bf16 backend's default dtype would round them).
+/// `values` as an f32 `[n, 1]` column (created in f32: a bf16 backend's default dtype would round them).
 fn f32_column<B: Backend>(values: &[f32], device: &B::Device) -> Tensor<B, 2> {
-    Tensor::<B, 2>::from_data(TensorData::new(values.to_vec(), [values.len(), 1]), device).cast(FloatDType::F32)
+    host_tensor(values.to_vec(), [values.len(), 1], FloatDType::F32, device)
 }
 
 /// The stored gradient times the loss's incoming gradient (a `[1]` tensor), in the stored gradient's dtype.

@@ -12,9 +12,10 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor};
 use serde::{Deserialize, Serialize};
 
+use crate::backend::{host_tensor, zeros_in};
 use crate::models::weights::HostTensor;
 
 /// The dtype AdamW's moments are stored in between steps (they are always updated in f32).
@@ -94,17 +95,14 @@ impl<B: Backend> AdamW<B> {
         saved: &HashMap<String, HostTensor>,
         device: &B::Device,
     ) -> Result<(), String> {
-        let f32_tensor = |h: &HostTensor| {
-            Tensor::<B, 1>::from_data(TensorData::new(h.data.clone(), [h.data.len()]), device).cast(FloatDType::F32)
-        };
+        let f32_tensor = |h: &HostTensor| host_tensor::<B, 1>(h.data.clone(), [h.data.len()], FloatDType::F32, device);
         let moment_dtype = self.config.moments.float();
         for (id, name) in names {
             let (Some(m), Some(v)) = (saved.get(&format!("{name}.m")), saved.get(&format!("{name}.v"))) else {
                 continue;
             };
             let master = saved.get(&format!("{name}.master")).map(f32_tensor);
-            let state =
-                ParamState { m: f32_tensor(m).cast(moment_dtype), v: f32_tensor(v).cast(moment_dtype), master };
+            let state = ParamState { m: f32_tensor(m).cast(moment_dtype), v: f32_tensor(v).cast(moment_dtype), master };
             self.states.insert(*id, state);
         }
         if self.states.is_empty() && !saved.is_empty() {
@@ -214,7 +212,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
         let g = grad.cast(FloatDType::F32).reshape([n]);
         let g = if self.scale != 1.0 { g * self.scale } else { g };
         let state = self.opt.states.remove(&id).unwrap_or_else(|| {
-            let zeros = Tensor::<B::InnerBackend, 1>::zeros([n], &param.device()).cast(c.moments.float());
+            let zeros = zeros_in::<B::InnerBackend, 1>([n], c.moments.float(), &param.device());
             let master = (param_dtype != FloatDType::F32).then(|| param.clone().cast(FloatDType::F32));
             ParamState { m: zeros.clone(), v: zeros, master }
         });

@@ -10,18 +10,24 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use super::data::target_weights;
 use super::linear_ce::{LinearCrossEntropy, chunk_rows_for};
 use super::optim::{AdamW, F32Accumulator, step};
+use crate::backend::host_tensor;
 use crate::models::{CausalLm, SequenceLayout};
 use crate::tokens::shards::Row;
 
 /// Mean next-token cross-entropy over the rows' supervised targets, summed and divided by `normalizer`
 /// (the supervised count of the whole optimizer step), computed in f32.
-pub fn masked_loss<B: Backend>(logits: Tensor<B, 3>, targets: &[i64], weights: &[f32], normalizer: f32) -> Tensor<B, 1> {
+pub fn masked_loss<B: Backend>(
+    logits: Tensor<B, 3>,
+    targets: &[i64],
+    weights: &[f32],
+    normalizer: f32,
+) -> Tensor<B, 1> {
     let [b, s, _] = logits.dims();
     let device = logits.device();
     let logp = log_softmax(logits.cast(FloatDType::F32), 2);
     let target = Tensor::<B, 3, Int>::from_data(TensorData::new(targets.to_vec(), [b, s, 1]), &device);
     let nll = logp.gather(2, target).neg().reshape([b * s]);
-    let w = Tensor::<B, 1>::from_data(TensorData::new(weights.to_vec(), [b * s]), &device).cast(FloatDType::F32);
+    let w = host_tensor::<B, 1>(weights.to_vec(), [b * s], FloatDType::F32, &device);
     (nll * w).sum() / normalizer
 }
 

@@ -219,3 +219,31 @@ pub fn run_kiln(args: &[&str], envs: &[(&str, &str)], cwd: &Path) -> (bool, Stri
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// Every distinct parameter of `model` by checkpoint key, with its dtype and values.
+pub fn named_params<B: burn::tensor::backend::Backend>(
+    model: &kiln::models::CausalLm<B>,
+) -> Vec<(String, burn::tensor::DType, Vec<f32>)> {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use kiln::models::hf::HfNamed;
+    struct Params(std::collections::HashMap<burn::module::ParamId, (burn::tensor::DType, Vec<f32>)>);
+    impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Params {
+        fn visit_float<const D: usize>(&mut self, param: &Param<burn::tensor::Tensor<B, D>>) {
+            let t = param.val();
+            let dtype = t.dtype();
+            self.0.insert(param.id, (dtype, t.into_data().convert::<f32>().to_vec::<f32>().unwrap()));
+        }
+    }
+    let mut v = Params(Default::default());
+    model.visit(&mut v);
+    let mut seen = std::collections::HashSet::new();
+    model
+        .hf_entries()
+        .into_iter()
+        .filter(|e| seen.insert(e.id))
+        .map(|e| {
+            let (dtype, values) = v.0[&e.id].clone();
+            (e.key, dtype, values)
+        })
+        .collect()
+}
