@@ -96,6 +96,52 @@ pub fn zeros_in<B: Backend, const D: usize>(shape: [usize; D], dtype: FloatDType
     Tensor::zeros(shape, (device, DType::from(dtype)))
 }
 
+/// Whether this build can compute on a CUDA device here: the first CUDA use loads the driver (libcuda) and
+/// NVRTC by name and compiles a kernel, and a missing library panics on burn's device thread. Probed once
+/// with a small matmul, panics caught (on every thread: the device thread holds the reason), and turned into
+/// an error that says what is missing.
+pub fn cuda_ready() -> Result<(), String> {
+    #[cfg(feature = "cuda")]
+    {
+        static PROBE: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+        PROBE.get_or_init(probe_cuda).clone()
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(crate::train::device_error("cuda"))
+}
+
+#[cfg(feature = "cuda")]
+fn probe_cuda() -> Result<(), String> {
+    use std::sync::{Arc, Mutex};
+    let messages = Arc::new(Mutex::new(Vec::<String>::new()));
+    let previous = std::panic::take_hook();
+    let sink = Arc::clone(&messages);
+    std::panic::set_hook(Box::new(move |info| {
+        let text = info
+            .payload()
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a panic without a message".into());
+        if let Ok(mut all) = sink.lock() {
+            all.push(text);
+        }
+    }));
+    let outcome = std::panic::catch_unwind(|| smoke_test::<Gpu>(&Default::default()));
+    std::panic::set_hook(previous);
+    let why = match outcome {
+        Ok(Ok(())) => return Ok(()),
+        Ok(Err(wrong)) => wrong,
+        // The first panic is the cause (the device thread's); later ones are its echo on this thread.
+        Err(_) => messages.lock().ok().and_then(|m| m.first().cloned()).unwrap_or_else(|| "unknown failure".into()),
+    };
+    Err(format!(
+        "CUDA is not usable on this machine: {why}\n(kiln loads the NVIDIA driver's libcuda.so and NVRTC's \
+         libnvrtc.so.<major> at run time; where only PyTorch's pip wheels bring NVRTC, add their \
+         site-packages/nvidia/.../lib directory to LD_LIBRARY_PATH; or use --device cpu)"
+    ))
+}
+
 /// The backends compiled into this binary.
 pub fn compiled() -> Vec<&'static str> {
     let mut names = vec!["flex (cpu, f32)"];

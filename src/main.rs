@@ -769,6 +769,11 @@ fn info() -> Result<()> {
         "kiln": env!("CARGO_PKG_VERSION"),
         "backends": kiln::backend::compiled(),
         "cpu_smoke_test": "ok",
+        "cuda_smoke_test": if cfg!(feature = "cuda") {
+            kiln::backend::cuda_ready().map_or_else(|why| why, |()| "ok".into())
+        } else {
+            "not built".to_string()
+        },
         "hub": {
             "endpoint": config.endpoint,
             "cache_dir": config.cache_dir,
@@ -931,7 +936,10 @@ fn on_device(device: &str, job: Job) -> Result<()> {
     match device {
         "cpu" => run_job::<kiln::backend::Cpu>(&Default::default(), job),
         #[cfg(feature = "cuda")]
-        "cuda" => run_job::<kiln::backend::Gpu>(&Default::default(), job),
+        "cuda" => {
+            kiln::backend::cuda_ready().map_err(anyhow::Error::msg)?;
+            run_job::<kiln::backend::Gpu>(&Default::default(), job)
+        }
         other => bail!(kiln::train::device_error(other)),
     }
 }
@@ -1100,7 +1108,10 @@ fn bench_train_cmd(args: BenchTrainArgs) -> Result<()> {
         result.tokens_per_s,
         result.median_step_seconds,
         result.mfu.map(|m| format!(", MFU {:.1} %", m * 100.0)).unwrap_or_default(),
-        result.peak_memory_bytes.map(|b| format!(", peak {:.2} GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_default(),
+        result
+            .peak_memory_bytes
+            .map(|b| format!(", peak {:.2} GiB", b as f64 / (1u64 << 30) as f64))
+            .unwrap_or_default(),
     );
     Ok(())
 }

@@ -93,7 +93,10 @@ pub fn evaluate_on_device(
     match device {
         "cpu" => on!(crate::backend::Cpu),
         #[cfg(feature = "cuda")]
-        "cuda" => on!(crate::backend::Gpu),
+        "cuda" => {
+            crate::backend::cuda_ready()?;
+            on!(crate::backend::Gpu)
+        }
         other => Err(crate::train::device_error(other)),
     }
 }

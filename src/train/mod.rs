@@ -43,6 +43,9 @@ macro_rules! with_train_backend {
         #[cfg(not(feature = "cuda"))]
         let _ = $precision;
         match ($device, $checkpointing) {
+            ("cuda", _) if $crate::backend::cuda_ready().is_err() => {
+                Err($crate::train::TrainError::Device($crate::backend::cuda_ready().err().unwrap_or_default()))
+            }
             ("cpu", false) => $go!($crate::backend::CpuTrain),
             ("cpu", true) => $go!($crate::backend::CpuTrainCheckpointed),
             #[cfg(feature = "cuda")]

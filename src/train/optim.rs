@@ -165,19 +165,11 @@ struct SquaredNorm<'a> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let s: f32 = g.cast(FloatDType::F32).powf_scalar(2.0).sum().into_scalar().to_f32();
-            self.total += s as f64;
+            // Read back as f32: `into_scalar` gives the backend's default element, bf16 on the CUDA bf16
+            // backend, which would round the sum.
+            let sum = g.cast(FloatDType::F32).powf_scalar(2.0).sum().into_data();
+            self.total += sum.iter::<f32>().next().map_or(f64::NAN, f64::from);
         }
-    }
-}
-
-trait ToF32 {
-    fn to_f32(self) -> f32;
-}
-
-impl<E: burn::tensor::ElementConversion> ToF32 for E {
-    fn to_f32(self) -> f32 {
-        self.elem::<f32>()
     }
 }
 

@@ -324,11 +324,12 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             }
             let step_started = Instant::now();
             let start = position.step_in_epoch * global_batch;
-            let rows: Vec<&Row> = order[start..(start + global_batch).min(order.len())].iter().map(|&r| &data.rows[r]).collect();
+            let rows: Vec<&Row> =
+                order[start..(start + global_batch).min(order.len())].iter().map(|&r| &data.rows[r]).collect();
             let batches: Vec<MicroBatch> = rows.chunks(cfg.micro_batch).map(MicroBatch::from_rows).collect();
             let lr = schedule.lr(position.global_step);
-            let (updated, outcome) = optimizer_step(model, &mut opt, &batches, lr, cfg.max_grad_norm, device)
-                .map_err(|e| {
+            let (updated, outcome) =
+                optimizer_step(model, &mut opt, &batches, lr, cfg.max_grad_norm, device).map_err(|e| {
                     let samples: Vec<String> = rows
                         .chunks(cfg.micro_batch)
                         .nth(e.micro)
