@@ -14,7 +14,7 @@ endif
 
 SAMPLES := datasets/samples
 
-.PHONY: sft build inspect eval card samples test bench clean
+.PHONY: sft build inspect eval card samples test bench gpu-carry clean
 
 build:
 	$(CARGO) build --release $(FEATURES)
@@ -54,6 +54,16 @@ test:
 bench: build
 	KILN=$(KILN) tests/bench/prepare.sh
 	KILN=$(KILN) tests/bench/train.sh
+
+# The CUDA build packed for a GPU machine without a toolchain (tests/bench/gpu_session.sh unpacks it there):
+# the stripped binary is ~94 MB, over what the device tool carries (64 MiB); gzip brings it to ~26 MB.
+GPU_CARRY := gpu/kiln.gz
+gpu-carry:
+	$(CARGO) build --release --features cuda
+	mkdir -p gpu
+	gzip -9 -c $(KILN) > $(GPU_CARRY)
+	@size=$$(wc -c < $(GPU_CARRY)); echo "$(GPU_CARRY): $$size bytes"; \
+	    test $$size -lt 67108864 || { echo "$(GPU_CARRY) is over 64 MiB: the device tool cannot carry it" >&2; exit 1; }
 
 clean:
 	$(CARGO) clean

@@ -9,7 +9,10 @@
 #      (LFM2-350M by default; the tiny tokenizer's ids fit any vocabulary): metrics, per-epoch exports;
 #   4. with PIPELINE=1, the rest of the tiny pipeline on the device (train → eval → select → card).
 #
-#   KILN=gpu/kiln OUT=$OUT tests/bench/gpu_session.sh
+#   KILN=gpu/kiln.gz OUT=$OUT tests/bench/gpu_session.sh      (make gpu-carry packs gpu/kiln.gz here)
+#
+# KILN may be gzipped (the CUDA build is over the device tool's 64 MiB carry limit; packed it is ~26 MB): it
+# is unpacked to $TMPDIR first, and the unpacked binary's path is passed on to train.sh.
 #
 # Settings (environment): DEVICE (cuda); SHAPES ("lfm2-350m lfm2.5-1.2b qwen3.5-0.8b"; empty: no table) and
 # KILN_OPS ("ops reference") for the table, where train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION,
@@ -24,6 +27,13 @@ KILN=${KILN:-target/release/kiln}
 : "${OUT:=runs/gpu-session}"
 [[ $DEVICE == cuda ]] && : "${PIPELINE:=1}" || : "${PIPELINE:=0}"
 mkdir -p "$OUT"
+# shellcheck source=tests/bench/cuda_env.sh
+[[ $DEVICE == cuda ]] && source tests/bench/cuda_env.sh
+if [[ $KILN == *.gz ]]; then
+    unpacked=${TMPDIR:-/tmp}/kiln-$$
+    gzip -dc "$KILN" >"$unpacked" && chmod +x "$unpacked" || { echo "cannot unpack $KILN" >&2; exit 2; }
+    KILN=$unpacked
+fi
 failures=0
 step() { echo "== $*" >&2; }
 fail() { echo "FAILED: $*" >&2; failures=$((failures + 1)); }
@@ -33,7 +43,8 @@ step "machine"
     date -u +%FT%TZ
     git rev-parse --short HEAD 2>/dev/null || echo "(no git)"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    "$KILN" info
+    echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+    "$KILN" info  # cuda_smoke_test: "ok", or what is missing
 } >"$OUT/machine.txt" 2>&1
 
 if [[ -n $SHAPES ]]; then

@@ -33,6 +33,8 @@ fi
 shapes=("$@")
 ((${#shapes[@]})) || shapes=("${default_shapes[@]}")
 mkdir -p "$OUT"
+# shellcheck source=tests/bench/cuda_env.sh
+[[ $DEVICE == cuda ]] && source tests/bench/cuda_env.sh
 have_torch=1
 "$PYTHON" -c "import torch, transformers" 2>/dev/null || {
     have_torch=0
