@@ -20,14 +20,9 @@ use kiln::models::weights::kept_in_f32;
 use kiln::models::{ModelConfig, SequenceLayout, init_random_checkpoint, load_model};
 use kiln::tokens::TokenSample;
 use kiln::tokens::shards::{Layout, ShardWriter};
-use kiln::train::bench::{BenchConfig, bench_on_device};
-use kiln::train::optim::MomentDtype;
 use kiln::train::schedule::Decay;
 use kiln::train::{Precision, TrainConfig, train_on_device};
 use rand::{Rng, SeedableRng};
-
-/// The tiny LFM2, Qwen3.5 (DeltaNet + gated attention) and LFM2-MoE shapes.
-const SHAPES: [&str; 3] = ["configs/models/tiny", "configs/models/tiny-qwen3.5", "tests/fixtures/lfm2/lfm2-moe-tiny"];
 
 /// Makes the Flex device default to bf16 (once, before any tensor exists) and holds the binary's lock for
 /// the test.
@@ -116,7 +111,7 @@ fn checkpoint_bytes(run: &Path, epoch: usize) -> Vec<u8> {
 #[test]
 fn training_on_a_bf16_default_device_equals_the_cpus_bf16_precision_bit_for_bit() {
     let _turn = serial();
-    for shape in SHAPES {
+    for shape in common::TINY_SHAPES {
         let dir = tempfile::tempdir().unwrap();
         let (model_config, base) = base_checkpoint(shape, dir.path());
         let data = shards(dir.path(), model_config.vocab_size(), 4, 32);
@@ -183,7 +178,7 @@ fn a_resumed_run_on_a_bf16_default_device_equals_the_uninterrupted_one() {
 fn checkpoints_load_and_decode_in_the_devices_dtype_keeping_f32_tensors() {
     let _turn = serial();
     let device = Default::default();
-    for shape in SHAPES {
+    for shape in common::TINY_SHAPES {
         let dir = tempfile::tempdir().unwrap();
         let (_, base) = base_checkpoint(shape, dir.path());
         let (config, model) = load_model::<Cpu>(&base, &device).unwrap();
@@ -215,28 +210,5 @@ fn checkpoints_load_and_decode_in_the_devices_dtype_keeping_f32_tensors() {
 #[test]
 fn the_reference_compositions_train_on_a_bf16_default_device() {
     let _turn = serial();
-    let cfg = BenchConfig {
-        seq: 48,
-        micro_batch: 2,
-        accumulation: 2,
-        steps: 3,
-        warmup: 0,
-        docs_per_row: 3,
-        seed: 5,
-        lr: 3e-3,
-        peak_tflops: None,
-        activation_checkpointing: false,
-        precision: Precision::Bf16,
-        moments: MomentDtype::F32,
-        reference_ops: false,
-    };
-    for shape in SHAPES {
-        let config = ModelConfig::from_file(&common::project_dir().join(shape).join("config.json")).unwrap();
-        let ops = bench_on_device(&config, &cfg, "cpu").unwrap();
-        let reference = bench_on_device(&config, &BenchConfig { reference_ops: true, ..cfg.clone() }, "cpu").unwrap();
-        assert!(reference.reference_ops && !ops.reference_ops);
-        for (step, (a, b)) in ops.losses.iter().zip(&reference.losses).enumerate() {
-            assert!((a - b).abs() <= 2e-3 * b.abs(), "{shape} step {step}: ops {a} vs reference {b}");
-        }
-    }
+    common::assert_reference_ops_agree(Precision::Bf16, 2, 2e-3);
 }

@@ -247,3 +247,41 @@ pub fn named_params<B: burn::tensor::backend::Backend>(
         })
         .collect()
 }
+
+/// The tiny LFM2, Qwen3.5 (DeltaNet scan op) and LFM2-MoE (grouped expert matmuls) shapes.
+pub const TINY_SHAPES: [&str; 3] =
+    ["configs/models/tiny", "configs/models/tiny-qwen3.5", "tests/fixtures/lfm2/lfm2-moe-tiny"];
+
+/// Trains each tiny shape for 3 steps (2 rows of 48 tokens, 3 documents a row, `accumulation` micro-batches
+/// a step) through the benchmark's step with kiln's hand-written ops and with burn's compositions
+/// (`--reference-ops`), and checks that the losses agree within `tolerance` relative. Steps 1 and 2 run on
+/// parameters each path updated itself: forward, backward and update agree.
+pub fn assert_reference_ops_agree(precision: kiln::train::Precision, accumulation: usize, tolerance: f64) {
+    use kiln::train::bench::{BenchConfig, bench_on_device};
+    let cfg = BenchConfig {
+        seq: 48,
+        micro_batch: 2,
+        accumulation,
+        steps: 3,
+        warmup: 0,
+        docs_per_row: 3,
+        seed: 5,
+        lr: 3e-3,
+        peak_tflops: None,
+        activation_checkpointing: false,
+        precision,
+        moments: kiln::train::optim::MomentDtype::F32,
+        reference_ops: false,
+    };
+    for shape in TINY_SHAPES {
+        let config = kiln::models::ModelConfig::from_file(&project_dir().join(shape).join("config.json")).unwrap();
+        let ops = bench_on_device(&config, &cfg, "cpu").unwrap();
+        let reference = bench_on_device(&config, &BenchConfig { reference_ops: true, ..cfg.clone() }, "cpu").unwrap();
+        assert!(!ops.reference_ops && reference.reference_ops, "{shape}: the results say which ran");
+        assert!(!kiln::models::ops::reference_ops(), "{shape}: the switch is restored after the run");
+        assert_eq!(ops.losses.len(), 3);
+        for (step, (a, b)) in ops.losses.iter().zip(&reference.losses).enumerate() {
+            assert!((a - b).abs() <= tolerance * b.abs(), "{shape} step {step}: ops {a} vs reference {b}");
+        }
+    }
+}
