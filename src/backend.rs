@@ -1,7 +1,8 @@
 //! The burn backends kiln computes on: Flex on the CPU (tests, the offline default) and, with the `cuda`
 //! feature, burn's CUDA backend in bf16 (or f32). Model and trainer code is generic over the backend
 //! (`models::ModelBackend`, `train::linear_ce::LinearCrossEntropy`); this module names the concrete
-//! choices, reports which ones this build has and what they say of device memory, and makes host values
+//! choices (CUDA with burn's fusion, or without it: `KILN_CUDA_FUSION`), reports which ones this build has
+//! and what they say of device memory, and makes host values
 //! into tensors of an explicit dtype: every device has a default float dtype (f32 on the CPU, bf16 on the
 //! CUDA bf16 backend) that burn gives any tensor created without one, so code that names none behaves
 //! differently on the GPU (tests/bf16_device.rs runs the CPU with a bf16 default to catch it).
@@ -36,6 +37,58 @@ pub type GpuTrainF32 = Autodiff<burn::backend::Cuda<f32>>;
 pub type GpuTrainF32Checkpointed =
     Autodiff<burn::backend::Cuda<f32>, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
 
+/// The CUDA backend without burn's fusion: every op its own kernel. Fusion has had NaN bugs upstream
+/// (tracel-ai/burn#5202), so `KILN_CUDA_FUSION=off` runs the same bf16 model on this one to tell a fusion bug
+/// from a model bug (bf16 only: each backend type is a whole second copy of the trainer in the binary).
+#[cfg(feature = "cuda")]
+pub type GpuUnfused = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, burn::tensor::bf16, i32, u8>;
+#[cfg(feature = "cuda")]
+pub type GpuTrainUnfused = Autodiff<GpuUnfused>;
+#[cfg(feature = "cuda")]
+pub type GpuTrainUnfusedCheckpointed =
+    Autodiff<GpuUnfused, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
+
+/// The environment variable that turns burn's fusion off on CUDA (`off`/`0`/`false`; `on` is the default).
+pub const FUSION_ENV: &str = "KILN_CUDA_FUSION";
+
+/// Whether CUDA work runs fused, from `KILN_CUDA_FUSION`; a value that is neither on nor off is an error
+/// rather than a silent default, since the switch exists to A/B a numerical problem.
+pub fn cuda_fusion() -> Result<bool, String> {
+    match std::env::var(FUSION_ENV) {
+        Ok(value) => parse_fusion(&value),
+        Err(std::env::VarError::NotPresent) => Ok(true),
+        Err(std::env::VarError::NotUnicode(value)) => parse_fusion(&value.to_string_lossy()),
+    }
+}
+
+fn parse_fusion(value: &str) -> Result<bool, String> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "" | "on" | "1" | "true" => Ok(true),
+        "off" | "0" | "false" => Ok(false),
+        _ => Err(format!("{FUSION_ENV}={value:?}: use on (the default) or off")),
+    }
+}
+
+/// The CUDA backend to run on: `Ok(true)` for the fused one, `Ok(false)` for `GpuUnfused`; an error where
+/// the switch is malformed, fusion is off for a precision the unfused build lacks, or CUDA is unusable
+/// (checked in that order, so a wrong setting is reported on any machine).
+pub fn cuda_choice(bf16: bool) -> Result<bool, String> {
+    let fused = fusion_for(bf16, cuda_fusion())?;
+    cuda_ready()?;
+    Ok(fused)
+}
+
+fn fusion_for(bf16: bool, setting: Result<bool, String>) -> Result<bool, String> {
+    let fused = setting?;
+    if !fused && !bf16 {
+        return Err(format!(
+            "{FUSION_ENV}=off runs the bf16 CUDA backend only; f32 on CUDA is always fused in this build \
+             (drop --precision f32, or unset {FUSION_ENV})"
+        ));
+    }
+    Ok(fused)
+}
+
 /// What a backend says of its device memory, for the trainer's and the benchmark's peak-memory figures.
 pub trait DeviceMemory: Backend {
     /// Bytes the backend's allocator holds on the device (its pools, as `torch.cuda.memory_reserved`);
@@ -69,7 +122,7 @@ macro_rules! cuda_device_memory {
     )*};
 }
 #[cfg(feature = "cuda")]
-cuda_device_memory!(burn::backend::Cuda<f32>, Gpu);
+cuda_device_memory!(burn::backend::Cuda<f32>, Gpu, GpuUnfused);
 
 // The plain backends run the models' attention chunk by chunk with tensor ops (the trait's default);
 // their autodiff wrappers add its backward (`models::attention`).
@@ -78,6 +131,8 @@ impl ModelBackend for Flex {}
 impl ModelBackend for burn::backend::Cuda<f32> {}
 #[cfg(feature = "cuda")]
 impl ModelBackend for Gpu {}
+#[cfg(feature = "cuda")]
+impl ModelBackend for GpuUnfused {}
 
 /// Host values as a tensor created in `dtype`. burn's `from_data` without a dtype converts to the device's
 /// default float dtype first (bf16 on the CUDA bf16 backend, f32 on the CPU), which would round f32 values
@@ -146,7 +201,8 @@ fn probe_cuda() -> Result<(), String> {
 pub fn compiled() -> Vec<&'static str> {
     let mut names = vec!["flex (cpu, f32)"];
     if cfg!(feature = "cuda") {
-        names.push("cuda (bf16)");
+        names.push("cuda (bf16, f32; fused)");
+        names.push("cuda unfused (bf16; KILN_CUDA_FUSION=off)");
     }
     names
 }
@@ -172,5 +228,20 @@ mod tests {
     #[test]
     fn cpu_backend_computes() {
         smoke_test::<Cpu>(&Default::default()).unwrap();
+    }
+
+    #[test]
+    fn fusion_switch_reads_on_off_rejects_the_rest_and_f32_unfused() {
+        for on in ["", "on", "ON", "1", "true", " on "] {
+            assert_eq!(parse_fusion(on), Ok(true), "{on:?}");
+        }
+        for off in ["off", "Off", "0", "false"] {
+            assert_eq!(parse_fusion(off), Ok(false), "{off:?}");
+        }
+        assert_eq!(fusion_for(true, Ok(false)), Ok(false));
+        assert_eq!(fusion_for(false, Ok(true)), Ok(true));
+        assert!(fusion_for(false, Ok(false)).unwrap_err().contains("bf16 CUDA backend only"));
+        let err = parse_fusion("unfused").unwrap_err();
+        assert!(err.contains("KILN_CUDA_FUSION=\"unfused\"") && err.contains("on (the default) or off"), "{err}");
     }
 }

@@ -774,6 +774,7 @@ fn info() -> Result<()> {
         } else {
             "not built".to_string()
         },
+        "cuda_fusion": kiln::backend::cuda_fusion().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "hub": {
             "endpoint": config.endpoint,
             "cache_dir": config.cache_dir,
@@ -936,10 +937,11 @@ fn on_device(device: &str, job: Job) -> Result<()> {
     match device {
         "cpu" => run_job::<kiln::backend::Cpu>(&Default::default(), job),
         #[cfg(feature = "cuda")]
-        "cuda" => {
-            kiln::backend::cuda_ready().map_err(anyhow::Error::msg)?;
+        "cuda" if kiln::backend::cuda_choice(true).map_err(anyhow::Error::msg)? => {
             run_job::<kiln::backend::Gpu>(&Default::default(), job)
         }
+        #[cfg(feature = "cuda")]
+        "cuda" => run_job::<kiln::backend::GpuUnfused>(&Default::default(), job),
         other => bail!(kiln::train::device_error(other)),
     }
 }

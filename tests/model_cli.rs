@@ -129,3 +129,25 @@ fn kiln_exports_reload_in_transformers_to_the_same_logits() {
         assert!(err <= 1e-5, "{key}: transformers reloaded kiln's export {err} away from the reference");
     }
 }
+
+#[test]
+fn info_reports_the_backends_and_the_fusion_switch() {
+    let cwd = project_dir();
+    let (ok, stdout, stderr) = run_kiln(&["info"], &[], &cwd);
+    assert!(ok, "{stderr}");
+    let info: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(info["cpu_smoke_test"], "ok");
+    assert!(info["backends"].as_array().unwrap().iter().any(|b| b.as_str().unwrap().starts_with("flex")));
+    assert_eq!(info["cuda_fusion"], "on");
+    if !cfg!(feature = "cuda") {
+        assert_eq!(info["cuda_smoke_test"], "not built");
+    }
+
+    let (ok, stdout, _) = run_kiln(&["info"], &[("KILN_CUDA_FUSION", "off")], &cwd);
+    assert!(ok);
+    assert_eq!(serde_json::from_str::<Value>(&stdout).unwrap()["cuda_fusion"], "off");
+    let (ok, stdout, _) = run_kiln(&["info"], &[("KILN_CUDA_FUSION", "sideways")], &cwd);
+    assert!(ok);
+    let fusion = serde_json::from_str::<Value>(&stdout).unwrap()["cuda_fusion"].as_str().unwrap().to_string();
+    assert!(fusion.contains("KILN_CUDA_FUSION=\"sideways\"") && fusion.contains("on (the default) or off"), "{fusion}");
+}

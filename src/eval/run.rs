@@ -93,10 +93,9 @@ pub fn evaluate_on_device(
     match device {
         "cpu" => on!(crate::backend::Cpu),
         #[cfg(feature = "cuda")]
-        "cuda" => {
-            crate::backend::cuda_ready()?;
-            on!(crate::backend::Gpu)
-        }
+        "cuda" if crate::backend::cuda_choice(true)? => on!(crate::backend::Gpu),
+        #[cfg(feature = "cuda")]
+        "cuda" => on!(crate::backend::GpuUnfused),
         other => Err(crate::train::device_error(other)),
     }
 }

@@ -98,7 +98,8 @@ fn hardware(device: &str) -> String {
             .ok()
             .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").trim().to_string())
             .filter(|s| !s.is_empty());
-        return gpu.map_or_else(|| "an NVIDIA GPU (CUDA)".into(), |g| format!("1 × {g} (CUDA)"));
+        let unfused = if crate::backend::cuda_fusion() == Ok(false) { ", burn's fusion off" } else { "" };
+        return gpu.map_or_else(|| format!("an NVIDIA GPU (CUDA{unfused})"), |g| format!("1 × {g} (CUDA{unfused})"));
     }
     let model = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|t| {
         t.lines().find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string()))

@@ -62,6 +62,9 @@ pub struct BenchResult {
     /// Whether burn's plain compositions ran instead of kiln's hand-written ops (kiln only).
     #[serde(default)]
     pub reference_ops: bool,
+    /// Whether burn's fusion ran (kiln on CUDA only: `KILN_CUDA_FUSION`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fusion: Option<bool>,
     pub tokens_per_step: u64,
     pub warmup: usize,
     /// Wall seconds of each timed step (the device synchronized at its end).
@@ -154,6 +157,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         accumulation: cfg.accumulation,
         docs_per_row: cfg.docs_per_row,
         reference_ops: reference_ops(),
+        fusion: (device_name == "cuda").then(|| crate::backend::cuda_fusion().unwrap_or(true)),
         tokens_per_step,
         warmup: cfg.warmup,
         median_step_seconds,

@@ -35,28 +35,27 @@ pub enum TrainError {
 /// Runs `$go!(Backend)` with the autodiff backend for `$device` (`&str`), `$precision` (resolved) and
 /// activation checkpointing (`bool`); an unknown or uncompiled device is a `TrainError::Device`. On the CPU
 /// the parameters are cast to the precision on Flex; on CUDA the backend's default dtype is the precision,
-/// so every tensor the model builds is born in it.
+/// so every tensor the model builds is born in it, and `KILN_CUDA_FUSION=off` picks the unfused backend.
 macro_rules! with_train_backend {
     ($device:expr, $precision:expr, $checkpointing:expr, $go:ident) => {{
         #[cfg(feature = "cuda")]
         let bf16 = $precision == $crate::train::Precision::Bf16;
         #[cfg(not(feature = "cuda"))]
         let _ = $precision;
-        match ($device, $checkpointing) {
-            ("cuda", _) if $crate::backend::cuda_ready().is_err() => {
-                Err($crate::train::TrainError::Device($crate::backend::cuda_ready().err().unwrap_or_default()))
-            }
-            ("cpu", false) => $go!($crate::backend::CpuTrain),
-            ("cpu", true) => $go!($crate::backend::CpuTrainCheckpointed),
+        match $device {
+            "cpu" if $checkpointing => $go!($crate::backend::CpuTrainCheckpointed),
+            "cpu" => $go!($crate::backend::CpuTrain),
             #[cfg(feature = "cuda")]
-            ("cuda", false) if bf16 => $go!($crate::backend::GpuTrain),
-            #[cfg(feature = "cuda")]
-            ("cuda", true) if bf16 => $go!($crate::backend::GpuTrainCheckpointed),
-            #[cfg(feature = "cuda")]
-            ("cuda", false) => $go!($crate::backend::GpuTrainF32),
-            #[cfg(feature = "cuda")]
-            ("cuda", true) => $go!($crate::backend::GpuTrainF32Checkpointed),
-            (other, _) => Err($crate::train::TrainError::Device($crate::train::device_error(other))),
+            "cuda" => match ($crate::backend::cuda_choice(bf16), bf16, $checkpointing) {
+                (Err(why), _, _) => Err($crate::train::TrainError::Device(why)),
+                (Ok(true), true, false) => $go!($crate::backend::GpuTrain),
+                (Ok(true), true, true) => $go!($crate::backend::GpuTrainCheckpointed),
+                (Ok(true), false, false) => $go!($crate::backend::GpuTrainF32),
+                (Ok(true), false, true) => $go!($crate::backend::GpuTrainF32Checkpointed),
+                (Ok(false), _, false) => $go!($crate::backend::GpuTrainUnfused),
+                (Ok(false), _, true) => $go!($crate::backend::GpuTrainUnfusedCheckpointed),
+            },
+            other => Err($crate::train::TrainError::Device($crate::train::device_error(other))),
         }
     }};
 }

@@ -11,7 +11,8 @@
 #   PEAK_TFLOPS 989 on cuda (H100/H200 SXM dense bf16), for MFU
 #   PRECISION   kiln's precision (auto: bf16 on cuda, f32 on cpu); MOMENTS kiln's AdamW moment dtype (f32)
 #   KILN_OPS    "ops" (kiln's hand-written attention / SwiGLU / loss ops), "reference" (burn's plain
-#               compositions, `--reference-ops`), or both: "ops reference"
+#               compositions, `--reference-ops`), "unfused" (the ops without burn's fusion on CUDA,
+#               KILN_CUDA_FUSION=off), or several: "ops reference unfused"
 #   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py)
 #   PYTHON      a python with torch and transformers (python3); without them the reference is skipped
 #   OUT         runs/bench-train
@@ -53,12 +54,13 @@ for shape in "${shapes[@]}"; do
     fi
     for ops in $KILN_OPS; do
         case $ops in
-            ops) out=$OUT/$shape-kiln.json; switch=() ;;
-            reference) out=$OUT/$shape-kiln-reference.json; switch=(--reference-ops) ;;
-            *) echo "KILN_OPS: unknown '$ops' (ops or reference)" >&2; exit 2 ;;
+            ops) out=$OUT/$shape-kiln.json; switch=(); fusion=on ;;
+            reference) out=$OUT/$shape-kiln-reference.json; switch=(--reference-ops); fusion=on ;;
+            unfused) out=$OUT/$shape-kiln-unfused.json; switch=(); fusion=off ;;
+            *) echo "KILN_OPS: unknown '$ops' (ops, reference or unfused)" >&2; exit 2 ;;
         esac
         echo "== $shape: kiln ($DEVICE, $PRECISION, $ops)" >&2
-        if "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" --precision "$PRECISION" \
+        if KILN_CUDA_FUSION=$fusion "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" --precision "$PRECISION" \
             --moments "$MOMENTS" "${switch[@]}" "${common[@]}" --out "$out" >/dev/null; then
             python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['shape']=sys.argv[2]; json.dump(r, open(sys.argv[1],'w'))" "$out" "$shape"
             results+=("$out")

@@ -206,6 +206,7 @@ pub fn run_kiln(args: &[&str], envs: &[(&str, &str)], cwd: &Path) -> (bool, Stri
         "HF_HUB_CACHE",
         "HUGGINGFACE_HUB_CACHE",
         "XDG_CACHE_HOME",
+        "KILN_CUDA_FUSION",
     ] {
         cmd.env_remove(var);
     }
