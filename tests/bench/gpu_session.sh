@@ -7,6 +7,8 @@
 #   2. the offline pipeline's shards (`kiln sft --model tiny --until prepare`: synthetic data, seconds);
 #   3. `kiln train` on the device for EPOCHS epochs of those shards with a random-init TRAIN_SHAPE model
 #      (LFM2-350M by default; the tiny tokenizer's ids fit any vocabulary): metrics, per-epoch exports;
+#      a non-finite loss there re-runs it with KILN_CUDA_FUSION=off (burn's unfused backend) to tell a
+#      fusion bug from a model bug;
 #   4. with PIPELINE=1, the rest of the tiny pipeline on the device (train → eval → select → card).
 #
 #   KILN=gpu/kiln.gz OUT=$OUT tests/bench/gpu_session.sh      (make gpu-carry packs gpu/kiln.gz here)
@@ -67,13 +69,24 @@ train_run=runs/$run-train-$TRAIN_SHAPE
 rm -rf "$train_run" && mkdir -p "$train_run/from"
 cp "$config" "$train_run/from/config.json"
 cp configs/models/tiny/{tokenizer.json,tokenizer_config.json,chat_template.jinja,generation_config.json} "$train_run/from/"
+run_train() {
+    "$KILN" --quiet train --model-dir "$train_run/base" --data "runs/$run/data" --run "$1" --device "$DEVICE" \
+        --epochs "$EPOCHS" --micro-batch "$TRAIN_MICRO" --global-batch "$TRAIN_BATCH" --lr "$TRAIN_LR" \
+        --peak-tflops 989
+}
 if "$KILN" --quiet init-model --from "$train_run/from" --out "$train_run/base" --dtype bf16 >"$OUT/train.log" 2>&1 \
-    && "$KILN" --quiet train --model-dir "$train_run/base" --data "runs/$run/data" --run "$train_run" \
-        --device "$DEVICE" --epochs "$EPOCHS" --micro-batch "$TRAIN_MICRO" --global-batch "$TRAIN_BATCH" \
-        --lr "$TRAIN_LR" --peak-tflops 989 >>"$OUT/train.log" 2>&1; then
+    && run_train "$train_run" >>"$OUT/train.log" 2>&1; then
     tail -1 "$OUT/train.log"
 else
     fail "kiln train (see train.log)"
+    # A non-finite loss on the fused backend: the same run without burn's fusion says whose bug it is.
+    if [[ $DEVICE == cuda ]] && grep -q "non-finite loss" "$OUT/train.log"; then
+        step "kiln train again with KILN_CUDA_FUSION=off"
+        KILN_CUDA_FUSION=off run_train "$train_run-unfused" >"$OUT/train-unfused.log" 2>&1
+        tail -2 "$OUT/train-unfused.log"
+        mkdir -p "$OUT/train-unfused"
+        cp "$train_run-unfused"/train/metrics.jsonl "$OUT/train-unfused/" 2>/dev/null
+    fi
 fi
 mkdir -p "$OUT/train"
 cp "$train_run"/train/metrics.jsonl "$train_run"/train/summary.json "$OUT/train/" 2>/dev/null
