@@ -447,8 +447,8 @@ struct TrainArgs {
     #[arg(long, value_enum)]
     moments: Option<kiln::train::optim::MomentDtype>,
     /// burn's plain compositions instead of kiln's ops with hand-written backward passes (attention,
-    /// norms, SwiGLU, convolution, expert matmul, DeltaNet scan, loss): same results to rounding, more
-    /// memory; an A/B switch.
+    /// norms, SwiGLU, convolution, expert matmul, DeltaNet scan, projection splits, loss): same results
+    /// to rounding, more memory; an A/B switch.
     #[arg(long)]
     reference_ops: bool,
 }

@@ -29,8 +29,8 @@ pub struct ShortConv<B: Backend> {
 
 impl<B: ModelBackend> ShortConv<B> {
     pub fn forward(&self, x: Tensor<B, 3>, lag_masks: &[Tensor<B, 3>]) -> Tensor<B, 3> {
-        let parts = self.in_proj.forward(x).chunk(3, 2);
-        let (b, c, xx) = (parts[0].clone(), parts[1].clone(), parts[2].clone());
+        let hidden = self.out_proj.weight.dims()[0];
+        let [b, c, xx] = B::split_last(self.in_proj.forward(x), [hidden; 3]);
         let mut y = B::causal_conv(b * xx, self.conv.val(), lag_masks);
         if let Some(bias) = &self.conv_bias {
             let hidden = y.dims()[2];

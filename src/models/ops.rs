@@ -6,16 +6,22 @@
 //! are recomputed in the backward pass), the causal depthwise convolution (keeps its input instead of each
 //! lag's shifted and masked copies), the L2 norm of Qwen3.5's q and k (keeps its input, not an f32 copy),
 //! the MoE's grouped expert matmul (one weight gradient for all
-//! experts instead of a full-size one per expert slice) and Qwen3.5's gated delta rule (`deltanet`: the
-//! inputs and chunk states kept, the chunk solve recomputed). Plain backends run the same forward without a
+//! experts instead of a full-size one per expert slice), Qwen3.5's gated delta rule (`deltanet`: the
+//! inputs and chunk states kept, the chunk solve recomputed) and the split of a fused projection into its
+//! parts (`split_last`: one gradient for the whole projection, each part written into it, instead of one
+//! zero-filled full-size gradient per part, summed). Plain backends run the same forward without a
 //! graph. `set_reference_ops` switches autodiff backends back to burn's compositions, process-wide: the A/B
 //! switch for measuring what the ops buy, or for ruling them out when a run misbehaves.
 
+use std::marker::PhantomData;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
+use burn::backend::autodiff::checkpoint::state::BackwardStates;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
@@ -33,7 +39,7 @@ static REFERENCE_OPS: AtomicBool = AtomicBool::new(false);
 
 /// With `true`, autodiff backends record burn's plain compositions instead of the hand-written ops: one
 /// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, the composed RMSNorms, L2 norms and convolution, one matmul per expert
-/// slice, the chunked delta rule as tensor ops, and the cross-entropy of full logits (`train::linear_ce`). Same results to rounding; more memory. Process-wide; off by default.
+/// slice, the chunked delta rule as tensor ops, `narrow` per part of a fused projection, and the cross-entropy of full logits (`train::linear_ce`). Same results to rounding; more memory. Process-wide; off by default.
 pub fn set_reference_ops(on: bool) {
     REFERENCE_OPS.store(on, Ordering::Relaxed);
 }
@@ -96,6 +102,30 @@ pub trait ModelBackend: Backend {
     fn gated_delta_rule(inputs: ScanInputs<Self>, plan: &ChunkPlan<Self>) -> Tensor<Self, 4> {
         deltanet::chunked(inputs, plan, None).0
     }
+
+    /// `x` cut along its last dimension into consecutive parts of the given widths, which sum to it (a fused
+    /// projection's parts: LFM2's B | C | x, Qwen3.5's q | k | v and per-head query | gate).
+    fn split_last<const D: usize, const N: usize>(x: Tensor<Self, D>, widths: [usize; N]) -> [Tensor<Self, D>; N] {
+        narrow_last(x, widths)
+    }
+}
+
+/// `split_last` as burn composes it: one `narrow` per part.
+pub fn narrow_last<B: Backend, const D: usize, const N: usize>(
+    x: Tensor<B, D>,
+    widths: [usize; N],
+) -> [Tensor<B, D>; N] {
+    part_ranges(widths, x.dims()[D - 1]).map(|range| x.clone().narrow(D - 1, range.start, range.len()))
+}
+
+/// Where each part of `widths` lies along a dimension of size `total`, which they must cover.
+fn part_ranges<const N: usize>(widths: [usize; N], total: usize) -> [std::ops::Range<usize>; N] {
+    assert_eq!(widths.iter().sum::<usize>(), total, "the parts cover the split dimension");
+    let mut start = 0;
+    widths.map(|width| {
+        start += width;
+        start - width..start
+    })
 }
 
 /// The two HF RMSNorms. Both normalize in f32: `x̂ = x / sqrt(mean(x²) + eps)`.
@@ -224,6 +254,32 @@ impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             return deltanet::chunked(inputs, plan, None).0;
         }
         tracked_gated_delta_rule(inputs, plan)
+    }
+
+    fn split_last<const D: usize, const N: usize>(x: Tensor<Self, D>, widths: [usize; N]) -> [Tensor<Self, D>; N] {
+        if reference_ops() {
+            return narrow_last(x, widths);
+        }
+        let leaf = x.is_require_grad();
+        let x = x.into_primitive().tensor();
+        let inner = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x.primitive.clone()));
+        let dims = inner.dims();
+        let written = Arc::new(AtomicBool::new(false));
+        part_ranges(widths, dims[D - 1]).map(|range| {
+            let part = inner.clone().narrow(D - 1, range.start, range.len()).into_primitive().tensor();
+            let retro = RetroNarrow::<B, D> { input: x.node.id, range: range.clone(), backend: PhantomData };
+            let prepared = SplitPartBackward::<D>
+                .prepare::<C>([x.node.clone()])
+                .memory_bound()
+                .retro_forward(retro)
+                .parents([&x])
+                .stateful();
+            let out = match prepared {
+                OpsKind::Tracked(prep) => prep.finish(SplitPart { dims, range, leaf, written: written.clone() }, part),
+                OpsKind::UnTracked(prep) => prep.finish(part),
+            };
+            Tensor::from_primitive(TensorPrimitive::Float(out))
+        })
     }
 }
 
@@ -403,6 +459,65 @@ impl<B: Backend> Backward<B, 2> for GroupedMatmulBackward {
         backward_binary(ops, grads, checkpointer, |x, weights, counts, grad: Tensor<B, 2>| {
             grouped_matmul_backward(x, weights, &counts, grad)
         });
+    }
+}
+
+/// One part of a `split_last`, as its backward pass needs it.
+#[derive(Debug, Clone)]
+struct SplitPart<const D: usize> {
+    /// The split tensor's shape.
+    dims: [usize; D],
+    /// The part's place along the last dimension.
+    range: std::ops::Range<usize>,
+    /// Whether the split tensor is a leaf: burn keeps a leaf's gradient when it is read, so the parts
+    /// cannot take it out to write into.
+    leaf: bool,
+    /// Shared by the parts of one split: set once a part has registered a gradient for the split tensor.
+    written: Arc<AtomicBool>,
+}
+
+#[derive(Debug)]
+struct SplitPartBackward<const D: usize>;
+
+impl<B: Backend, const D: usize> Backward<B, 1> for SplitPartBackward<D> {
+    type State = SplitPart<D>;
+
+    /// The first part to run registers a zero gradient for the whole tensor with its own slice written in
+    /// (added to whatever other consumers of the tensor registered); each later part takes that gradient
+    /// out and adds its slice in place. Parts that are not used never run, and leave zeros. All parts run
+    /// before the split tensor's own backward step, which is the first to read the whole gradient.
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let part = ops.state;
+        let [parent] = ops.parents;
+        let grad = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(grads.consume::<B>(&ops.node)));
+        let Some(node) = parent else { return };
+        let mut ranges = part.dims.map(|d| 0..d);
+        ranges[D - 1] = part.range;
+        let whole = if part.leaf || !part.written.swap(true, Ordering::Relaxed) {
+            zeros_in(part.dims, grad.dtype().into(), &grad.device()).slice_assign(ranges, grad)
+        } else {
+            let whole = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(grads.consume::<B>(&node)));
+            let sum = whole.clone().slice(ranges.clone()) + grad;
+            whole.slice_assign(ranges, sum)
+        };
+        grads.register::<B>(node.id, whole.into_primitive().tensor());
+    }
+}
+
+/// Recomputes a part of a `split_last` from the split tensor when checkpointing dropped it.
+#[derive(Debug)]
+struct RetroNarrow<B: Backend, const D: usize> {
+    input: NodeId,
+    range: std::ops::Range<usize>,
+    backend: PhantomData<B>,
+}
+
+impl<B: Backend, const D: usize> RetroForward for RetroNarrow<B, D> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let x: FloatTensor<B> = states.get_state(&self.input);
+        let part =
+            Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x)).narrow(D - 1, self.range.start, self.range.len());
+        states.save(out_node, part.into_primitive().tensor());
     }
 }
 
@@ -645,6 +760,55 @@ mod tests {
         for (name, (a, b)) in ["output", "d x", "d weights"].iter().zip(op.iter().zip(&composed)) {
             assert_close(&format!("checkpointed {name}"), a, b, 1e-6);
         }
+    }
+
+    /// Parts and the split tensor's gradient through `split_last` and through `narrow_last`, for a loss
+    /// that weighs every part but the `unused` one and, with `other_consumer`, reads the split tensor
+    /// itself too. The split tensor is a leaf, or with `computed` the output of an op (as a projection's is).
+    fn splits<B: ModelBackend + AutodiffBackend>(
+        dtype: FloatDType,
+        unused: Option<usize>,
+        other_consumer: bool,
+        computed: bool,
+    ) -> [Vec<Vec<f32>>; 2] {
+        let device = Default::default();
+        let widths = [3, 5, 3, 2];
+        let leaf = normal::<B, 4>([2, 3, 2, 13], 0.0, 1.0, 21, &device).cast(dtype).require_grad();
+        let r = |seed: u64, width: usize| normal::<B, 4>([2, 3, 2, width], 0.0, 1.0, seed, &device);
+        let run = |split: fn(Tensor<B, 4>, [usize; 4]) -> [Tensor<B, 4>; 4]| {
+            let x = if computed { leaf.clone() * 1.5 } else { leaf.clone() };
+            let parts = split(x.clone(), widths);
+            let mut loss = Tensor::<B, 1>::zeros([1], &device);
+            for (i, part) in parts.iter().enumerate().filter(|(i, _)| Some(*i) != unused) {
+                loss = loss + (part.clone().cast(FloatDType::F32) * r(30 + i as u64, widths[i])).sum();
+            }
+            if other_consumer {
+                loss = loss + (x.cast(FloatDType::F32) * r(40, 13)).sum();
+            }
+            let grads = loss.backward();
+            let mut out: Vec<Vec<f32>> = parts.into_iter().map(values).collect();
+            out.push(values(leaf.grad(&grads).expect("d x")));
+            out
+        };
+        [run(B::split_last), run(narrow_last)]
+    }
+
+    #[test]
+    fn the_split_and_its_backward_equal_narrowing_each_part() {
+        // Each entry of the gradient gets one part's value plus the other consumer's: no rounding differs.
+        for dtype in [FloatDType::F32, FloatDType::BF16] {
+            for (unused, other_consumer, computed) in
+                [(None, false, true), (Some(1), true, true), (Some(0), false, true), (None, true, false)]
+            {
+                let [op, composed] = splits::<CpuTrain>(dtype, unused, other_consumer, computed);
+                let case = format!("{dtype:?}, part {unused:?} unused, other consumer {other_consumer}");
+                assert_eq!(op, composed, "{case}, computed {computed}");
+                let d_x = op.last().expect("d x");
+                assert!(d_x.iter().any(|&g| g != 0.0), "{case}: a gradient to compare");
+            }
+        }
+        let [op, composed] = splits::<CpuTrainCheckpointed>(FloatDType::F32, Some(2), true, true);
+        assert_eq!(op, composed, "checkpointed");
     }
 
     #[test]

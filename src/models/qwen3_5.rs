@@ -63,9 +63,10 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
                 if nv == nk { t } else { t.unsqueeze_dim::<5>(3).repeat_dim(3, nv / nk).reshape([batch, seq, nv, dk]) };
             B::l2_norm(t, 1e-6).swap_dims(1, 2)
         };
-        let q = heads(mixed.clone().narrow(2, 0, key_dim)) * (1.0 / (dk as f64).sqrt());
-        let k = heads(mixed.clone().narrow(2, key_dim, key_dim));
-        let v = mixed.narrow(2, 2 * key_dim, nv * dv).reshape([batch, seq, nv, dv]).swap_dims(1, 2);
+        let [q, k, v] = B::split_last(mixed, [key_dim, key_dim, nv * dv]);
+        let q = heads(q) * (1.0 / (dk as f64).sqrt());
+        let k = heads(k);
+        let v = v.reshape([batch, seq, nv, dv]).swap_dims(1, 2);
         let z = self.in_proj_z.forward(x.clone()).reshape([batch, seq, nv, dv]);
         let beta = sigmoid(self.in_proj_b.forward(x.clone())).swap_dims(1, 2);
         let a =
@@ -120,8 +121,9 @@ impl<B: ModelBackend> GatedAttention<B> {
         let [batch, seq, _] = x.dims();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let query_gate = self.q_proj.forward(x.clone()).reshape([batch, seq, nh, 2 * hd]);
-        let q = self.q_norm.forward(query_gate.clone().narrow(3, 0, hd)).swap_dims(1, 2);
-        let gate = query_gate.narrow(3, hd, hd).reshape([batch, seq, nh * hd]);
+        let [query, gate] = B::split_last(query_gate, [hd, hd]);
+        let q = self.q_norm.forward(query).swap_dims(1, 2);
+        let gate = gate.reshape([batch, seq, nh * hd]);
         let k = self.k_norm.forward(self.k_proj.forward(x.clone()).reshape([batch, seq, nkv, hd])).swap_dims(1, 2);
         let v = self.v_proj.forward(x).reshape([batch, seq, nkv, hd]).swap_dims(1, 2);
         (apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin), v, gate)
