@@ -56,7 +56,7 @@ bench: build
 	KILN=$(KILN) tests/bench/train.sh
 
 # The CUDA build packed for a GPU machine without a toolchain (tests/bench/gpu_session.sh unpacks it there):
-# the stripped binary is ~94 MB, over what the device tool carries (64 MiB); gzip brings it to ~26 MB.
+# the stripped binary is ~96 MB, over what the device tool carries (64 MiB); gzip brings it to ~26 MB.
 GPU_CARRY := gpu/kiln.gz
 gpu-carry:
 	$(CARGO) build --release --features cuda
