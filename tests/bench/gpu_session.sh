@@ -4,6 +4,9 @@
 #
 #   1. the training-step table (tests/bench/train.sh): kiln with its ops, kiln with --reference-ops, and
 #      transformers + PyTorch (bf16, amp) on the benchmark shapes;
+#   1b. per-kernel device times of one training step for each of PROFILE_SHAPES (CubeCL's profiler, switched
+#      on by a cubecl.toml in a scratch directory; tests/bench/kernel_profile.py tabulates the log): what the
+#      step spends its time on, the first thing the training-speed issue asks to measure;
 #   2. the offline pipeline's shards (`kiln sft --model tiny --until prepare`: synthetic data, seconds);
 #   3. `kiln train` on the device for EPOCHS epochs of those shards with a random-init TRAIN_SHAPE model
 #      (LFM2-350M by default; the tiny tokenizer's ids fit any vocabulary): metrics, per-epoch exports;
@@ -19,8 +22,8 @@
 # Settings (environment): DEVICE (cuda); SHAPES ("lfm2-350m lfm2.5-1.2b qwen3.5-0.8b"; empty: no table) and
 # KILN_OPS ("ops reference") for the table, where train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION,
 # MOMENTS and REFERENCE pass through; TRAIN_SHAPE (lfm2-350m), EPOCHS (2), TRAIN_MICRO (4), TRAIN_BATCH (8
-# sequences a step), TRAIN_LR (2e-5); PIPELINE (1 on cuda); OUT (runs/gpu-session). Everything worth
-# keeping is copied under $OUT.
+# sequences a step), TRAIN_LR (2e-5); PROFILE_SHAPES ("lfm2.5-1.2b qwen3.5-0.8b" on cuda, at SEQ or 4096);
+# PIPELINE (1 on cuda); OUT (runs/gpu-session). Everything worth keeping is copied under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 KILN=${KILN:-target/release/kiln}
@@ -28,7 +31,9 @@ KILN=${KILN:-target/release/kiln}
 : "${TRAIN_SHAPE:=lfm2-350m}" "${EPOCHS:=2}" "${TRAIN_MICRO:=4}" "${TRAIN_BATCH:=8}" "${TRAIN_LR:=2e-5}"
 : "${OUT:=runs/gpu-session}"
 [[ $DEVICE == cuda ]] && : "${PIPELINE:=1}" || : "${PIPELINE:=0}"
+[[ $DEVICE == cuda ]] && : "${PROFILE_SHAPES=lfm2.5-1.2b qwen3.5-0.8b}" || : "${PROFILE_SHAPES=}"
 mkdir -p "$OUT"
+OUT=$(realpath "$OUT")
 # shellcheck source=tests/bench/cuda_env.sh
 [[ $DEVICE == cuda ]] && source tests/bench/cuda_env.sh
 if [[ $KILN == *.gz ]]; then
@@ -36,6 +41,7 @@ if [[ $KILN == *.gz ]]; then
     gzip -dc "$KILN" >"$unpacked" && chmod +x "$unpacked" || { echo "cannot unpack $KILN" >&2; exit 2; }
     KILN=$unpacked
 fi
+KILN=$(realpath "$KILN")
 failures=0
 step() { echo "== $*" >&2; }
 fail() { echo "FAILED: $*" >&2; failures=$((failures + 1)); }
@@ -56,6 +62,28 @@ if [[ -n $SHAPES ]]; then
         || fail "train.sh"
     cat "$OUT/table.md"
 fi
+
+for shape in $PROFILE_SHAPES; do
+    step "kernel profile: $shape"
+    # CubeCL reads cubecl.toml from the working directory (or a parent) when the device starts.
+    scratch=$(mktemp -d)
+    printf '[profiling.logger]\nlevel = "basic"\nfile = "%s"\nappend = false\n' "$OUT/profile-$shape.log" \
+        >"$scratch/cubecl.toml"
+    shape_config=$(realpath "tests/bench/shapes/$shape.json")
+    if (cd "$scratch" && "$KILN" --quiet bench-train --config "$shape_config" --device "$DEVICE" \
+        --seq "${SEQ:-4096}" --steps 2 --warmup 2 --out "$OUT/profile-$shape.json") >"$OUT/profile-$shape.stdout" 2>&1
+    then
+        if python3 tests/bench/kernel_profile.py "$OUT/profile-$shape.log" >"$OUT/profile-$shape.md"; then
+            head -12 "$OUT/profile-$shape.md"
+        else
+            fail "kernel_profile.py $shape"
+        fi
+    else
+        fail "profiled bench-train $shape (see profile-$shape.stdout)"
+    fi
+    gzip -f "$OUT/profile-$shape.log" 2>/dev/null
+    rm -rf "$scratch"
+done
 
 step "shards of the offline pipeline"
 run=gpu-session
