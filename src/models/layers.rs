@@ -233,13 +233,13 @@ pub fn rope_tables<B: Backend>(
 }
 
 /// RoPE on the first `cos.dims()[3]` dims of each head only, the rest passed through (partial rotary).
-pub fn apply_partial_rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 4>, sin: &Tensor<B, 4>) -> Tensor<B, 4> {
+pub fn apply_partial_rope<B: ModelBackend>(x: Tensor<B, 4>, cos: &Tensor<B, 4>, sin: &Tensor<B, 4>) -> Tensor<B, 4> {
     let (d, rotary) = (x.dims()[3], cos.dims()[3]);
     if rotary == d {
         return apply_rope(x, cos, sin);
     }
-    let rotated = apply_rope(x.clone().narrow(3, 0, rotary), cos, sin);
-    Tensor::cat(vec![rotated, x.narrow(3, rotary, d - rotary)], 3)
+    let [rotated, passed] = B::split_last(x, [rotary, d - rotary]);
+    Tensor::cat(vec![apply_rope(rotated, cos, sin), passed], 3)
 }
 
 /// `x * cos + rotate_half(x) * sin` with `rotate_half(x) = cat(-x2, x1)`.

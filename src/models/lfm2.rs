@@ -149,7 +149,8 @@ impl<B: ModelBackend> MoeBlock<B> {
         let index = |ids: Vec<Vec<i64>>| Tensor::<B, 1, Int>::from_data(TensorData::new(ids.concat(), [n]), &device);
         let (token, slot) = (index(rows), index(slots));
         let h = B::grouped_matmul(x.select(0, token.clone()), self.gate_up.val(), &counts);
-        let act = B::swiglu(h.clone().narrow(1, 0, ff), h.narrow(1, ff, ff));
+        let [gate, up] = B::split_last(h, [ff, ff]);
+        let act = B::swiglu(gate, up);
         let weighted = B::grouped_matmul(act, self.down.val(), &counts) * flat_weights.select(0, slot).reshape([n, 1]);
         zeros.select_assign(0, token, weighted, IndexingUpdateOp::Add).reshape([batch, seq, hidden])
     }

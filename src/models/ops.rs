@@ -104,7 +104,8 @@ pub trait ModelBackend: Backend {
     }
 
     /// `x` cut along its last dimension into consecutive parts of the given widths, which sum to it (a fused
-    /// projection's parts: LFM2's B | C | x, Qwen3.5's q | k | v and per-head query | gate).
+    /// projection's parts: LFM2's B | C | x and experts' gate | up, Qwen3.5's q | k | v, per-head
+    /// query | gate and the partial RoPE's rotated | passed dims).
     fn split_last<const D: usize, const N: usize>(x: Tensor<Self, D>, widths: [usize; N]) -> [Tensor<Self, D>; N] {
         narrow_last(x, widths)
     }
