@@ -33,7 +33,6 @@ impl<B: ModelBackend> ShortConv<B> {
         let [b, c, xx] = B::split_last(self.in_proj.forward(x), [hidden; 3]);
         let mut y = B::causal_conv(b * xx, self.conv.val(), lag_masks);
         if let Some(bias) = &self.conv_bias {
-            let hidden = y.dims()[2];
             y = y + bias.val().reshape([1, 1, hidden]);
         }
         self.out_proj.forward(c * y)
