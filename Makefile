@@ -45,8 +45,11 @@ samples: build
 	$(KILN) --quiet ingest --dataset terminal-synth,toolbench-synth --out runs/samples
 	$(KILN) tokenizer --data runs/samples/conversations.jsonl --out configs/models/tiny
 
+# One test at a time: burn's CPU backend, driven from several threads at once, was seen to return wrong
+# gradients for its composed backward passes now and then (2 runs in 40 of the unit tests; none in 80 run
+# serially). kiln trains on one thread; the tests do the same. It costs about 45 s.
 test:
-	$(CARGO) test --all-targets
+	$(CARGO) test --all-targets -- --test-threads=1
 	$(CARGO) check --all-targets --features cuda
 
 # Benchmarks (figures go to docs/BENCHMARKS.md): prepare throughput, kiln vs transformers; a training step,
