@@ -54,11 +54,7 @@ pub const FUSION_ENV: &str = "KILN_CUDA_FUSION";
 /// Whether CUDA work runs fused, from `KILN_CUDA_FUSION`; a value that is neither on nor off is an error
 /// rather than a silent default, since the switch exists to A/B a numerical problem.
 pub fn cuda_fusion() -> Result<bool, String> {
-    match std::env::var(FUSION_ENV) {
-        Ok(value) => parse_fusion(&value),
-        Err(std::env::VarError::NotPresent) => Ok(true),
-        Err(std::env::VarError::NotUnicode(value)) => parse_fusion(&value.to_string_lossy()),
-    }
+    std::env::var_os(FUSION_ENV).map_or(Ok(true), |value| parse_fusion(&value.to_string_lossy()))
 }
 
 fn parse_fusion(value: &str) -> Result<bool, String> {

@@ -48,8 +48,9 @@ def tables(lines):
 
 
 def family(name):
-    """A kernel's name without its type parameters or launch details."""
-    return re.split(r"[<(:\s]", name, maxsplit=1)[0] or name
+    """A kernel's name without its module path, type parameters or launch details."""
+    bare = re.split(r"[<(\s]", name, maxsplit=1)[0]
+    return bare.rsplit("::", 1)[-1] or name
 
 
 def report(found, top):
