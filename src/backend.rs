@@ -48,6 +48,39 @@ pub type GpuTrainUnfused = Autodiff<GpuUnfused>;
 pub type GpuTrainUnfusedCheckpointed =
     Autodiff<GpuUnfused, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
 
+/// burn's CubeCL backend over Vulkan (SPIR-V kernels) with fusion, in f32: the code path the CUDA backend
+/// runs (burn-fusion's fused kernels, burn-cubecl's matmuls, reductions and autodiff on device tensors) with
+/// another kernel compiler under it. On a machine without a GPU, Mesa's CPU Vulkan driver (lavapipe) runs it,
+/// which is how the tests check kiln on a fused CubeCL backend without a GPU (`tests/vulkan_backend.rs`).
+/// f32 only: lavapipe has no bf16, and each backend type is another copy of the trainer in the binary.
+#[cfg(feature = "vulkan")]
+pub type Vk = burn::backend::Vulkan<f32>;
+#[cfg(feature = "vulkan")]
+pub type VkTrain = Autodiff<Vk>;
+#[cfg(feature = "vulkan")]
+pub type VkTrainCheckpointed = Autodiff<Vk, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
+
+/// Whether this build can compute on a Vulkan device here: wgpu panics on burn's device thread where no
+/// Vulkan driver is installed, so the first use is probed as CUDA's is.
+pub fn vulkan_ready() -> Result<(), String> {
+    #[cfg(feature = "vulkan")]
+    {
+        static PROBE: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+        PROBE
+            .get_or_init(|| {
+                probe(smoke_test::<Vk>).map_err(|why| {
+                    format!(
+                        "Vulkan is not usable on this machine: {why}\n(kiln's vulkan device runs on any Vulkan \
+                         driver; without a GPU, install Mesa's CPU driver: apt-get install mesa-vulkan-drivers)"
+                    )
+                })
+            })
+            .clone()
+    }
+    #[cfg(not(feature = "vulkan"))]
+    Err(crate::train::device_error("vulkan"))
+}
+
 /// The environment variable that turns burn's fusion off on CUDA (`off`/`0`/`false`; `on` is the default).
 pub const FUSION_ENV: &str = "KILN_CUDA_FUSION";
 
@@ -120,6 +153,14 @@ macro_rules! cuda_device_memory {
 #[cfg(feature = "cuda")]
 cuda_device_memory!(burn::backend::Cuda<f32>, Gpu, GpuUnfused);
 
+#[cfg(feature = "vulkan")]
+impl DeviceMemory for Vk {
+    fn reserved_bytes(device: &Self::Device) -> Option<u64> {
+        use cubecl::Runtime;
+        cubecl::wgpu::WgpuRuntime::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
+    }
+}
+
 // The plain backends run the models' attention chunk by chunk with tensor ops (the trait's default);
 // their autodiff wrappers add its backward (`models::attention`).
 impl ModelBackend for Flex {}
@@ -129,6 +170,8 @@ impl ModelBackend for burn::backend::Cuda<f32> {}
 impl ModelBackend for Gpu {}
 #[cfg(feature = "cuda")]
 impl ModelBackend for GpuUnfused {}
+#[cfg(feature = "vulkan")]
+impl ModelBackend for Vk {}
 
 /// Host values as a tensor created in `dtype`. burn's `from_data` without a dtype converts to the device's
 /// default float dtype first (bf16 on the CUDA bf16 backend, f32 on the CPU), which would round f32 values
@@ -163,6 +206,19 @@ pub fn cuda_ready() -> Result<(), String> {
 
 #[cfg(feature = "cuda")]
 fn probe_cuda() -> Result<(), String> {
+    probe(smoke_test::<Gpu>).map_err(|why| {
+        format!(
+            "CUDA is not usable on this machine: {why}\n(kiln loads the NVIDIA driver's libcuda.so and NVRTC's \
+             libnvrtc.so.<major> at run time; where only PyTorch's pip wheels bring NVRTC, add their \
+             site-packages/nvidia/.../lib directory to LD_LIBRARY_PATH; or use --device cpu)"
+        )
+    })
+}
+
+/// Runs a device's smoke test with panics caught on every thread (a GPU runtime fails on its device
+/// thread, which holds the reason) and returns why it failed.
+#[cfg(any(feature = "cuda", feature = "vulkan"))]
+fn probe<D: Default>(smoke: fn(&D) -> Result<(), String>) -> Result<(), String> {
     use std::sync::{Arc, Mutex};
     let messages = Arc::new(Mutex::new(Vec::<String>::new()));
     let previous = std::panic::take_hook();
@@ -178,7 +234,7 @@ fn probe_cuda() -> Result<(), String> {
             all.push(text);
         }
     }));
-    let outcome = std::panic::catch_unwind(|| smoke_test::<Gpu>(&Default::default()));
+    let outcome = std::panic::catch_unwind(|| smoke(&D::default()));
     std::panic::set_hook(previous);
     let why = match outcome {
         Ok(Ok(())) => return Ok(()),
@@ -186,11 +242,7 @@ fn probe_cuda() -> Result<(), String> {
         // The first panic is the cause (the device thread's); later ones are its echo on this thread.
         Err(_) => messages.lock().ok().and_then(|m| m.first().cloned()).unwrap_or_else(|| "unknown failure".into()),
     };
-    Err(format!(
-        "CUDA is not usable on this machine: {why}\n(kiln loads the NVIDIA driver's libcuda.so and NVRTC's \
-         libnvrtc.so.<major> at run time; where only PyTorch's pip wheels bring NVRTC, add their \
-         site-packages/nvidia/.../lib directory to LD_LIBRARY_PATH; or use --device cpu)"
-    ))
+    Err(why)
 }
 
 /// The backends compiled into this binary.
@@ -199,6 +251,9 @@ pub fn compiled() -> Vec<&'static str> {
     if cfg!(feature = "cuda") {
         names.push("cuda (bf16, f32; fused)");
         names.push("cuda unfused (bf16; KILN_CUDA_FUSION=off)");
+    }
+    if cfg!(feature = "vulkan") {
+        names.push("vulkan (f32; fused)");
     }
     names
 }

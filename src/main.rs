@@ -100,7 +100,7 @@ struct SftArgs {
     /// Stop after this stage.
     #[arg(long, value_enum)]
     until: Option<kiln::pipeline::Stage>,
-    /// cpu, cuda, or auto (cuda when this build has it and a GPU is visible).
+    /// cpu, cuda, vulkan (--features vulkan; f32), or auto (cuda when this build has it and a GPU is visible).
     #[arg(long, default_value = "auto")]
     device: String,
     #[arg(long, default_value = "pipelines/sft.toml")]
@@ -271,7 +271,7 @@ struct ModelDirArgs {
     /// An HF checkpoint directory (config.json, safetensors, tokenizer files).
     #[arg(long)]
     model_dir: PathBuf,
-    /// Where to compute: cpu, or cuda (builds with --features cuda).
+    /// Where to compute: cpu, cuda (builds with --features cuda) or vulkan (--features vulkan; f32).
     #[arg(long, default_value = "cpu")]
     device: String,
 }
@@ -326,6 +326,7 @@ struct EvalOptionArgs {
     /// Only these task ids (comma-separated).
     #[arg(long, value_delimiter = ',')]
     tasks: Vec<String>,
+    /// cpu, cuda (builds with --features cuda) or vulkan (--features vulkan; f32).
     #[arg(long, default_value = "cpu")]
     device: String,
 }
@@ -405,6 +406,7 @@ struct TrainArgs {
     /// Continue from run/train/state exactly where it stopped.
     #[arg(long)]
     resume: bool,
+    /// cpu, cuda (builds with --features cuda) or vulkan (--features vulkan; f32).
     #[arg(long, default_value = "cpu")]
     device: String,
     #[arg(long)]
@@ -458,6 +460,7 @@ struct BenchTrainArgs {
     /// A config.json, or a folder holding one (tests/bench/shapes/ has the benchmark shapes).
     #[arg(long)]
     config: PathBuf,
+    /// cpu, cuda (builds with --features cuda) or vulkan (--features vulkan; f32).
     #[arg(long, default_value = "cpu")]
     device: String,
     #[arg(long, value_enum, default_value = "auto")]
@@ -774,6 +777,11 @@ fn info() -> Result<()> {
         } else {
             "not built".to_string()
         },
+        "vulkan_smoke_test": if cfg!(feature = "vulkan") {
+            kiln::backend::vulkan_ready().map_or_else(|why| why, |()| "ok".into())
+        } else {
+            "not built".to_string()
+        },
         "cuda_fusion": kiln::backend::cuda_fusion().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "hub": {
             "endpoint": config.endpoint,
@@ -942,6 +950,11 @@ fn on_device(device: &str, job: Job) -> Result<()> {
         }
         #[cfg(feature = "cuda")]
         "cuda" => run_job::<kiln::backend::GpuUnfused>(&Default::default(), job),
+        #[cfg(feature = "vulkan")]
+        "vulkan" => {
+            kiln::backend::vulkan_ready().map_err(anyhow::Error::msg)?;
+            run_job::<kiln::backend::Vk>(&Default::default(), job)
+        }
         other => bail!(kiln::train::device_error(other)),
     }
 }

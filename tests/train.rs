@@ -7,123 +7,23 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 
 use burn::tensor::{Int, Tensor, TensorData};
+use common::training::{
+    assert_resume_is_exact, assert_three_steps_match_pytorch, f32s, fixture_dir, fixture_shards, metrics,
+    parity_config, run,
+};
 use kiln::backend::{Cpu, CpuTrain};
-use kiln::models::hf::{ExportDtype, hf_tensors};
+use kiln::models::hf::hf_tensors;
 use kiln::models::{SequenceLayout, load_lfm2};
-use kiln::tokens::TokenSample;
-use kiln::tokens::shards::{Layout, ShardWriter};
 use kiln::train::schedule::Decay;
 use kiln::train::{Precision, TrainConfig, train};
 use safetensors::SafeTensors;
 
-fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lfm2")
-}
-
-fn f32s(v: &safetensors::tensor::TensorView) -> Vec<f32> {
-    v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-}
-
-/// The fixture batch (2 rows × 12 tokens, its loss mask) written as a shard.
-fn fixture_shards(dir: &Path, copies: usize) -> PathBuf {
-    let bytes = std::fs::read(fixture_dir().join("lfm2-tiny/fixture.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let i64s = |k: &str| -> Vec<u32> {
-        st.tensor(k).unwrap().data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
-    };
-    let (ids, mask) = (i64s("input_ids"), i64s("loss_mask"));
-    let out = dir.join("data");
-    let mut w = ShardWriter::new(&out, Layout::Packed, 12, 0).unwrap();
-    for c in 0..copies {
-        for r in 0..2 {
-            let sample = TokenSample {
-                id: format!("row{r}-{c}"),
-                input_ids: ids[r * 12..(r + 1) * 12].to_vec(),
-                loss_mask: mask[r * 12..(r + 1) * 12].iter().map(|&m| m as u8).collect(),
-            };
-            w.add(&sample, "fixture").unwrap();
-        }
-    }
-    w.finish().unwrap();
-    out
-}
-
-fn parity_config() -> TrainConfig {
-    TrainConfig {
-        epochs: 3,
-        lr: 1e-3,
-        min_lr_ratio: 0.0,
-        warmup_ratio: 0.0,
-        warmup_steps: Some(0),
-        decay: Decay::Constant,
-        global_batch: 2,
-        micro_batch: 1,
-        max_grad_norm: Some(1.0),
-        seed: 7,
-        save_every: None,
-        export_dtype: ExportDtype::F32,
-        ..TrainConfig::default()
-    }
-}
-
-fn run(
-    cfg: &TrainConfig,
-    data: &Path,
-    run_dir: &Path,
-    resume: bool,
-    halt: Option<usize>,
-) -> (kiln::train::TrainSummary, kiln::models::CausalLm<CpuTrain>) {
-    let device = Default::default();
-    train::<CpuTrain>(
-        cfg,
-        &fixture_dir().join("lfm2-tiny"),
-        data,
-        run_dir,
-        resume,
-        &AtomicBool::new(false),
-        halt,
-        false,
-        &device,
-    )
-    .unwrap()
-}
-
-fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(run_dir.join("train/metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
 #[test]
 fn three_steps_match_pytorch_adamw() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = fixture_shards(dir.path(), 1);
-    let (summary, model) = run(&parity_config(), &data, &dir.path().join("run"), false, None);
-    assert_eq!(summary.steps, 3);
-    let bytes = std::fs::read(fixture_dir().join("train_fixture.safetensors")).unwrap();
-    let want = SafeTensors::deserialize(&bytes).unwrap();
-    let losses = f32s(&want.tensor("losses").unwrap());
-    let norms = f32s(&want.tensor("grad_norms").unwrap());
-    for (m, (l, n)) in metrics(&dir.path().join("run")).iter().zip(losses.iter().zip(&norms)) {
-        let (got_l, got_n) = (m["loss"].as_f64().unwrap() as f32, m["grad_norm"].as_f64().unwrap() as f32);
-        assert!(((got_l - l) / l).abs() <= 1e-4, "loss {got_l} vs torch {l}");
-        assert!(((got_n - n) / n).abs() <= 1e-4, "grad norm {got_n} vs torch {n}");
-    }
-    let ours = hf_tensors(&model);
-    for (name, view) in want.tensors() {
-        let Some(key) = name.strip_prefix("param.") else { continue };
-        let want = f32s(&view);
-        let got = &ours[key].data;
-        let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max) / scale;
-        assert!(err <= 1e-4, "{key}: {err} relative after 3 steps");
-    }
+    assert_three_steps_match_pytorch::<CpuTrain>();
 }
 
 #[test]
@@ -131,8 +31,9 @@ fn micro_batching_does_not_change_the_update() {
     let dir = tempfile::tempdir().unwrap();
     let data = fixture_shards(dir.path(), 2);
     let cfg = TrainConfig { epochs: 1, global_batch: 4, micro_batch: 4, ..parity_config() };
-    let (_, whole) = run(&cfg, &data, &dir.path().join("whole"), false, None);
-    let (_, split) = run(&TrainConfig { micro_batch: 1, ..cfg.clone() }, &data, &dir.path().join("split"), false, None);
+    let (_, whole) = run::<CpuTrain>(&cfg, &data, &dir.path().join("whole"), false, None);
+    let (_, split) =
+        run::<CpuTrain>(&TrainConfig { micro_batch: 1, ..cfg.clone() }, &data, &dir.path().join("split"), false, None);
     let (a, b) = (hf_tensors(&whole), hf_tensors(&split));
     for (k, t) in &a {
         let err = t.data.iter().zip(&b[k].data).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
@@ -142,33 +43,21 @@ fn micro_batching_does_not_change_the_update() {
     assert!((m1[0]["loss"].as_f64().unwrap() - m2[0]["loss"].as_f64().unwrap()).abs() < 1e-5);
 }
 
-fn assert_resume_is_exact(cfg: &TrainConfig) {
-    let dir = tempfile::tempdir().unwrap();
-    let data = fixture_shards(dir.path(), 3);
-    let (straight, _) = run(cfg, &data, &dir.path().join("straight"), false, None);
-    let (stopped, _) = run(cfg, &data, &dir.path().join("resumed"), false, Some(4));
-    assert!(stopped.interrupted && stopped.steps == 4);
-    let (resumed, _) = run(cfg, &data, &dir.path().join("resumed"), true, None);
-    assert_eq!(resumed.steps, straight.steps);
-    for epoch in ["epoch-1", "epoch-2"] {
-        let a = std::fs::read(dir.path().join("straight/checkpoints").join(epoch).join("model.safetensors")).unwrap();
-        let b = std::fs::read(dir.path().join("resumed/checkpoints").join(epoch).join("model.safetensors")).unwrap();
-        assert!(a == b, "{epoch} differs after resume");
-    }
-    let losses = |d: &str| metrics(&dir.path().join(d)).iter().map(|m| m["loss"].as_f64().unwrap()).collect::<Vec<_>>();
-    assert_eq!(losses("straight"), losses("resumed"));
-}
-
 #[test]
 fn a_resumed_run_equals_the_uninterrupted_one_bit_for_bit() {
-    assert_resume_is_exact(&TrainConfig { epochs: 2, warmup_steps: Some(2), decay: Decay::Cosine, ..parity_config() });
+    assert_resume_is_exact::<CpuTrain>(&TrainConfig {
+        epochs: 2,
+        warmup_steps: Some(2),
+        decay: Decay::Cosine,
+        ..parity_config()
+    });
 }
 
 /// bf16 parameters resume exactly too: the state keeps their f32 master weights beside the moments.
 #[test]
 fn a_resumed_bf16_run_equals_the_uninterrupted_one_bit_for_bit() {
     let cfg = TrainConfig { epochs: 2, warmup_steps: Some(2), precision: Precision::Bf16, ..parity_config() };
-    assert_resume_is_exact(&cfg);
+    assert_resume_is_exact::<CpuTrain>(&cfg);
 }
 
 #[test]
@@ -176,7 +65,7 @@ fn epoch_checkpoints_reload_to_the_trained_model_and_a_batch_overfits() {
     let dir = tempfile::tempdir().unwrap();
     let data = fixture_shards(dir.path(), 1);
     let cfg = TrainConfig { epochs: 60, lr: 1e-2, max_grad_norm: None, ..parity_config() };
-    let (summary, model) = run(&cfg, &data, &dir.path().join("run"), false, None);
+    let (summary, model) = run::<CpuTrain>(&cfg, &data, &dir.path().join("run"), false, None);
     let losses: Vec<f64> = metrics(&dir.path().join("run")).iter().map(|m| m["loss"].as_f64().unwrap()).collect();
     assert!(losses[0] > 4.0 && *losses.last().unwrap() < 0.05, "first {} last {}", losses[0], losses.last().unwrap());
     let last = summary.checkpoints.last().unwrap();
@@ -304,7 +193,7 @@ fn activation_checkpointing_gives_the_same_training() {
     let data = fixture_shards(dir.path(), 1);
     let cfg = TrainConfig { epochs: 2, ..parity_config() };
     let device = Default::default();
-    let (_, plain) = run(&cfg, &data, &dir.path().join("plain"), false, None);
+    let (_, plain) = run::<CpuTrain>(&cfg, &data, &dir.path().join("plain"), false, None);
     let (_, recomputed) = train::<kiln::backend::CpuTrainCheckpointed>(
         &cfg,
         &fixture_dir().join("lfm2-tiny"),
@@ -442,7 +331,7 @@ fn bf16_training_tracks_the_pytorch_f32_run() {
     let dir = tempfile::tempdir().unwrap();
     let data = fixture_shards(dir.path(), 1);
     let cfg = TrainConfig { precision: Precision::Bf16, ..parity_config() };
-    let (summary, model) = run(&cfg, &data, &dir.path().join("run"), false, None);
+    let (summary, model) = run::<CpuTrain>(&cfg, &data, &dir.path().join("run"), false, None);
     assert_eq!(summary.precision, Precision::Bf16);
     assert!(all_bf16(&model));
     let bytes = std::fs::read(fixture_dir().join("train_fixture.safetensors")).unwrap();

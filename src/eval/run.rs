@@ -96,6 +96,8 @@ pub fn evaluate_on_device(
         "cuda" if crate::backend::cuda_choice(true)? => on!(crate::backend::Gpu),
         #[cfg(feature = "cuda")]
         "cuda" => on!(crate::backend::GpuUnfused),
+        #[cfg(feature = "vulkan")]
+        "vulkan" => crate::backend::vulkan_ready().and_then(|()| on!(crate::backend::Vk)),
         other => Err(crate::train::device_error(other)),
     }
 }

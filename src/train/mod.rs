@@ -55,18 +55,27 @@ macro_rules! with_train_backend {
                 (Ok(false), _, false) => $go!($crate::backend::GpuTrainUnfused),
                 (Ok(false), _, true) => $go!($crate::backend::GpuTrainUnfusedCheckpointed),
             },
+            #[cfg(feature = "vulkan")]
+            "vulkan" => match ($crate::backend::vulkan_ready(), $precision, $checkpointing) {
+                (Err(why), _, _) => Err($crate::train::TrainError::Device(why)),
+                (Ok(()), $crate::train::Precision::Bf16, _) => Err($crate::train::TrainError::Device(
+                    "the vulkan device trains in f32 only (drop --precision bf16)".into(),
+                )),
+                (Ok(()), _, false) => $go!($crate::backend::VkTrain),
+                (Ok(()), _, true) => $go!($crate::backend::VkTrainCheckpointed),
+            },
             other => Err($crate::train::TrainError::Device($crate::train::device_error(other))),
         }
     }};
 }
 pub(crate) use with_train_backend;
 
-/// The message for `--device cuda` in a build without the `cuda` feature, and for unknown devices.
+/// The message for `--device cuda` or `vulkan` in a build without that feature, and for unknown devices.
 pub fn device_error(device: &str) -> String {
-    if device == "cuda" {
-        "this kiln was built without CUDA: rebuild with `cargo build --release --features cuda` (make does when nvcc or a CUDA driver is present)".into()
-    } else {
-        format!("unknown device '{device}': use cpu or cuda")
+    match device {
+        "cuda" => "this kiln was built without CUDA: rebuild with `cargo build --release --features cuda` (make does when nvcc or a CUDA driver is present)".into(),
+        "vulkan" => "this kiln was built without Vulkan: rebuild with `cargo build --release --features vulkan`".into(),
+        _ => format!("unknown device '{device}': use cpu, cuda or vulkan"),
     }
 }
 

@@ -4,8 +4,8 @@
 #
 #   1. the training-step table (tests/bench/train.sh): kiln with its ops, kiln with --reference-ops, and
 #      transformers + PyTorch (bf16, amp) on the benchmark shapes;
-#   1b. per-kernel device times of one training step for each of PROFILE_SHAPES (CubeCL's profiler, switched
-#      on by a cubecl.toml in a scratch directory; tests/bench/kernel_profile.py tabulates the log): what the
+#   1b. per-kernel device times of one training step for each of PROFILE_SHAPES (tests/bench/kernel_profile.sh:
+#      CubeCL's profiler switched on by a cubecl.toml in a scratch directory, the log tabulated): what the
 #      step spends its time on, the first thing the training-speed issue asks to measure;
 #   2. the offline pipeline's shards (`kiln sft --model tiny --until prepare`: synthetic data, seconds);
 #   3. `kiln train` on the device for EPOCHS epochs of those shards with a random-init TRAIN_SHAPE model
@@ -65,24 +65,12 @@ fi
 
 for shape in $PROFILE_SHAPES; do
     step "kernel profile: $shape"
-    # CubeCL reads cubecl.toml from the working directory (or a parent) when the device starts.
-    scratch=$(mktemp -d)
-    printf '[profiling.logger]\nlevel = "basic"\nfile = "%s"\nappend = false\n' "$OUT/profile-$shape.log" \
-        >"$scratch/cubecl.toml"
-    shape_config=$(realpath "tests/bench/shapes/$shape.json")
-    if (cd "$scratch" && "$KILN" --quiet bench-train --config "$shape_config" --device "$DEVICE" \
-        --seq "${SEQ:-4096}" --steps 2 --warmup 2 --out "$OUT/profile-$shape.json") >"$OUT/profile-$shape.stdout" 2>&1
-    then
-        if python3 tests/bench/kernel_profile.py "$OUT/profile-$shape.log" >"$OUT/profile-$shape.md"; then
-            head -12 "$OUT/profile-$shape.md"
-        else
-            fail "kernel_profile.py $shape"
-        fi
+    if DEVICE=$DEVICE KILN=$KILN SEQ=${SEQ:-4096} tests/bench/kernel_profile.sh "tests/bench/shapes/$shape.json" \
+        "$OUT/profile-$shape"; then
+        head -12 "$OUT/profile-$shape.md"
     else
-        fail "profiled bench-train $shape (see profile-$shape.stdout)"
+        fail "kernel profile of $shape (see profile-$shape.stdout)"
     fi
-    gzip -f "$OUT/profile-$shape.log" 2>/dev/null
-    rm -rf "$scratch"
 done
 
 step "shards of the offline pipeline"

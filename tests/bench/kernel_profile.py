@@ -9,7 +9,7 @@ is one step; the last complete one is a steady step (warmup steps carry autotuni
     kernel_profile.py profile.log [--top 30]    → markdown on stdout
 
 Prints every table's total (steps should agree), then the last table's kernels, and the same grouped by
-kernel family (the name before its type parameters), largest first.
+kernel family (the kernel's type without its generic parameters), largest first.
 """
 
 import argparse
@@ -30,27 +30,49 @@ def milliseconds(text):
 
 
 def tables(lines):
-    """Every complete summary table: a list of (name, milliseconds, count) rows and its total row."""
+    """Every complete summary table: a list of (name, milliseconds, count) rows and its total row.
+
+    CubeCL names a kernel by its type with the generics as " | "-separated cells ("KernelBinop | MulOp |
+    CudaRuntime"), so a row is the name's cells then duration, count and share; per-kernel lines ("| 1.2ms |
+    name ...") and rule lines end in no share and are passed over.
+    """
     found, rows, inside = [], [], False
     for line in lines:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 4:
-            continue  # rule lines, per-kernel lines ("| 1.2ms | name"), anything else
-        name, duration, count, _ratio = cells
-        if name == "Name" and duration == "Duration":
+        if cells == ["Name", "Duration", "Num Computed", "Ratio"]:
             rows, inside = [], True
-        elif inside and name == "Total":
-            found.append((rows, (milliseconds(duration), int(count))))
+            continue
+        if not inside or len(cells) < 4 or not cells[-1].endswith("%") or not DURATION.match(cells[-3]):
+            continue
+        name, duration, count = " | ".join(cells[:-3]), milliseconds(cells[-3]), int(cells[-2])
+        if name == "Total":
+            found.append((rows, (duration, count)))
             inside = False
-        elif inside:
-            rows.append((name, milliseconds(duration), int(count)))
+        else:
+            rows.append((name, duration, count))
     return found
 
 
 def family(name):
-    """A kernel's name without its module path, type parameters or launch details."""
-    bare = re.split(r"[<(\s]", name, maxsplit=1)[0]
-    return bare.rsplit("::", 1)[-1] or name
+    """A kernel's type without its generic parameters ("KernelBinop | MulOp | CudaRuntime" → KernelBinop)."""
+    return name.split(" | ", 1)[0]
+
+
+# Generic parameters that say how a kernel is launched, not which kernel it is (CubeCL's argument plumbing).
+PLUMBING = {"TensorArgs", "Option", "()"}
+
+
+def short(name):
+    """A kernel's name for a table: its type and the generic parameters that tell kernels apart (a matmul's
+    families and tiling, an elementwise op), without argument plumbing or the runtime, cut to fit."""
+    cells = name.split(" | ")
+    kept = [cells[0]]
+    for cell in cells[1:]:
+        plumbing = cell in PLUMBING or cell.startswith(("__", "Dynamic")) or cell.endswith("Runtime")
+        if not plumbing and cell != kept[-1]:
+            kept.append(cell)
+    text = " \\| ".join(kept)  # a pipe inside a markdown cell is escaped
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def report(found, top):
@@ -61,8 +83,7 @@ def report(found, top):
     out.append(f"Last step: {total:.2f} ms of kernel time in {count} kernels.\n")
     out.append("| kernel | ms | count | share |\n|---|---|---|---|")
     for name, ms, n in sorted(rows, key=lambda r: -r[1])[:top]:
-        short = name if len(name) <= 100 else name[:97] + "..."
-        out.append(f"| `{short}` | {ms:.3f} | {n} | {100 * ms / total:.1f} % |")
+        out.append(f"| `{short(name)}` | {ms:.3f} | {n} | {100 * ms / total:.1f} % |")
     groups = defaultdict(lambda: [0.0, 0])
     for name, ms, n in rows:
         groups[family(name)][0] += ms

@@ -12,6 +12,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 
 pub mod parity;
+pub mod training;
 
 pub fn kiln_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_kiln"))

@@ -1,0 +1,144 @@
+//! The trainer's fixture run, shared by the CPU trainer tests and the fused-backend tests: the LFM2 parity
+//! batch as a shard, the settings of tests/fixtures/lfm2/make_train_fixture.py's PyTorch run, and the checks
+//! that a backend trains to PyTorch's losses and parameters and resumes bit for bit.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+
+use kiln::backend::DeviceMemory;
+use kiln::models::CausalLm;
+use kiln::models::hf::{ExportDtype, hf_tensors};
+use kiln::tokens::TokenSample;
+use kiln::tokens::shards::{Layout, ShardWriter};
+use kiln::train::linear_ce::LinearCrossEntropy;
+use kiln::train::schedule::Decay;
+use kiln::train::{TrainConfig, TrainSummary, train};
+use safetensors::SafeTensors;
+
+pub fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lfm2")
+}
+
+pub fn f32s(v: &safetensors::tensor::TensorView) -> Vec<f32> {
+    v.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// The fixture batch (2 rows × 12 tokens, its loss mask) written as a shard, `copies` times.
+pub fn fixture_shards(dir: &Path, copies: usize) -> PathBuf {
+    let bytes = std::fs::read(fixture_dir().join("lfm2-tiny/fixture.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let i64s = |k: &str| -> Vec<u32> {
+        st.tensor(k).unwrap().data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
+    };
+    let (ids, mask) = (i64s("input_ids"), i64s("loss_mask"));
+    let out = dir.join("data");
+    let mut w = ShardWriter::new(&out, Layout::Packed, 12, 0).unwrap();
+    for c in 0..copies {
+        for r in 0..2 {
+            let sample = TokenSample {
+                id: format!("row{r}-{c}"),
+                input_ids: ids[r * 12..(r + 1) * 12].to_vec(),
+                loss_mask: mask[r * 12..(r + 1) * 12].iter().map(|&m| m as u8).collect(),
+            };
+            w.add(&sample, "fixture").unwrap();
+        }
+    }
+    w.finish().unwrap();
+    out
+}
+
+/// The settings of the PyTorch run in train_fixture.safetensors: one step per epoch of the fixture batch.
+pub fn parity_config() -> TrainConfig {
+    TrainConfig {
+        epochs: 3,
+        lr: 1e-3,
+        min_lr_ratio: 0.0,
+        warmup_ratio: 0.0,
+        warmup_steps: Some(0),
+        decay: Decay::Constant,
+        global_batch: 2,
+        micro_batch: 1,
+        max_grad_norm: Some(1.0),
+        seed: 7,
+        save_every: None,
+        export_dtype: ExportDtype::F32,
+        ..TrainConfig::default()
+    }
+}
+
+/// `kiln train` of the tiny LFM2 fixture on backend `B`'s default device.
+pub fn run<B: LinearCrossEntropy + DeviceMemory>(
+    cfg: &TrainConfig,
+    data: &Path,
+    run_dir: &Path,
+    resume: bool,
+    halt: Option<usize>,
+) -> (TrainSummary, CausalLm<B>) {
+    train::<B>(
+        cfg,
+        &fixture_dir().join("lfm2-tiny"),
+        data,
+        run_dir,
+        resume,
+        &AtomicBool::new(false),
+        halt,
+        false,
+        &Default::default(),
+    )
+    .unwrap()
+}
+
+pub fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run_dir.join("train/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Three steps on `B` give PyTorch's losses, gradient norms and parameters within 1e-4 relative.
+pub fn assert_three_steps_match_pytorch<B: LinearCrossEntropy + DeviceMemory>() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixture_shards(dir.path(), 1);
+    let (summary, model) = run::<B>(&parity_config(), &data, &dir.path().join("run"), false, None);
+    assert_eq!(summary.steps, 3);
+    let bytes = std::fs::read(fixture_dir().join("train_fixture.safetensors")).unwrap();
+    let want = SafeTensors::deserialize(&bytes).unwrap();
+    let losses = f32s(&want.tensor("losses").unwrap());
+    let norms = f32s(&want.tensor("grad_norms").unwrap());
+    let got = metrics(&dir.path().join("run"));
+    assert_eq!(got.len(), losses.len());
+    for (m, (l, n)) in got.iter().zip(losses.iter().zip(&norms)) {
+        let (got_l, got_n) = (m["loss"].as_f64().unwrap() as f32, m["grad_norm"].as_f64().unwrap() as f32);
+        assert!(((got_l - l) / l).abs() <= 1e-4, "loss {got_l} vs torch {l}");
+        assert!(((got_n - n) / n).abs() <= 1e-4, "grad norm {got_n} vs torch {n}");
+    }
+    let ours = hf_tensors(&model);
+    for (name, view) in want.tensors() {
+        let Some(key) = name.strip_prefix("param.") else { continue };
+        let want = f32s(&view);
+        let got = &ours[key].data;
+        let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max) / scale;
+        assert!(err <= 1e-4, "{key}: {err} relative after 3 steps");
+    }
+}
+
+/// A run on `B` halted after 4 steps and resumed writes the uninterrupted run's checkpoints and losses,
+/// bit for bit.
+pub fn assert_resume_is_exact<B: LinearCrossEntropy + DeviceMemory>(cfg: &TrainConfig) {
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixture_shards(dir.path(), 3);
+    let (straight, _) = run::<B>(cfg, &data, &dir.path().join("straight"), false, None);
+    let (stopped, _) = run::<B>(cfg, &data, &dir.path().join("resumed"), false, Some(4));
+    assert!(stopped.interrupted && stopped.steps == 4);
+    let (resumed, _) = run::<B>(cfg, &data, &dir.path().join("resumed"), true, None);
+    assert_eq!(resumed.steps, straight.steps);
+    for epoch in ["epoch-1", "epoch-2"] {
+        let a = std::fs::read(dir.path().join("straight/checkpoints").join(epoch).join("model.safetensors")).unwrap();
+        let b = std::fs::read(dir.path().join("resumed/checkpoints").join(epoch).join("model.safetensors")).unwrap();
+        assert!(a == b, "{epoch} differs after resume");
+    }
+    let losses = |d: &str| metrics(&dir.path().join(d)).iter().map(|m| m["loss"].as_f64().unwrap()).collect::<Vec<_>>();
+    assert_eq!(losses("straight"), losses("resumed"));
+}

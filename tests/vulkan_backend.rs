@@ -1,0 +1,156 @@
+//! kiln on a fused CubeCL backend, checked without a GPU: the `vulkan` device is burn's CubeCL backend with
+//! burn-fusion, its kernels compiled to SPIR-V, here run by Mesa's CPU Vulkan driver (lavapipe). CUDA runs
+//! the same fusion and the same kernels with another compiler under them, so a model, an op, a trainer step
+//! or the kernel profiler that goes wrong on a fused CubeCL backend shows here before any GPU session:
+//! the architectures against transformers (logits and gradients), the trainer against PyTorch's AdamW run,
+//! exact resume, every tiny shape's training steps against the CPU's, and the per-kernel profile that
+//! tests/bench/gpu_session.sh takes on the GPU.
+//! Built with `--features vulkan` (`make test` adds it where a Vulkan driver is installed; .ci/run installs
+//! lavapipe).
+#![cfg(feature = "vulkan")]
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
+use kiln::backend::{Cpu, Vk, VkTrain};
+use kiln::models::hf::hf_gradients;
+use kiln::models::{CausalLm, ModelBackend, SequenceLayout, load_model};
+use kiln::train::bench::{BenchConfig, bench_on_device};
+use kiln::train::schedule::Decay;
+use kiln::train::{Precision, TrainConfig};
+
+/// The transformers fixtures and the document lengths of each one's packed row.
+const FIXTURES: [(&str, &[u32]); 3] =
+    [("lfm2/lfm2-tiny", &[5, 7]), ("lfm2/lfm2-moe-tiny", &[5, 7]), ("qwen3_5/qwen3_5-tiny", &[40, 30])];
+
+fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+fn logits<B: ModelBackend>(model: &CausalLm<B>, ids: &[i64], shape: [usize; 2], layout: &SequenceLayout) -> Vec<f32> {
+    values(model.forward(ids_tensor::<B>(ids, shape, &Default::default()), layout))
+}
+
+#[test]
+fn the_device_computes() {
+    kiln::backend::vulkan_ready().unwrap();
+}
+
+/// Logits within 1e-4 of transformers' (and of the CPU's), packed rows as the CPU packs them, and the
+/// masked loss's gradients within 1e-4 relative, for LFM2, LFM2-MoE and Qwen3.5.
+#[test]
+fn the_architectures_match_transformers_on_the_fused_backend() {
+    for (name, docs) in FIXTURES {
+        let dir = fixture_dir(name);
+        let f = parity::fixture(&dir);
+        let shape = f.shape();
+        let single = SequenceLayout::single(shape[0], shape[1]);
+        let (_, model) = load_model::<Vk>(&dir, &Default::default()).unwrap();
+        let (_, cpu) = load_model::<Cpu>(&dir, &Default::default()).unwrap();
+        let got = logits(&model, &f.ids.0, shape, &single);
+        let (err, cpu_err) =
+            (max_abs_diff(&got, &f.logits.0), max_abs_diff(&got, &logits(&cpu, &f.ids.0, shape, &single)));
+        eprintln!("{name}: logits max-abs error {err:.2e} vs transformers, {cpu_err:.2e} vs the CPU");
+        assert!(err <= 1e-4 && cpu_err <= 1e-4, "{name}: logits off by {err} (transformers), {cpu_err} (CPU)");
+
+        let seq = f.packed_ids.len();
+        let packed = SequenceLayout::from_doc_lengths(&[docs.to_vec()], seq);
+        let got = logits(&model, &f.packed_ids, [1, seq], &packed);
+        let err = max_abs_diff(&got, &logits(&cpu, &f.packed_ids, [1, seq], &packed));
+        assert!(err <= 1e-4, "{name}: packed row off the CPU's by {err}");
+
+        let (_, model) = load_model::<VkTrain>(&dir, &Default::default()).unwrap();
+        let loss = masked_ce(
+            model.forward(ids_tensor::<VkTrain>(&f.ids.0, shape, &Default::default()), &single),
+            &f.ids.0,
+            &f.mask,
+            shape,
+        );
+        let value = values(loss.clone())[0];
+        assert!((value - f.loss).abs() <= 1e-4, "{name}: loss {value} vs {}", f.loss);
+        let grads = loss.backward();
+        parity::check_gradients(name, &f, &hf_gradients(&model, &grads), 1e-4);
+    }
+}
+
+/// The trainer's fixture run: three steps give PyTorch's losses, gradient norms and parameters.
+#[test]
+fn three_steps_match_pytorch_adamw_on_the_fused_backend() {
+    common::training::assert_three_steps_match_pytorch::<VkTrain>();
+}
+
+/// Resume is exact on the device too: the state's moments, master weights and data position carry over.
+#[test]
+fn a_resumed_run_on_the_fused_backend_equals_the_uninterrupted_one_bit_for_bit() {
+    let cfg =
+        TrainConfig { epochs: 2, warmup_steps: Some(2), decay: Decay::Cosine, ..common::training::parity_config() };
+    common::training::assert_resume_is_exact::<VkTrain>(&cfg);
+}
+
+/// Every tiny shape (LFM2 convolutions, Qwen3.5's DeltaNet scan, LFM2-MoE's grouped expert matmuls) trains
+/// three steps to the CPU's losses through the benchmark's step: micro-batches accumulated, with and
+/// without activation checkpointing, and with burn's plain compositions in place of kiln's ops.
+#[test]
+fn the_tiny_shapes_train_on_the_fused_backend_as_on_the_cpu() {
+    let cfg = BenchConfig {
+        seq: 48,
+        micro_batch: 2,
+        accumulation: 2,
+        steps: 3,
+        warmup: 0,
+        docs_per_row: 3,
+        seed: 5,
+        lr: 3e-3,
+        peak_tflops: None,
+        activation_checkpointing: false,
+        precision: Precision::F32,
+        moments: kiln::train::optim::MomentDtype::F32,
+        reference_ops: false,
+    };
+    let variants = [
+        ("ops", cfg.clone()),
+        ("checkpointed", BenchConfig { activation_checkpointing: true, accumulation: 1, ..cfg.clone() }),
+        ("reference ops", BenchConfig { reference_ops: true, accumulation: 1, ..cfg.clone() }),
+    ];
+    for shape in common::TINY_SHAPES {
+        let config =
+            kiln::models::ModelConfig::from_file(&common::project_dir().join(shape).join("config.json")).unwrap();
+        for (label, cfg) in &variants {
+            let cpu = bench_on_device(&config, cfg, "cpu").unwrap();
+            let device = bench_on_device(&config, cfg, "vulkan").unwrap();
+            assert_eq!((device.device.as_str(), device.losses.len()), ("vulkan", 3));
+            for (step, (a, b)) in device.losses.iter().zip(&cpu.losses).enumerate() {
+                eprintln!("{shape} {label} step {step}: vulkan {a} cpu {b}");
+                assert!((a - b).abs() <= 1e-4 * b.abs(), "{shape} {label} step {step}: vulkan {a} vs cpu {b}");
+            }
+        }
+    }
+}
+
+/// What gpu_session.sh takes on the GPU, end to end: bench-train under CubeCL's profiler and the kernel
+/// table kernel_profile.py makes of its log.
+#[test]
+fn the_kernel_profile_tabulates_a_training_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = common::project_dir();
+    let prefix = dir.path().join("profile-tiny");
+    let out = std::process::Command::new(root.join("tests/bench/kernel_profile.sh"))
+        .args([root.join("configs/models/tiny/config.json"), prefix.clone()])
+        .envs([("KILN", common::kiln_bin().as_os_str()), ("DEVICE", "vulkan".as_ref()), ("SEQ", "64".as_ref())])
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    let stdout = std::fs::read_to_string(prefix.with_extension("stdout")).unwrap_or_default();
+    assert!(out.status.success(), "{}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    let table = std::fs::read_to_string(prefix.with_extension("md")).unwrap();
+    eprintln!("{table}");
+    let kernel_rows = table.lines().filter(|l| l.starts_with("| `")).count();
+    assert!(kernel_rows >= 10, "{kernel_rows} kernel rows in the profile:\n{table}");
+    assert!(table.contains("| `Matmul"), "no matmul kernel in the profile:\n{table}");
+    let result: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(prefix.with_extension("json")).unwrap()).unwrap();
+    assert_eq!(result["device"], "vulkan");
+    assert!(prefix.with_extension("log.gz").exists());
+}
