@@ -156,28 +156,51 @@ impl<B: AutodiffBackend> F32Accumulator<B> {
     }
 }
 
-/// Sum of squared gradients over every parameter that has one, in f32.
-struct SquaredNorm<'a> {
+/// Each parameter's sum of squared gradient entries, in f32, left on the device.
+struct SquaredSums<'a, B: Backend> {
     grads: &'a GradientsParams,
-    total: f64,
+    sums: Vec<Tensor<B, 1>>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredSums<'_, B::InnerBackend> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            // Read back as f32: `into_scalar` gives the backend's default element, bf16 on the CUDA bf16
-            // backend, which would round the sum.
-            let sum = g.cast(FloatDType::F32).powf_scalar(2.0).sum().into_data();
-            self.total += sum.iter::<f32>().next().map_or(f64::NAN, f64::from);
+            self.sums.push(g.cast(FloatDType::F32).powf_scalar(2.0).sum());
         }
     }
 }
 
+/// The squared sums of every gradient of `model`'s parameters (in the model's parameter order), as device
+/// tensors: read them with the step's other scalars in one transfer (`read_scalars`), not one per parameter
+/// (each read waits for the device to finish everything queued before it).
+pub fn squared_sums<B: AutodiffBackend, M: Module<B>>(
+    model: &M,
+    grads: &GradientsParams,
+) -> Vec<Tensor<B::InnerBackend, 1>> {
+    let mut visitor = SquaredSums::<B::InnerBackend> { grads, sums: Vec::new() };
+    model.visit(&mut visitor);
+    visitor.sums
+}
+
+/// One-element tensors read back to the host in a single transfer, as f32 (not the backend's default
+/// element, which is bf16 on the CUDA bf16 backend and would round them).
+pub fn read_scalars<B: Backend>(scalars: Vec<Tensor<B, 1>>) -> Vec<f32> {
+    if scalars.is_empty() {
+        return Vec::new();
+    }
+    let n = scalars.len();
+    let all = Tensor::cat(scalars.into_iter().map(|t| t.cast(FloatDType::F32)).collect(), 0);
+    all.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_else(|_| vec![f32::NAN; n])
+}
+
+/// The global L2 norm from the parameters' squared sums, summed in f64 in parameter order.
+pub fn norm_of(squared_sums: &[f32]) -> f64 {
+    squared_sums.iter().map(|&s| f64::from(s)).sum::<f64>().sqrt()
+}
+
 /// The global L2 norm of the gradients.
 pub fn grad_norm<B: AutodiffBackend, M: Module<B>>(model: &M, grads: &GradientsParams) -> f64 {
-    let mut v = SquaredNorm { grads, total: 0.0 };
-    model.visit(&mut v);
-    v.total.sqrt()
+    norm_of(&read_scalars(squared_sums::<B, M>(model, grads)))
 }
 
 struct Step<'a, B: AutodiffBackend> {
@@ -240,6 +263,18 @@ pub fn step<B: AutodiffBackend, M: Module<B>>(
     max_norm: Option<f64>,
 ) -> (M, f64) {
     let norm = grad_norm::<B, M>(&model, grads);
+    (step_with_norm(model, opt, grads, lr, max_norm, norm), norm)
+}
+
+/// `step` with the gradients' global norm already known (read with the step's other scalars).
+pub fn step_with_norm<B: AutodiffBackend, M: Module<B>>(
+    model: M,
+    opt: &mut AdamW<B::InnerBackend>,
+    grads: &GradientsParams,
+    lr: f64,
+    max_norm: Option<f64>,
+    norm: f64,
+) -> M {
     // torch.nn.utils.clip_grad_norm_: scale by max / (norm + 1e-6) when that is below 1.
     let scale = match max_norm {
         Some(max) if max / (norm + 1e-6) < 1.0 => max / (norm + 1e-6),
@@ -248,5 +283,5 @@ pub fn step<B: AutodiffBackend, M: Module<B>>(
     let mut mapper = Step::<B> { opt, grads, lr, scale };
     let model = model.map(&mut mapper);
     mapper.opt.steps += 1;
-    (model, norm)
+    model
 }

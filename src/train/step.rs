@@ -9,7 +9,7 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::data::target_weights;
 use super::linear_ce::{LinearCrossEntropy, chunk_rows_for};
-use super::optim::{AdamW, F32Accumulator, step};
+use super::optim::{AdamW, F32Accumulator, norm_of, read_scalars, squared_sums, step_with_norm};
 use crate::backend::host_tensor;
 use crate::models::{CausalLm, SequenceLayout};
 use crate::tokens::shards::Row;
@@ -129,7 +129,9 @@ pub fn optimizer_step<B: LinearCrossEntropy>(
     if supervised == 0.0 {
         return Ok((model, None));
     }
-    let mut loss_sum = 0.0f64;
+    // The loss values stay on the device until the step's one read: reading each before its backward
+    // would leave the device idle while the host queues the backward pass.
+    let mut losses = Vec::new();
     let mut accumulator = F32Accumulator::<B>::default();
     for (micro, batch) in batches.iter().enumerate() {
         let layout = SequenceLayout::from_doc_lengths(&batch.doc_lengths, batch.seq);
@@ -140,14 +142,22 @@ pub fn optimizer_step<B: LinearCrossEntropy>(
         else {
             continue;
         };
-        let value = loss.clone().into_data().convert::<f32>().to_vec::<f32>().ok().and_then(|v| v.first().copied());
-        let value = value.unwrap_or(f32::NAN);
+        losses.push((micro, loss.clone().inner()));
+        accumulator.add(&model, GradientsParams::from_grads(loss.backward(), &model));
+    }
+    let grads = accumulator.finish();
+    let (micros, mut scalars): (Vec<usize>, Vec<_>) = losses.into_iter().unzip();
+    scalars.extend(squared_sums::<B, _>(&model, &grads));
+    let values = read_scalars(scalars);
+    let (loss_values, squares) = values.split_at(micros.len().min(values.len()));
+    let mut loss_sum = 0.0f64;
+    for (&micro, &value) in micros.iter().zip(loss_values) {
         if !value.is_finite() {
             return Err(NonFiniteLoss { micro, loss: value });
         }
         loss_sum += value as f64;
-        accumulator.add(&model, GradientsParams::from_grads(loss.backward(), &model));
     }
-    let (model, grad_norm) = step::<B, _>(model, opt, &accumulator.finish(), lr, max_norm);
+    let grad_norm = norm_of(squares);
+    let model = step_with_norm::<B, _>(model, opt, &grads, lr, max_norm, grad_norm);
     Ok((model, Some(StepOutcome { loss: loss_sum, grad_norm })))
 }

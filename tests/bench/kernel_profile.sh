@@ -5,23 +5,25 @@
 # per-kernel table at every device sync, once a step in bench-train), and tabulates the last complete table
 # with kernel_profile.py.
 #
-#   KILN=target/release/kiln DEVICE=cuda SEQ=4096 tests/bench/kernel_profile.sh SHAPE.json OUT/profile-NAME
+#   KILN=target/release/kiln DEVICE=cuda SEQ=4096 tests/bench/kernel_profile.sh SHAPE.json OUT/profile-NAME [FLAG…]
 #
 # writes OUT/profile-NAME.md (the table), .json (bench-train's result), .stdout (its output) and .log.gz
 # (CubeCL's log); exits non-zero, saying why on stderr, when a step fails. STEPS (2) and WARMUP (2) set the
-# steps: the warmup steps' tables carry autotuning's trial kernels.
+# steps: the warmup steps' tables carry autotuning's trial kernels. FLAGs go to bench-train as they are
+# (--reference-ops, --micro-batch 2, …).
 set -uo pipefail
-(($# == 2)) || { echo "usage: kernel_profile.sh SHAPE.json OUT_PREFIX" >&2; exit 2; }
+(($# >= 2)) || { echo "usage: kernel_profile.sh SHAPE.json OUT_PREFIX [bench-train flag…]" >&2; exit 2; }
 here=$(cd "$(dirname "$0")" && pwd)
 config=$(realpath "$1")
 out=$(realpath -m "$2")
+shift 2
 KILN=$(realpath "${KILN:-target/release/kiln}")
 mkdir -p "$(dirname "$out")"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 printf '[profiling.logger]\nlevel = "basic"\nfile = "%s"\nappend = false\n' "$out.log" >"$scratch/cubecl.toml"
 if ! (cd "$scratch" && "$KILN" --quiet bench-train --config "$config" --device "${DEVICE:-cuda}" \
-    --seq "${SEQ:-4096}" --steps "${STEPS:-2}" --warmup "${WARMUP:-2}" --out "$out.json") >"$out.stdout" 2>&1; then
+    --seq "${SEQ:-4096}" --steps "${STEPS:-2}" --warmup "${WARMUP:-2}" --out "$out.json" "$@") >"$out.stdout" 2>&1; then
     echo "kernel_profile.sh: profiled bench-train failed (see $out.stdout)" >&2
     exit 1
 fi
