@@ -3,7 +3,7 @@
 //! the same fusion and the same kernels with another compiler under them, so a model, an op, a trainer step
 //! or the kernel profiler that goes wrong on a fused CubeCL backend shows here before any GPU session:
 //! the architectures against transformers (logits and gradients), the trainer against PyTorch's AdamW run,
-//! exact resume, every tiny shape's training steps against the CPU's, and the per-kernel profile that
+//! resume, every tiny shape's training steps against the CPU's, and the per-kernel profile that
 //! tests/bench/gpu_session.sh takes on the GPU.
 //! Built with `--features vulkan` (`make test` adds it where a Vulkan driver is installed; .ci/run installs
 //! lavapipe).
@@ -81,12 +81,15 @@ fn three_steps_match_pytorch_adamw_on_the_fused_backend() {
     common::training::assert_three_steps_match_pytorch::<VkTrain>();
 }
 
-/// Resume is exact on the device too: the state's moments, master weights and data position carry over.
+/// Resume on the device: the state's moments, master weights, data position and schedule carry over, so the
+/// resumed run ends where the uninterrupted one does. Not bit for bit: fused kernels may add in another order
+/// from run to run (burn's full `sum` adds the cubes' partial sums atomically, and the clipping norm is one;
+/// a fresh-clone CI run under load saw an epoch checkpoint differ, idle runs repeat exactly).
 #[test]
-fn a_resumed_run_on_the_fused_backend_equals_the_uninterrupted_one_bit_for_bit() {
+fn a_resumed_run_on_the_fused_backend_equals_the_uninterrupted_one() {
     let cfg =
         TrainConfig { epochs: 2, warmup_steps: Some(2), decay: Decay::Cosine, ..common::training::parity_config() };
-    common::training::assert_resume_is_exact::<VkTrain>(&cfg);
+    common::training::assert_resume_agrees::<VkTrain>(&cfg, common::training::Agreement::Within(1e-5));
 }
 
 /// Every tiny shape (LFM2 convolutions, Qwen3.5's DeltaNet scan, LFM2-MoE's grouped expert matmuls) trains

@@ -124,9 +124,24 @@ pub fn assert_three_steps_match_pytorch<B: LinearCrossEntropy + DeviceMemory>() 
     }
 }
 
-/// A run on `B` halted after 4 steps and resumed writes the uninterrupted run's checkpoints and losses,
-/// bit for bit.
+/// How closely a resumed run must reproduce the uninterrupted one.
+#[derive(Clone, Copy, Debug)]
+pub enum Agreement {
+    /// Checkpoint bytes and losses identical (the CPU: every kernel deterministic).
+    BitForBit,
+    /// Every parameter within this relative error (to the tensor's largest entry) and every loss within it
+    /// relative: a GPU backend's fused kernels are not bit-reproducible from run to run (burn-fusion's
+    /// blocks and atomic reductions can add in another order), and a state restored wrongly (moments, data
+    /// order, schedule) moves parameters by a fraction of the learning rate's step, orders above this.
+    Within(f32),
+}
+
+/// A run on `B` halted after 4 steps and resumed writes the uninterrupted run's checkpoints and losses.
 pub fn assert_resume_is_exact<B: LinearCrossEntropy + DeviceMemory>(cfg: &TrainConfig) {
+    assert_resume_agrees::<B>(cfg, Agreement::BitForBit);
+}
+
+pub fn assert_resume_agrees<B: LinearCrossEntropy + DeviceMemory>(cfg: &TrainConfig, agreement: Agreement) {
     let dir = tempfile::tempdir().unwrap();
     let data = fixture_shards(dir.path(), 3);
     let (straight, _) = run::<B>(cfg, &data, &dir.path().join("straight"), false, None);
@@ -134,11 +149,33 @@ pub fn assert_resume_is_exact<B: LinearCrossEntropy + DeviceMemory>(cfg: &TrainC
     assert!(stopped.interrupted && stopped.steps == 4);
     let (resumed, _) = run::<B>(cfg, &data, &dir.path().join("resumed"), true, None);
     assert_eq!(resumed.steps, straight.steps);
-    for epoch in ["epoch-1", "epoch-2"] {
-        let a = std::fs::read(dir.path().join("straight/checkpoints").join(epoch).join("model.safetensors")).unwrap();
-        let b = std::fs::read(dir.path().join("resumed/checkpoints").join(epoch).join("model.safetensors")).unwrap();
-        assert!(a == b, "{epoch} differs after resume");
-    }
     let losses = |d: &str| metrics(&dir.path().join(d)).iter().map(|m| m["loss"].as_f64().unwrap()).collect::<Vec<_>>();
-    assert_eq!(losses("straight"), losses("resumed"));
+    let (a_losses, b_losses) = (losses("straight"), losses("resumed"));
+    assert_eq!(a_losses.len(), b_losses.len());
+    for epoch in ["epoch-1", "epoch-2"] {
+        let file =
+            |d: &str| std::fs::read(dir.path().join(d).join("checkpoints").join(epoch).join("model.safetensors"));
+        let (a, b) = (file("straight").unwrap(), file("resumed").unwrap());
+        match agreement {
+            Agreement::BitForBit => assert!(a == b, "{epoch} differs after resume"),
+            Agreement::Within(tolerance) => {
+                let (a, b) = (SafeTensors::deserialize(&a).unwrap(), SafeTensors::deserialize(&b).unwrap());
+                assert_eq!(a.len(), b.len());
+                for (name, want) in a.tensors() {
+                    let (want, got) = (f32s(&want), f32s(&b.tensor(&name).unwrap()));
+                    let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-12);
+                    let err = want.iter().zip(&got).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max) / scale;
+                    assert!(err <= tolerance, "{epoch} {name}: {err} relative after resume");
+                }
+            }
+        }
+    }
+    match agreement {
+        Agreement::BitForBit => assert_eq!(a_losses, b_losses),
+        Agreement::Within(tolerance) => {
+            for (step, (a, b)) in a_losses.iter().zip(&b_losses).enumerate() {
+                assert!((a - b).abs() <= f64::from(tolerance) * a.abs(), "step {step}: loss {a} straight, {b} resumed");
+            }
+        }
+    }
 }
