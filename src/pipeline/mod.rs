@@ -198,8 +198,8 @@ pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, Pipeli
     if config.model.gpu && device != "cuda" {
         let why = if !cfg!(feature = "cuda") {
             "this kiln was built without CUDA".to_string()
-        } else if req.device == "cpu" {
-            "--device cpu was asked for".to_string()
+        } else if req.device != "auto" {
+            format!("--device {} was asked for", req.device)
         } else {
             "no NVIDIA GPU is visible (/dev/nvidiactl is missing)".to_string()
         };
