@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::{FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{host_tensor, zeros_in};
@@ -53,10 +53,28 @@ impl Default for AdamWConfig {
 }
 
 /// What AdamW keeps for one parameter: its moments and, for a parameter stored below f32, the f32 master.
+/// They are rank-erased primitives in the parameter's own shape: flattening them (and the parameter and its
+/// gradient) to one dimension would cost the fused backends a kernel per tensor, since burn-fusion cannot fuse
+/// a reshape to a lower rank and ends the element-wise block there. A state restored from a file is flat
+/// until its first step (`shaped`).
 struct ParamState<B: Backend> {
-    m: Tensor<B, 1>,
-    v: Tensor<B, 1>,
-    master: Option<Tensor<B, 1>>,
+    m: B::FloatTensorPrimitive,
+    v: B::FloatTensorPrimitive,
+    master: Option<B::FloatTensorPrimitive>,
+}
+
+fn primitive<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> B::FloatTensorPrimitive {
+    tensor.into_primitive().tensor()
+}
+
+/// A stored state tensor in the parameter's `shape`: as is when it has it, else (flat, from a file) reshaped
+/// up to it — a rank increase, which burn-fusion fuses.
+fn shaped<B: Backend, const D: usize>(state: B::FloatTensorPrimitive, shape: [usize; D]) -> Tensor<B, D> {
+    if state.shape() == Shape::from(shape) {
+        Tensor::from_primitive(TensorPrimitive::Float(state))
+    } else {
+        Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(state)).reshape(shape)
+    }
 }
 
 /// Optimizer state over the inner (non-autodiff) backend `B`.
@@ -80,7 +98,8 @@ impl<B: Backend> AdamW<B> {
             let Some(name) = names.get(id) else { continue };
             for (suffix, t) in [("m", Some(&state.m)), ("v", Some(&state.v)), ("master", state.master.as_ref())] {
                 let Some(t) = t else { continue };
-                let data = t.clone().into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+                let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t.clone()));
+                let data = t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
                 out.push((format!("{name}.{suffix}"), HostTensor { shape: vec![data.len()], data }));
             }
         }
@@ -101,8 +120,12 @@ impl<B: Backend> AdamW<B> {
             let (Some(m), Some(v)) = (saved.get(&format!("{name}.m")), saved.get(&format!("{name}.v"))) else {
                 continue;
             };
-            let master = saved.get(&format!("{name}.master")).map(f32_tensor);
-            let state = ParamState { m: f32_tensor(m).cast(moment_dtype), v: f32_tensor(v).cast(moment_dtype), master };
+            let master = saved.get(&format!("{name}.master")).map(|t| primitive(f32_tensor(t)));
+            let state = ParamState {
+                m: primitive(f32_tensor(m).cast(moment_dtype)),
+                v: primitive(f32_tensor(v).cast(moment_dtype)),
+                master,
+            };
             self.states.insert(*id, state);
         }
         if self.states.is_empty() && !saved.is_empty() {
@@ -219,33 +242,33 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
         };
         let require_grad = tensor.is_require_grad();
         let shape = tensor.dims();
-        let n: usize = shape.iter().product();
         let c = self.opt.config;
         let t = (self.opt.steps + 1) as i32;
-        let param = tensor.inner().reshape([n]);
+        let param = tensor.inner();
         let param_dtype = FloatDType::from(param.dtype());
-        let g = grad.cast(FloatDType::F32).reshape([n]);
+        let g = grad.cast(FloatDType::F32);
         let g = if self.scale != 1.0 { g * self.scale } else { g };
         let state = self.opt.states.remove(&id).unwrap_or_else(|| {
-            let zeros = zeros_in::<B::InnerBackend, 1>([n], c.moments.float(), &param.device());
-            let master = (param_dtype != FloatDType::F32).then(|| param.clone().cast(FloatDType::F32));
+            let zeros = primitive(zeros_in::<B::InnerBackend, D>(shape, c.moments.float(), &param.device()));
+            let master = (param_dtype != FloatDType::F32).then(|| primitive(param.clone().cast(FloatDType::F32)));
             ParamState { m: zeros.clone(), v: zeros, master }
         });
         // The update runs on the f32 master when the parameter is stored below f32, else on the parameter.
-        let mut p = state.master.unwrap_or(param);
+        let mut p = state.master.map_or(param, |master| shaped(master, shape));
         if D > 1 && c.weight_decay != 0.0 {
             p = p * (1.0 - self.lr * c.weight_decay);
         }
-        let m = state.m.cast(FloatDType::F32) * c.beta1 + g.clone() * (1.0 - c.beta1);
-        let v = state.v.cast(FloatDType::F32) * c.beta2 + g.powf_scalar(2.0) * (1.0 - c.beta2);
+        let m = shaped::<_, D>(state.m, shape).cast(FloatDType::F32) * c.beta1 + g.clone() * (1.0 - c.beta1);
+        let v = shaped::<_, D>(state.v, shape).cast(FloatDType::F32) * c.beta2 + g.powf_scalar(2.0) * (1.0 - c.beta2);
         let bias1 = 1.0 - c.beta1.powi(t);
         let bias2 = 1.0 - c.beta2.powi(t);
         let denom = v.clone().sqrt() / bias2.sqrt() + c.eps;
         let p = p - m.clone() / denom * (self.lr / bias1);
-        let master = (param_dtype != FloatDType::F32).then(|| p.clone());
-        let state = ParamState { m: m.cast(c.moments.float()), v: v.cast(c.moments.float()), master };
+        let master = (param_dtype != FloatDType::F32).then(|| primitive(p.clone()));
+        let state =
+            ParamState { m: primitive(m.cast(c.moments.float())), v: primitive(v.cast(c.moments.float())), master };
         self.opt.states.insert(id, state);
-        let mut out = Tensor::from_inner(p.cast(param_dtype).reshape(shape));
+        let mut out = Tensor::from_inner(p.cast(param_dtype));
         if require_grad {
             out = out.require_grad();
         }
