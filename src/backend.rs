@@ -162,16 +162,41 @@ impl DeviceMemory for Vk {
 }
 
 // The plain backends run the models' attention chunk by chunk with tensor ops (the trait's default);
-// their autodiff wrappers add its backward (`models::attention`).
+// their autodiff wrappers add its backward (`models::attention`). The CubeCL backends run the DeltaNet scan
+// across chunks as one kernel (`models::scan_kernel`) unless `KILN_SCAN_KERNEL=off`.
 impl ModelBackend for Flex {}
+
+#[cfg(any(feature = "cuda", feature = "vulkan"))]
+macro_rules! cubecl_model_backend {
+    ($backend:ty) => {
+        impl ModelBackend for $backend {
+            fn chunk_recurrence(
+                rec: crate::models::deltanet::ChunkRecurrence<Self>,
+            ) -> crate::models::deltanet::RecurrenceOut<Self> {
+                if scan_kernel_enabled() {
+                    crate::models::scan_kernel::chunk_recurrence(rec)
+                } else {
+                    crate::models::deltanet::recurrence_by_chunk(rec)
+                }
+            }
+        }
+    };
+}
 #[cfg(feature = "cuda")]
-impl ModelBackend for burn::backend::Cuda<f32> {}
+cubecl_model_backend!(burn::backend::Cuda<f32>);
 #[cfg(feature = "cuda")]
-impl ModelBackend for Gpu {}
+cubecl_model_backend!(Gpu);
 #[cfg(feature = "cuda")]
-impl ModelBackend for GpuUnfused {}
+cubecl_model_backend!(GpuUnfused);
 #[cfg(feature = "vulkan")]
-impl ModelBackend for Vk {}
+cubecl_model_backend!(Vk);
+
+/// Whether the CubeCL backends run the DeltaNet scan as kiln's kernel: yes unless `KILN_SCAN_KERNEL=off`
+/// (the A/B switch for a device run; read once).
+pub fn scan_kernel_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("KILN_SCAN_KERNEL").map_or(true, |v| v != "off"))
+}
 
 /// Host values as a tensor created in `dtype`. burn's `from_data` without a dtype converts to the device's
 /// default float dtype first (bf16 on the CUDA bf16 backend, f32 on the CPU), which would round f32 values

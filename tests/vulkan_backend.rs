@@ -3,8 +3,9 @@
 //! the same fusion and the same kernels with another compiler under them, so a model, an op, a trainer step
 //! or the kernel profiler that goes wrong on a fused CubeCL backend shows here before any GPU session:
 //! the architectures against transformers (logits and gradients), the trainer against PyTorch's AdamW run,
-//! resume, every tiny shape's training steps against the CPU's, and the per-kernel profile that
-//! tests/bench/gpu_session.sh takes on the GPU.
+//! resume, every tiny shape's training steps against the CPU's, kiln's own CubeCL kernel (the DeltaNet scan)
+//! against the tensor ops it replaces, and the per-kernel profile that tests/bench/gpu_session.sh takes on
+//! the GPU.
 //! Built with `--features vulkan` (`make test` adds it where a Vulkan driver is installed; .ci/run installs
 //! lavapipe).
 #![cfg(feature = "vulkan")]
@@ -13,8 +14,10 @@ mod common;
 
 use std::path::PathBuf;
 
+use burn::tensor::FloatDType;
 use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
 use kiln::backend::{Cpu, Vk, VkTrain};
+use kiln::models::deltanet::{ChunkRecurrence, Direction, recurrence_by_chunk};
 use kiln::models::hf::hf_gradients;
 use kiln::models::{CausalLm, ModelBackend, SequenceLayout, load_model};
 use kiln::train::bench::{BenchConfig, bench_on_device};
@@ -127,6 +130,70 @@ fn the_tiny_shapes_train_on_the_fused_backend_as_on_the_cpu() {
             for (step, (a, b)) in device.losses.iter().zip(&cpu.losses).enumerate() {
                 eprintln!("{shape} {label} step {step}: vulkan {a} cpu {b}");
                 assert!((a - b).abs() <= 1e-4 * b.abs(), "{shape} {label} step {step}: vulkan {a} vs cpu {b}");
+            }
+        }
+    }
+}
+
+/// Deterministic values in `[lo, hi)` for the scan kernel's inputs.
+fn spread(len: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            lo + (hi - lo) * ((x >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}
+
+fn scan_inputs<B: ModelBackend>(
+    [b, h, n, c, dk, dv]: [usize; 6],
+    direction: Direction,
+    device: &B::Device,
+) -> ChunkRecurrence<B> {
+    let f32_tensor = |values: Vec<f32>, shape: Vec<usize>| {
+        kiln::backend::host_tensor::<B, 1>(values, [shape.iter().product()], FloatDType::F32, device)
+    };
+    let five = |seed, shape: [usize; 5], scale: f32| {
+        f32_tensor(spread(shape.iter().product(), seed, -scale, scale), shape.to_vec()).reshape(shape)
+    };
+    ChunkRecurrence {
+        reads: five(1, [b, h, n, c, dk], 0.3),
+        base: five(2, [b, h, n, c, dv], 1.0),
+        writes: five(3, [b, h, n, c, dk], 0.3),
+        decay: f32_tensor(spread(b * h * n, 4, 0.5, 1.0), vec![b * h * n]).reshape([b, h, n]),
+        extra: (direction == Direction::Backward).then(|| five(5, [b, h, n, dk, dv], 1.0)),
+        initial: f32_tensor(spread(b * h * dk * dv, 6, -1.0, 1.0), vec![b * h * dk * dv]).reshape([b, h, dk, dv]),
+        direction,
+    }
+}
+
+/// kiln's DeltaNet scan kernel (`models::scan_kernel`, what `chunk_recurrence` runs on the device) against
+/// the chunk-by-chunk tensor-op scan it replaces, on the device and on the CPU, in both passes: several rows
+/// and heads, a state width that is not a multiple of the kernel's column tile, a key width below the chunk
+/// size, the model's chunk of 64.
+#[test]
+fn the_scan_kernel_equals_the_chunk_by_chunk_scan() {
+    for dims in [[2, 3, 5, 8, 16, 12], [1, 2, 3, 64, 32, 40]] {
+        for direction in [Direction::Forward, Direction::Backward] {
+            let kernel = Vk::chunk_recurrence(scan_inputs::<Vk>(dims, direction, &Default::default()));
+            let by_chunk = recurrence_by_chunk(scan_inputs::<Vk>(dims, direction, &Default::default()));
+            let cpu = recurrence_by_chunk(scan_inputs::<Cpu>(dims, direction, &Default::default()));
+            let parts = [
+                ("states", values(kernel.states), values(by_chunk.states), values(cpu.states)),
+                ("corrections", values(kernel.corrections), values(by_chunk.corrections), values(cpu.corrections)),
+                ("last", values(kernel.last), values(by_chunk.last), values(cpu.last)),
+            ];
+            for (name, kernel, by_chunk, cpu) in parts {
+                let scale = cpu.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+                let (device_err, cpu_err) = (max_abs_diff(&kernel, &by_chunk), max_abs_diff(&kernel, &cpu));
+                eprintln!(
+                    "{dims:?} {direction:?} {name}: {device_err:.2e} vs the device's tensor ops, {cpu_err:.2e} vs the CPU (scale {scale:.1})"
+                );
+                assert!(
+                    device_err <= 1e-5 * scale && cpu_err <= 1e-5 * scale,
+                    "{dims:?} {direction:?} {name}: off by {device_err} (device tensor ops), {cpu_err} (CPU)"
+                );
             }
         }
     }

@@ -18,7 +18,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, TensorPrimitive};
 
-use super::ops::record_op;
+use super::ops::{ModelBackend, record_op};
 use crate::backend::{host_tensor, zeros_in};
 
 /// Which document each position of a `[batch, seq]` block belongs to, and which document the state a call
@@ -217,7 +217,7 @@ impl<B: AutodiffBackend> ChunkPlan<B> {
 /// backend, recorded as one op whose backward is `chunked_backward`. It keeps the five inputs (through the
 /// checkpointer) and the state each chunk starts from, where burn's composition keeps every intermediate of
 /// the chunk solve and, per chunk of the scan, gives each slice it reads a full-size gradient.
-pub(super) fn tracked_gated_delta_rule<B: Backend, C: CheckpointStrategy>(
+pub(super) fn tracked_gated_delta_rule<B: ModelBackend, C: CheckpointStrategy>(
     inputs: ScanInputs<Autodiff<B, C>>,
     plan: &ChunkPlan<Autodiff<B, C>>,
 ) -> Tensor<Autodiff<B, C>, 4> {
@@ -258,7 +258,7 @@ struct SavedScan<B: Backend> {
 #[derive(Debug)]
 struct GatedDeltaRuleBackward;
 
-impl<B: Backend> Backward<B, 5> for GatedDeltaRuleBackward {
+impl<B: ModelBackend> Backward<B, 5> for GatedDeltaRuleBackward {
     type State = SavedScan<B>;
 
     fn backward(self, ops: Ops<Self::State, 5>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
@@ -434,7 +434,7 @@ fn decay_at<B: Backend>(chunk_decay: &Tensor<B, 3>, n: usize) -> Tensor<B, 4> {
 /// delta-rule updates are one triangular solve, across chunks a scan over `seq / size` steps that carries
 /// only the state; the outputs are then one batched product over all chunks. Equal to `recurrent` up to
 /// float rounding. Returns the outputs `[batch, heads, seq, dv]` (f32) and the final state.
-pub fn chunked<B: Backend>(
+pub fn chunked<B: ModelBackend>(
     inputs: ScanInputs<B>,
     plan: &ChunkPlan<B>,
     initial: Option<Tensor<B, 4>>,
@@ -444,28 +444,100 @@ pub fn chunked<B: Backend>(
 }
 
 /// `chunked`, also returning the state every chunk starts from (what its backward pass needs).
-pub fn chunked_scan<B: Backend>(
+pub fn chunked_scan<B: ModelBackend>(
     inputs: ScanInputs<B>,
     plan: &ChunkPlan<B>,
     initial: Option<Tensor<B, 4>>,
 ) -> ChunkedScan<B> {
     let seq = inputs.q.dims()[2];
     let form = chunk_form(inputs, plan);
-    let [batch, heads, chunks, _, dk] = form.k.dims();
+    let [batch, heads, _, _, dk] = form.k.dims();
     let dv = form.v.dims()[4];
-    let mut state = initial
+    let initial = initial
         .unwrap_or_else(|| zeros_in([batch, heads, dk, dv], FloatDType::F32, &form.q.device()))
         .cast(FloatDType::F32);
-    let mut starts = Vec::with_capacity(chunks);
-    for n in 0..chunks {
-        starts.push(state.clone());
-        let corrected = chunk_at(&form.new_values, n) - chunk_at(&form.state_reads, n).matmul(state.clone());
-        state = state * decay_at(&form.chunk_decay, n) + chunk_at(&form.k_decayed, n).swap_dims(2, 3).matmul(corrected);
+    let scan = B::chunk_recurrence(ChunkRecurrence {
+        reads: form.state_reads,
+        base: form.new_values,
+        writes: form.k_decayed,
+        decay: form.chunk_decay,
+        extra: None,
+        initial,
+        direction: Direction::Forward,
+    });
+    let out = form.q_decayed.matmul(scan.states.clone()) + form.intra.matmul(scan.corrections);
+    ChunkedScan { out: from_chunks(out, seq), chunk_states: scan.states, last: scan.last }
+}
+
+/// Which pass of the scan across chunks a `ChunkRecurrence` is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// The state forwards: `c_n = base_n − R_n S`, `S ← a_n S + Q_nᵀ c_n`.
+    Forward,
+    /// The state gradient backwards from the last chunk (from zero):
+    /// `c_n = base_n + R_n S`, `S ← a_n S + extra_n − Q_nᵀ c_n`.
+    Backward,
+}
+
+/// The sequential part of the chunked form, the scan across chunks, in either pass (`Direction`) — every
+/// tensor f32, `B, H` batch and heads, `N` chunks of `C` positions. Everything else is batched over all
+/// chunks; this part runs chunk after chunk, so as tensor ops it costs several kernel launches per chunk
+/// (`recurrence_by_chunk`; `ModelBackend::chunk_recurrence` may run it as one kernel instead).
+pub struct ChunkRecurrence<B: Backend> {
+    /// `R` `[B, H, N, C, dk]`: forwards the state reads `W`, backwards the decayed keys.
+    pub reads: Tensor<B, 5>,
+    /// `base` `[B, H, N, C, dv]`: forwards the corrections `U`, backwards their share of the outputs' gradient.
+    pub base: Tensor<B, 5>,
+    /// `Q` `[B, H, N, C, dk]`: forwards the decayed keys, backwards the state reads.
+    pub writes: Tensor<B, 5>,
+    /// `a` `[B, H, N]`: each chunk's decay of the state.
+    pub decay: Tensor<B, 3>,
+    /// `extra` `[B, H, N, dk, dv]` added to the state at each chunk (backwards: the outputs' gradient into
+    /// the state); none forwards.
+    pub extra: Option<Tensor<B, 5>>,
+    /// The state before the first chunk of the pass, `[B, H, dk, dv]`.
+    pub initial: Tensor<B, 4>,
+    pub direction: Direction,
+}
+
+/// What a `ChunkRecurrence` produces.
+pub struct RecurrenceOut<B: Backend> {
+    /// The state each chunk is entered with, `[B, H, N, dk, dv]` (backwards: the gradient of the state that
+    /// chunk leaves).
+    pub states: Tensor<B, 5>,
+    /// `c_n`, `[B, H, N, C, dv]`.
+    pub corrections: Tensor<B, 5>,
+    /// The state after the pass's last chunk, `[B, H, dk, dv]`.
+    pub last: Tensor<B, 4>,
+}
+
+/// The scan across chunks as tensor ops, one chunk at a time: the reference every backend can run.
+pub fn recurrence_by_chunk<B: Backend>(rec: ChunkRecurrence<B>) -> RecurrenceOut<B> {
+    let chunks = rec.reads.dims()[2];
+    let forward = rec.direction == Direction::Forward;
+    let mut state = rec.initial;
+    let (mut states, mut corrections) = (Vec::with_capacity(chunks), Vec::with_capacity(chunks));
+    let order: Box<dyn Iterator<Item = usize>> =
+        if forward { Box::new(0..chunks) } else { Box::new((0..chunks).rev()) };
+    for n in order {
+        states.push(state.clone());
+        let read = chunk_at(&rec.reads, n).matmul(state.clone());
+        let correction = if forward { chunk_at(&rec.base, n) - read } else { chunk_at(&rec.base, n) + read };
+        let written = chunk_at(&rec.writes, n).swap_dims(2, 3).matmul(correction.clone());
+        let decayed = state * decay_at(&rec.decay, n);
+        state = match (&rec.extra, forward) {
+            (None, true) => decayed + written,
+            (None, false) => decayed - written,
+            (Some(extra), true) => decayed + chunk_at(extra, n) + written,
+            (Some(extra), false) => decayed + chunk_at(extra, n) - written,
+        };
+        corrections.push(correction);
     }
-    let chunk_states = Tensor::stack::<5>(starts, 2);
-    let corrected = form.new_values - form.state_reads.matmul(chunk_states.clone());
-    let out = form.q_decayed.matmul(chunk_states.clone()) + form.intra.matmul(corrected);
-    ChunkedScan { out: from_chunks(out, seq), chunk_states, last: state }
+    if !forward {
+        states.reverse();
+        corrections.reverse();
+    }
+    RecurrenceOut { states: Tensor::stack(states, 2), corrections: Tensor::stack(corrections, 2), last: state }
 }
 
 /// `x` with `extra` `[.., 1]` added at its last position along dim 3.
@@ -488,7 +560,7 @@ fn row_sums<B: Backend>(x: Tensor<B, 5>) -> Tensor<B, 4> {
 /// the rest is batched over all chunks: through the triangular solve (`dL = −Tᵀ dT Tᵀ`), the decays
 /// (`d cum` from every `exp` of a cumulative-sum difference) and the cumulative sum itself (`dg` its
 /// reverse cumulative sum).
-pub fn chunked_backward<B: Backend>(
+pub fn chunked_backward<B: ModelBackend>(
     inputs: ScanInputs<B>,
     plan: &ChunkPlan<B>,
     chunk_states: Tensor<B, 5>,
@@ -509,19 +581,16 @@ pub fn chunked_backward<B: Backend>(
     let d_q_decayed = d_out.clone().matmul(chunk_states.clone().swap_dims(3, 4));
     let from_outputs = f.intra.clone().swap_dims(3, 4).matmul(d_out.clone());
     let into_states = f.q_decayed.clone().swap_dims(3, 4).matmul(d_out);
-    let mut d_state = zeros_in::<B, 4>([batch, heads, dk, dv], FloatDType::F32, &device);
-    let (mut d_next, mut d_corrected) = (Vec::with_capacity(chunks), Vec::with_capacity(chunks));
-    for n in (0..chunks).rev() {
-        let d_corr = chunk_at(&from_outputs, n) + chunk_at(&f.k_decayed, n).matmul(d_state.clone());
-        d_next.push(d_state.clone());
-        d_state = d_state * decay_at(&f.chunk_decay, n) + chunk_at(&into_states, n)
-            - chunk_at(&f.state_reads, n).swap_dims(2, 3).matmul(d_corr.clone());
-        d_corrected.push(d_corr);
-    }
-    d_next.reverse();
-    d_corrected.reverse();
-    let d_next = Tensor::stack::<5>(d_next, 2);
-    let d_new_values = Tensor::stack::<5>(d_corrected, 2);
+    let scan = B::chunk_recurrence(ChunkRecurrence {
+        reads: f.k_decayed.clone(),
+        base: from_outputs,
+        writes: f.state_reads.clone(),
+        decay: f.chunk_decay.clone(),
+        extra: Some(into_states),
+        initial: zeros_in::<B, 4>([batch, heads, dk, dv], FloatDType::F32, &device),
+        direction: Direction::Backward,
+    });
+    let (d_next, d_new_values) = (scan.states, scan.corrections);
     let d_state_reads = d_new_values.clone().matmul(chunk_states.clone().swap_dims(3, 4)).neg();
     let d_k_decayed = corrected.matmul(d_next.clone().swap_dims(3, 4));
     let d_chunk_decay = (chunk_states * d_next).sum_dim(4).sum_dim(3).reshape([batch, heads, chunks, 1]);

@@ -13,6 +13,8 @@ pub mod layers;
 pub mod lfm2;
 pub mod ops;
 pub mod qwen3_5;
+#[cfg(any(feature = "cuda", feature = "vulkan"))]
+pub mod scan_kernel;
 pub mod weights;
 
 use std::path::{Path, PathBuf};

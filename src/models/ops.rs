@@ -31,7 +31,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 
 use super::attention::{DocumentAttention, chunked_attention, softmax_attention, tracked_document_attention};
-use super::deltanet::{self, ChunkPlan, ScanInputs, tracked_gated_delta_rule};
+use super::deltanet::{self, ChunkPlan, ChunkRecurrence, RecurrenceOut, ScanInputs, tracked_gated_delta_rule};
 use super::layers::{causal_depthwise_conv, causal_depthwise_conv_backward, l2_normalize, l2_normalize_backward};
 use crate::backend::zeros_in;
 
@@ -101,6 +101,13 @@ pub trait ModelBackend: Backend {
     /// and the full forward pass): outputs `[batch, heads, seq, dv]` in f32 (`deltanet::chunked`).
     fn gated_delta_rule(inputs: ScanInputs<Self>, plan: &ChunkPlan<Self>) -> Tensor<Self, 4> {
         deltanet::chunked(inputs, plan, None).0
+    }
+
+    /// The scan across chunks of the gated delta rule's chunked form, in either pass: the one sequential
+    /// part of it, as tensor ops a chunk at a time (`deltanet::recurrence_by_chunk`). The CubeCL backends
+    /// run it as one kernel (`chunk_scan_kernel`).
+    fn chunk_recurrence(rec: ChunkRecurrence<Self>) -> RecurrenceOut<Self> {
+        deltanet::recurrence_by_chunk(rec)
     }
 
     /// `x` cut along its last dimension into consecutive parts of the given widths, which sum to it (a fused
@@ -187,7 +194,7 @@ pub fn rms_norm_backward<B: Backend, const D: usize>(
     (grad_x.cast(x_dtype), grad_weight.cast(weight_dtype))
 }
 
-impl<B: Backend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
+impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
     fn document_attention(
         q: Tensor<Self, 4>,
         k: Tensor<Self, 4>,

@@ -65,6 +65,9 @@ pub struct BenchResult {
     /// Whether burn's fusion ran (kiln on CUDA only: `KILN_CUDA_FUSION`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fusion: Option<bool>,
+    /// Whether the DeltaNet scan ran as kiln's kernel (kiln on a CubeCL device only: `KILN_SCAN_KERNEL`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scan_kernel: Option<bool>,
     pub tokens_per_step: u64,
     pub warmup: usize,
     /// Wall seconds of each timed step (the device synchronized at its end).
@@ -158,6 +161,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         docs_per_row: cfg.docs_per_row,
         reference_ops: reference_ops(),
         fusion: (device_name == "cuda").then(|| crate::backend::cuda_fusion().unwrap_or(true)),
+        scan_kernel: (device_name != "cpu").then(crate::backend::scan_kernel_enabled),
         tokens_per_step,
         warmup: cfg.warmup,
         median_step_seconds,

@@ -147,7 +147,7 @@ impl<B: Backend> Backward<B, 2> for LinearCrossEntropyBackward {
     }
 }
 
-impl<B: Backend, C: CheckpointStrategy> LinearCrossEntropy for Autodiff<B, C> {
+impl<B: ModelBackend, C: CheckpointStrategy> LinearCrossEntropy for Autodiff<B, C> {
     fn linear_cross_entropy(
         hidden: Tensor<Self, 2>,
         head: Tensor<Self, 2>,

@@ -4,6 +4,8 @@
 #
 #   1. the training-step table (tests/bench/train.sh): kiln with its ops, kiln with --reference-ops, and
 #      transformers + PyTorch (bf16, amp) on the benchmark shapes;
+#   1a. for each of SCAN_AB (qwen3.5-0.8b), kiln's row again with the DeltaNet scan as tensor ops instead of
+#      kiln's kernel (KILN_OPS=noscan: KILN_SCAN_KERNEL=off), into table-noscan.md: what the kernel buys;
 #   1b. per-kernel device times of one training step for each of PROFILE_SHAPES (tests/bench/kernel_profile.sh:
 #      CubeCL's profiler switched on by a cubecl.toml in a scratch directory, the log tabulated): what the
 #      step spends its time on, the first thing the training-speed issue asks to measure;
@@ -23,7 +25,7 @@
 # KILN_OPS ("ops reference") for the table, where train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION,
 # MOMENTS and REFERENCE pass through; TRAIN_SHAPE (lfm2-350m), EPOCHS (2), TRAIN_MICRO (4), TRAIN_BATCH (8
 # sequences a step), TRAIN_LR (2e-5); PROFILE_SHAPES ("lfm2.5-1.2b qwen3.5-0.8b" on cuda, at SEQ or 4096);
-# PIPELINE (1 on cuda); OUT (runs/gpu-session). Everything worth keeping is copied under $OUT.
+# PIPELINE (1 on cuda); SCAN_AB (qwen3.5-0.8b if it is in SHAPES); OUT (runs/gpu-session). Everything worth keeping is copied under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 KILN=${KILN:-target/release/kiln}
@@ -61,6 +63,15 @@ if [[ -n $SHAPES ]]; then
     DEVICE=$DEVICE KILN=$KILN KILN_OPS=$KILN_OPS OUT=$OUT/bench tests/bench/train.sh $SHAPES >"$OUT/table.md" \
         || fail "train.sh"
     cat "$OUT/table.md"
+fi
+
+[[ " $SHAPES " == *" qwen3.5-0.8b "* ]] && : "${SCAN_AB=qwen3.5-0.8b}" || : "${SCAN_AB=}"
+if [[ -n $SCAN_AB ]]; then
+    step "the DeltaNet scan as tensor ops: $SCAN_AB"
+    # shellcheck disable=SC2086  # SCAN_AB is a list
+    DEVICE=$DEVICE KILN=$KILN KILN_OPS=noscan REFERENCE=none OUT=$OUT/bench tests/bench/train.sh $SCAN_AB \
+        >"$OUT/table-noscan.md" || fail "train.sh with KILN_OPS=noscan"
+    cat "$OUT/table-noscan.md"
 fi
 
 for shape in $PROFILE_SHAPES; do

@@ -12,8 +12,9 @@
 #   PRECISION   kiln's precision (auto: bf16 on cuda, f32 on cpu); MOMENTS kiln's AdamW moment dtype (f32)
 #   KILN_OPS    "ops" (kiln's hand-written attention / SwiGLU / loss ops), "reference" (burn's plain
 #               compositions, `--reference-ops`), "unfused" (the ops without burn's fusion on CUDA,
-#               KILN_CUDA_FUSION=off), or several: "ops reference unfused"
-#   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py)
+#               KILN_CUDA_FUSION=off), "noscan" (the ops with the DeltaNet scan as tensor ops, not kiln's
+#               kernel: KILN_SCAN_KERNEL=off), or several: "ops reference unfused noscan"
+#   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py), or none
 #   PYTHON      a python with torch and transformers (python3); without them the reference is skipped
 #   OUT         runs/bench-train
 set -uo pipefail
@@ -31,6 +32,7 @@ else
     default_shapes=(tiny tiny-qwen3.5)
 fi
 : "${MICRO:=1}" "${ACC:=1}" "${PRECISION:=auto}" "${MOMENTS:=f32}" "${KILN_OPS:=ops}" "${OUT:=runs/bench-train}"
+[[ $REFERENCE == none ]] && REFERENCE=""
 shapes=("$@")
 ((${#shapes[@]})) || shapes=("${default_shapes[@]}")
 mkdir -p "$OUT"
@@ -54,13 +56,14 @@ for shape in "${shapes[@]}"; do
     fi
     for ops in $KILN_OPS; do
         case $ops in
-            ops) out=$OUT/$shape-kiln.json; switch=(); fusion=on ;;
-            reference) out=$OUT/$shape-kiln-reference.json; switch=(--reference-ops); fusion=on ;;
-            unfused) out=$OUT/$shape-kiln-unfused.json; switch=(); fusion=off ;;
-            *) echo "KILN_OPS: unknown '$ops' (ops, reference or unfused)" >&2; exit 2 ;;
+            ops) out=$OUT/$shape-kiln.json; switch=(); fusion=on; scan=on ;;
+            reference) out=$OUT/$shape-kiln-reference.json; switch=(--reference-ops); fusion=on; scan=on ;;
+            unfused) out=$OUT/$shape-kiln-unfused.json; switch=(); fusion=off; scan=on ;;
+            noscan) out=$OUT/$shape-kiln-noscan.json; switch=(); fusion=on; scan=off ;;
+            *) echo "KILN_OPS: unknown '$ops' (ops, reference, unfused or noscan)" >&2; exit 2 ;;
         esac
         echo "== $shape: kiln ($DEVICE, $PRECISION, $ops)" >&2
-        if KILN_CUDA_FUSION=$fusion "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" --precision "$PRECISION" \
+        if KILN_CUDA_FUSION=$fusion KILN_SCAN_KERNEL=$scan "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" --precision "$PRECISION" \
             --moments "$MOMENTS" "${switch[@]}" "${common[@]}" --out "$out" >/dev/null; then
             python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['shape']=sys.argv[2]; json.dump(r, open(sys.argv[1],'w'))" "$out" "$shape"
             results+=("$out")

@@ -131,7 +131,8 @@ def table(files) -> str:
             mem_ratio = " ".join(f"{r['peak_memory_bytes'] / o['peak_memory_bytes']:.2f}× ({o['precision']})"
                                  for o in refs if o.get("peak_memory_bytes") and r.get("peak_memory_bytes"))
         framework = r["framework"] + (" (reference ops)" if r.get("reference_ops") else "") \
-            + (" (unfused)" if r.get("fusion") is False else "")
+            + (" (unfused)" if r.get("fusion") is False else "") \
+            + (" (no scan kernel)" if r.get("scan_kernel") is False else "")
         lines.append(f"| {shape} | {framework} | {r['precision']} | {r['params'] / 1e6:.1f} | "
                      f"{r['seq']} × {r['micro_batch']} × {r['accumulation']} | {r['tokens_per_s']:,.0f} | {mfu} | "
                      f"{mem} | {ratio} | {mem_ratio} |")
