@@ -100,21 +100,7 @@ fn a_resumed_run_on_the_fused_backend_equals_the_uninterrupted_one() {
 /// without activation checkpointing, and with burn's plain compositions in place of kiln's ops.
 #[test]
 fn the_tiny_shapes_train_on_the_fused_backend_as_on_the_cpu() {
-    let cfg = BenchConfig {
-        seq: 48,
-        micro_batch: 2,
-        accumulation: 2,
-        steps: 3,
-        warmup: 0,
-        docs_per_row: 3,
-        seed: 5,
-        lr: 3e-3,
-        peak_tflops: None,
-        activation_checkpointing: false,
-        precision: Precision::F32,
-        moments: kiln::train::optim::MomentDtype::F32,
-        reference_ops: false,
-    };
+    let cfg = common::tiny_bench_config(Precision::F32, 2);
     let variants = [
         ("ops", cfg.clone()),
         ("checkpointed", BenchConfig { activation_checkpointing: true, accumulation: 1, ..cfg.clone() }),

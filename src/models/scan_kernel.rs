@@ -77,14 +77,7 @@ fn chunk_recurrence_kernel(
         let chunk = head * chunks + n;
 
         // The state this chunk is entered with.
-        let mut e = unit;
-        while e < dk * TILE {
-            let column = first_column + e % TILE;
-            if column < dv {
-                states[(chunk * dk + e / TILE) * dv + column] = state[e];
-            }
-            e += units;
-        }
+        store_columns(&state, states, chunk, first_column, dv, dk);
 
         // c = base ∓ R S, one (position, column) per unit.
         let mut e = unit;
@@ -140,13 +133,26 @@ fn chunk_recurrence_kernel(
         sync_cube();
     }
 
-    let mut e = unit;
+    store_columns(&state, last, head, first_column, dv, dk);
+}
+
+/// The cube's columns of its state into matrix `matrix` of `out` (`[.., dk, dv]`).
+#[cube]
+fn store_columns(
+    state: &SharedMemory<f32>,
+    out: &mut Tensor<f32>,
+    matrix: usize,
+    first_column: usize,
+    dv: usize,
+    #[comptime] dk: usize,
+) {
+    let mut e = UNIT_POS_X as usize;
     while e < dk * TILE {
         let column = first_column + e % TILE;
         if column < dv {
-            last[(head * dk + e / TILE) * dv + column] = state[e];
+            out[(matrix * dk + e / TILE) * dv + column] = state[e];
         }
-        e += units;
+        e += CUBE_DIM_X as usize;
     }
 }
 

@@ -254,13 +254,10 @@ pub fn named_params<B: burn::tensor::backend::Backend>(
 pub const TINY_SHAPES: [&str; 3] =
     ["configs/models/tiny", "configs/models/tiny-qwen3.5", "tests/fixtures/lfm2/lfm2-moe-tiny"];
 
-/// Trains each tiny shape for 3 steps (2 rows of 48 tokens, 3 documents a row, `accumulation` micro-batches
-/// a step) through the benchmark's step with kiln's hand-written ops and with burn's compositions
-/// (`--reference-ops`), and checks that the losses agree within `tolerance` relative. Steps 1 and 2 run on
-/// parameters each path updated itself: forward, backward and update agree.
-pub fn assert_reference_ops_agree(precision: kiln::train::Precision, accumulation: usize, tolerance: f64) {
-    use kiln::train::bench::{BenchConfig, bench_on_device};
-    let cfg = BenchConfig {
+/// 3 steps of 2 rows of 48 tokens, 3 documents a row, `accumulation` micro-batches a step, kiln's ops: the
+/// tiny shapes' training comparisons.
+pub fn tiny_bench_config(precision: kiln::train::Precision, accumulation: usize) -> kiln::train::bench::BenchConfig {
+    kiln::train::bench::BenchConfig {
         seq: 48,
         micro_batch: 2,
         accumulation,
@@ -274,7 +271,16 @@ pub fn assert_reference_ops_agree(precision: kiln::train::Precision, accumulatio
         precision,
         moments: kiln::train::optim::MomentDtype::F32,
         reference_ops: false,
-    };
+    }
+}
+
+/// Trains each tiny shape for 3 steps (2 rows of 48 tokens, 3 documents a row, `accumulation` micro-batches
+/// a step) through the benchmark's step with kiln's hand-written ops and with burn's compositions
+/// (`--reference-ops`), and checks that the losses agree within `tolerance` relative. Steps 1 and 2 run on
+/// parameters each path updated itself: forward, backward and update agree.
+pub fn assert_reference_ops_agree(precision: kiln::train::Precision, accumulation: usize, tolerance: f64) {
+    use kiln::train::bench::{BenchConfig, bench_on_device};
+    let cfg = tiny_bench_config(precision, accumulation);
     for shape in TINY_SHAPES {
         let config = kiln::models::ModelConfig::from_file(&project_dir().join(shape).join("config.json")).unwrap();
         let ops = bench_on_device(&config, &cfg, "cpu").unwrap();
