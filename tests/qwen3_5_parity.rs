@@ -107,16 +107,7 @@ fn cached_decoding_equals_full_forward() {
     let n = row.len();
     let full = values(model.forward(ids_tensor::<Cpu>(&row, [1, n], &device), &SequenceLayout::single(1, n)));
     // Prefill 66 tokens (a chunk and a bit), then one token at a time through the recurrent form.
-    let mut cache = model.new_cache(1, &device);
-    let prefill =
-        values(model.forward_cached(ids_tensor::<Cpu>(&row[..66], [1, 66], &device), &[vec![true; 66]], &mut cache));
-    assert!(max_abs_diff(&prefill, &full[..66 * VOCAB]) <= 1e-4, "prefill");
-    for t in 66..n {
-        let step =
-            values(model.forward_cached(ids_tensor::<Cpu>(&row[t..=t], [1, 1], &device), &[vec![true]], &mut cache));
-        let err = max_abs_diff(&step, &full[t * VOCAB..(t + 1) * VOCAB]);
-        assert!(err <= 1e-4, "step {t} differs by {err}");
-    }
+    parity::assert_cached_decoding_follows(&model, &row, 66, &full, &device);
 
     // Left-padded prompts of different lengths: each row's last logits equal that prompt alone, and greedy
     // generation of the batch equals generating each prompt alone.

@@ -121,6 +121,20 @@ fn the_tiny_shapes_train_on_the_fused_backend_as_on_the_cpu() {
     }
 }
 
+/// Qwen3.5's cached decoding on the fused backend: a prefill of a chunk and a bit (the scan kernel from an
+/// empty state, its last state kept in the cache), then the recurrent form a token at a time, each position
+/// equal to the full forward.
+#[test]
+fn cached_decoding_follows_the_full_forward_on_the_fused_backend() {
+    let dir = fixture_dir("qwen3_5/qwen3_5-tiny");
+    let f = parity::fixture(&dir);
+    let row = &f.ids.0[..f.shape()[1]];
+    let (_, model) = load_model::<Vk>(&dir, &Default::default()).unwrap();
+    let full = logits(&model, row, [1, row.len()], &SequenceLayout::single(1, row.len()));
+    let CausalLm::Qwen35(model) = model else { panic!("the Qwen3.5 fixture loaded as another architecture") };
+    parity::assert_cached_decoding_follows(&model, row, 66, &full, &Default::default());
+}
+
 /// Deterministic values in `[lo, hi)` for the scan kernel's inputs.
 fn spread(len: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
     let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

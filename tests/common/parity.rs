@@ -104,3 +104,30 @@ pub fn check_gradients(name: &str, fixture: &Fixture, ours: &BTreeMap<String, Ho
         assert!(err <= tolerance, "{name}: gradient of {key} off by {err} (relative to its max)");
     }
 }
+
+/// `prefill` tokens of `row` through `model`'s cache, then the rest one at a time: every position's logits
+/// within 1e-4 of the full forward's (`full`, `[row.len() · vocab]`). On Qwen3.5 the prefill runs the
+/// DeltaNet's chunked form and hands its final state to the recurrent form.
+pub fn assert_cached_decoding_follows<B: Backend, M: kiln::models::decode::CachedDecoding<B>>(
+    model: &M,
+    row: &[i64],
+    prefill: usize,
+    full: &[f32],
+    device: &B::Device,
+) {
+    let vocab = full.len() / row.len();
+    let mut cache = model.new_cache(1, device);
+    let logits = values(model.forward_cached(
+        ids_tensor::<B>(&row[..prefill], [1, prefill], device),
+        &[vec![true; prefill]],
+        &mut cache,
+    ));
+    let err = max_abs_diff(&logits, &full[..prefill * vocab]);
+    assert!(err <= 1e-4, "prefill differs by {err}");
+    for t in prefill..row.len() {
+        let step =
+            values(model.forward_cached(ids_tensor::<B>(&row[t..=t], [1, 1], device), &[vec![true]], &mut cache));
+        let err = max_abs_diff(&step, &full[t * vocab..(t + 1) * vocab]);
+        assert!(err <= 1e-4, "step {t} differs by {err}");
+    }
+}
