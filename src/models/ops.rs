@@ -105,7 +105,7 @@ pub trait ModelBackend: Backend {
 
     /// The scan across chunks of the gated delta rule's chunked form, in either pass: the one sequential
     /// part of it, as tensor ops a chunk at a time (`deltanet::recurrence_by_chunk`). The CubeCL backends
-    /// run it as one kernel (`chunk_scan_kernel`).
+    /// run it as one kernel (`models::scan_kernel`).
     fn chunk_recurrence(rec: ChunkRecurrence<Self>) -> RecurrenceOut<Self> {
         deltanet::recurrence_by_chunk(rec)
     }
