@@ -87,14 +87,29 @@ pub const FUSION_ENV: &str = "KILN_CUDA_FUSION";
 /// Whether CUDA work runs fused, from `KILN_CUDA_FUSION`; a value that is neither on nor off is an error
 /// rather than a silent default, since the switch exists to A/B a numerical problem.
 pub fn cuda_fusion() -> Result<bool, String> {
-    std::env::var_os(FUSION_ENV).map_or(Ok(true), |value| parse_fusion(&value.to_string_lossy()))
+    switch(FUSION_ENV)
 }
 
-fn parse_fusion(value: &str) -> Result<bool, String> {
+/// The environment variable that runs the DeltaNet scan as tensor ops instead of kiln's CubeCL kernel
+/// (`off`/`0`/`false`; `on` is the default).
+pub const SCAN_KERNEL_ENV: &str = "KILN_SCAN_KERNEL";
+
+/// Whether the CubeCL backends run the DeltaNet scan as kiln's kernel, from `KILN_SCAN_KERNEL`; malformed
+/// values are an error (`main` checks before any command runs).
+pub fn scan_kernel() -> Result<bool, String> {
+    switch(SCAN_KERNEL_ENV)
+}
+
+/// An on/off switch from the environment: on when unset.
+fn switch(name: &str) -> Result<bool, String> {
+    std::env::var_os(name).map_or(Ok(true), |value| parse_switch(name, &value.to_string_lossy()))
+}
+
+fn parse_switch(name: &str, value: &str) -> Result<bool, String> {
     match value.trim().to_ascii_lowercase().as_str() {
         "" | "on" | "1" | "true" => Ok(true),
         "off" | "0" | "false" => Ok(false),
-        _ => Err(format!("{FUSION_ENV}={value:?}: use on (the default) or off")),
+        _ => Err(format!("{name}={value:?}: use on (the default) or off")),
     }
 }
 
@@ -191,11 +206,10 @@ cubecl_model_backend!(GpuUnfused);
 #[cfg(feature = "vulkan")]
 cubecl_model_backend!(Vk);
 
-/// Whether the CubeCL backends run the DeltaNet scan as kiln's kernel: yes unless `KILN_SCAN_KERNEL=off`
-/// (the A/B switch for a device run; read once).
+/// `scan_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
 pub fn scan_kernel_enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| std::env::var("KILN_SCAN_KERNEL").map_or(true, |v| v != "off"))
+    *ENABLED.get_or_init(|| scan_kernel().unwrap_or(true))
 }
 
 /// Host values as a tensor created in `dtype`. burn's `from_data` without a dtype converts to the device's
@@ -307,17 +321,19 @@ mod tests {
     }
 
     #[test]
-    fn fusion_switch_reads_on_off_rejects_the_rest_and_f32_unfused() {
+    fn switches_read_on_off_reject_the_rest_and_f32_unfused() {
         for on in ["", "on", "ON", "1", "true", " on "] {
-            assert_eq!(parse_fusion(on), Ok(true), "{on:?}");
+            assert_eq!(parse_switch(FUSION_ENV, on), Ok(true), "{on:?}");
         }
         for off in ["off", "Off", "0", "false"] {
-            assert_eq!(parse_fusion(off), Ok(false), "{off:?}");
+            assert_eq!(parse_switch(SCAN_KERNEL_ENV, off), Ok(false), "{off:?}");
         }
         assert_eq!(fusion_for(true, Ok(false)), Ok(false));
         assert_eq!(fusion_for(false, Ok(true)), Ok(true));
         assert!(fusion_for(false, Ok(false)).unwrap_err().contains("bf16 CUDA backend only"));
-        let err = parse_fusion("unfused").unwrap_err();
+        let err = parse_switch(FUSION_ENV, "unfused").unwrap_err();
         assert!(err.contains("KILN_CUDA_FUSION=\"unfused\"") && err.contains("on (the default) or off"), "{err}");
+        let err = parse_switch(SCAN_KERNEL_ENV, "no").unwrap_err();
+        assert!(err.starts_with("KILN_SCAN_KERNEL=\"no\""), "{err}");
     }
 }

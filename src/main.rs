@@ -549,6 +549,11 @@ fn main() {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    // Read deep inside the models, where no error can surface: a malformed value stops any command that
+    // could run them here (`info` reports it).
+    if !matches!(cli.command, Command::Info) {
+        kiln::backend::scan_kernel().map_err(anyhow::Error::msg)?;
+    }
     match cli.command {
         Command::Pull(args) => pull(args, &cli.datasets_dir, cli.quiet),
         Command::Ingest(args) => ingest_cmd(args, &cli.datasets_dir, cli.quiet),
@@ -783,6 +788,7 @@ fn info() -> Result<()> {
             "not built".to_string()
         },
         "cuda_fusion": kiln::backend::cuda_fusion().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
+        "scan_kernel": kiln::backend::scan_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "hub": {
             "endpoint": config.endpoint,
             "cache_dir": config.cache_dir,

@@ -131,7 +131,7 @@ fn kiln_exports_reload_in_transformers_to_the_same_logits() {
 }
 
 #[test]
-fn info_reports_the_backends_and_the_fusion_switch() {
+fn info_reports_the_backends_and_the_switches() {
     let cwd = project_dir();
     let (ok, stdout, stderr) = run_kiln(&["info"], &[], &cwd);
     assert!(ok, "{stderr}");
@@ -150,4 +150,12 @@ fn info_reports_the_backends_and_the_fusion_switch() {
     assert!(ok);
     let fusion = serde_json::from_str::<Value>(&stdout).unwrap()["cuda_fusion"].as_str().unwrap().to_string();
     assert!(fusion.contains("KILN_CUDA_FUSION=\"sideways\"") && fusion.contains("on (the default) or off"), "{fusion}");
+
+    // The DeltaNet scan kernel's switch: reported by info, and a malformed value stops other commands.
+    assert_eq!(info["scan_kernel"], "on");
+    let (ok, stdout, _) = run_kiln(&["info"], &[("KILN_SCAN_KERNEL", "off")], &cwd);
+    assert!(ok);
+    assert_eq!(serde_json::from_str::<Value>(&stdout).unwrap()["scan_kernel"], "off");
+    let (ok, _, stderr) = run_kiln(&["synth", "--out", "/nonexistent/x"], &[("KILN_SCAN_KERNEL", "no")], &cwd);
+    assert!(!ok && stderr.contains("KILN_SCAN_KERNEL=\"no\": use on (the default) or off"), "{stderr}");
 }
