@@ -11,7 +11,8 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 
-use crate::models::ModelBackend;
+use crate::models::attention::{AttentionForward, DocumentAttention, chunked_attention, chunked_attention_backward};
+use crate::models::{ModelBackend, cpu_attention};
 
 /// CPU backend: pure-Rust Flex in f32.
 pub type Cpu = Flex<f32>;
@@ -176,10 +177,40 @@ impl DeviceMemory for Vk {
     }
 }
 
-// The plain backends run the models' attention chunk by chunk with tensor ops (the trait's default);
-// their autodiff wrappers add its backward (`models::attention`). The CubeCL backends run the DeltaNet scan
-// across chunks as one kernel (`models::scan_kernel`) unless `KILN_SCAN_KERNEL=off`.
-impl ModelBackend for Flex {}
+// The CPU backend runs the models' attention in f32 as loops over each query's document keys
+// (`models::cpu_attention`); the CubeCL backends (and the CPU in other dtypes) chunk by chunk with tensor
+// ops (the trait's default); their autodiff wrappers record it with its backward (`models::attention`).
+// The CubeCL backends run the DeltaNet scan across chunks as one kernel (`models::scan_kernel`) unless
+// `KILN_SCAN_KERNEL=off`.
+impl ModelBackend for Flex {
+    fn attention_forward(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        docs: &DocumentAttention<Self>,
+    ) -> AttentionForward<Self> {
+        if cpu_attention::takes([&q, &k, &v]) {
+            cpu_attention::forward_on_host(q, k, v, docs)
+        } else {
+            chunked_attention(q, k, v, docs)
+        }
+    }
+
+    fn attention_backward(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        docs: &DocumentAttention<Self>,
+        forward: AttentionForward<Self>,
+        grad_out: Tensor<Self, 4>,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 4>, Tensor<Self, 4>) {
+        if cpu_attention::takes([&q, &k, &v]) {
+            cpu_attention::backward_on_host(q, k, v, docs, forward, grad_out)
+        } else {
+            chunked_attention_backward(q, k, v, docs, forward, grad_out)
+        }
+    }
+}
 
 #[cfg(any(feature = "cuda", feature = "vulkan"))]
 macro_rules! cubecl_model_backend {

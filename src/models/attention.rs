@@ -22,17 +22,15 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 
 use super::SequenceLayout;
-#[cfg(test)]
-use super::ops::ModelBackend;
-use super::ops::record_op;
+use super::ops::{ModelBackend, record_op};
 use crate::backend::zeros_in;
 
 /// The f32 scores one chunk of queries may hold (all heads and rows of the batch together).
 pub const CHUNK_SCORE_BYTES: usize = 256 << 20;
 
-/// `ModelBackend::document_attention` on an autodiff backend: the chunked forward on the inner backend,
-/// recorded as one op whose backward is `chunked_attention_backward`.
-pub(super) fn tracked_document_attention<B: Backend, C: CheckpointStrategy>(
+/// `ModelBackend::document_attention` on an autodiff backend: the inner backend's `attention_forward`,
+/// recorded as one op whose backward is its `attention_backward`.
+pub(super) fn tracked_document_attention<B: ModelBackend, C: CheckpointStrategy>(
     q: Tensor<Autodiff<B, C>, 4>,
     k: Tensor<Autodiff<B, C>, 4>,
     v: Tensor<Autodiff<B, C>, 4>,
@@ -41,7 +39,7 @@ pub(super) fn tracked_document_attention<B: Backend, C: CheckpointStrategy>(
     let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
     let inner = |t: &FloatTensor<B>| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t.clone()));
     let inner_docs = docs.inner();
-    let forward = chunked_attention(inner(&q.primitive), inner(&k.primitive), inner(&v.primitive), &inner_docs);
+    let forward = B::attention_forward(inner(&q.primitive), inner(&k.primitive), inner(&v.primitive), &inner_docs);
     let out = forward.out.into_primitive().tensor();
     let lse = forward.lse.into_primitive().tensor();
     let saved_out = out.clone();
@@ -62,6 +60,8 @@ pub(super) fn tracked_document_attention<B: Backend, C: CheckpointStrategy>(
 #[derive(Debug, Clone)]
 pub struct DocumentAttention<B: Backend> {
     docs: Tensor<B, 2, Int>,
+    /// `[batch * seq]`: the first key each query may attend to (its document's first token).
+    starts: Vec<usize>,
     first_key: Vec<usize>,
     /// Queries per chunk; `None`: as many as keep a chunk's f32 scores within `CHUNK_SCORE_BYTES`.
     chunk_rows: Option<usize>,
@@ -71,14 +71,20 @@ impl<B: Backend> DocumentAttention<B> {
     pub fn new(layout: &SequenceLayout, device: &B::Device) -> Self {
         let (batch, seq) = (layout.batch, layout.seq);
         let ids: Vec<i64> = layout.doc_ids.iter().map(|&d| d as i64).collect();
-        let first_key = (0..seq)
-            .map(|i| (0..batch).map(|b| i.saturating_sub(layout.positions[b * seq + i] as usize)).min().unwrap_or(i))
-            .collect();
+        let starts: Vec<usize> =
+            layout.positions.iter().enumerate().map(|(at, &p)| (at % seq.max(1)).saturating_sub(p as usize)).collect();
+        let first_key = (0..seq).map(|i| (0..batch).map(|b| starts[b * seq + i]).min().unwrap_or(i)).collect();
         DocumentAttention {
             docs: Tensor::from_data(TensorData::new(ids, [batch, seq]), device),
+            starts,
             first_key,
             chunk_rows: None,
         }
+    }
+
+    /// Per query (`[batch * seq]`, row-major), the first key it may attend to: its document's first token.
+    pub fn query_starts(&self) -> &[usize] {
+        &self.starts
     }
 
     /// The same with a fixed number of queries per chunk (at least one).
@@ -123,6 +129,7 @@ impl<B: AutodiffBackend> DocumentAttention<B> {
     fn inner(&self) -> DocumentAttention<B::InnerBackend> {
         DocumentAttention {
             docs: self.docs.clone().inner(),
+            starts: self.starts.clone(),
             first_key: self.first_key.clone(),
             chunk_rows: self.chunk_rows,
         }
@@ -269,7 +276,7 @@ struct SavedAttention<B: Backend> {
 #[derive(Debug)]
 struct ChunkedAttentionBackward;
 
-impl<B: Backend> Backward<B, 3> for ChunkedAttentionBackward {
+impl<B: ModelBackend> Backward<B, 3> for ChunkedAttentionBackward {
     type State = SavedAttention<B>;
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
@@ -287,7 +294,7 @@ impl<B: Backend> Backward<B, 3> for ChunkedAttentionBackward {
             out: tensor4(saved.out),
             lse: Tensor::from_primitive(TensorPrimitive::Float(saved.lse)),
         };
-        let (grad_q, grad_k, grad_v) = chunked_attention_backward(q, k, v, &saved.docs, forward, tensor4(grad_out));
+        let (grad_q, grad_k, grad_v) = B::attention_backward(q, k, v, &saved.docs, forward, tensor4(grad_out));
         for (parent, grad) in [(parent_q, grad_q), (parent_k, grad_k), (parent_v, grad_v)] {
             if let Some(node) = parent {
                 grads.register::<B>(node.id, grad.into_primitive().tensor());

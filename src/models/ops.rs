@@ -30,7 +30,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 
-use super::attention::{DocumentAttention, chunked_attention, softmax_attention, tracked_document_attention};
+use super::attention::{
+    AttentionForward, DocumentAttention, chunked_attention, chunked_attention_backward, softmax_attention,
+    tracked_document_attention,
+};
 use super::deltanet::{self, ChunkPlan, ChunkRecurrence, RecurrenceOut, ScanInputs, tracked_gated_delta_rule};
 use super::layers::{causal_depthwise_conv, causal_depthwise_conv_backward, l2_normalize, l2_normalize_backward};
 use crate::backend::zeros_in;
@@ -61,7 +64,31 @@ pub trait ModelBackend: Backend {
         v: Tensor<Self, 4>,
         docs: &DocumentAttention<Self>,
     ) -> Tensor<Self, 4> {
-        chunked_attention(q, k, v, docs).out
+        Self::attention_forward(q, k, v, docs).out
+    }
+
+    /// `document_attention` with what its backward pass needs: the output and each query's log-sum-exp
+    /// (`attention::chunked_attention`; the CPU backend in f32 runs `cpu_attention` instead).
+    fn attention_forward(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        docs: &DocumentAttention<Self>,
+    ) -> AttentionForward<Self> {
+        chunked_attention(q, k, v, docs)
+    }
+
+    /// The gradients `(dq, dk, dv)` of `attention_forward` for the output gradient `grad_out`
+    /// (`attention::chunked_attention_backward`; on the CPU in f32, `cpu_attention`).
+    fn attention_backward(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        docs: &DocumentAttention<Self>,
+        forward: AttentionForward<Self>,
+        grad_out: Tensor<Self, 4>,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 4>, Tensor<Self, 4>) {
+        chunked_attention_backward(q, k, v, docs, forward, grad_out)
     }
 
     /// SwiGLU's gate `silu(gate) · up`, in the inputs' dtype.

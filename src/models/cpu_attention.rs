@@ -1,0 +1,295 @@
+//! The document attention of `attention` as direct loops over f32 host slices, for the CPU backend: each
+//! query scores only the keys its mask allows (its own document, from the document's first token to
+//! itself), so a packed row costs the sum of its documents' triangles instead of `seq²` scores, and no
+//! `[queries, keys]` tensor or broadcast mask is built. Forward (output and per-query log-sum-exp) and
+//! backward follow the equations of `attention::chunked_attention{,_backward}`. Work is split over
+//! (row, kv head) with rayon and each task sums in a fixed order, so the results do not depend on the
+//! number of threads. Flex in f32 runs it (`backend.rs`); other dtypes and backends keep the chunked
+//! tensor ops.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, FloatDType, Tensor};
+use rayon::prelude::*;
+
+use super::attention::{AttentionForward, DocumentAttention};
+use crate::backend::host_tensor;
+
+/// The sizes of one attention call: queries `[batch, heads, seq, d]`, keys and values
+/// `[batch, kv_heads, seq, d]`, each kv head serving `heads / kv_heads` consecutive query heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionDims {
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub seq: usize,
+    pub d: usize,
+}
+
+impl AttentionDims {
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    fn scale(&self) -> f32 {
+        (1.0 / (self.d as f64).sqrt()) as f32
+    }
+}
+
+/// `Σ aᵢ bᵢ` in eight interleaved partial sums (which the compiler keeps in vector registers).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = a8.remainder().iter().zip(b8.remainder()).map(|(x, y)| x * y).sum();
+    let mut lanes = [0.0f32; 8];
+    for (x, y) in a8.zip(b8) {
+        for l in 0..8 {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// `y += a · x`.
+fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+/// Row `i` of a `[rows, d]` slice (a key, or a whole head's `[seq, d]` block).
+fn row(x: &[f32], i: usize, d: usize) -> &[f32] {
+    &x[i * d..(i + 1) * d]
+}
+
+/// The output `[batch, heads, seq, d]` and log-sum-exp `[batch, heads, seq]` of `softmax(q kᵀ / √d) v`
+/// where query `i` of batch row `b` sees keys `starts[b · seq + i] ..= i`.
+pub fn forward(q: &[f32], k: &[f32], v: &[f32], starts: &[usize], dims: AttentionDims) -> (Vec<f32>, Vec<f32>) {
+    let AttentionDims { heads, seq, d, .. } = dims;
+    let (group, scale) = (dims.group(), dims.scale());
+    let mut out = vec![0.0f32; q.len()];
+    let mut lse = vec![0.0f32; q.len() / d];
+    out.par_chunks_mut(seq * d).zip(lse.par_chunks_mut(seq)).enumerate().for_each(|(bh, (out, lse))| {
+        let (b, h) = (bh / heads, bh % heads);
+        let kv = b * dims.kv_heads + h / group;
+        let head = seq * d;
+        let (q, k, v) = (row(q, bh, head), row(k, kv, head), row(v, kv, head));
+        let mut probs = Vec::with_capacity(seq);
+        for i in 0..seq {
+            let keys = starts[b * seq + i]..i + 1;
+            let qi = row(q, i, d);
+            probs.clear();
+            probs.extend(keys.clone().map(|j| dot(qi, row(k, j, d)) * scale));
+            let max = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f32;
+            for p in probs.iter_mut() {
+                *p = (*p - max).exp();
+                sum += *p;
+            }
+            let out_i = &mut out[i * d..(i + 1) * d];
+            for (p, j) in probs.iter().zip(keys) {
+                axpy(p / sum, row(v, j, d), out_i);
+            }
+            lse[i] = max + sum.ln();
+        }
+    });
+    (out, lse)
+}
+
+/// Gradients `(dq, dk, dv)` of `forward` for the output gradient `grad_out`, from its output `out` and
+/// log-sum-exp `lse`: `P = exp(S − lse)`, `dV += Pᵀ dO`, `dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)) / √d`,
+/// `dQ = dS K`, `dK += dSᵀ Q`. One task per (batch row, kv head) owns that head's dk, dv and its query
+/// heads' dq.
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    grad_out: &[f32],
+    starts: &[usize],
+    dims: AttentionDims,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let AttentionDims { kv_heads, seq, d, .. } = dims;
+    let (group, scale) = (dims.group(), dims.scale());
+    let head = seq * d;
+    let (mut dq, mut dk, mut dv) = (vec![0.0f32; q.len()], vec![0.0f32; k.len()], vec![0.0f32; v.len()]);
+    let tasks = dq.par_chunks_mut(group * head).zip(dk.par_chunks_mut(head)).zip(dv.par_chunks_mut(head));
+    tasks.enumerate().for_each(|(bkv, ((dq, dk), dv))| {
+        let b = bkv / kv_heads;
+        let (k, v) = (row(k, bkv, head), row(v, bkv, head));
+        for g in 0..group {
+            let bh = bkv * group + g;
+            let (q, out, grad_out) = (row(q, bh, head), row(out, bh, head), row(grad_out, bh, head));
+            let dq = &mut dq[g * head..(g + 1) * head];
+            for i in 0..seq {
+                let (qi, doi) = (row(q, i, d), row(grad_out, i, d));
+                let delta = dot(doi, row(out, i, d));
+                let lse_i = lse[bh * seq + i];
+                let dq_i = &mut dq[i * d..(i + 1) * d];
+                for j in starts[b * seq + i]..i + 1 {
+                    let (kj, vj) = (row(k, j, d), row(v, j, d));
+                    let p = (dot(qi, kj) * scale - lse_i).exp();
+                    axpy(p, doi, &mut dv[j * d..(j + 1) * d]);
+                    let ds = p * (dot(doi, vj) - delta) * scale;
+                    axpy(ds, kj, dq_i);
+                    axpy(ds, qi, &mut dk[j * d..(j + 1) * d]);
+                }
+            }
+        }
+    });
+    (dq, dk, dv)
+}
+
+/// The host values of an f32 tensor.
+fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().into_vec::<f32>().expect("an f32 tensor (checked by the caller)")
+}
+
+fn dims_of<B: Backend>(q: &Tensor<B, 4>, k: &Tensor<B, 4>) -> AttentionDims {
+    let [batch, heads, seq, d] = q.dims();
+    AttentionDims { batch, heads, kv_heads: k.dims()[1], seq, d }
+}
+
+/// Whether `forward_on_host` takes these inputs (all f32); the callers keep the tensor ops otherwise.
+pub fn takes<B: Backend>(tensors: [&Tensor<B, 4>; 3]) -> bool {
+    tensors.iter().all(|t| t.dtype() == DType::F32)
+}
+
+/// `attention::chunked_attention` through `forward`: the same output and log-sum-exp (`[batch, kv_heads,
+/// group, seq, 1]`), in f32.
+pub fn forward_on_host<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    docs: &DocumentAttention<B>,
+) -> AttentionForward<B> {
+    let dims = dims_of(&q, &k);
+    let device = q.device();
+    let (out, lse) = forward(&host(q), &host(k), &host(v), docs.query_starts(), dims);
+    let AttentionDims { batch, heads, kv_heads, seq, d } = dims;
+    AttentionForward {
+        out: host_tensor(out, [batch, heads, seq, d], FloatDType::F32, &device),
+        lse: host_tensor(lse, [batch, kv_heads, dims.group(), seq, 1], FloatDType::F32, &device),
+    }
+}
+
+/// `attention::chunked_attention_backward` through `backward`, in f32.
+pub fn backward_on_host<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    docs: &DocumentAttention<B>,
+    forward: AttentionForward<B>,
+    grad_out: Tensor<B, 4>,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+    let dims = dims_of(&q, &k);
+    let device = q.device();
+    let (q_shape, kv_shape) = (q.dims(), k.dims());
+    let grad_out = grad_out.cast(FloatDType::F32);
+    let (dq, dk, dv) = backward(
+        &host(q),
+        &host(k),
+        &host(v),
+        &host(forward.out.cast(FloatDType::F32)),
+        &host(forward.lse),
+        &host(grad_out),
+        docs.query_starts(),
+        dims,
+    );
+    let tensor = |values, shape| host_tensor::<B, 4>(values, shape, FloatDType::F32, &device);
+    (tensor(dq, q_shape), tensor(dk, kv_shape), tensor(dv, kv_shape))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Cpu;
+    use crate::models::SequenceLayout;
+    use crate::models::attention::{chunked_attention, chunked_attention_backward};
+    use crate::testing::{assert_close, normal, values};
+
+    /// Row 0: documents of 7, 30, 1 and 2 padding tokens; row 1: one of 40; row 2: 19 and 21 (chunks of 8
+    /// queries split documents and skip keys).
+    fn layout() -> SequenceLayout {
+        SequenceLayout::from_doc_lengths(&[vec![7, 30, 1], vec![40], vec![19, 21]], 40)
+    }
+
+    #[test]
+    fn the_host_attention_equals_the_chunked_tensor_ops_forward_and_backward() {
+        let device = Default::default();
+        let l = layout();
+        // d = 12 leaves a remainder after the eight-lane dot product.
+        for (heads, kv_heads, d) in [(4, 2, 12), (3, 3, 16), (2, 1, 5)] {
+            let tensor = |dims: [usize; 4], seed: u64| normal::<Cpu, 4>(dims, 0.0, 1.0, seed, &device);
+            let (q, k, v) =
+                (tensor([3, heads, 40, d], 1), tensor([3, kv_heads, 40, d], 2), tensor([3, kv_heads, 40, d], 3));
+            let grad_out = tensor([3, heads, 40, d], 4);
+            let docs = DocumentAttention::<Cpu>::new(&l, &device).with_chunk_rows(8);
+            let reference = chunked_attention(q.clone(), k.clone(), v.clone(), &docs);
+            let host = forward_on_host(q.clone(), k.clone(), v.clone(), &docs);
+            let case = format!("heads {heads}, kv heads {kv_heads}, d {d}");
+            assert_eq!(host.lse.dims(), reference.lse.dims());
+            assert_close(&format!("output, {case}"), &values(host.out.clone()), &values(reference.out.clone()), 2e-6);
+            assert_close(&format!("lse, {case}"), &values(host.lse.clone()), &values(reference.lse.clone()), 2e-6);
+            let expected =
+                chunked_attention_backward(q.clone(), k.clone(), v.clone(), &docs, reference, grad_out.clone());
+            let got = backward_on_host(q, k, v, &docs, host, grad_out);
+            for (name, (a, b)) in
+                ["dq", "dk", "dv"].iter().zip([(got.0, expected.0), (got.1, expected.1), (got.2, expected.2)])
+            {
+                assert_close(&format!("{name}, {case}"), &values(a), &values(b), 4e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn a_query_sees_only_its_document_up_to_itself() {
+        // Changing a key or value outside a query's allowed range leaves its output alone; changing one inside
+        // moves it.
+        let l = SequenceLayout::from_doc_lengths(&[vec![3, 4]], 8);
+        let dims = AttentionDims { batch: 1, heads: 1, kv_heads: 1, seq: 8, d: 4 };
+        let docs = DocumentAttention::<Cpu>::new(&l, &Default::default());
+        let starts = docs.query_starts().to_vec();
+        assert_eq!(starts, [0, 0, 0, 3, 3, 3, 3, 7]);
+        let q: Vec<f32> = (0..32).map(|i| (i as f32 * 0.37).sin()).collect();
+        let k: Vec<f32> = (0..32).map(|i| (i as f32 * 0.11).cos()).collect();
+        let v: Vec<f32> = (0..32).map(|i| i as f32).collect();
+        let (out, _) = forward(&q, &k, &v, &starts, dims);
+        // The padding token (7) attends to itself alone; the first token of each document too.
+        assert_eq!(&out[28..32], &v[28..32]);
+        assert_eq!(&out[12..16], &v[12..16]);
+        for changed in 0..8 {
+            let mut v2 = v.clone();
+            v2[changed * 4] += 100.0;
+            let (out2, _) = forward(&q, &k, &v2, &starts, dims);
+            for i in 0..8 {
+                let sees = starts[i] <= changed && changed <= i;
+                assert_eq!(out2[i * 4] != out[i * 4], sees, "query {i}, value {changed} changed");
+            }
+        }
+    }
+
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        let l = layout();
+        let dims = AttentionDims { batch: 3, heads: 4, kv_heads: 2, seq: 40, d: 12 };
+        let docs = DocumentAttention::<Cpu>::new(&l, &Default::default());
+        let starts = docs.query_starts().to_vec();
+        let data = |n: usize, f: f32| (0..n).map(|i| (i as f32 * f).sin()).collect::<Vec<f32>>();
+        let (q, k, v, g) = (
+            data(3 * 4 * 40 * 12, 0.3),
+            data(3 * 2 * 40 * 12, 0.7),
+            data(3 * 2 * 40 * 12, 1.1),
+            data(3 * 4 * 40 * 12, 1.3),
+        );
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+            pool.install(|| {
+                let (out, lse) = forward(&q, &k, &v, &starts, dims);
+                let grads = backward(&q, &k, &v, &out, &lse, &g, &starts, dims);
+                (out, lse, grads)
+            })
+        };
+        assert!(run(1) == run(3), "one thread and three give the same bits");
+    }
+}
