@@ -25,7 +25,12 @@ fn fixture(name: &str) -> Fixture {
     parity::fixture(&fixture_dir(name))
 }
 
-fn logits_of<B: ModelBackend>(model: &Lfm2Model<B>, ids: &[i64], shape: [usize; 2], layout: &SequenceLayout) -> Vec<f32> {
+fn logits_of<B: ModelBackend>(
+    model: &Lfm2Model<B>,
+    ids: &[i64],
+    shape: [usize; 2],
+    layout: &SequenceLayout,
+) -> Vec<f32> {
     let device = Default::default();
     model.forward(ids_tensor::<B>(ids, shape, &device), layout).into_data().convert::<f32>().to_vec().unwrap()
 }

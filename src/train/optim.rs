@@ -188,8 +188,25 @@ struct SquaredSums<'a, B: Backend> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredSums<'_, B::InnerBackend> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            self.sums.push(g.cast(FloatDType::F32).powf_scalar(2.0).sum());
+            self.sums.push(squared_sum(g));
         }
+    }
+}
+
+/// Tensors from this many elements on have their squared sum taken by rows first. burn's CPU backend sums
+/// a whole tensor of `1 << 22` elements or more with rayon, whose reduction tree follows the work stealing
+/// of the moment: the last bits of such a sum (an embedding's gradient, say) could change from one run to
+/// the next, and with them the clipping scale. Row sums are sequential, and their sum stays below it.
+const ROWS_FIRST_FROM: usize = 1 << 22;
+
+/// `Σ g²` in f32, reproducible on the CPU whatever the tensor's size (`ROWS_FIRST_FROM`).
+fn squared_sum<B: Backend, const D: usize>(g: Tensor<B, D>) -> Tensor<B, 1> {
+    let squares = g.cast(FloatDType::F32).powf_scalar(2.0);
+    let width = squares.dims()[D - 1];
+    if D > 1 && squares.shape().num_elements() >= ROWS_FIRST_FROM && width > 1 {
+        squares.reshape([-1, width as i64]).sum_dim(1).sum()
+    } else {
+        squares.sum()
     }
 }
 
@@ -307,4 +324,28 @@ pub fn step_with_norm<B: AutodiffBackend, M: Module<B>>(
     let model = model.map(&mut mapper);
     mapper.opt.steps += 1;
     model
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Cpu;
+    use crate::testing::{normal, values};
+
+    #[test]
+    fn a_large_gradients_squared_sum_is_exact_to_f32_and_the_same_every_time() {
+        // 2,048 × 2,049 elements: over the size from which burn's CPU backend sums a whole tensor in parallel.
+        let g = normal::<Cpu, 2>([2048, 2049], 0.0, 1.0, 7, &Default::default());
+        let exact: f64 = values(g.clone()).iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        let sums: Vec<f32> = (0..8).map(|_| values(squared_sum(g.clone()))[0]).collect();
+        assert!(((f64::from(sums[0]) - exact) / exact).abs() < 1e-6, "{} vs {exact}", sums[0]);
+        assert!(sums.iter().all(|s| s.to_bits() == sums[0].to_bits()), "{sums:?}");
+        // A small one is summed whole, and a vector too.
+        let small = normal::<Cpu, 2>([3, 5], 0.0, 1.0, 8, &Default::default());
+        let whole: f32 = values(small.clone()).iter().map(|x| x * x).sum();
+        assert!((values(squared_sum(small))[0] - whole).abs() < 1e-5);
+        let vector = normal::<Cpu, 1>([10], 0.0, 1.0, 9, &Default::default());
+        let whole: f32 = values(vector.clone()).iter().map(|x| x * x).sum();
+        assert!((values(squared_sum(vector))[0] - whole).abs() < 1e-5);
+    }
 }
