@@ -48,7 +48,8 @@ samples: build
 
 # One test at a time: burn's CPU backend, driven from several threads at once, was seen to return wrong
 # gradients for its composed backward passes now and then (2 runs in 40 of the unit tests; none in 80 run
-# serially). kiln trains on one thread; the tests do the same. It costs about 45 s.
+# serially). kiln drives burn from one thread (burn-flex and kiln's CPU attention use rayon inside their
+# ops); the tests do the same. It costs about 45 s.
 # With a Vulkan driver present the suite is built with the `vulkan` feature, and tests/vulkan_backend.rs runs
 # kiln on burn's fused CubeCL backend (the code CUDA runs) against transformers, PyTorch and the CPU; Mesa's
 # lavapipe is such a driver on a machine without a GPU (apt-get install mesa-vulkan-drivers; .ci/run
