@@ -55,14 +55,13 @@ pub(super) fn tracked_document_attention<B: ModelBackend, C: CheckpointStrategy>
 }
 
 /// What attention may see in one forward pass: the `[batch, seq]` document ids on the device, and per
-/// query position the first key any row's query there may attend to (the earliest document start among
-/// the rows at that position; non-decreasing along the sequence), which bounds each chunk's keys.
+/// query the first key it may attend to (its document's first token), from which each chunk's keys are
+/// bounded (`first_key`).
 #[derive(Debug, Clone)]
 pub struct DocumentAttention<B: Backend> {
     docs: Tensor<B, 2, Int>,
     /// `[batch * seq]`: the first key each query may attend to (its document's first token).
     starts: Vec<usize>,
-    first_key: Vec<usize>,
     /// Queries per chunk; `None`: as many as keep a chunk's f32 scores within `CHUNK_SCORE_BYTES`.
     chunk_rows: Option<usize>,
 }
@@ -71,13 +70,11 @@ impl<B: Backend> DocumentAttention<B> {
     pub fn new(layout: &SequenceLayout, device: &B::Device) -> Self {
         let (batch, seq) = (layout.batch, layout.seq);
         let ids: Vec<i64> = layout.doc_ids.iter().map(|&d| d as i64).collect();
-        let starts: Vec<usize> =
-            layout.positions.iter().enumerate().map(|(at, &p)| (at % seq.max(1)).saturating_sub(p as usize)).collect();
-        let first_key = (0..seq).map(|i| (0..batch).map(|b| starts[b * seq + i]).min().unwrap_or(i)).collect();
+        let starts =
+            layout.positions.iter().enumerate().map(|(at, &p)| (at % seq).saturating_sub(p as usize)).collect();
         DocumentAttention {
             docs: Tensor::from_data(TensorData::new(ids, [batch, seq]), device),
             starts,
-            first_key,
             chunk_rows: None,
         }
     }
@@ -85,6 +82,13 @@ impl<B: Backend> DocumentAttention<B> {
     /// Per query (`[batch * seq]`, row-major), the first key it may attend to: its document's first token.
     pub fn query_starts(&self) -> &[usize] {
         &self.starts
+    }
+
+    /// The first key any row's query at position `i` may attend to: the earliest document start among the
+    /// rows there (non-decreasing along the sequence).
+    fn first_key(&self, i: usize) -> usize {
+        let [batch, seq] = self.docs.dims();
+        (0..batch).map(|b| self.starts[b * seq + i]).min().unwrap_or(i)
     }
 
     /// The same with a fixed number of queries per chunk (at least one).
@@ -98,7 +102,7 @@ impl<B: Backend> DocumentAttention<B> {
     fn chunks(&self, heads: usize) -> Vec<(usize, usize, usize)> {
         let [batch, seq] = self.docs.dims();
         let rows = self.chunk_rows.unwrap_or_else(|| chunk_rows_for(batch, heads, seq));
-        (0..seq).step_by(rows).map(|start| (start, rows.min(seq - start), self.first_key[start])).collect()
+        (0..seq).step_by(rows).map(|start| (start, rows.min(seq - start), self.first_key(start))).collect()
     }
 
     /// The additive mask `[batch, len, keys]` (0 allowed, -inf blocked) of queries `start..start + len`
@@ -127,12 +131,7 @@ impl<B: Backend> DocumentAttention<B> {
 impl<B: AutodiffBackend> DocumentAttention<B> {
     /// The same layout on the inner backend (the document ids carry no gradient).
     fn inner(&self) -> DocumentAttention<B::InnerBackend> {
-        DocumentAttention {
-            docs: self.docs.clone().inner(),
-            starts: self.starts.clone(),
-            first_key: self.first_key.clone(),
-            chunk_rows: self.chunk_rows,
-        }
+        DocumentAttention { docs: self.docs.clone().inner(), starts: self.starts.clone(), chunk_rows: self.chunk_rows }
     }
 }
 
@@ -371,7 +370,7 @@ mod tests {
         }
         // Row 1's first document spans 0..9, so no query before 9 may skip a key; from 9 on, row 0's
         // documents (starting at 8, then padding at 10, 11) bound what both rows need.
-        assert_eq!(docs.first_key, [0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 9, 9]);
+        assert_eq!((0..12).map(|i| docs.first_key(i)).collect::<Vec<_>>(), [0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 9, 9]);
         for rows in [1, 3, 5] {
             let chunked = docs.clone().with_chunk_rows(rows);
             let chunks = chunked.chunks(4);

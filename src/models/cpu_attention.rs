@@ -190,7 +190,7 @@ pub fn backward_on_host<B: Backend>(
         &host(q),
         &host(k),
         &host(v),
-        &host(forward.out.cast(FloatDType::F32)),
+        &host(forward.out),
         &host(forward.lse),
         &host(grad_out),
         docs.query_starts(),
