@@ -12,7 +12,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 
 use crate::models::attention::{AttentionForward, DocumentAttention, chunked_attention, chunked_attention_backward};
-use crate::models::{ModelBackend, cpu_attention};
+use crate::models::deltanet::{self, ChunkPlan, ChunkedScan, ScanInputs};
+use crate::models::{ModelBackend, cpu_attention, cpu_deltanet};
 
 /// CPU backend: pure-Rust Flex in f32.
 pub type Cpu = Flex<f32>;
@@ -178,8 +179,9 @@ impl DeviceMemory for Vk {
 }
 
 // The CPU backend runs the models' attention in f32 as loops over each query's document keys
-// (`models::cpu_attention`); the CubeCL backends (and the CPU in other dtypes) chunk by chunk with tensor
-// ops (the trait's default); their autodiff wrappers record it with its backward (`models::attention`).
+// (`models::cpu_attention`) and the DeltaNet scan as loops over tokens (`models::cpu_deltanet`); the
+// CubeCL backends (and the CPU in other dtypes) use the chunked tensor ops (the trait's defaults); their
+// autodiff wrappers record each with its backward (`models::attention`, `models::deltanet`).
 // The CubeCL backends run the DeltaNet scan across chunks as one kernel (`models::scan_kernel`) unless
 // `KILN_SCAN_KERNEL=off`.
 impl ModelBackend for Flex {
@@ -208,6 +210,27 @@ impl ModelBackend for Flex {
             cpu_attention::backward_on_host(q, k, v, docs, forward, grad_out)
         } else {
             chunked_attention_backward(q, k, v, docs, forward, grad_out)
+        }
+    }
+
+    fn delta_rule_scan(inputs: ScanInputs<Self>, plan: &ChunkPlan<Self>) -> ChunkedScan<Self> {
+        if cpu_deltanet::takes(&inputs) {
+            cpu_deltanet::scan_on_host(inputs, plan)
+        } else {
+            deltanet::chunked_scan(inputs, plan, None)
+        }
+    }
+
+    fn delta_rule_backward(
+        inputs: ScanInputs<Self>,
+        plan: &ChunkPlan<Self>,
+        chunk_states: Tensor<Self, 5>,
+        grad_out: Tensor<Self, 4>,
+    ) -> ScanInputs<Self> {
+        if cpu_deltanet::takes(&inputs) {
+            cpu_deltanet::backward_on_host(inputs, plan, chunk_states, grad_out)
+        } else {
+            deltanet::chunked_backward(inputs, plan, chunk_states, grad_out)
         }
     }
 }

@@ -12,6 +12,7 @@ use burn::tensor::{DType, FloatDType, Tensor};
 use rayon::prelude::*;
 
 use super::attention::{AttentionForward, DocumentAttention};
+use super::host_slices::{axpy, dot, host, row, row_mut};
 use crate::backend::host_tensor;
 
 /// The sizes of one attention call: queries `[batch, heads, seq, d]`, keys and values
@@ -33,31 +34,6 @@ impl AttentionDims {
     fn scale(&self) -> f32 {
         (1.0 / (self.d as f64).sqrt()) as f32
     }
-}
-
-/// `Σ aᵢ bᵢ` in eight interleaved partial sums (which the compiler keeps in vector registers).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = a8.remainder().iter().zip(b8.remainder()).map(|(x, y)| x * y).sum();
-    let mut lanes = [0.0f32; 8];
-    for (x, y) in a8.zip(b8) {
-        for l in 0..8 {
-            lanes[l] += x[l] * y[l];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
-}
-
-/// `y += a · x`.
-fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
-    }
-}
-
-/// Row `i` of a `[rows, d]` slice (a key, or a whole head's `[seq, d]` block).
-fn row(x: &[f32], i: usize, d: usize) -> &[f32] {
-    &x[i * d..(i + 1) * d]
 }
 
 /// The output `[batch, heads, seq, d]` and log-sum-exp `[batch, heads, seq]` of `softmax(q kᵀ / √d) v`
@@ -84,7 +60,7 @@ pub fn forward(q: &[f32], k: &[f32], v: &[f32], starts: &[usize], dims: Attentio
                 *p = (*p - max).exp();
                 sum += *p;
             }
-            let out_i = &mut out[i * d..(i + 1) * d];
+            let out_i = row_mut(out, i, d);
             for (p, j) in probs.iter().zip(keys) {
                 axpy(p / sum, row(v, j, d), out_i);
             }
@@ -120,29 +96,24 @@ pub fn backward(
         for g in 0..group {
             let bh = bkv * group + g;
             let (q, out, grad_out) = (row(q, bh, head), row(out, bh, head), row(grad_out, bh, head));
-            let dq = &mut dq[g * head..(g + 1) * head];
+            let dq = row_mut(dq, g, head);
             for i in 0..seq {
                 let (qi, doi) = (row(q, i, d), row(grad_out, i, d));
                 let delta = dot(doi, row(out, i, d));
                 let lse_i = lse[bh * seq + i];
-                let dq_i = &mut dq[i * d..(i + 1) * d];
+                let dq_i = row_mut(dq, i, d);
                 for j in starts[b * seq + i]..i + 1 {
                     let (kj, vj) = (row(k, j, d), row(v, j, d));
                     let p = (dot(qi, kj) * scale - lse_i).exp();
-                    axpy(p, doi, &mut dv[j * d..(j + 1) * d]);
+                    axpy(p, doi, row_mut(dv, j, d));
                     let ds = p * (dot(doi, vj) - delta) * scale;
                     axpy(ds, kj, dq_i);
-                    axpy(ds, qi, &mut dk[j * d..(j + 1) * d]);
+                    axpy(ds, qi, row_mut(dk, j, d));
                 }
             }
         }
     });
     (dq, dk, dv)
-}
-
-/// The host values of an f32 tensor.
-fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data().into_vec::<f32>().expect("an f32 tensor (checked by the caller)")
 }
 
 fn dims_of<B: Backend>(q: &Tensor<B, 4>, k: &Tensor<B, 4>) -> AttentionDims {

@@ -130,6 +130,8 @@ pub struct ChunkPlan<B: Backend> {
     size: usize,
     seq: usize,
     chunks: usize,
+    /// `[batch, seq]` on the host: position `t` carries the state of `t − 1` (the loop form's reset).
+    carries: Vec<bool>,
     /// `[batch, 1, chunks, C, C]`: true unless `j ≤ i` inside one document.
     blocked: Tensor<B, 5, Bool>,
     /// `[batch, 1, chunks, C]`: position `t` still carries the state the chunk started from.
@@ -150,6 +152,7 @@ impl<B: Backend> ChunkPlan<B> {
         let mut blocked = vec![true; batch * padded * size];
         let mut carry = vec![0.0; batch * padded];
         let mut reaches_end = vec![0.0; batch * padded];
+        let carries = (0..batch * seq).map(|rt| segments.continues(rt / seq, rt % seq)).collect();
         for row in 0..batch {
             // Padding past the sequence continues the last document with zero keys: it changes nothing.
             let docs: Vec<u32> = (0..padded).map(|t| segments.doc(row, t.min(seq.saturating_sub(1)))).collect();
@@ -189,12 +192,25 @@ impl<B: Backend> ChunkPlan<B> {
             size,
             seq,
             chunks,
+            carries,
             blocked: Tensor::<B, 4, Bool>::from_data(TensorData::new(blocked, [batch, chunks, size, size]), device)
                 .unsqueeze_dim::<5>(1),
             carry: per_position(carry),
             reaches_end: per_position(reaches_end),
             outside_bridges,
         }
+    }
+}
+
+impl<B: Backend> ChunkPlan<B> {
+    /// Tokens per chunk.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// `[batch, seq]`: whether each position carries the state of the one before it.
+    pub fn carries(&self) -> &[bool] {
+        &self.carries
     }
 }
 
@@ -205,6 +221,7 @@ impl<B: AutodiffBackend> ChunkPlan<B> {
             size: self.size,
             seq: self.seq,
             chunks: self.chunks,
+            carries: self.carries.clone(),
             blocked: self.blocked.clone().inner(),
             carry: self.carry.clone().inner(),
             reaches_end: self.reaches_end.clone().inner(),
@@ -226,7 +243,7 @@ pub(super) fn tracked_gated_delta_rule<B: ModelBackend, C: CheckpointStrategy>(
     let (g, beta) = (g.into_primitive().tensor(), beta.into_primitive().tensor());
     let inner_plan = plan.inner();
     let float = |t: &FloatTensor<B>| TensorPrimitive::Float(t.clone());
-    let scan = chunked_scan(
+    let scan = B::delta_rule_scan(
         ScanInputs {
             q: Tensor::from_primitive(float(&q.primitive)),
             k: Tensor::from_primitive(float(&k.primitive)),
@@ -235,7 +252,6 @@ pub(super) fn tracked_gated_delta_rule<B: ModelBackend, C: CheckpointStrategy>(
             beta: Tensor::from_primitive(float(&beta.primitive)),
         },
         &inner_plan,
-        None,
     );
     let out = scan.out.into_primitive().tensor();
     let chunk_states = scan.chunk_states.into_primitive().tensor();
@@ -276,7 +292,7 @@ impl<B: ModelBackend> Backward<B, 5> for GatedDeltaRuleBackward {
             beta: Tensor::from_primitive(TensorPrimitive::Float(beta)),
         };
         let chunk_states = Tensor::from_primitive(TensorPrimitive::Float(saved.chunk_states));
-        let d = chunked_backward(
+        let d = B::delta_rule_backward(
             inputs,
             &saved.plan,
             chunk_states,
@@ -827,12 +843,24 @@ mod tests {
     }
 
     #[test]
-    fn a_plain_backend_runs_the_chunked_form() {
+    fn the_cpu_backend_runs_the_token_loops_in_f32_and_the_chunked_form_otherwise() {
         let segments = DocSegments::from_doc_ids(1, 10, vec![0; 10]);
         let inputs = random_inputs(1, 2, 10, 4, 3);
         let plan = ChunkPlan::new(&segments, 4, &Default::default());
-        let (reference, _) = chunked(clone_inputs(&inputs), &plan, None);
-        let out = <B as crate::models::ModelBackend>::gated_delta_rule(inputs, &plan);
-        assert_eq!(crate::testing::values(out), crate::testing::values(reference));
+        let (reference, _) = recurrent(clone_inputs(&inputs), &segments, None);
+        let loops = super::super::cpu_deltanet::scan_on_host(clone_inputs(&inputs), &plan).out;
+        let out = <B as crate::models::ModelBackend>::gated_delta_rule(clone_inputs(&inputs), &plan);
+        assert_eq!(crate::testing::values(out.clone()), crate::testing::values(loops));
+        assert!(max_abs_diff(out, reference) < 1e-5);
+        let bf16 = ScanInputs {
+            q: inputs.q.cast(FloatDType::BF16),
+            k: inputs.k.cast(FloatDType::BF16),
+            v: inputs.v.cast(FloatDType::BF16),
+            g: inputs.g,
+            beta: inputs.beta.cast(FloatDType::BF16),
+        };
+        let (chunked_form, _) = chunked(clone_inputs(&bf16), &plan, None);
+        let out = <B as crate::models::ModelBackend>::gated_delta_rule(bf16, &plan);
+        assert_eq!(crate::testing::values(out), crate::testing::values(chunked_form));
     }
 }

@@ -1,15 +1,18 @@
 //! The model zoo: HF config parsing, safetensors import and export, and one module per architecture (LFM2
 //! and LFM2-MoE in `lfm2`, Qwen3.5 in `qwen3_5` with its DeltaNet scan in `deltanet`; their full-sequence
-//! attention in `attention` (on the CPU, `cpu_attention`), the ops with hand-written backward passes in `ops`), behind `CausalLm`.
+//! attention in `attention`, the ops with hand-written backward passes in `ops`, and the CPU backend's loop
+//! forms of the attention and the scan in `cpu_attention` and `cpu_deltanet`), behind `CausalLm`.
 //! Knows nothing of datasets, training or the CLI.
 
 pub mod attention;
 pub mod causal_lm;
 pub mod config;
 pub mod cpu_attention;
+pub mod cpu_deltanet;
 pub mod decode;
 pub mod deltanet;
 pub mod hf;
+mod host_slices;
 pub mod layers;
 pub mod lfm2;
 pub mod ops;

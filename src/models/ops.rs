@@ -34,7 +34,9 @@ use super::attention::{
     AttentionForward, DocumentAttention, chunked_attention, chunked_attention_backward, softmax_attention,
     tracked_document_attention,
 };
-use super::deltanet::{self, ChunkPlan, ChunkRecurrence, RecurrenceOut, ScanInputs, tracked_gated_delta_rule};
+use super::deltanet::{
+    self, ChunkPlan, ChunkRecurrence, ChunkedScan, RecurrenceOut, ScanInputs, tracked_gated_delta_rule,
+};
 use super::layers::{causal_depthwise_conv, causal_depthwise_conv_backward, l2_normalize, l2_normalize_backward};
 use crate::backend::zeros_in;
 
@@ -125,9 +127,26 @@ pub trait ModelBackend: Backend {
     }
 
     /// The gated delta rule from an empty state over whole sequences (Qwen3.5's DeltaNet core in training
-    /// and the full forward pass): outputs `[batch, heads, seq, dv]` in f32 (`deltanet::chunked`).
+    /// and the full forward pass): outputs `[batch, heads, seq, dv]` in f32 (`delta_rule_scan`).
     fn gated_delta_rule(inputs: ScanInputs<Self>, plan: &ChunkPlan<Self>) -> Tensor<Self, 4> {
-        deltanet::chunked(inputs, plan, None).0
+        Self::delta_rule_scan(inputs, plan).out
+    }
+
+    /// `gated_delta_rule` with the state each chunk starts from, which its backward pass needs
+    /// (`deltanet::chunked_scan`; the CPU backend in f32 runs `cpu_deltanet`'s token loops instead).
+    fn delta_rule_scan(inputs: ScanInputs<Self>, plan: &ChunkPlan<Self>) -> ChunkedScan<Self> {
+        deltanet::chunked_scan(inputs, plan, None)
+    }
+
+    /// The gradients of `delta_rule_scan`'s outputs for `grad_out`, as `ScanInputs` in the inputs' dtypes
+    /// (`deltanet::chunked_backward`; on the CPU in f32, `cpu_deltanet`).
+    fn delta_rule_backward(
+        inputs: ScanInputs<Self>,
+        plan: &ChunkPlan<Self>,
+        chunk_states: Tensor<Self, 5>,
+        grad_out: Tensor<Self, 4>,
+    ) -> ScanInputs<Self> {
+        deltanet::chunked_backward(inputs, plan, chunk_states, grad_out)
     }
 
     /// The scan across chunks of the gated delta rule's chunked form, in either pass: the one sequential
