@@ -73,13 +73,9 @@ impl HostScan<'_> {
             v: row(self.v, bh, seq * dv),
             g: row(self.g, bh, seq),
             beta: row(self.beta, bh, seq),
-            carries: row_bools(self.carries, bh / heads, seq),
+            carries: row(self.carries, bh / heads, seq),
         }
     }
-}
-
-fn row_bools(x: &[bool], i: usize, d: usize) -> &[bool] {
-    &x[i * d..(i + 1) * d]
 }
 
 impl Head<'_> {

@@ -25,7 +25,7 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 }
 
 /// Row `i` of a `[rows, d]` slice.
-pub fn row(x: &[f32], i: usize, d: usize) -> &[f32] {
+pub fn row<T>(x: &[T], i: usize, d: usize) -> &[T] {
     &x[i * d..(i + 1) * d]
 }
 
