@@ -213,11 +213,15 @@ impl ModelBackend for Flex {
         }
     }
 
-    fn delta_rule_scan(inputs: ScanInputs<Self>, plan: &ChunkPlan<Self>) -> ChunkedScan<Self> {
+    fn delta_rule_scan(
+        inputs: ScanInputs<Self>,
+        plan: &ChunkPlan<Self>,
+        initial: Option<Tensor<Self, 4>>,
+    ) -> ChunkedScan<Self> {
         if cpu_deltanet::takes(&inputs) {
-            cpu_deltanet::scan_on_host(inputs, plan)
+            cpu_deltanet::scan_on_host(inputs, plan, initial)
         } else {
-            deltanet::chunked_scan(inputs, plan, None)
+            deltanet::chunked_scan(inputs, plan, initial)
         }
     }
 

@@ -3,7 +3,7 @@
 //! the cheaper form (about `4·dk·dv` multiply-adds per token and head, against the chunked form's extra
 //! `C·(dk + dv)` for its in-chunk products and triangular solve) and builds no `[C, C]` tensors. Forward:
 //! the outputs and the state each chunk of `C` tokens starts from (what the autodiff op keeps, as the
-//! chunked form's does). Backward: per chunk, last to first, the chunk's states are recomputed from its
+//! chunked form's does), from an empty state or a decoding cache's. Backward: per chunk, last to first, the chunk's states are recomputed from its
 //! saved start and the token recurrence is differentiated in reverse. Work is split over (row, head) with
 //! rayon and each task runs in one fixed order, so results do not depend on the number of threads. Flex
 //! with all inputs f32 runs it (`backend.rs`); other dtypes and backends keep the chunked tensor ops.
@@ -116,14 +116,18 @@ struct StepOut<'a> {
 }
 
 /// The outputs `[batch, heads, seq, dv]`, the state every chunk starts from `[batch, heads, chunks, dk, dv]`
-/// and the final state `[batch, heads, dk, dv]`, from an empty state.
-pub fn forward(scan: &HostScan) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+/// and the final state `[batch, heads, dk, dv]`, from `initial` (same shape as the final state) or an empty
+/// state.
+pub fn forward(scan: &HostScan, initial: Option<&[f32]>) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let dims = scan.dims;
     let ScanDims { batch, heads, seq, dk, dv, chunk } = dims;
     let state_len = dims.state();
     let mut out = vec![0.0f32; batch * heads * seq * dv];
     let mut states = vec![0.0f32; batch * heads * dims.chunks() * state_len];
-    let mut last = vec![0.0f32; batch * heads * state_len];
+    let mut last = match initial {
+        Some(initial) => initial.to_vec(),
+        None => vec![0.0f32; batch * heads * state_len],
+    };
     let tasks = out.par_chunks_mut(seq * dv).zip(states.par_chunks_mut(dims.chunks() * state_len));
     tasks.zip(last.par_chunks_mut(state_len)).enumerate().for_each(|(bh, ((out, states), state))| {
         let head = scan.head(bh);
@@ -267,11 +271,16 @@ impl Loaded {
     }
 }
 
-/// `deltanet::chunked_scan` from an empty state through `forward`: the same outputs and states, in f32.
-pub fn scan_on_host<B: Backend>(inputs: ScanInputs<B>, plan: &ChunkPlan<B>) -> ChunkedScan<B> {
+/// `deltanet::chunked_scan` through `forward`: the same outputs and states, in f32.
+pub fn scan_on_host<B: Backend>(
+    inputs: ScanInputs<B>,
+    plan: &ChunkPlan<B>,
+    initial: Option<Tensor<B, 4>>,
+) -> ChunkedScan<B> {
     let device = inputs.q.device();
     let loaded = Loaded::new(inputs, plan.size());
-    let (out, states, last) = forward(&loaded.scan(plan.carries()));
+    let initial = initial.map(|s| host(s.cast(FloatDType::F32)));
+    let (out, states, last) = forward(&loaded.scan(plan.carries()), initial.as_deref());
     let ScanDims { batch, heads, seq, dk, dv, .. } = loaded.dims;
     ChunkedScan {
         out: host_tensor(out, [batch, heads, seq, dv], FloatDType::F32, &device),
@@ -345,7 +354,7 @@ mod tests {
             let x = inputs(heads, dk, dv);
             let case = format!("heads {heads}, dk {dk}, dv {dv}");
             let reference = chunked_scan(copy(&x), &plan, None);
-            let host = scan_on_host(copy(&x), &plan);
+            let host = scan_on_host(copy(&x), &plan, None);
             for (name, a, b) in [
                 ("chunk states", values(host.chunk_states.clone()), values(reference.chunk_states.clone())),
                 ("last state", values(host.last), values(reference.last)),
@@ -369,13 +378,36 @@ mod tests {
     }
 
     #[test]
+    fn a_scan_from_a_cached_state_equals_the_chunked_form() {
+        // Row 0 continues the state; row 1's tokens belong to another document than its state (ignored).
+        let device = Default::default();
+        let segments = DocSegments { batch: 2, seq: 21, doc_ids: vec![0; 42], initial_doc: vec![0, 1] };
+        let plan = ChunkPlan::<Cpu>::new(&segments, 8, &device);
+        let x = inputs(2, 4, 3);
+        let narrow = |t: Tensor<Cpu, 4>| t.narrow(0, 0, 2);
+        let x = ScanInputs {
+            q: narrow(x.q),
+            k: narrow(x.k),
+            v: narrow(x.v),
+            g: x.g.narrow(0, 0, 2),
+            beta: x.beta.narrow(0, 0, 2),
+        };
+        let initial = normal::<Cpu, 4>([2, 2, 4, 3], 0.0, 1.0, 7, &device);
+        let reference = chunked_scan(copy(&x), &plan, Some(initial.clone()));
+        let host = scan_on_host(x, &plan, Some(initial));
+        assert_close("chunk states", &values(host.chunk_states), &values(reference.chunk_states), 2e-6);
+        assert_close("last state", &values(host.last), &values(reference.last), 2e-6);
+        assert_close("output", &values(host.out), &values(reference.out), 2e-6);
+    }
+
+    #[test]
     fn a_document_start_cuts_the_state_and_its_gradient() {
         // Row 1's third document starts at token 13: nothing before it reaches its outputs, and no gradient
         // of its outputs reaches the tokens before it (nor the decay of its own first token).
         let device = Default::default();
         let plan = ChunkPlan::<Cpu>::new(&segments(), 8, &device);
         let x = inputs(2, 4, 3);
-        let scan = scan_on_host(copy(&x), &plan);
+        let scan = scan_on_host(copy(&x), &plan, None);
         let mut only_doc = vec![0.0f32; 3 * 2 * 21 * 3];
         for h in 0..2 {
             for t in 13..21 {
@@ -409,7 +441,7 @@ mod tests {
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
             pool.install(|| {
-                let (out, states, last) = forward(&scan);
+                let (out, states, last) = forward(&scan, None);
                 let d = backward(&scan, &states, &grad_out);
                 (out, states, last, d.q, d.k, d.v, d.g, d.beta)
             })

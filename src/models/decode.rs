@@ -250,7 +250,10 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
         *conv = next;
         let inputs = self.scan_inputs(x, silu(y));
         let (core, last) = match plan {
-            Some(plan) => deltanet::chunked(inputs.scan, plan, state.take()),
+            Some(plan) => {
+                let scan = B::delta_rule_scan(inputs.scan, plan, state.take());
+                (scan.out, scan.last)
+            }
             None => deltanet::recurrent(inputs.scan, segments, state.take()),
         };
         *state = Some(last);
@@ -305,7 +308,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
         let step = cache.history.step::<B>(valid, dtype, &device);
         let (cos, sin) = rope_tables::<B>(&step.layout, self.rotary_dim, self.rope_theta, dtype, &device);
         let segments = decoding_segments(valid);
-        // Prefill runs the chunked form, single tokens the recurrent one.
+        // Prefill runs the whole-sequence scan (`ModelBackend::delta_rule_scan`), single tokens the recurrent one.
         let plan = (segments.seq > 1).then(|| ChunkPlan::new(&segments, SCAN_CHUNK, &device));
         let mut h = self.embed(ids);
         for (layer, state) in self.layers.iter().zip(cache.layers.iter_mut()) {

@@ -252,6 +252,7 @@ pub(super) fn tracked_gated_delta_rule<B: ModelBackend, C: CheckpointStrategy>(
             beta: Tensor::from_primitive(float(&beta.primitive)),
         },
         &inner_plan,
+        None,
     );
     let out = scan.out.into_primitive().tensor();
     let chunk_states = scan.chunk_states.into_primitive().tensor();
@@ -848,7 +849,7 @@ mod tests {
         let inputs = random_inputs(1, 2, 10, 4, 3);
         let plan = ChunkPlan::new(&segments, 4, &Default::default());
         let (reference, _) = recurrent(clone_inputs(&inputs), &segments, None);
-        let loops = super::super::cpu_deltanet::scan_on_host(clone_inputs(&inputs), &plan).out;
+        let loops = super::super::cpu_deltanet::scan_on_host(clone_inputs(&inputs), &plan, None).out;
         let out = <B as crate::models::ModelBackend>::gated_delta_rule(clone_inputs(&inputs), &plan);
         assert_eq!(crate::testing::values(out.clone()), crate::testing::values(loops));
         assert!(max_abs_diff(out, reference) < 1e-5);

@@ -129,13 +129,18 @@ pub trait ModelBackend: Backend {
     /// The gated delta rule from an empty state over whole sequences (Qwen3.5's DeltaNet core in training
     /// and the full forward pass): outputs `[batch, heads, seq, dv]` in f32 (`delta_rule_scan`).
     fn gated_delta_rule(inputs: ScanInputs<Self>, plan: &ChunkPlan<Self>) -> Tensor<Self, 4> {
-        Self::delta_rule_scan(inputs, plan).out
+        Self::delta_rule_scan(inputs, plan, None).out
     }
 
-    /// `gated_delta_rule` with the state each chunk starts from, which its backward pass needs
-    /// (`deltanet::chunked_scan`; the CPU backend in f32 runs `cpu_deltanet`'s token loops instead).
-    fn delta_rule_scan(inputs: ScanInputs<Self>, plan: &ChunkPlan<Self>) -> ChunkedScan<Self> {
-        deltanet::chunked_scan(inputs, plan, None)
+    /// The gated delta rule from `initial` (a decoding cache's state; none: empty) with the state each chunk
+    /// starts from, which the backward pass needs, and the last (`deltanet::chunked_scan`; the CPU backend in
+    /// f32 runs `cpu_deltanet`'s token loops instead).
+    fn delta_rule_scan(
+        inputs: ScanInputs<Self>,
+        plan: &ChunkPlan<Self>,
+        initial: Option<Tensor<Self, 4>>,
+    ) -> ChunkedScan<Self> {
+        deltanet::chunked_scan(inputs, plan, initial)
     }
 
     /// The gradients of `delta_rule_scan`'s outputs for `grad_out`, as `ScanInputs` in the inputs' dtypes
