@@ -14,6 +14,7 @@ use burn::tensor::{FloatDType, Int, Tensor};
 use super::config::{ModelConfig, outside_text_tower};
 use super::decode::generate_greedy;
 use super::hf::{ExportDtype, HfEntry, HfNamed, RawTensor, export_dir, hf_tensors};
+use super::layers::head_logits;
 use super::lfm2::Lfm2Model;
 use super::qwen3_5::Qwen35Model;
 use super::weights::{Init, RandomInit, TensorSource, WeightStore, kept_in_f32, lfm2_init, qwen3_5_init};
@@ -112,7 +113,7 @@ impl<B: ModelBackend> CausalLm<B> {
 
     /// Logits `[batch, seq, vocab]`.
     pub fn forward(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
-        self.forward_hidden(ids, layout).matmul(self.head_weight().transpose().unsqueeze::<3>())
+        head_logits(self.forward_hidden(ids, layout), self.head_weight())
     }
 }
 

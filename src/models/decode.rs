@@ -8,7 +8,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::deltanet::{self, ChunkPlan, DocSegments};
-use super::layers::{SequenceLayout, causal_depthwise_conv_cached, rope_tables};
+use super::layers::{SequenceLayout, causal_depthwise_conv_cached, head_logits, rope_tables};
 use super::lfm2::{Attention, FeedForward, Lfm2Model, Mixer, ShortConv};
 use super::ops::ModelBackend;
 use super::qwen3_5::{GatedAttention, GatedDeltaNet, Qwen35Mixer, Qwen35Model, SCAN_CHUNK};
@@ -193,7 +193,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Lfm2Model<B> {
             };
         }
         cache.history.push(valid);
-        self.embedding_norm.forward(h).matmul(self.head_weight().transpose().unsqueeze::<3>())
+        head_logits(self.embedding_norm.forward(h), self.head_weight())
     }
 }
 
@@ -327,7 +327,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
             h = h.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(h));
         }
         cache.history.push(valid);
-        self.norm.forward(h).matmul(self.head_weight().transpose().unsqueeze::<3>())
+        head_logits(self.norm.forward(h), self.head_weight())
     }
 }
 

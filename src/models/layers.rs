@@ -205,6 +205,15 @@ impl SequenceLayout {
     }
 }
 
+/// Logits `[batch, seq, vocab]` from hidden states `[batch, seq, hidden]` and the (tied or untied) head
+/// `[vocab, hidden]`, as one 2D product with the head's transposed view: a 3D product would reshape that
+/// view, which burn-flex does by copying the whole head, at every call (every generated token).
+pub fn head_logits<B: Backend>(hidden: Tensor<B, 3>, head: Tensor<B, 2>) -> Tensor<B, 3> {
+    let [batch, seq, width] = hidden.dims();
+    let vocab = head.dims()[0];
+    hidden.reshape([batch * seq, width]).matmul(head.transpose()).reshape([batch, seq, vocab])
+}
+
 /// `cos` and `sin` tables `[batch, 1, seq, head_dim]` for the layout's positions, HF's `cat(freqs, freqs)` form,
 /// computed in f32 and cast to `dtype` (the activations' dtype), as transformers does.
 pub fn rope_tables<B: Backend>(

@@ -11,7 +11,7 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{LayerKind, Lfm2Config};
-use super::layers::{RmsNorm, SequenceLayout, SwiGlu, apply_rope, rope_tables};
+use super::layers::{RmsNorm, SequenceLayout, SwiGlu, apply_rope, head_logits, rope_tables};
 use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 use crate::backend::zeros_in;
@@ -201,7 +201,7 @@ impl<B: Backend> Lfm2Model<B> {
 impl<B: ModelBackend> Lfm2Model<B> {
     /// Logits `[batch, seq, vocab]` for `ids [batch, seq]` laid out as `layout` says.
     pub fn forward(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
-        self.forward_hidden(ids, layout).matmul(self.head_weight().transpose().unsqueeze::<3>())
+        head_logits(self.forward_hidden(ids, layout), self.head_weight())
     }
 
     /// The final normalized hidden states `[batch, seq, hidden]`, before the output projection.

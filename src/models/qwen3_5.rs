@@ -12,7 +12,9 @@ use burn::tensor::{FloatDType, Int, Tensor};
 use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{Qwen35Config, Qwen35LayerKind};
 use super::deltanet::{ChunkPlan, DocSegments, ScanInputs};
-use super::layers::{RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, rope_tables, softplus};
+use super::layers::{
+    RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, head_logits, rope_tables, softplus,
+};
 use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 
@@ -246,7 +248,7 @@ impl<B: ModelBackend> Qwen35Model<B> {
 
     /// Logits `[batch, seq, vocab]`.
     pub fn forward(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
-        self.forward_hidden(ids, layout).matmul(self.head_weight().transpose().unsqueeze::<3>())
+        head_logits(self.forward_hidden(ids, layout), self.head_weight())
     }
 }
 

@@ -152,17 +152,42 @@ pub(crate) fn load_linear<B: burn::tensor::backend::Backend>(
     d_out: usize,
     device: &B::Device,
 ) -> burn::nn::Linear<B> {
-    let w: burn::tensor::Tensor<B, 2> = device_tensor(store.take(&format!("{key}.weight"), &[d_out, d_in]), device);
+    // Transposed on the host, so the parameter is a contiguous `[in, out]` tensor: a transposed view would be
+    // copied whole by every forward pass on the CPU backend (burn's `linear` reshapes the weight, and
+    // burn-flex copies a strided tensor to reshape it): once per generated token in decoding.
+    let w = store.take(&format!("{key}.weight"), &[d_out, d_in]).transposed();
     let bias = store
         .take_optional(&format!("{key}.bias"), &[d_out])
         .map(|b| burn::module::Param::from_tensor(device_tensor::<B, 1>(b, device)));
-    burn::nn::Linear { weight: burn::module::Param::from_tensor(w.transpose()), bias }
+    burn::nn::Linear { weight: burn::module::Param::from_tensor(device_tensor(w, device)), bias }
 }
 
 /// A tensor read as f32, row-major.
 pub struct HostTensor {
     pub shape: Vec<usize>,
     pub data: Vec<f32>,
+}
+
+impl HostTensor {
+    /// A `[rows, cols]` matrix as `[cols, rows]`, row-major (in 32 × 32 tiles, so reads and writes both stay
+    /// in cache).
+    pub fn transposed(self) -> Self {
+        const TILE: usize = 32;
+        let [rows, cols] = self.shape[..] else {
+            panic!("transposed() takes a matrix, not shape {:?}", self.shape);
+        };
+        let mut data = vec![0.0f32; self.data.len()];
+        for r0 in (0..rows).step_by(TILE) {
+            for c0 in (0..cols).step_by(TILE) {
+                for r in r0..(r0 + TILE).min(rows) {
+                    for c in c0..(c0 + TILE).min(cols) {
+                        data[c * rows + r] = self.data[r * cols + c];
+                    }
+                }
+            }
+        }
+        HostTensor { shape: vec![cols, rows], data }
+    }
 }
 
 impl WeightStore {
@@ -312,5 +337,24 @@ impl TensorSource for WeightStore {
             parts.push(format!("wrong tensors ({}): {}", mismatched.len(), list(&mismatched)));
         }
         Err(ModelError::Weights { path: self.dir.clone(), message: parts.join("; ") })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HostTensor;
+
+    #[test]
+    fn a_transposed_matrix_moves_every_entry_across_partial_tiles() {
+        // 37 × 70: neither side a multiple of the 32-entry tile.
+        let (rows, cols) = (37, 70);
+        let data: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+        let t = HostTensor { shape: vec![rows, cols], data: data.clone() }.transposed();
+        assert_eq!(t.shape, [cols, rows]);
+        for r in 0..rows {
+            for c in 0..cols {
+                assert_eq!(t.data[c * rows + r], data[r * cols + c], "entry ({r}, {c})");
+            }
+        }
     }
 }
