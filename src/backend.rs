@@ -11,7 +11,9 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 
-use crate::models::attention::{AttentionForward, DocumentAttention, chunked_attention, chunked_attention_backward};
+use crate::models::attention::{
+    AttentionForward, DocumentAttention, chunked_attention, chunked_attention_backward, softmax_attention,
+};
 use crate::models::deltanet::{self, ChunkPlan, ChunkedScan, ScanInputs};
 use crate::models::{ModelBackend, cpu_attention, cpu_deltanet};
 
@@ -210,6 +212,19 @@ impl ModelBackend for Flex {
             cpu_attention::backward_on_host(q, k, v, docs, forward, grad_out)
         } else {
             chunked_attention_backward(q, k, v, docs, forward, grad_out)
+        }
+    }
+
+    fn masked_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        mask: &Tensor<Self, 4>,
+    ) -> Tensor<Self, 4> {
+        if cpu_attention::takes([&q, &k, &v]) {
+            cpu_attention::masked_on_host(q, k, v, mask)
+        } else {
+            softmax_attention(q, k, v, mask)
         }
     }
 

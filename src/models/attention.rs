@@ -323,14 +323,14 @@ pub fn softmax_attention<B: Backend>(
     softmax(scores.cast(FloatDType::F32), 3).cast(dtype).matmul(repeat(v))
 }
 
-/// `softmax_attention` with the heads merged: `[batch, seq, heads * d]`.
-pub fn grouped_attention<B: Backend>(
+/// The backend's `masked_attention` (`softmax_attention`) with the heads merged: `[batch, seq, heads * d]`.
+pub fn grouped_attention<B: ModelBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     mask: &Tensor<B, 4>,
 ) -> Tensor<B, 3> {
-    merge_heads(softmax_attention(q, k, v, mask))
+    merge_heads(B::masked_attention(q, k, v, mask))
 }
 
 /// `[batch, heads, seq, d]` heads side by side: `[batch, seq, heads · d]`.

@@ -5,7 +5,7 @@
 //! backward follow the equations of `attention::chunked_attention{,_backward}`. Work is split over
 //! (row, kv head) with rayon and each task sums in a fixed order, so the results do not depend on the
 //! number of threads. Flex in f32 runs it (`backend.rs`); other dtypes and backends keep the chunked
-//! tensor ops.
+//! tensor ops. Cached decoding's attention over a mask (`masked_forward`) gets the same treatment.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor};
@@ -68,6 +68,42 @@ pub fn forward(q: &[f32], k: &[f32], v: &[f32], starts: &[usize], dims: Attentio
         }
     });
     (out, lse)
+}
+
+/// `softmax(q kᵀ / √d + mask) v` (`attention::softmax_attention`: cached decoding's attention) for queries
+/// `[batch, heads, seq, d]`, keys and values `[batch, kv_heads, keys, d]` and an additive mask
+/// `[batch, seq, keys]` shared by the heads; keys the mask sets to −∞ are skipped, not scored. A query with
+/// no key left (which decoding never makes: a token always sees itself) gets zeros.
+pub fn masked_forward(q: &[f32], k: &[f32], v: &[f32], mask: &[f32], dims: AttentionDims, keys: usize) -> Vec<f32> {
+    let AttentionDims { heads, seq, d, .. } = dims;
+    let (group, scale) = (dims.group(), dims.scale());
+    let mut out = vec![0.0f32; q.len()];
+    out.par_chunks_mut(seq * d).enumerate().for_each(|(bh, out)| {
+        let (b, h) = (bh / heads, bh % heads);
+        let kv = b * dims.kv_heads + h / group;
+        let (q, k, v) = (row(q, bh, seq * d), row(k, kv, keys * d), row(v, kv, keys * d));
+        let mut scored = Vec::with_capacity(keys);
+        for i in 0..seq {
+            let (qi, mask) = (row(q, i, d), row(mask, b * seq + i, keys));
+            scored.clear();
+            scored.extend(
+                (0..keys)
+                    .filter(|&j| mask[j] > f32::NEG_INFINITY)
+                    .map(|j| (j, dot(qi, row(k, j, d)) * scale + mask[j])),
+            );
+            let max = scored.iter().map(|&(_, s)| s).fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f32;
+            for (_, s) in scored.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            let out_i = row_mut(out, i, d);
+            for &(j, p) in &scored {
+                axpy(p / sum, row(v, j, d), out_i);
+            }
+        }
+    });
+    out
 }
 
 /// Gradients `(dq, dk, dv)` of `forward` for the output gradient `grad_out`, from its output `out` and
@@ -144,6 +180,21 @@ pub fn forward_on_host<B: Backend>(
     }
 }
 
+/// `attention::softmax_attention` through `masked_forward`, in f32; `mask` is `[batch, 1, seq, keys]`.
+pub fn masked_on_host<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: &Tensor<B, 4>,
+) -> Tensor<B, 4> {
+    let dims = dims_of(&q, &k);
+    let (shape, keys) = (q.dims(), k.dims()[2]);
+    let device = q.device();
+    let mask = host(mask.clone().cast(FloatDType::F32));
+    let out = masked_forward(&host(q), &host(k), &host(v), &mask, dims, keys);
+    host_tensor(out, shape, FloatDType::F32, &device)
+}
+
 /// `attention::chunked_attention_backward` through `backward`, in f32.
 pub fn backward_on_host<B: Backend>(
     q: Tensor<B, 4>,
@@ -210,6 +261,35 @@ mod tests {
             {
                 assert_close(&format!("{name}, {case}"), &values(a), &values(b), 4e-6);
             }
+        }
+    }
+
+    #[test]
+    fn the_host_masked_attention_equals_the_softmax_composition() {
+        // Two rows decoding 3 new tokens after 6 cached ones: row 0 left-padded by 2 (masked keys), row 1
+        // not; each new token sees the real tokens before it and itself; one finite non-zero mask value.
+        let device = Default::default();
+        let (seq, keys) = (3, 9);
+        let mut mask = vec![f32::NEG_INFINITY; 2 * seq * keys];
+        for b in 0..2 {
+            for i in 0..seq {
+                for j in (2 * (1 - b))..=6 + i {
+                    mask[(b * seq + i) * keys + j] = 0.0;
+                }
+            }
+        }
+        mask[keys + 4] = -0.75;
+        let mask = crate::backend::host_tensor::<Cpu, 4>(mask, [2, 1, seq, keys], FloatDType::F32, &device);
+        for (heads, kv_heads, d) in [(4, 2, 12), (2, 2, 8), (3, 1, 5)] {
+            let q = normal::<Cpu, 4>([2, heads, seq, d], 0.0, 1.0, 1, &device);
+            let (k, v) = (
+                normal::<Cpu, 4>([2, kv_heads, keys, d], 0.0, 1.0, 2, &device),
+                normal::<Cpu, 4>([2, kv_heads, keys, d], 0.0, 1.0, 3, &device),
+            );
+            let reference = crate::models::attention::softmax_attention(q.clone(), k.clone(), v.clone(), &mask);
+            let host = masked_on_host(q, k, v, &mask);
+            let case = format!("heads {heads}, kv heads {kv_heads}, d {d}");
+            assert_close(&format!("masked attention, {case}"), &values(host), &values(reference), 2e-6);
         }
     }
 

@@ -69,6 +69,17 @@ pub trait ModelBackend: Backend {
         Self::attention_forward(q, k, v, docs).out
     }
 
+    /// `softmax(q kᵀ / √d + mask) v` over an additive mask `[batch, 1, seq, keys]` (cached decoding's
+    /// attention over its cache; `attention::softmax_attention`, on the CPU in f32 `cpu_attention`).
+    fn masked_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        mask: &Tensor<Self, 4>,
+    ) -> Tensor<Self, 4> {
+        softmax_attention(q, k, v, mask)
+    }
+
     /// `document_attention` with what its backward pass needs: the output and each query's log-sum-exp
     /// (`attention::chunked_attention`; the CPU backend in f32 runs `cpu_attention` instead).
     fn attention_forward(
