@@ -1,12 +1,13 @@
 //! The gated delta rule of `deltanet` as per-token loops over f32 host slices, for the CPU backend. The
 //! chunked form exists to turn the scan into matmuls a GPU runs well; on a CPU the recurrence itself is
 //! the cheaper form (about `4·dk·dv` multiply-adds per token and head, against the chunked form's extra
-//! `C·(dk + dv)` for its in-chunk products and triangular solve) and builds no `[C, C]` tensors. Forward:
-//! the outputs and the state each chunk of `C` tokens starts from (what the autodiff op keeps, as the
-//! chunked form's does), from an empty state or a decoding cache's. Backward: per chunk, last to first, the chunk's states are recomputed from its
-//! saved start and the token recurrence is differentiated in reverse. Work is split over (row, head) with
-//! rayon and each task runs in one fixed order, so results do not depend on the number of threads. Flex
-//! with all inputs f32 runs it (`backend.rs`); other dtypes and backends keep the chunked tensor ops.
+//! `C·(dk + dv)` for its in-chunk products and triangular solve) and builds no `[C, C]` tensors.
+//! Forward: the outputs and the state each chunk of `C` tokens starts from (what the autodiff op keeps, as
+//! the chunked form's does), from an empty state or a decoding cache's. Backward: per chunk, last to
+//! first, the chunk's states are recomputed from its saved start and the token recurrence is
+//! differentiated in reverse. Work is split over (row, head) with rayon and each task runs in one fixed
+//! order, so results do not depend on the number of threads. Flex with all inputs f32 runs it
+//! (`backend.rs`); other dtypes and backends keep the chunked tensor ops.
 //!
 //! Per token, with the state `S ∈ R^{dk×dv}` (row-major): `S' = a·S` (`a = exp(g)`, 0 where a document
 //! starts), `r = v − S'ᵀk`, `δ = β r`, `S = S' + k δᵀ`, `o = Sᵀq`.
