@@ -155,22 +155,11 @@ impl<B: Backend> HfNamed for Qwen35Model<B> {
     }
 }
 
-fn transpose2(t: &HostTensor) -> HostTensor {
-    let (r, c) = (t.shape[0], t.shape[1]);
-    let mut data = vec![0.0; r * c];
-    for i in 0..r {
-        for j in 0..c {
-            data[j * r + i] = t.data[i * c + j];
-        }
-    }
-    HostTensor { shape: vec![c, r], data }
-}
-
 /// The checkpoint tensor of `view` from its parameter's value (burn layout).
 pub fn to_hf(view: HfView, t: &HostTensor) -> HostTensor {
     match view {
         HfView::Same => HostTensor { shape: t.shape.clone(), data: t.data.clone() },
-        HfView::Transpose => transpose2(t),
+        HfView::Transpose => t.transposed(),
         HfView::ConvKernel => HostTensor { shape: vec![t.shape[0], 1, t.shape[1]], data: t.data.clone() },
         HfView::ExpertW1(e) | HfView::ExpertW3(e) | HfView::ExpertW2(e) => {
             // gate_up: [E, H, 2F]; down: [E, F, H]
@@ -185,7 +174,7 @@ pub fn to_hf(view: HfView, t: &HostTensor) -> HostTensor {
             for r in 0..rows {
                 data.extend_from_slice(&block[r * cols + c0..r * cols + c0 + width]);
             }
-            transpose2(&HostTensor { shape: vec![rows, width], data })
+            HostTensor { shape: vec![rows, width], data }.transposed()
         }
     }
 }

@@ -171,7 +171,7 @@ pub struct HostTensor {
 impl HostTensor {
     /// A `[rows, cols]` matrix as `[cols, rows]`, row-major: 32 output rows per rayon task, filled in
     /// 32 × 32 tiles so reads and writes both stay in cache.
-    pub fn transposed(self) -> Self {
+    pub fn transposed(&self) -> Self {
         use rayon::prelude::*;
         const TILE: usize = 32;
         let [rows, cols] = self.shape[..] else {
