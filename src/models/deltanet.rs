@@ -849,7 +849,7 @@ mod tests {
         let inputs = random_inputs(1, 2, 10, 4, 3);
         let plan = ChunkPlan::new(&segments, 4, &Default::default());
         let (reference, _) = recurrent(clone_inputs(&inputs), &segments, None);
-        let loops = super::super::cpu_deltanet::scan_on_host(clone_inputs(&inputs), &plan, None).out;
+        let loops = crate::models::cpu_deltanet::scan_on_host(clone_inputs(&inputs), &plan, None).out;
         let out = <B as crate::models::ModelBackend>::gated_delta_rule(clone_inputs(&inputs), &plan);
         assert_eq!(crate::testing::values(out.clone()), crate::testing::values(loops));
         assert!(max_abs_diff(out, reference) < 1e-5);

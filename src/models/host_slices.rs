@@ -30,7 +30,7 @@ pub fn row<T>(x: &[T], i: usize, d: usize) -> &[T] {
 }
 
 /// Row `i` of a `[rows, d]` slice, mutably.
-pub fn row_mut(x: &mut [f32], i: usize, d: usize) -> &mut [f32] {
+pub fn row_mut<T>(x: &mut [T], i: usize, d: usize) -> &mut [T] {
     &mut x[i * d..(i + 1) * d]
 }
 
