@@ -63,6 +63,17 @@ pub type Vk = burn::backend::Vulkan<f32>;
 pub type VkTrain = Autodiff<Vk>;
 #[cfg(feature = "vulkan")]
 pub type VkTrainCheckpointed = Autodiff<Vk, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
+/// The Vulkan backend in f16 (`--precision f16`): lavapipe has no bf16, so f16 stands in for it to run the
+/// graph CUDA's bf16 backend runs — half-precision tensors born in the device's default dtype, cast to f32
+/// around norms, softmax and the loss — through burn's fusion without a GPU. The first GPU session found a
+/// fusion panic (tracel-ai/burn#5292) that only half-precision graphs reach and the f32 tests could not.
+#[cfg(feature = "vulkan")]
+pub type VkHalf = burn::backend::Vulkan<burn::tensor::f16>;
+#[cfg(feature = "vulkan")]
+pub type VkHalfTrain = Autodiff<VkHalf>;
+#[cfg(feature = "vulkan")]
+pub type VkHalfTrainCheckpointed =
+    Autodiff<VkHalf, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
 
 /// Whether this build can compute on a Vulkan device here: wgpu panics on burn's device thread where no
 /// Vulkan driver is installed, so the first use is probed as CUDA's is.
@@ -173,12 +184,18 @@ macro_rules! cuda_device_memory {
 cuda_device_memory!(burn::backend::Cuda<f32>, Gpu, GpuUnfused);
 
 #[cfg(feature = "vulkan")]
-impl DeviceMemory for Vk {
-    fn reserved_bytes(device: &Self::Device) -> Option<u64> {
-        use cubecl::Runtime;
-        cubecl::wgpu::WgpuRuntime::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
-    }
+macro_rules! vulkan_device_memory {
+    ($($backend:ty),*) => {$(
+        impl DeviceMemory for $backend {
+            fn reserved_bytes(device: &Self::Device) -> Option<u64> {
+                use cubecl::Runtime;
+                cubecl::wgpu::WgpuRuntime::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
+            }
+        }
+    )*};
 }
+#[cfg(feature = "vulkan")]
+vulkan_device_memory!(Vk, VkHalf);
 
 // The CPU backend runs the models' attention in f32 as loops over each query's document keys
 // (`models::cpu_attention`) and the DeltaNet scan as loops over tokens (`models::cpu_deltanet`); the
@@ -278,6 +295,8 @@ cubecl_model_backend!(Gpu);
 cubecl_model_backend!(GpuUnfused);
 #[cfg(feature = "vulkan")]
 cubecl_model_backend!(Vk);
+#[cfg(feature = "vulkan")]
+cubecl_model_backend!(VkHalf);
 
 /// `scan_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
 pub fn scan_kernel_enabled() -> bool {

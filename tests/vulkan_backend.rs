@@ -121,6 +121,35 @@ fn the_tiny_shapes_train_on_the_fused_backend_as_on_the_cpu() {
     }
 }
 
+/// The half-precision graph CUDA's bf16 backend runs, in f16 (lavapipe has no bf16): every tiny shape trains
+/// three steps with kiln's ops, with activation checkpointing and with burn's plain compositions, each loss
+/// within 1e-3 relative of the CPU's f32 one (f16 rounding; they agree to about 1e-4).
+/// The f32 test above cannot see what only half precision builds — the casts to f32 around norms, softmax and
+/// the loss — and burn's fusion had a panic there (tracel-ai/burn#5292) that stopped the first GPU session.
+#[test]
+fn the_tiny_shapes_train_in_half_precision_on_the_fused_backend() {
+    let f32_cfg = common::tiny_bench_config(Precision::F32, 2);
+    let variants = [
+        ("ops", f32_cfg.clone()),
+        ("checkpointed", BenchConfig { activation_checkpointing: true, accumulation: 1, ..f32_cfg.clone() }),
+        ("reference ops", BenchConfig { reference_ops: true, ..f32_cfg }),
+    ];
+    for shape in common::TINY_SHAPES {
+        let config =
+            kiln::models::ModelConfig::from_file(&common::project_dir().join(shape).join("config.json")).unwrap();
+        for (label, cfg) in &variants {
+            let cpu = bench_on_device(&config, cfg, "cpu").unwrap();
+            let half = bench_on_device(&config, &BenchConfig { precision: Precision::F16, ..cfg.clone() }, "vulkan")
+                .unwrap_or_else(|e| panic!("{shape} {label}: {e}"));
+            assert_eq!((half.device.as_str(), half.losses.len()), ("vulkan", 3));
+            for (step, (a, b)) in half.losses.iter().zip(&cpu.losses).enumerate() {
+                eprintln!("{shape} {label} step {step}: vulkan f16 {a} cpu f32 {b}");
+                assert!((a - b).abs() <= 1e-3 * b.abs(), "{shape} {label} step {step}: f16 {a} vs f32 {b}");
+            }
+        }
+    }
+}
+
 /// Qwen3.5's cached decoding on the fused backend: a prefill of a chunk and a bit (the scan kernel from an
 /// empty state, its last state kept in the cache), then the recurrent form a token at a time, each position
 /// equal to the full forward.

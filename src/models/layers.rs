@@ -8,7 +8,7 @@ use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
 
-use super::ops::{ModelBackend, NormKind};
+use super::ops::{ModelBackend, NormKind, f32_of};
 use crate::backend::{host_tensor, zeros_in};
 
 /// `weight * x / sqrt(mean(x²) + eps)` over the last dimension (LFM2's form: no `1 +` offset), normalized
@@ -43,9 +43,8 @@ impl<B: ModelBackend> ZeroCenteredRmsNorm<B> {
 /// `x / sqrt(Σx² + eps)` over the last dimension, in f32 (the L2 norm of the FLA kernels transformers
 /// mirrors, eps 1e-6).
 pub fn l2_normalize<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
-    let x = x.cast(FloatDType::F32);
-    let inv = (x.clone().powf_scalar(2.0).sum_dim(D - 1) + eps).sqrt().recip();
-    x * inv
+    let inv = (f32_of(&x).powf_scalar(2.0).sum_dim(D - 1) + eps).sqrt().recip();
+    f32_of(&x) * inv
 }
 
 /// Gradient of `l2_normalize` with respect to `x` (in its dtype) for the output gradient `grad`, in f32
@@ -56,12 +55,11 @@ pub fn l2_normalize_backward<B: Backend, const D: usize>(
     grad: Tensor<B, D>,
 ) -> Tensor<B, D> {
     let dtype = FloatDType::from(x.dtype());
-    let x = x.cast(FloatDType::F32);
-    let inv = (x.clone().powf_scalar(2.0).sum_dim(D - 1) + eps).sqrt().recip();
-    let y = x * inv.clone();
-    let grad = grad.cast(FloatDType::F32);
-    let projection = (grad.clone() * y.clone()).sum_dim(D - 1);
-    ((grad - y * projection) * inv).cast(dtype)
+    // Recomputed per use rather than kept across the reductions (`ops::f32_of` says why).
+    let inv = (f32_of(&x).powf_scalar(2.0).sum_dim(D - 1) + eps).sqrt().recip();
+    let y = || f32_of(&x) * inv.clone();
+    let projection = (f32_of(&grad) * y()).sum_dim(D - 1);
+    ((f32_of(&grad) - y() * projection) * inv).cast(dtype)
 }
 
 /// `log(1 + exp(x))` without overflow: `max(x, 0) + log1p(exp(−|x|))`.

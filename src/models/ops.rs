@@ -216,9 +216,9 @@ pub fn rms_norm_forward<B: Backend, const D: usize>(
     kind: NormKind,
 ) -> Tensor<B, D> {
     let dtype = x.dtype();
-    let x = x.cast(FloatDType::F32);
-    let variance = x.clone().powf_scalar(2.0).mean_dim(D - 1);
-    let normed = x * (variance + eps).sqrt().recip();
+    // Each f32 view of x is cast where it is used (see `f32_of`).
+    let variance = f32_of(&x).powf_scalar(2.0).mean_dim(D - 1);
+    let normed = f32_of(&x) * (variance + eps).sqrt().recip();
     match kind {
         NormKind::Plain if weight.dtype() == dtype => normed.cast(dtype) * weight.unsqueeze::<D>(),
         NormKind::Plain => normed.cast(dtype).cast(FloatDType::F32) * weight.cast(FloatDType::F32).unsqueeze::<D>(),
@@ -239,21 +239,34 @@ pub fn rms_norm_backward<B: Backend, const D: usize>(
 ) -> (Tensor<B, D>, Tensor<B, 1>) {
     let (x_dtype, weight_dtype) = (FloatDType::from(x.dtype()), FloatDType::from(weight.dtype()));
     let width = weight.dims()[0];
-    let x = x.cast(FloatDType::F32);
-    let grad = grad.cast(FloatDType::F32);
-    let inv = (x.clone().powf_scalar(2.0).mean_dim(D - 1) + eps).sqrt().recip();
-    let normed = x * inv.clone();
+    // The elementwise terms are recomputed for each reduction and after them, never kept (see `f32_of`).
+    let inv = (f32_of(&x).powf_scalar(2.0).mean_dim(D - 1) + eps).sqrt().recip();
+    let normed = || f32_of(&x) * inv.clone();
     let weight = weight.cast(FloatDType::F32);
-    let (scale, multiplied) = match kind {
+    let scale = match kind {
+        NormKind::Plain => weight,
+        NormKind::ZeroCentered => weight + 1.0,
+    }
+    .unsqueeze::<D>();
+    let multiplied = match kind {
         // The plain form multiplies the weight with x̂ rounded to the input's dtype.
-        NormKind::Plain => (weight, normed.clone().cast(x_dtype).cast(FloatDType::F32)),
-        NormKind::ZeroCentered => (weight + 1.0, normed.clone()),
+        NormKind::Plain => normed().cast(x_dtype).cast(FloatDType::F32),
+        NormKind::ZeroCentered => normed(),
     };
-    let grad_weight = (grad.clone() * multiplied).reshape([-1, width as i64]).sum_dim(0).reshape([width]);
-    let grad_normed = grad * scale.unsqueeze::<D>();
-    let projection = (grad_normed.clone() * normed.clone()).mean_dim(D - 1);
-    let grad_x = (grad_normed - normed * projection) * inv;
+    let grad_weight = (f32_of(&grad) * multiplied).reshape([-1, width as i64]).sum_dim(0).reshape([width]);
+    let grad_normed = || f32_of(&grad) * scale.clone();
+    let projection = (grad_normed() * normed()).mean_dim(D - 1);
+    let grad_x = (grad_normed() - normed() * projection) * inv.clone();
     (grad_x.cast(x_dtype), grad_weight.cast(weight_dtype))
+}
+
+/// `x` in f32, as a new cast at each use. A half-precision input cast once and reused after a reduction
+/// becomes an output that burn's fused reduction writes, and a fused reduction whose layout reference is such
+/// an output panics on burn's device thread (tracel-ai/burn#5292; the first GPU session hit it in every
+/// training step). Recomputing the cast costs a read of `x` in a kernel that reads it anyway; in f32 the
+/// cast is no op at all.
+pub fn f32_of<B: Backend, const D: usize>(x: &Tensor<B, D>) -> Tensor<B, D> {
+    x.clone().cast(FloatDType::F32)
 }
 
 impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {

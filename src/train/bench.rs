@@ -204,6 +204,31 @@ mod tests {
     }
 
     #[test]
+    fn f16_is_refused_off_the_vulkan_device() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/tiny/config.json");
+        let config = ModelConfig::from_file(&dir).unwrap();
+        let cfg = BenchConfig {
+            seq: 8,
+            micro_batch: 1,
+            accumulation: 1,
+            steps: 1,
+            warmup: 0,
+            docs_per_row: 1,
+            seed: 1,
+            lr: 1e-3,
+            peak_tflops: None,
+            activation_checkpointing: false,
+            precision: Precision::F16,
+            moments: MomentDtype::F32,
+            reference_ops: false,
+        };
+        for device in ["cpu", "cuda"] {
+            let err = bench_on_device(&config, &cfg, device).unwrap_err().to_string();
+            assert!(err.contains("--precision f16 is the vulkan device's stand-in for bf16"), "{device}: {err}");
+        }
+    }
+
+    #[test]
     fn median_of_even_and_odd_counts() {
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);

@@ -40,13 +40,14 @@ macro_rules! with_train_backend {
     ($device:expr, $precision:expr, $checkpointing:expr, $go:ident) => {{
         #[cfg(feature = "cuda")]
         let bf16 = $precision == $crate::train::Precision::Bf16;
-        #[cfg(not(feature = "cuda"))]
-        let _ = $precision;
-        match $device {
-            "cpu" if $checkpointing => $go!($crate::backend::CpuTrainCheckpointed),
-            "cpu" => $go!($crate::backend::CpuTrain),
+        match ($device, $precision) {
+            (device, $crate::train::Precision::F16) if device != "vulkan" => {
+                Err($crate::train::TrainError::Device($crate::train::F16_ONLY_ON_VULKAN.into()))
+            }
+            ("cpu", _) if $checkpointing => $go!($crate::backend::CpuTrainCheckpointed),
+            ("cpu", _) => $go!($crate::backend::CpuTrain),
             #[cfg(feature = "cuda")]
-            "cuda" => match ($crate::backend::cuda_choice(bf16), bf16, $checkpointing) {
+            ("cuda", _) => match ($crate::backend::cuda_choice(bf16), bf16, $checkpointing) {
                 (Err(why), _, _) => Err($crate::train::TrainError::Device(why)),
                 (Ok(true), true, false) => $go!($crate::backend::GpuTrain),
                 (Ok(true), true, true) => $go!($crate::backend::GpuTrainCheckpointed),
@@ -56,19 +57,25 @@ macro_rules! with_train_backend {
                 (Ok(false), _, true) => $go!($crate::backend::GpuTrainUnfusedCheckpointed),
             },
             #[cfg(feature = "vulkan")]
-            "vulkan" => match ($crate::backend::vulkan_ready(), $precision, $checkpointing) {
+            ("vulkan", precision) => match ($crate::backend::vulkan_ready(), precision, $checkpointing) {
                 (Err(why), _, _) => Err($crate::train::TrainError::Device(why)),
                 (Ok(()), $crate::train::Precision::Bf16, _) => Err($crate::train::TrainError::Device(
-                    "the vulkan device trains in f32 only (drop --precision bf16)".into(),
+                    "the vulkan device has no bf16: train in f32, or in f16 (--precision f16), its stand-in".into(),
                 )),
+                (Ok(()), $crate::train::Precision::F16, false) => $go!($crate::backend::VkHalfTrain),
+                (Ok(()), $crate::train::Precision::F16, true) => $go!($crate::backend::VkHalfTrainCheckpointed),
                 (Ok(()), _, false) => $go!($crate::backend::VkTrain),
                 (Ok(()), _, true) => $go!($crate::backend::VkTrainCheckpointed),
             },
-            other => Err($crate::train::TrainError::Device($crate::train::device_error(other))),
+            (other, _) => Err($crate::train::TrainError::Device($crate::train::device_error(other))),
         }
     }};
 }
 pub(crate) use with_train_backend;
+
+/// Why `--precision f16` stops on any device but vulkan.
+pub const F16_ONLY_ON_VULKAN: &str = "--precision f16 is the vulkan device's stand-in for bf16 (Mesa's lavapipe has \
+    no bf16); f16 training wants loss scaling, which kiln does not do: use bf16 on cuda, f32 on the cpu";
 
 /// The message for `--device cuda` or `vulkan` in a build without that feature, and for unknown devices.
 pub fn device_error(device: &str) -> String {

@@ -37,6 +37,9 @@ pub enum Precision {
     Auto,
     F32,
     Bf16,
+    /// The vulkan device's stand-in for bf16 (lavapipe has none): the half-precision graph checked without a
+    /// GPU. Not offered elsewhere: f16 training wants loss scaling, which kiln does not do.
+    F16,
 }
 
 impl Precision {
@@ -55,6 +58,7 @@ impl Precision {
             Precision::Auto => None,
             Precision::F32 => Some(FloatDType::F32),
             Precision::Bf16 => Some(FloatDType::BF16),
+            Precision::F16 => Some(FloatDType::F16),
         }
     }
 }
