@@ -355,12 +355,7 @@ fn probe<D: Default>(smoke: fn(&D) -> Result<(), String>) -> Result<(), String> 
     let previous = std::panic::take_hook();
     let sink = Arc::clone(&messages);
     std::panic::set_hook(Box::new(move |info| {
-        let text = info
-            .payload()
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "a panic without a message".into());
+        let text = crate::device_panics::payload_text(info.payload());
         if let Ok(mut all) = sink.lock() {
             all.push(text);
         }
@@ -384,7 +379,7 @@ pub fn compiled() -> Vec<&'static str> {
         names.push("cuda unfused (bf16; KILN_CUDA_FUSION=off)");
     }
     if cfg!(feature = "vulkan") {
-        names.push("vulkan (f32; fused)");
+        names.push("vulkan (f32, f16; fused)");
     }
     names
 }

@@ -3,11 +3,13 @@
 //! Stages and where they live (see the README's stage table): `hub` (Hub access) → `data` (recipes,
 //! readers, normalization, decontamination) → `chat` (native templates, thinking policy, supervised spans)
 //! → `tokens` (tokenizer, token masks, shards, `prepare`). `synth` makes the project's own sample data;
-//! `backend` names the burn backends compiled in.
+//! `backend` names the burn backends compiled in; `device_panics` shapes what a panic on one of their
+//! device threads shows.
 
 pub mod backend;
 pub mod chat;
 pub mod data;
+pub mod device_panics;
 pub mod eval;
 pub mod files;
 pub mod hub;

@@ -539,12 +539,22 @@ const MODEL_FILES: &[&str] = &[
 
 fn main() {
     let cli = Cli::parse();
-    if let Err(err) = run(cli) {
-        eprintln!("error: {err}");
-        for cause in err.chain().skip(1) {
-            eprintln!("  caused by: {cause}");
+    kiln::device_panics::install();
+    // A panic (above all one on a GPU backend's device thread, which kills the command from there) ends in
+    // one error line that names the first panic instead of its echoes.
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(cli))) {
+        Ok(Ok(())) => {}
+        Ok(Err(err)) => {
+            eprintln!("error: {err}");
+            for cause in err.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            std::process::exit(1);
         }
-        std::process::exit(1);
+        Err(_) => {
+            eprintln!("error: {}", kiln::device_panics::summary());
+            std::process::exit(101);
+        }
     }
 }
 
