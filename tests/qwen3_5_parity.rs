@@ -107,7 +107,7 @@ fn cached_decoding_equals_full_forward() {
     let n = row.len();
     let full = values(model.forward(ids_tensor::<Cpu>(&row, [1, n], &device), &SequenceLayout::single(1, n)));
     // Prefill 66 tokens (a chunk and a bit), then one token at a time through the recurrent form.
-    parity::assert_cached_decoding_follows(&model, &row, 66, &full, &device);
+    parity::assert_cached_decoding_follows(&model, &row, 66, &full, 1e-4, &device);
 
     // Left-padded prompts of different lengths: each row's last logits equal that prompt alone, and greedy
     // generation of the batch equals generating each prompt alone.

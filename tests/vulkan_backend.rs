@@ -16,7 +16,7 @@ use std::path::PathBuf;
 
 use burn::tensor::FloatDType;
 use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
-use kiln::backend::{Cpu, Vk, VkTrain};
+use kiln::backend::{Cpu, Vk, VkHalf, VkTrain};
 use kiln::models::deltanet::{ChunkRecurrence, Direction, recurrence_by_chunk};
 use kiln::models::hf::hf_gradients;
 use kiln::models::{CausalLm, ModelBackend, SequenceLayout, load_model};
@@ -161,7 +161,30 @@ fn cached_decoding_follows_the_full_forward_on_the_fused_backend() {
     let (_, model) = load_model::<Vk>(&dir, &Default::default()).unwrap();
     let full = logits(&model, row, [1, row.len()], &SequenceLayout::single(1, row.len()));
     let CausalLm::Qwen35(model) = model else { panic!("the Qwen3.5 fixture loaded as another architecture") };
-    parity::assert_cached_decoding_follows(&model, row, 66, &full, &Default::default());
+    parity::assert_cached_decoding_follows(&model, row, 66, &full, 1e-4, &Default::default());
+}
+
+/// Cached decoding in half precision, the graph evaluation runs on CUDA in bf16 (f16 here): LFM2's and
+/// Qwen3.5's prefill and single-token steps follow their own full forward, within f16 rounding.
+#[test]
+fn cached_decoding_runs_in_half_precision_on_the_fused_backend() {
+    for (name, prefill) in [("lfm2/lfm2-tiny", 5), ("qwen3_5/qwen3_5-tiny", 66)] {
+        let dir = fixture_dir(name);
+        let f = parity::fixture(&dir);
+        let row = &f.ids.0[..f.shape()[1]];
+        let (_, model) = load_model::<VkHalf>(&dir, &Default::default()).unwrap();
+        let full = logits(&model, row, [1, row.len()], &SequenceLayout::single(1, row.len()));
+        let tolerance = 1e-2 * full.iter().fold(0f32, |m, v| m.max(v.abs()));
+        eprintln!("{name}: largest logit {:.3}, tolerance {tolerance:.2e}", tolerance / 1e-2);
+        match model {
+            CausalLm::Lfm2(m) => {
+                parity::assert_cached_decoding_follows(&m, row, prefill, &full, tolerance, &Default::default())
+            }
+            CausalLm::Qwen35(m) => {
+                parity::assert_cached_decoding_follows(&m, row, prefill, &full, tolerance, &Default::default())
+            }
+        }
+    }
 }
 
 /// Deterministic values in `[lo, hi)` for the scan kernel's inputs.
