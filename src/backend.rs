@@ -167,35 +167,23 @@ impl<B: DeviceMemory, C: burn::backend::autodiff::checkpoint::strategy::Checkpoi
     }
 }
 
-/// The CUDA backends' allocator reserved bytes (one body for the f32 and bf16 backends: burn does not
-/// export the element bounds a generic impl over `Cuda<F, I>` needs).
-#[cfg(feature = "cuda")]
-macro_rules! cuda_device_memory {
-    ($($backend:ty),*) => {$(
+/// The CubeCL backends' allocator reserved bytes (one body per runtime for all its element types: burn does
+/// not export the element bounds a generic impl over `CubeBackend<R, F, I, B>` needs).
+#[cfg(any(feature = "cuda", feature = "vulkan"))]
+macro_rules! cubecl_device_memory {
+    ($runtime:ty: $($backend:ty),*) => {$(
         impl DeviceMemory for $backend {
             fn reserved_bytes(device: &Self::Device) -> Option<u64> {
                 use cubecl::Runtime;
-                cubecl::cuda::CudaRuntime::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
+                <$runtime>::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
             }
         }
     )*};
 }
 #[cfg(feature = "cuda")]
-cuda_device_memory!(burn::backend::Cuda<f32>, Gpu, GpuUnfused);
-
+cubecl_device_memory!(cubecl::cuda::CudaRuntime: burn::backend::Cuda<f32>, Gpu, GpuUnfused);
 #[cfg(feature = "vulkan")]
-macro_rules! vulkan_device_memory {
-    ($($backend:ty),*) => {$(
-        impl DeviceMemory for $backend {
-            fn reserved_bytes(device: &Self::Device) -> Option<u64> {
-                use cubecl::Runtime;
-                cubecl::wgpu::WgpuRuntime::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
-            }
-        }
-    )*};
-}
-#[cfg(feature = "vulkan")]
-vulkan_device_memory!(Vk, VkHalf);
+cubecl_device_memory!(cubecl::wgpu::WgpuRuntime: Vk, VkHalf);
 
 // The CPU backend runs the models' attention in f32 as loops over each query's document keys
 // (`models::cpu_attention`) and the DeltaNet scan as loops over tokens (`models::cpu_deltanet`); the
