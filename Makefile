@@ -69,7 +69,10 @@ bench: build
 
 # The CUDA build packed for a GPU machine without a toolchain (tests/bench/gpu_session.sh unpacks it there):
 # the stripped binary is ~96 MB, over what the device tool carries (64 MiB); gzip brings it to ~26 MB.
+# Without nvcc, cudarc binds the newest CUDA API it knows (13.4); the GPU machines' driver (580) has 13.0's,
+# so the carried build binds that one (the H200 session of 2026-11-26 ran such a build).
 GPU_CARRY := gpu/kiln.gz
+gpu-carry: export CUDARC_CUDA_VERSION ?= 13000
 gpu-carry:
 	$(CARGO) build --release --features cuda
 	mkdir -p gpu

@@ -263,8 +263,7 @@ pub fn rms_norm_backward<B: Backend, const D: usize>(
 /// `x` in f32, as a new cast at each use. A half-precision input cast once and reused after a reduction
 /// becomes an output that burn's fused reduction writes, and a fused reduction whose layout reference is such
 /// an output panics on burn's device thread (tracel-ai/burn#5292; the first GPU session hit it in every
-/// training step). Recomputing the cast costs a read of `x` in a kernel that reads it anyway; in f32 the
-/// cast is no op at all.
+/// training step). Recomputing the cast costs a read of `x` in a fused kernel that reads it anyway.
 pub fn f32_of<B: Backend, const D: usize>(x: &Tensor<B, D>) -> Tensor<B, D> {
     x.clone().cast(FloatDType::F32)
 }

@@ -4,6 +4,10 @@
 # Stages, run in the order STAGES names them, each under STAGE_TIMEOUT seconds (a device call has a hard
 # limit: a stage that hangs or compiles for ever must not cost the ones after it):
 #
+#   parity   correctness first: three training steps of each tiny shape (LFM2, LFM2-MoE, Qwen3.5) with
+#            `kiln bench-train` on the CPU in f32 and on DEVICE in f32 and bf16, losses side by side
+#            (tests/bench/parity.py: f32 within 1e-4 relative of the CPU, bf16 within 1e-2) — the fused
+#            backend's kernels and layouts checked against the reference before any speed is measured;
 #   table    the training-step table (tests/bench/train.sh): kiln with each of KILN_OPS, and transformers +
 #            PyTorch (bf16, amp) on the benchmark SHAPES;
 #   train    `kiln train` on the device for EPOCHS epochs of the offline pipeline's shards (`kiln sft --model
@@ -23,7 +27,8 @@
 # KILN may be gzipped (the CUDA build is over the device tool's 64 MiB carry limit; packed it is ~26 MB): it
 # is unpacked to $TMPDIR first, and the unpacked binary's path is passed on to the stages.
 #
-# Settings (environment): DEVICE (cuda); STAGES ("table train pipeline profile noscan"); STAGE_TIMEOUT (600);
+# Settings (environment): DEVICE (cuda); STAGES ("parity table train pipeline profile noscan"); STAGE_TIMEOUT
+# (600);
 # SHAPES ("lfm2-350m lfm2.5-1.2b qwen3.5-0.8b") and KILN_OPS ("ops reference") for the table, where
 # train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION, MOMENTS and REFERENCE pass through; TRAIN_SHAPE
 # (lfm2-350m), EPOCHS (2), TRAIN_MICRO (4), TRAIN_BATCH (8 sequences a step), TRAIN_LR (2e-5); PROFILE_SHAPES
@@ -33,13 +38,33 @@
 set -uo pipefail
 self=$(realpath "$0")
 cd "$(dirname "$0")/../.."
-: "${DEVICE:=cuda}" "${STAGES:=table train pipeline profile noscan}" "${STAGE_TIMEOUT:=600}"
+: "${DEVICE:=cuda}" "${STAGES:=parity table train pipeline profile noscan}" "${STAGE_TIMEOUT:=600}"
 : "${SHAPES=lfm2-350m lfm2.5-1.2b qwen3.5-0.8b}" "${KILN_OPS:=ops reference}"
 : "${TRAIN_SHAPE:=lfm2-350m}" "${EPOCHS:=2}" "${TRAIN_MICRO:=4}" "${TRAIN_BATCH:=8}" "${TRAIN_LR:=2e-5}"
 : "${PROFILE_SHAPES=lfm2.5-1.2b qwen3.5-0.8b}" "${OUT:=runs/gpu-session}" "${PACK:=}"
 [[ " $SHAPES " == *" qwen3.5-0.8b "* ]] && : "${SCAN_AB=qwen3.5-0.8b}" || : "${SCAN_AB=}"
 run=gpu-session
 step() { echo "== $*" >&2; }
+
+stage_parity() {
+    step "parity: tiny shapes on cpu f32 and $DEVICE f32, bf16"
+    local config shape run status=0
+    mkdir -p "$OUT/parity"
+    for config in configs/models/tiny configs/models/tiny-qwen3.5 tests/fixtures/lfm2/lfm2-moe-tiny; do
+        shape=$(basename "$config")
+        for run in "cpu f32" "$DEVICE f32" "$DEVICE bf16"; do
+            set -- $run
+            # The tiny training test's settings (tests/common: tiny_bench_config), three optimizer steps.
+            "$KILN" --quiet bench-train --config "$config" --device "$1" --precision "$2" --seq 48 --micro-batch 2 \
+                --accumulation 2 --docs-per-row 3 --steps 3 --warmup 0 --seed 5 --lr 3e-3 \
+                --out "$OUT/parity/$shape@$1-$2.json" >/dev/null 2>>"$OUT/parity.log" \
+                || { echo "bench-train of $shape on $1 $2 failed (see parity.log)" >&2; status=1; }
+        done
+    done
+    python3 tests/bench/parity.py "$OUT"/parity/*.json >"$OUT/parity.md" || status=1
+    cat "$OUT/parity.md"
+    return $status
+}
 
 stage_table() {
     [[ -n $SHAPES ]] || return 0
