@@ -406,7 +406,7 @@ struct TrainArgs {
     /// Continue from run/train/state exactly where it stopped.
     #[arg(long)]
     resume: bool,
-    /// cpu, cuda (builds with --features cuda) or vulkan (--features vulkan; f32).
+    /// cpu, cuda (builds with --features cuda) or vulkan (--features vulkan; f32, or f16 standing in for bf16).
     #[arg(long, default_value = "cpu")]
     device: String,
     #[arg(long)]
@@ -460,7 +460,7 @@ struct BenchTrainArgs {
     /// A config.json, or a folder holding one (tests/bench/shapes/ has the benchmark shapes).
     #[arg(long)]
     config: PathBuf,
-    /// cpu, cuda (builds with --features cuda) or vulkan (--features vulkan; f32).
+    /// cpu, cuda (builds with --features cuda) or vulkan (--features vulkan; f32, or f16 standing in for bf16).
     #[arg(long, default_value = "cpu")]
     device: String,
     #[arg(long, value_enum, default_value = "auto")]
