@@ -16,7 +16,7 @@ use std::path::PathBuf;
 
 use burn::tensor::FloatDType;
 use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
-use kiln::backend::{Cpu, Vk, VkHalf, VkTrain};
+use kiln::backend::{Cpu, Vk, VkHalf, VkHalfTrain, VkTrain};
 use kiln::models::deltanet::{ChunkRecurrence, Direction, recurrence_by_chunk};
 use kiln::models::hf::hf_gradients;
 use kiln::models::{CausalLm, ModelBackend, SequenceLayout, load_model};
@@ -93,6 +93,20 @@ fn a_resumed_run_on_the_fused_backend_equals_the_uninterrupted_one() {
     let cfg =
         TrainConfig { epochs: 2, warmup_steps: Some(2), decay: Decay::Cosine, ..common::training::parity_config() };
     common::training::assert_resume_agrees::<VkTrain>(&cfg, common::training::Agreement::Within(1e-5));
+}
+
+/// The trainer in half precision (f16 standing in for CUDA's bf16): a run stopped after 4 steps and resumed
+/// ends where the uninterrupted one does, its epoch exports (written from f16 parameters) included.
+#[test]
+fn a_half_precision_run_on_the_fused_backend_resumes_and_exports() {
+    let cfg = TrainConfig {
+        epochs: 2,
+        warmup_steps: Some(2),
+        decay: Decay::Cosine,
+        precision: Precision::F16,
+        ..common::training::parity_config()
+    };
+    common::training::assert_resume_agrees::<VkHalfTrain>(&cfg, common::training::Agreement::Within(1e-3));
 }
 
 /// Every tiny shape (LFM2 convolutions, Qwen3.5's DeltaNet scan, LFM2-MoE's grouped expert matmuls) trains
