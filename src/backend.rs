@@ -75,25 +75,32 @@ pub type VkHalfTrain = Autodiff<VkHalf>;
 pub type VkHalfTrainCheckpointed =
     Autodiff<VkHalf, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
 
-/// Whether this build can compute on a Vulkan device here: wgpu panics on burn's device thread where no
-/// Vulkan driver is installed, so the first use is probed as CUDA's is.
-pub fn vulkan_ready() -> Result<(), String> {
+/// Whether this build can compute on a Vulkan device here, in f16 (`half`) or f32: wgpu panics on burn's
+/// device thread where no Vulkan driver is installed, so the first use is probed as CUDA's is (and claims
+/// the device's default dtype as CUDA's probe does).
+pub fn vulkan_ready(half: bool) -> Result<(), String> {
     #[cfg(feature = "vulkan")]
     {
         static PROBE: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+        let smoke: fn(&burn::backend::wgpu::WgpuDevice) -> Result<(), String> =
+            if half { smoke_test::<VkHalf> } else { smoke_test::<Vk> };
         PROBE
             .get_or_init(|| {
-                probe(smoke_test::<Vk>).map_err(|why| {
+                probe(smoke).map_err(|why| {
                     format!(
                         "Vulkan is not usable on this machine: {why}\n(kiln's vulkan device runs on any Vulkan \
                          driver; without a GPU, install Mesa's CPU driver: apt-get install mesa-vulkan-drivers)"
                     )
                 })
             })
-            .clone()
+            .clone()?;
+        if half { default_dtype_is::<VkHalf>("vulkan") } else { default_dtype_is::<Vk>("vulkan") }
     }
     #[cfg(not(feature = "vulkan"))]
-    Err(crate::train::device_error("vulkan"))
+    {
+        let _ = half;
+        Err(crate::train::device_error("vulkan"))
+    }
 }
 
 /// The environment variable that turns burn's fusion off on CUDA (`off`/`0`/`false`; `on` is the default).
@@ -133,7 +140,7 @@ fn parse_switch(name: &str, value: &str) -> Result<bool, String> {
 /// (checked in that order, so a wrong setting is reported on any machine).
 pub fn cuda_choice(bf16: bool) -> Result<bool, String> {
     let fused = fusion_for(bf16, cuda_fusion())?;
-    cuda_ready()?;
+    cuda_ready(bf16)?;
     Ok(fused)
 }
 
@@ -309,29 +316,55 @@ pub fn zeros_in<B: Backend, const D: usize>(shape: [usize; D], dtype: FloatDType
     Tensor::zeros(shape, (device, DType::from(dtype)))
 }
 
-/// Whether this build can compute on a CUDA device here: the first CUDA use loads the driver (libcuda) and
-/// NVRTC by name and compiles a kernel, and a missing library panics on burn's device thread. Probed once
-/// with a small matmul, panics caught (on every thread: the device thread holds the reason), and turned into
-/// an error that says what is missing.
-pub fn cuda_ready() -> Result<(), String> {
+/// Whether this build can compute on a CUDA device here, in bf16 (`bf16`) or f32: the first CUDA use loads
+/// the driver (libcuda) and NVRTC by name and compiles a kernel, and a missing library panics on burn's
+/// device thread. Probed once with a small matmul, panics caught (on every thread: the device thread holds
+/// the reason), and turned into an error that says what is missing.
+/// That first use also fixes the device's default float dtype for the rest of the process: burn keys it by
+/// the device type, which `Cuda<bf16>` and `Cuda<f32>` share, and tensors created without a dtype take it.
+/// So the probe runs on the precision's own backend, and asking for the other precision later in the same
+/// process is an error rather than an f32 run with bf16 tensors in it.
+pub fn cuda_ready(bf16: bool) -> Result<(), String> {
     #[cfg(feature = "cuda")]
     {
         static PROBE: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
-        PROBE.get_or_init(probe_cuda).clone()
+        PROBE.get_or_init(|| probe_cuda(bf16)).clone()?;
+        if bf16 { default_dtype_is::<Gpu>("cuda") } else { default_dtype_is::<burn::backend::Cuda<f32>>("cuda") }
     }
     #[cfg(not(feature = "cuda"))]
-    Err(crate::train::device_error("cuda"))
+    {
+        let _ = bf16;
+        Err(crate::train::device_error("cuda"))
+    }
 }
 
 #[cfg(feature = "cuda")]
-fn probe_cuda() -> Result<(), String> {
-    probe(smoke_test::<Gpu>).map_err(|why| {
+fn probe_cuda(bf16: bool) -> Result<(), String> {
+    let smoke: fn(&burn::backend::cuda::CudaDevice) -> Result<(), String> =
+        if bf16 { smoke_test::<Gpu> } else { smoke_test::<burn::backend::Cuda<f32>> };
+    probe(smoke).map_err(|why| {
         format!(
             "CUDA is not usable on this machine: {why}\n(kiln loads the NVIDIA driver's libcuda.so and NVRTC's \
              libnvrtc.so.<major> at run time; where only PyTorch's pip wheels bring NVRTC, add their \
              site-packages/nvidia/.../lib directory to LD_LIBRARY_PATH; or use --device cpu)"
         )
     })
+}
+
+/// Whether the default float dtype burn fixed for `B`'s device is `B`'s own (see `cuda_ready`).
+#[cfg(any(feature = "cuda", feature = "vulkan"))]
+fn default_dtype_is<B: Backend>(device_name: &str) -> Result<(), String> {
+    use burn::tensor::Element;
+    let want = FloatDType::from(<B::FloatElem as Element>::dtype());
+    let have = burn::tensor::get_device_settings::<B>(&Default::default()).float_dtype;
+    if have == want {
+        Ok(())
+    } else {
+        Err(format!(
+            "the {device_name} device already computes in {have:?} in this process (burn fixes a device's default \
+             dtype at its first use), so {want:?} work on it needs a process of its own"
+        ))
+    }
 }
 
 /// Runs a device's smoke test with panics caught on every thread (a GPU runtime fails on its device

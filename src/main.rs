@@ -788,12 +788,12 @@ fn info() -> Result<()> {
         "backends": kiln::backend::compiled(),
         "cpu_smoke_test": "ok",
         "cuda_smoke_test": if cfg!(feature = "cuda") {
-            kiln::backend::cuda_ready().map_or_else(|why| why, |()| "ok".into())
+            kiln::backend::cuda_ready(true).map_or_else(|why| why, |()| "ok".into())
         } else {
             "not built".to_string()
         },
         "vulkan_smoke_test": if cfg!(feature = "vulkan") {
-            kiln::backend::vulkan_ready().map_or_else(|why| why, |()| "ok".into())
+            kiln::backend::vulkan_ready(false).map_or_else(|why| why, |()| "ok".into())
         } else {
             "not built".to_string()
         },
@@ -968,7 +968,7 @@ fn on_device(device: &str, job: Job) -> Result<()> {
         "cuda" => run_job::<kiln::backend::GpuUnfused>(&Default::default(), job),
         #[cfg(feature = "vulkan")]
         "vulkan" => {
-            kiln::backend::vulkan_ready().map_err(anyhow::Error::msg)?;
+            kiln::backend::vulkan_ready(false).map_err(anyhow::Error::msg)?;
             run_job::<kiln::backend::Vk>(&Default::default(), job)
         }
         other => bail!(kiln::train::device_error(other)),

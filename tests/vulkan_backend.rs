@@ -16,11 +16,10 @@ use std::path::PathBuf;
 
 use burn::tensor::FloatDType;
 use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
-use kiln::backend::{Cpu, Vk, VkHalf, VkHalfTrain, VkTrain};
+use kiln::backend::{Cpu, Vk, VkTrain};
 use kiln::models::deltanet::{ChunkRecurrence, Direction, recurrence_by_chunk};
 use kiln::models::hf::hf_gradients;
 use kiln::models::{CausalLm, ModelBackend, SequenceLayout, load_model};
-use kiln::train::bench::{BenchConfig, bench_on_device};
 use kiln::train::schedule::Decay;
 use kiln::train::{Precision, TrainConfig};
 
@@ -38,7 +37,7 @@ fn logits<B: ModelBackend>(model: &CausalLm<B>, ids: &[i64], shape: [usize; 2], 
 
 #[test]
 fn the_device_computes() {
-    kiln::backend::vulkan_ready().unwrap();
+    kiln::backend::vulkan_ready(false).unwrap();
 }
 
 /// Logits within 1e-4 of transformers' (and of the CPU's), packed rows as the CPU packs them, and the
@@ -95,62 +94,12 @@ fn a_resumed_run_on_the_fused_backend_equals_the_uninterrupted_one() {
     common::training::assert_resume_agrees::<VkTrain>(&cfg, common::training::Agreement::Within(1e-5));
 }
 
-/// The trainer in half precision (f16 standing in for CUDA's bf16): a run stopped after 4 steps and resumed
-/// ends where the uninterrupted one does, its epoch exports (written from f16 parameters) included.
-#[test]
-fn a_half_precision_run_on_the_fused_backend_resumes_and_exports() {
-    let cfg = TrainConfig {
-        epochs: 2,
-        warmup_steps: Some(2),
-        decay: Decay::Cosine,
-        precision: Precision::F16,
-        ..common::training::parity_config()
-    };
-    common::training::assert_resume_agrees::<VkHalfTrain>(&cfg, common::training::Agreement::Within(1e-3));
-}
-
 /// Every tiny shape (LFM2 convolutions, Qwen3.5's DeltaNet scan, LFM2-MoE's grouped expert matmuls) trains
 /// three steps to the CPU's losses through the benchmark's step: micro-batches accumulated, with and
 /// without activation checkpointing, and with burn's plain compositions in place of kiln's ops.
 #[test]
 fn the_tiny_shapes_train_on_the_fused_backend_as_on_the_cpu() {
-    assert_tiny_shapes_train_as_on_the_cpu(Precision::F32, 2, 1e-4);
-}
-
-/// The half-precision graph CUDA's bf16 backend runs, in f16 (lavapipe has no bf16): every tiny shape trains
-/// three steps with kiln's ops, with activation checkpointing and with burn's plain compositions, each loss
-/// within 1e-3 relative of the CPU's f32 one (f16 rounding; seen within 2e-4).
-/// The f32 test above cannot see what only half precision builds — the casts to f32 around norms, softmax and
-/// the loss — and burn's fusion had a panic there (tracel-ai/burn#5292) that stopped the first GPU session.
-#[test]
-fn the_tiny_shapes_train_in_half_precision_on_the_fused_backend() {
-    assert_tiny_shapes_train_as_on_the_cpu(Precision::F16, 2, 1e-3);
-}
-
-/// Each tiny shape's three benchmark steps on the vulkan device in `precision`, against the CPU's f32
-/// losses within `tolerance` relative: micro-batches accumulated (`accumulation`), one micro-batch with
-/// activation checkpointing, and one with burn's plain compositions.
-fn assert_tiny_shapes_train_as_on_the_cpu(precision: Precision, accumulation: usize, tolerance: f64) {
-    let cfg = common::tiny_bench_config(Precision::F32, accumulation);
-    let variants = [
-        ("ops", cfg.clone()),
-        ("checkpointed", BenchConfig { activation_checkpointing: true, accumulation: 1, ..cfg.clone() }),
-        ("reference ops", BenchConfig { reference_ops: true, accumulation: 1, ..cfg.clone() }),
-    ];
-    for shape in common::TINY_SHAPES {
-        let config =
-            kiln::models::ModelConfig::from_file(&common::project_dir().join(shape).join("config.json")).unwrap();
-        for (label, cfg) in &variants {
-            let cpu = bench_on_device(&config, cfg, "cpu").unwrap();
-            let device = bench_on_device(&config, &BenchConfig { precision, ..cfg.clone() }, "vulkan")
-                .unwrap_or_else(|e| panic!("{shape} {label}: {e}"));
-            assert_eq!((device.device.as_str(), device.losses.len()), ("vulkan", 3));
-            for (step, (a, b)) in device.losses.iter().zip(&cpu.losses).enumerate() {
-                eprintln!("{shape} {label} step {step}: vulkan {precision:?} {a} cpu f32 {b}");
-                assert!((a - b).abs() <= tolerance * b.abs(), "{shape} {label} step {step}: vulkan {a} vs cpu {b}");
-            }
-        }
-    }
+    common::training::assert_tiny_shapes_train_as_on_the_cpu(Precision::F32, 2, 1e-4);
 }
 
 /// Qwen3.5's cached decoding on the fused backend: a prefill of a chunk and a bit (the scan kernel from an
@@ -165,29 +114,6 @@ fn cached_decoding_follows_the_full_forward_on_the_fused_backend() {
     let full = logits(&model, row, [1, row.len()], &SequenceLayout::single(1, row.len()));
     let CausalLm::Qwen35(model) = model else { panic!("the Qwen3.5 fixture loaded as another architecture") };
     parity::assert_cached_decoding_follows(&model, row, 66, &full, 1e-4, &Default::default());
-}
-
-/// Cached decoding in half precision, the graph evaluation runs on CUDA in bf16 (f16 here): LFM2's and
-/// Qwen3.5's prefill and single-token steps follow their own full forward, within f16 rounding.
-#[test]
-fn cached_decoding_runs_in_half_precision_on_the_fused_backend() {
-    for (name, prefill) in [("lfm2/lfm2-tiny", 5), ("qwen3_5/qwen3_5-tiny", 66)] {
-        let dir = fixture_dir(name);
-        let f = parity::fixture(&dir);
-        let row = &f.ids.0[..f.shape()[1]];
-        let (_, model) = load_model::<VkHalf>(&dir, &Default::default()).unwrap();
-        let full = logits(&model, row, [1, row.len()], &SequenceLayout::single(1, row.len()));
-        let tolerance = 1e-2 * full.iter().fold(0f32, |m, v| m.max(v.abs()));
-        eprintln!("{name}: largest logit {:.3}, tolerance {tolerance:.2e}", tolerance / 1e-2);
-        match model {
-            CausalLm::Lfm2(m) => {
-                parity::assert_cached_decoding_follows(&m, row, prefill, &full, tolerance, &Default::default())
-            }
-            CausalLm::Qwen35(m) => {
-                parity::assert_cached_decoding_follows(&m, row, prefill, &full, tolerance, &Default::default())
-            }
-        }
-    }
 }
 
 /// Deterministic values in `[lo, hi)` for the scan kernel's inputs.

@@ -97,7 +97,7 @@ pub fn evaluate_on_device(
         #[cfg(feature = "cuda")]
         "cuda" => on!(crate::backend::GpuUnfused),
         #[cfg(feature = "vulkan")]
-        "vulkan" => crate::backend::vulkan_ready().and_then(|()| on!(crate::backend::Vk)),
+        "vulkan" => crate::backend::vulkan_ready(false).and_then(|()| on!(crate::backend::Vk)),
         other => Err(crate::train::device_error(other)),
     }
 }

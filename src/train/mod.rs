@@ -57,7 +57,11 @@ macro_rules! with_train_backend {
                 (Ok(false), _, true) => $go!($crate::backend::GpuTrainUnfusedCheckpointed),
             },
             #[cfg(feature = "vulkan")]
-            ("vulkan", precision) => match ($crate::backend::vulkan_ready(), precision, $checkpointing) {
+            ("vulkan", precision) => match (
+                $crate::backend::vulkan_ready(precision == $crate::train::Precision::F16),
+                precision,
+                $checkpointing,
+            ) {
                 (Err(why), _, _) => Err($crate::train::TrainError::Device(why)),
                 (Ok(()), $crate::train::Precision::Bf16, _) => Err($crate::train::TrainError::Device(
                     "the vulkan device has no bf16: train in f32, or in f16 (--precision f16), its stand-in".into(),

@@ -1,6 +1,7 @@
 //! The trainer's fixture run, shared by the CPU trainer tests and the fused-backend tests: the LFM2 parity
 //! batch as a shard, the settings of tests/fixtures/lfm2/make_train_fixture.py's PyTorch run, and the checks
-//! that a backend trains to PyTorch's losses and parameters and resumes bit for bit.
+//! that a backend trains to PyTorch's losses and parameters and resumes bit for bit; and the tiny shapes'
+//! benchmark steps on the vulkan device against the CPU's.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -10,9 +11,10 @@ use kiln::models::CausalLm;
 use kiln::models::hf::{ExportDtype, hf_tensors};
 use kiln::tokens::TokenSample;
 use kiln::tokens::shards::{Layout, ShardWriter};
+use kiln::train::bench::{BenchConfig, bench_on_device};
 use kiln::train::linear_ce::LinearCrossEntropy;
 use kiln::train::schedule::Decay;
-use kiln::train::{TrainConfig, TrainSummary, train};
+use kiln::train::{Precision, TrainConfig, TrainSummary, train};
 use safetensors::SafeTensors;
 
 pub fn fixture_dir() -> PathBuf {
@@ -175,6 +177,32 @@ pub fn assert_resume_agrees<B: LinearCrossEntropy + DeviceMemory>(cfg: &TrainCon
         Agreement::Within(tolerance) => {
             for (step, (a, b)) in a_losses.iter().zip(&b_losses).enumerate() {
                 assert!((a - b).abs() <= f64::from(tolerance) * a.abs(), "step {step}: loss {a} straight, {b} resumed");
+            }
+        }
+    }
+}
+
+/// Each tiny shape's three benchmark steps on the vulkan device in `precision`, against the CPU's f32
+/// losses within `tolerance` relative: micro-batches accumulated (`accumulation`), one micro-batch with
+/// activation checkpointing, and one with burn's plain compositions.
+pub fn assert_tiny_shapes_train_as_on_the_cpu(precision: Precision, accumulation: usize, tolerance: f64) {
+    let cfg = super::tiny_bench_config(Precision::F32, accumulation);
+    let variants = [
+        ("ops", cfg.clone()),
+        ("checkpointed", BenchConfig { activation_checkpointing: true, accumulation: 1, ..cfg.clone() }),
+        ("reference ops", BenchConfig { reference_ops: true, accumulation: 1, ..cfg.clone() }),
+    ];
+    for shape in super::TINY_SHAPES {
+        let config =
+            kiln::models::ModelConfig::from_file(&super::project_dir().join(shape).join("config.json")).unwrap();
+        for (label, cfg) in &variants {
+            let cpu = bench_on_device(&config, cfg, "cpu").unwrap();
+            let device = bench_on_device(&config, &BenchConfig { precision, ..cfg.clone() }, "vulkan")
+                .unwrap_or_else(|e| panic!("{shape} {label}: {e}"));
+            assert_eq!((device.device.as_str(), device.losses.len()), ("vulkan", 3));
+            for (step, (a, b)) in device.losses.iter().zip(&cpu.losses).enumerate() {
+                eprintln!("{shape} {label} step {step}: vulkan {precision:?} {a} cpu f32 {b}");
+                assert!((a - b).abs() <= tolerance * b.abs(), "{shape} {label} step {step}: vulkan {a} vs cpu {b}");
             }
         }
     }

@@ -1,0 +1,71 @@
+//! The half-precision graph CUDA's bf16 backend runs, checked without a GPU: the vulkan device in f16
+//! (`--precision f16`; Mesa's lavapipe has no bf16). The f32 tests (tests/vulkan_backend.rs) cannot see what
+//! only half precision builds — half tensors born in the device's default dtype, cast to f32 around norms,
+//! softmax and the loss — and burn's fusion panicked there (tracel-ai/burn#5292) in every step of the first
+//! GPU session. A process of its own: burn fixes a device's default float dtype at its first use for the
+//! whole process (`backend::cuda_ready` says more), so every test here claims the device in f16 first.
+#![cfg(feature = "vulkan")]
+
+mod common;
+
+use common::parity::{self, ids_tensor, values};
+use kiln::backend::{VkHalf, VkHalfTrain};
+use kiln::models::{CausalLm, SequenceLayout, load_model};
+use kiln::train::schedule::Decay;
+use kiln::train::{Precision, TrainConfig};
+
+fn claim_f16() {
+    kiln::backend::vulkan_ready(true).unwrap();
+}
+
+/// The process's device computes in f16, and asking it for f32 afterwards is an error that says why.
+#[test]
+fn the_device_is_claimed_in_f16_and_refuses_f32_after() {
+    claim_f16();
+    let err = kiln::backend::vulkan_ready(false).unwrap_err();
+    assert!(err.contains("already computes in F16") && err.contains("process of its own"), "{err}");
+}
+
+/// Every tiny shape trains three steps with kiln's ops, with activation checkpointing and with burn's plain
+/// compositions, each loss within 1e-3 relative of the CPU's f32 one (f16 rounding; seen within 2e-4).
+#[test]
+fn the_tiny_shapes_train_in_half_precision_on_the_fused_backend() {
+    claim_f16();
+    common::training::assert_tiny_shapes_train_as_on_the_cpu(Precision::F16, 2, 1e-3);
+}
+
+/// The trainer in f16: a run stopped after 4 steps and resumed ends where the uninterrupted one does, its
+/// epoch exports (written from f16 parameters) included.
+#[test]
+fn a_half_precision_run_on_the_fused_backend_resumes_and_exports() {
+    claim_f16();
+    let cfg = TrainConfig {
+        epochs: 2,
+        warmup_steps: Some(2),
+        decay: Decay::Cosine,
+        precision: Precision::F16,
+        ..common::training::parity_config()
+    };
+    common::training::assert_resume_agrees::<VkHalfTrain>(&cfg, common::training::Agreement::Within(1e-3));
+}
+
+/// Cached decoding in f16, the graph evaluation runs on CUDA in bf16: LFM2's and Qwen3.5's prefill and
+/// single-token steps follow their own full forward within 1 % of the largest logit.
+#[test]
+fn cached_decoding_runs_in_half_precision_on_the_fused_backend() {
+    claim_f16();
+    for (name, prefill) in [("lfm2/lfm2-tiny", 5), ("qwen3_5/qwen3_5-tiny", 66)] {
+        let dir = common::project_dir().join("tests/fixtures").join(name);
+        let f = parity::fixture(&dir);
+        let row = &f.ids.0[..f.shape()[1]];
+        let device = Default::default();
+        let (_, model) = load_model::<VkHalf>(&dir, &device).unwrap();
+        let layout = SequenceLayout::single(1, row.len());
+        let full = values(model.forward(ids_tensor::<VkHalf>(row, [1, row.len()], &device), &layout));
+        let tolerance = 1e-2 * full.iter().fold(0f32, |m, v| m.max(v.abs()));
+        match model {
+            CausalLm::Lfm2(m) => parity::assert_cached_decoding_follows(&m, row, prefill, &full, tolerance, &device),
+            CausalLm::Qwen35(m) => parity::assert_cached_decoding_follows(&m, row, prefill, &full, tolerance, &device),
+        }
+    }
+}
