@@ -82,19 +82,12 @@ pub fn vulkan_ready(half: bool) -> Result<(), String> {
     #[cfg(feature = "vulkan")]
     {
         static PROBE: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
-        let smoke: fn(&burn::backend::wgpu::WgpuDevice) -> Result<(), String> =
-            if half { smoke_test::<VkHalf> } else { smoke_test::<Vk> };
-        PROBE
-            .get_or_init(|| {
-                probe(smoke).map_err(|why| {
-                    format!(
-                        "Vulkan is not usable on this machine: {why}\n(kiln's vulkan device runs on any Vulkan \
-                         driver; without a GPU, install Mesa's CPU driver: apt-get install mesa-vulkan-drivers)"
-                    )
-                })
-            })
-            .clone()?;
-        if half { default_dtype_is::<VkHalf>("vulkan") } else { default_dtype_is::<Vk>("vulkan") }
+        ready_in::<VkHalf, Vk>(half, "vulkan", &PROBE, |why| {
+            format!(
+                "Vulkan is not usable on this machine: {why}\n(kiln's vulkan device runs on any Vulkan driver; \
+                 without a GPU, install Mesa's CPU driver: apt-get install mesa-vulkan-drivers)"
+            )
+        })
     }
     #[cfg(not(feature = "vulkan"))]
     {
@@ -328,8 +321,13 @@ pub fn cuda_ready(bf16: bool) -> Result<(), String> {
     #[cfg(feature = "cuda")]
     {
         static PROBE: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
-        PROBE.get_or_init(|| probe_cuda(bf16)).clone()?;
-        if bf16 { default_dtype_is::<Gpu>("cuda") } else { default_dtype_is::<burn::backend::Cuda<f32>>("cuda") }
+        ready_in::<Gpu, burn::backend::Cuda<f32>>(bf16, "cuda", &PROBE, |why| {
+            format!(
+                "CUDA is not usable on this machine: {why}\n(kiln loads the NVIDIA driver's libcuda.so and NVRTC's \
+                 libnvrtc.so.<major> at run time; where only PyTorch's pip wheels bring NVRTC, add their \
+                 site-packages/nvidia/.../lib directory to LD_LIBRARY_PATH; or use --device cpu)"
+            )
+        })
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -338,17 +336,24 @@ pub fn cuda_ready(bf16: bool) -> Result<(), String> {
     }
 }
 
-#[cfg(feature = "cuda")]
-fn probe_cuda(bf16: bool) -> Result<(), String> {
-    let smoke: fn(&burn::backend::cuda::CudaDevice) -> Result<(), String> =
-        if bf16 { smoke_test::<Gpu> } else { smoke_test::<burn::backend::Cuda<f32>> };
-    probe(smoke).map_err(|why| {
-        format!(
-            "CUDA is not usable on this machine: {why}\n(kiln loads the NVIDIA driver's libcuda.so and NVRTC's \
-             libnvrtc.so.<major> at run time; where only PyTorch's pip wheels bring NVRTC, add their \
-             site-packages/nvidia/.../lib directory to LD_LIBRARY_PATH; or use --device cpu)"
-        )
-    })
+/// A device probed once per process (the outcome kept in `probed`) with the smoke test on its half- or
+/// full-precision backend, whichever `half` asks for, then `default_dtype_is` for that backend: the probe is
+/// the device's first use, so it fixes the default dtype, and a later request for the other precision fails.
+#[cfg(any(feature = "cuda", feature = "vulkan"))]
+fn ready_in<Half, Full>(
+    half: bool,
+    device_name: &str,
+    probed: &std::sync::OnceLock<Result<(), String>>,
+    unusable: fn(String) -> String,
+) -> Result<(), String>
+where
+    Half: Backend,
+    Full: Backend<Device = Half::Device>,
+    Half::Device: Default,
+{
+    let smoke: fn(&Half::Device) -> Result<(), String> = if half { smoke_test::<Half> } else { smoke_test::<Full> };
+    probed.get_or_init(|| probe(smoke).map_err(unusable)).clone()?;
+    if half { default_dtype_is::<Half>(device_name) } else { default_dtype_is::<Full>(device_name) }
 }
 
 /// Whether the default float dtype burn fixed for `B`'s device is `B`'s own (see `cuda_ready`).

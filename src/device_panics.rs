@@ -11,7 +11,7 @@ use std::any::Any;
 use std::sync::Mutex;
 
 /// Panics seen so far: the first one's text, the source locations already printed, the repeats not printed.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct PanicLog {
     first: Option<String>,
     places: Vec<String>,
