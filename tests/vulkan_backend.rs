@@ -94,6 +94,13 @@ fn a_resumed_run_on_the_fused_backend_equals_the_uninterrupted_one() {
     common::training::assert_resume_agrees::<VkTrain>(&cfg, common::training::Agreement::Within(1e-5));
 }
 
+/// 8-bit moments on the device (u8 code tensors, the map looked up with gathers, the quantizer's float
+/// arithmetic in SPIR-V): bitsandbytes' codes and AdamW8bit parameters (tests/fixtures/optim).
+#[test]
+fn adamw_with_8bit_moments_follows_bitsandbytes_on_the_fused_backend() {
+    common::optim::assert_8bit_adamw_follows_bitsandbytes::<VkTrain>(1e-5);
+}
+
 /// Every tiny shape (LFM2 convolutions, Qwen3.5's DeltaNet scan, LFM2-MoE's grouped expert matmuls) trains
 /// three steps to the CPU's losses through the benchmark's step: micro-batches accumulated, with and
 /// without activation checkpointing, and with burn's plain compositions in place of kiln's ops.

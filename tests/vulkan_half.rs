@@ -11,6 +11,7 @@ mod common;
 use common::parity::{self, ids_tensor, values};
 use kiln::backend::{VkHalf, VkHalfTrain};
 use kiln::models::{CausalLm, SequenceLayout, load_model};
+use kiln::train::optim::{AdamWConfig, MomentDtype};
 use kiln::train::schedule::Decay;
 use kiln::train::{Precision, TrainConfig};
 
@@ -35,7 +36,8 @@ fn the_tiny_shapes_train_in_half_precision_on_the_fused_backend() {
 }
 
 /// The trainer in f16: a run stopped after 4 steps and resumed ends where the uninterrupted one does, its
-/// epoch exports (written from f16 parameters) included.
+/// epoch exports (written from f16 parameters) included. With 8-bit moments, as the largest models train
+/// on the GPU: their u8 codes in the half-precision graph, saved and restored.
 #[test]
 fn a_half_precision_run_on_the_fused_backend_resumes_and_exports() {
     claim_f16();
@@ -44,6 +46,7 @@ fn a_half_precision_run_on_the_fused_backend_resumes_and_exports() {
         warmup_steps: Some(2),
         decay: Decay::Cosine,
         precision: Precision::F16,
+        adamw: AdamWConfig { moments: MomentDtype::Q8, ..Default::default() },
         ..common::training::parity_config()
     };
     common::training::assert_resume_agrees::<VkHalfTrain>(&cfg, common::training::Agreement::Within(1e-3));

@@ -253,3 +253,22 @@ impl PipelineDef {
         Ok(def)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every model config the project ships parses and validates; the 8–9B ones keep 8-bit moments, without
+    /// which they do not train on one H200 (docs/TRAINING.md, Precision).
+    #[test]
+    fn every_shipped_model_config_loads() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models");
+        let names = known_models(&dir);
+        assert!(names.len() >= 8, "{names:?}");
+        for name in &names {
+            let config = ModelConfig::find(name, &dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let q8 = config.train.adamw.moments == crate::train::optim::MomentDtype::Q8;
+            assert_eq!(q8, ["lfm2.5-8b", "qwen3.5-9b"].contains(&name.as_str()), "{name}: moments");
+        }
+    }
+}

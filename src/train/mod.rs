@@ -6,6 +6,7 @@ pub mod bench;
 pub mod data;
 pub mod linear_ce;
 pub mod optim;
+pub mod quant8;
 pub mod schedule;
 pub mod step;
 pub mod trainer;

@@ -5,7 +5,8 @@
 //! Mixed precision: burn has no master weights, so the optimizer keeps them. A parameter stored below f32
 //! (bf16 on the GPU) gets an f32 master copy here; every update runs in f32 on the master and the parameter
 //! is the master rounded to its dtype — the update is the f32 update, bit for bit, whatever the compute
-//! dtype. Moments are f32, or bf16 (`moments = "bf16"`) to save 4 bytes per parameter on large models.
+//! dtype. Moments are f32, bf16 (`moments = "bf16"`, 4 bytes per parameter less) or block-wise 8-bit
+//! (`moments = "q8"`, 6 bytes less: `quant8`, as bitsandbytes' AdamW8bit) for the largest models.
 
 use std::collections::HashMap;
 
@@ -15,6 +16,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 use serde::{Deserialize, Serialize};
 
+use super::quant8::{self, Blocks, Map};
 use crate::backend::{host_tensor, zeros_in};
 use crate::models::weights::HostTensor;
 
@@ -25,14 +27,91 @@ pub enum MomentDtype {
     #[default]
     F32,
     Bf16,
+    /// Block-wise 8-bit (`quant8`) for parameters of `quant8::MIN_ELEMENTS` values or more, f32 below.
+    Q8,
 }
 
 impl MomentDtype {
-    fn float(self) -> FloatDType {
+    /// The dtype of moments kept as tensors (all of them, except the 8-bit ones of large parameters).
+    fn dense(self) -> FloatDType {
         match self {
-            MomentDtype::F32 => FloatDType::F32,
+            MomentDtype::F32 | MomentDtype::Q8 => FloatDType::F32,
             MomentDtype::Bf16 => FloatDType::BF16,
         }
+    }
+}
+
+/// The suffix of an 8-bit moment's code indices in a training state (`<param>.m.q8`: values 0 to 255, which
+/// the state file stores as u8), beside its block scales (`<param>.m.absmax`).
+pub const CODES_SUFFIX: &str = ".q8";
+
+/// One moment of one parameter between steps.
+enum Moment<B: Backend> {
+    /// In the parameter's shape, rank-erased (or flat, from a file, until its first step: `shaped`).
+    Dense(B::FloatTensorPrimitive),
+    /// Block-wise 8-bit, flat.
+    Blocks(Blocks<B>),
+}
+
+impl<B: Backend> Moment<B> {
+    /// The moment in f32 in the parameter's `shape`.
+    fn into_f32<const D: usize>(self, shape: [usize; D], map: Map) -> Tensor<B, D> {
+        match self {
+            Moment::Dense(t) => shaped::<B, D>(t, shape).cast(FloatDType::F32),
+            Moment::Blocks(blocks) => quant8::dequantize(&blocks, map, shape.iter().product()).reshape(shape),
+        }
+    }
+
+    /// `value` stored as `dtype` says: 8-bit for a parameter of `quant8::MIN_ELEMENTS` values or more.
+    fn store<const D: usize>(value: Tensor<B, D>, dtype: MomentDtype, map: Map) -> Self {
+        let len = value.shape().num_elements();
+        if dtype == MomentDtype::Q8 && len >= quant8::MIN_ELEMENTS {
+            Moment::Blocks(quant8::quantize(value.reshape([len]), map))
+        } else {
+            Moment::Dense(primitive(value.cast(dtype.dense())))
+        }
+    }
+
+    /// The host tensors of a training-state file, under `name` (`<param>.m`, `<param>.v`): the f32 values,
+    /// or for 8-bit moments the code indices (`<name>.q8`) and block scales (`<name>.absmax`), which restore
+    /// the moment exactly.
+    fn to_host(&self, name: &str) -> Vec<(String, HostTensor)> {
+        let flat = |data: Vec<f32>| HostTensor { shape: vec![data.len()], data };
+        match self {
+            Moment::Dense(t) => {
+                let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t.clone()));
+                vec![(name.to_string(), flat(t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default()))]
+            }
+            Moment::Blocks(blocks) => {
+                let (codes, scales) = blocks.to_host();
+                vec![(format!("{name}{CODES_SUFFIX}"), flat(codes)), (format!("{name}.absmax"), flat(scales))]
+            }
+        }
+    }
+
+    /// The moment saved under `name` by `to_host` for a parameter of `len` values, in `dtype`; `None` where
+    /// nothing is saved under that name.
+    fn from_host(
+        saved: &HashMap<String, HostTensor>,
+        name: &str,
+        len: usize,
+        dtype: MomentDtype,
+        device: &B::Device,
+    ) -> Result<Option<Self>, String> {
+        let codes = saved.get(&format!("{name}{CODES_SUFFIX}"));
+        if let (Some(codes), Some(scales)) = (codes, saved.get(&format!("{name}.absmax"))) {
+            let blocks = Blocks::from_host(&codes.data, &scales.data, device).map_err(|e| format!("{name}: {e}"))?;
+            if blocks.block_count() != len.div_ceil(quant8::BLOCK) {
+                return Err(format!("{name}: {} blocks saved for a parameter of {len} values", blocks.block_count()));
+            }
+            return Ok(Some(Moment::Blocks(blocks)));
+        }
+        let Some(t) = saved.get(name) else { return Ok(None) };
+        if t.data.len() != len {
+            return Err(format!("{name}: {} values saved for a parameter of {len}", t.data.len()));
+        }
+        let values = host_tensor::<B, 1>(t.data.clone(), [len], FloatDType::F32, device);
+        Ok(Some(Moment::Dense(primitive(values.cast(dtype.dense())))))
     }
 }
 
@@ -58,8 +137,8 @@ impl Default for AdamWConfig {
 /// a reshape to a lower rank and ends the element-wise block there. A state restored from a file is flat
 /// until its first step (`shaped`).
 struct ParamState<B: Backend> {
-    m: B::FloatTensorPrimitive,
-    v: B::FloatTensorPrimitive,
+    m: Moment<B>,
+    v: Moment<B>,
     master: Option<B::FloatTensorPrimitive>,
 }
 
@@ -90,49 +169,66 @@ impl<B: Backend> AdamW<B> {
         AdamW { config, steps: 0, states: HashMap::new() }
     }
 
-    /// Moments (`<name>.m`, `<name>.v`) and f32 master weights (`<name>.master`) as f32 host tensors named
-    /// by `names` (parameter id → stable name), for a training-state file.
+    /// Moments (`<name>.m`, `<name>.v`: f32 values, or 8-bit codes and scales, `Moment::to_host`) and f32
+    /// master weights (`<name>.master`) as f32 host tensors named by `names` (parameter id → stable name),
+    /// for a training-state file.
     pub fn export_state(&self, names: &HashMap<ParamId, String>) -> Vec<(String, HostTensor)> {
         let mut out = Vec::new();
         for (id, state) in &self.states {
             let Some(name) = names.get(id) else { continue };
-            for (suffix, t) in [("m", Some(&state.m)), ("v", Some(&state.v)), ("master", state.master.as_ref())] {
-                let Some(t) = t else { continue };
-                let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t.clone()));
+            out.extend(state.m.to_host(&format!("{name}.m")));
+            out.extend(state.v.to_host(&format!("{name}.v")));
+            if let Some(master) = &state.master {
+                let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(master.clone()));
                 let data = t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
-                out.push((format!("{name}.{suffix}"), HostTensor { shape: vec![data.len()], data }));
+                out.push((format!("{name}.master"), HostTensor { shape: vec![data.len()], data }));
             }
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
     }
 
-    /// Restores a state saved by `export_state` onto the parameters of `names`, in this config's moment dtype.
+    /// Restores a state saved by `export_state` onto the parameters of `names` (id → name and number of
+    /// values: `param_sizes`), in this config's moment dtype; an error names a saved tensor whose
+    /// size does not fit its parameter.
     pub fn import_state(
         &mut self,
-        names: &HashMap<ParamId, String>,
+        names: &HashMap<ParamId, (String, usize)>,
         saved: &HashMap<String, HostTensor>,
         device: &B::Device,
     ) -> Result<(), String> {
-        let f32_tensor = |h: &HostTensor| host_tensor::<B, 1>(h.data.clone(), [h.data.len()], FloatDType::F32, device);
-        let moment_dtype = self.config.moments.float();
-        for (id, name) in names {
-            let (Some(m), Some(v)) = (saved.get(&format!("{name}.m")), saved.get(&format!("{name}.v"))) else {
-                continue;
+        let dtype = self.config.moments;
+        for (id, (name, len)) in names {
+            let m = Moment::from_host(saved, &format!("{name}.m"), *len, dtype, device)?;
+            let v = Moment::from_host(saved, &format!("{name}.v"), *len, dtype, device)?;
+            let (Some(m), Some(v)) = (m, v) else { continue };
+            let master = match saved.get(&format!("{name}.master")) {
+                Some(t) if t.data.len() != *len => {
+                    return Err(format!("{name}.master: {} values saved for a parameter of {len}", t.data.len()));
+                }
+                Some(t) => Some(primitive(host_tensor::<B, 1>(t.data.clone(), [*len], FloatDType::F32, device))),
+                None => None,
             };
-            let master = saved.get(&format!("{name}.master")).map(|t| primitive(f32_tensor(t)));
-            let state = ParamState {
-                m: primitive(f32_tensor(m).cast(moment_dtype)),
-                v: primitive(f32_tensor(v).cast(moment_dtype)),
-                master,
-            };
-            self.states.insert(*id, state);
+            self.states.insert(*id, ParamState { m, v, master });
         }
         if self.states.is_empty() && !saved.is_empty() {
             return Err("no saved moment matches a parameter of this model".into());
         }
         Ok(())
     }
+}
+
+/// Each float parameter's number of values, by id (what a saved optimizer state must fit).
+pub fn param_sizes<B: Backend, M: Module<B>>(model: &M) -> HashMap<ParamId, usize> {
+    struct Sizes(HashMap<ParamId, usize>);
+    impl<B: Backend> ModuleVisitor<B> for Sizes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.insert(param.id, param.val().shape().num_elements());
+        }
+    }
+    let mut sizes = Sizes(HashMap::new());
+    model.visit(&mut sizes);
+    sizes.0
 }
 
 /// Sums the gradients of a step's micro-batches in f32, whatever dtype the backward pass produced them in
@@ -266,24 +362,28 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
         let g = grad.cast(FloatDType::F32);
         let g = if self.scale != 1.0 { g * self.scale } else { g };
         let state = self.opt.states.remove(&id).unwrap_or_else(|| {
-            let zeros = primitive(zeros_in::<B::InnerBackend, D>(shape, c.moments.float(), &param.device()));
+            let zeros =
+                || Moment::Dense(primitive(zeros_in::<B::InnerBackend, D>(shape, FloatDType::F32, &param.device())));
             let master = (param_dtype != FloatDType::F32).then(|| primitive(param.clone().cast(FloatDType::F32)));
-            ParamState { m: zeros.clone(), v: zeros, master }
+            ParamState { m: zeros(), v: zeros(), master }
         });
         // The update runs on the f32 master when the parameter is stored below f32, else on the parameter.
         let mut p = state.master.map_or(param, |master| shaped(master, shape));
         if D > 1 && c.weight_decay != 0.0 {
             p = p * (1.0 - self.lr * c.weight_decay);
         }
-        let m = shaped::<_, D>(state.m, shape).cast(FloatDType::F32) * c.beta1 + g.clone() * (1.0 - c.beta1);
-        let v = shaped::<_, D>(state.v, shape).cast(FloatDType::F32) * c.beta2 + g.powf_scalar(2.0) * (1.0 - c.beta2);
+        let m = state.m.into_f32(shape, Map::Signed) * c.beta1 + g.clone() * (1.0 - c.beta1);
+        let v = state.v.into_f32(shape, Map::Unsigned) * c.beta2 + g.powf_scalar(2.0) * (1.0 - c.beta2);
         let bias1 = 1.0 - c.beta1.powi(t);
         let bias2 = 1.0 - c.beta2.powi(t);
         let denom = v.clone().sqrt() / bias2.sqrt() + c.eps;
         let p = p - m.clone() / denom * (self.lr / bias1);
         let master = (param_dtype != FloatDType::F32).then(|| primitive(p.clone()));
-        let state =
-            ParamState { m: primitive(m.cast(c.moments.float())), v: primitive(v.cast(c.moments.float())), master };
+        let state = ParamState {
+            m: Moment::store(m, c.moments, Map::Signed),
+            v: Moment::store(v, c.moments, Map::Unsigned),
+            master,
+        };
         self.opt.states.insert(id, state);
         let mut out = Tensor::from_inner(p.cast(param_dtype));
         if require_grad {
@@ -329,8 +429,46 @@ pub fn step_with_norm<B: AutodiffBackend, M: Module<B>>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Cpu;
+    use crate::backend::{Cpu, CpuTrain};
     use crate::testing::{normal, values};
+
+    /// A state exported after a step restores to the same next step, in every moment dtype; a state whose
+    /// tensors do not fit the parameter is refused, naming the tensor.
+    #[test]
+    fn a_saved_state_restores_exactly_and_a_misfit_one_is_refused() {
+        let device = Default::default();
+        let param = || Param::from_tensor(normal::<CpuTrain, 2>([64, 80], 0.0, 1.0, 1, &device));
+        let grads = |p: &Param<Tensor<CpuTrain, 2>>, seed| {
+            let mut grads = GradientsParams::new();
+            grads.register(p.id, normal::<Cpu, 2>([64, 80], 0.0, 1.0, seed, &device));
+            grads
+        };
+        for moments in [MomentDtype::F32, MomentDtype::Bf16, MomentDtype::Q8] {
+            let config = AdamWConfig { moments, ..AdamWConfig::default() };
+            let mut opt = AdamW::<Cpu>::new(config);
+            let p = param();
+            let p = step::<CpuTrain, _>(p.clone(), &mut opt, &grads(&p, 2), 1e-2, None).0;
+            let names = HashMap::from([(p.id, "w".to_string())]);
+            let saved: HashMap<String, HostTensor> = opt.export_state(&names).into_iter().collect();
+            let eight_bit = saved.contains_key("w.m.q8") && saved.contains_key("w.v.absmax");
+            assert_eq!(eight_bit, moments == MomentDtype::Q8, "{moments:?}: {:?}", saved.keys());
+            let mut restored = AdamW::<Cpu>::new(config);
+            restored.steps = opt.steps;
+            restored.import_state(&HashMap::from([(p.id, ("w".to_string(), 5120))]), &saved, &device).unwrap();
+            let next =
+                |opt: &mut AdamW<Cpu>| values(step::<CpuTrain, _>(p.clone(), opt, &grads(&p, 3), 1e-2, None).0.val());
+            assert_eq!(next(&mut opt), next(&mut restored), "{moments:?}: the restored state steps differently");
+            let err = AdamW::<Cpu>::new(config)
+                .import_state(&HashMap::from([(p.id, ("w".to_string(), 4000))]), &saved, &device)
+                .unwrap_err();
+            let want = if eight_bit {
+                "w.m: 20 blocks saved for a parameter of 4000 values"
+            } else {
+                "w.m: 5120 values saved for a parameter of 4000"
+            };
+            assert!(err.contains(want), "{moments:?}: {err}");
+        }
+    }
 
     #[test]
     fn a_large_gradients_squared_sum_is_exact_to_f32_and_the_same_every_time() {

@@ -18,17 +18,17 @@ use serde::{Deserialize, Serialize};
 use super::TrainError;
 use super::data::TrainData;
 use super::linear_ce::LinearCrossEntropy;
-use super::optim::{AdamW, AdamWConfig};
+use super::optim::{AdamW, AdamWConfig, CODES_SUFFIX};
 use super::schedule::{Decay, Schedule};
 use super::step::{MicroBatch, optimizer_step};
 use crate::backend::DeviceMemory;
-use crate::models::hf::{ExportDtype, HfNamed, write_safetensors};
+use crate::models::hf::{ExportDtype, HfNamed, RawTensor, write_safetensors};
 use crate::models::weights::HostTensor;
 use crate::models::{CausalLm, ModelConfig, load_model};
 use crate::tokens::shards::Row;
 
 /// The dtype parameters, activations and gradients are stored in. The optimizer's master weights and moments
-/// stay f32 either way (bf16 moments are `adamw.moments`); norms, softmax and the loss run in f32.
+/// stay f32 either way (bf16 or 8-bit moments are `adamw.moments`); norms, softmax and the loss run in f32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
@@ -195,10 +195,18 @@ fn write_state<B: AutodiffBackend>(
     let tmp = dir.with_extension("partial");
     let _ = std::fs::remove_dir_all(&tmp);
     model.export(source_dir, &tmp, ExportDtype::F32, usize::MAX)?;
-    let moments = opt.export_state(&param_names(model));
-    let moments: std::collections::BTreeMap<String, HostTensor> = moments.into_iter().collect();
-    let moments_dir = tmp.join("optimizer");
-    write_safetensors(&moments, &Default::default(), &moments_dir, ExportDtype::F32, &|_| false, usize::MAX)?;
+    // 8-bit moments' code indices go to the file as u8, everything else as f32.
+    let (codes, moments): (Vec<_>, Vec<_>) =
+        opt.export_state(&param_names(model)).into_iter().partition(|(name, _)| name.ends_with(CODES_SUFFIX));
+    let codes = codes
+        .into_iter()
+        .map(|(name, t)| {
+            let bytes = t.data.iter().map(|&c| c as u8).collect();
+            (name, RawTensor { dtype: safetensors::Dtype::U8, shape: t.shape, bytes })
+        })
+        .collect();
+    let moments = moments.into_iter().collect();
+    write_safetensors(&moments, &codes, &tmp.join("optimizer"), ExportDtype::F32, &|_| false, usize::MAX)?;
     let text = serde_json::to_string_pretty(position).unwrap_or_default() + "\n";
     let state_err = |e: std::io::Error| TrainError::State { path: tmp.clone(), message: e.to_string() };
     std::fs::write(tmp.join("position.json"), text).map_err(state_err)?;
@@ -213,9 +221,16 @@ fn read_moments(dir: &Path) -> Result<HashMap<String, HostTensor>, TrainError> {
     let mut out = HashMap::new();
     for k in keys {
         let shape = store.shape(&k).map(<[usize]>::to_vec).unwrap_or_default();
-        out.insert(k.clone(), store.take(&k, &shape));
+        let tensor = if store.dtype(&k) == Some(safetensors::Dtype::U8) {
+            let raw = store.raw(&k)?;
+            HostTensor { shape, data: raw.bytes.iter().map(|&b| f32::from(b)).collect() }
+        } else {
+            store.take(&k, &shape)
+        };
+        out.insert(k, tensor);
     }
-    store.finish(&[])?;
+    // The u8 codes were read raw, as nothing else in a state is.
+    store.finish_except(&[], &|key| key.ends_with(CODES_SUFFIX))?;
     Ok(out)
 }
 
@@ -279,7 +294,10 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     let mut opt = AdamW::<B::InnerBackend>::new(cfg.adamw);
     if load_dir == state_dir {
         opt.steps = position.optimizer_steps;
-        opt.import_state(&param_names(&model), &read_moments(&state_dir.join("optimizer"))?, device)
+        let sizes = super::optim::param_sizes(&model);
+        let names =
+            param_names(&model).into_iter().map(|(id, name)| (id, (name, sizes.get(&id).copied().unwrap_or(0))));
+        opt.import_state(&names.collect(), &read_moments(&state_dir.join("optimizer"))?, device)
             .map_err(|message| TrainError::State { path: state_dir.clone(), message })?;
     }
     if !resume {
