@@ -65,6 +65,12 @@ pub struct BenchResult {
     /// Whether burn's fusion ran (kiln on CUDA only: `KILN_CUDA_FUSION`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fusion: Option<bool>,
+    /// How AdamW kept its moments (kiln only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moments: Option<MomentDtype>,
+    /// Whether burn's activation checkpointing ran (kiln only).
+    #[serde(default)]
+    pub activation_checkpointing: bool,
     /// Whether the DeltaNet scan ran as kiln's kernel (kiln on a CubeCL device only: `KILN_SCAN_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scan_kernel: Option<bool>,
@@ -162,6 +168,8 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         reference_ops: reference_ops(),
         fusion: (device_name == "cuda").then(|| crate::backend::cuda_fusion().unwrap_or(true)),
         scan_kernel: (device_name != "cpu").then(crate::backend::scan_kernel_enabled),
+        moments: Some(cfg.moments),
+        activation_checkpointing: cfg.activation_checkpointing,
         tokens_per_step,
         warmup: cfg.warmup,
         median_step_seconds,

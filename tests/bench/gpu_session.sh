@@ -20,7 +20,12 @@
 #            (tests/bench/kernel_profile.sh: CubeCL's profiler switched on by a cubecl.toml in a scratch
 #            directory, the log tabulated): what the step spends its time on;
 #   noscan   for each of SCAN_AB, kiln's row again with the DeltaNet scan as tensor ops instead of kiln's
-#            kernel (KILN_OPS=noscan: KILN_SCAN_KERNEL=off), into table-noscan.md: what the kernel buys.
+#            kernel (KILN_OPS=noscan: KILN_SCAN_KERNEL=off), into table-noscan.md: what the kernel buys;
+#   moments  for each of MOMENTS_SHAPES, kiln's row again with bf16 and with 8-bit AdamW moments, into
+#            table-moments.md: the peak memory beside the table's f32-moment row and PyTorch's;
+#   fit      FIT_SHAPE (LFM2.5-8B-A1B) as its recipe trains it: sequence FIT_SEQ (8192), two micro-batches
+#            accumulated (the f32 gradient sum the recipe's global batch needs), 8-bit moments, two steps,
+#            without and with activation checkpointing, into table-fit.md: does it fit one GPU, how fast.
 #
 #   KILN=gpu/kiln.gz OUT=$OUT PACK=$OUT/session.tgz tests/bench/gpu_session.sh   (make gpu-carry packs gpu/kiln.gz)
 #
@@ -32,7 +37,8 @@
 # SHAPES ("lfm2-350m lfm2.5-1.2b qwen3.5-0.8b") and KILN_OPS ("ops reference") for the table, where
 # train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION, MOMENTS and REFERENCE pass through; TRAIN_SHAPE
 # (lfm2-350m), EPOCHS (2), TRAIN_MICRO (4), TRAIN_BATCH (8 sequences a step), TRAIN_LR (2e-5); PROFILE_SHAPES
-# ("lfm2.5-1.2b qwen3.5-0.8b", at SEQ or 4096); SCAN_AB (qwen3.5-0.8b); OUT (runs/gpu-session), where
+# ("lfm2.5-1.2b qwen3.5-0.8b", at SEQ or 4096); SCAN_AB (qwen3.5-0.8b); MOMENTS_SHAPES (lfm2.5-1.2b);
+# FIT_SHAPE (lfm2.5-8b-a1b), FIT_SEQ (8192); OUT (runs/gpu-session), where
 # everything worth keeping is copied; PACK, a .tgz path to pack OUT into at the end (the device tool brings
 # back at most 8 files).
 set -uo pipefail
@@ -43,6 +49,7 @@ cd "$(dirname "$0")/../.."
 : "${TRAIN_SHAPE:=lfm2-350m}" "${EPOCHS:=2}" "${TRAIN_MICRO:=4}" "${TRAIN_BATCH:=8}" "${TRAIN_LR:=2e-5}"
 : "${PROFILE_SHAPES=lfm2.5-1.2b qwen3.5-0.8b}" "${OUT:=runs/gpu-session}" "${PACK:=}"
 [[ " $SHAPES " == *" qwen3.5-0.8b "* ]] && : "${SCAN_AB=qwen3.5-0.8b}" || : "${SCAN_AB=}"
+: "${MOMENTS_SHAPES=lfm2.5-1.2b}" "${FIT_SHAPE:=lfm2.5-8b-a1b}" "${FIT_SEQ:=8192}"
 run=gpu-session
 step() { echo "== $*" >&2; }
 
@@ -84,6 +91,29 @@ stage_noscan() {
         >"$OUT/table-noscan.md"
     local status=$?
     cat "$OUT/table-noscan.md"
+    return $status
+}
+
+stage_moments() {
+    [[ -n $MOMENTS_SHAPES ]] || return 0
+    local moments status=0
+    : >"$OUT/table-moments.md"
+    for moments in bf16 q8; do
+        step "AdamW moments in $moments: $MOMENTS_SHAPES"
+        # shellcheck disable=SC2086  # MOMENTS_SHAPES is a list
+        DEVICE=$DEVICE KILN=$KILN KILN_OPS=ops MOMENTS=$moments REFERENCE=none OUT=$OUT/bench-moments-$moments \
+            tests/bench/train.sh $MOMENTS_SHAPES >>"$OUT/table-moments.md" || status=1
+    done
+    cat "$OUT/table-moments.md"
+    return $status
+}
+
+stage_fit() {
+    step "fit: $FIT_SHAPE at $FIT_SEQ, 2 micro-batches, 8-bit moments, without and with checkpointing"
+    DEVICE=$DEVICE KILN=$KILN KILN_OPS="ops checkpointed" MOMENTS=q8 REFERENCE=none SEQ=$FIT_SEQ ACC=2 STEPS=2 \
+        WARMUP=1 OUT=$OUT/bench-fit tests/bench/train.sh "$FIT_SHAPE" >"$OUT/table-fit.md"
+    local status=$?
+    cat "$OUT/table-fit.md"
     return $status
 }
 
@@ -179,7 +209,7 @@ if [[ $KILN == *.gz ]]; then
 fi
 KILN=$(realpath "$KILN")
 export DEVICE STAGES SHAPES KILN_OPS TRAIN_SHAPE EPOCHS TRAIN_MICRO TRAIN_BATCH TRAIN_LR PROFILE_SHAPES SCAN_AB \
-    OUT KILN LD_LIBRARY_PATH
+    MOMENTS_SHAPES FIT_SHAPE FIT_SEQ OUT KILN LD_LIBRARY_PATH
 
 step "machine"
 {

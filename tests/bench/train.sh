@@ -9,11 +9,12 @@
 #   DEVICE      cuda when nvidia-smi sees a GPU, else cpu
 #   SEQ MICRO ACC STEPS WARMUP   4096 1 1 10 3 on cuda; 128 1 1 2 1 on cpu
 #   PEAK_TFLOPS 989 on cuda (H100/H200 SXM dense bf16), for MFU
-#   PRECISION   kiln's precision (auto: bf16 on cuda, f32 on cpu); MOMENTS kiln's AdamW moment dtype (f32)
+#   PRECISION   kiln's precision (auto: bf16 on cuda, f32 on cpu); MOMENTS kiln's AdamW moments (f32, bf16, q8)
 #   KILN_OPS    "ops" (kiln's hand-written attention / SwiGLU / loss ops), "reference" (burn's plain
 #               compositions, `--reference-ops`), "unfused" (the ops without burn's fusion on CUDA,
 #               KILN_CUDA_FUSION=off), "noscan" (the ops with the DeltaNet scan as tensor ops, not kiln's
-#               kernel: KILN_SCAN_KERNEL=off), or several: "ops reference unfused noscan"
+#               kernel: KILN_SCAN_KERNEL=off), "checkpointed" (the ops with --activation-checkpointing), or
+#               several: "ops reference unfused noscan checkpointed"
 #   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py), or none
 #   PYTHON      a python with torch and transformers (python3); without them the reference is skipped
 #   OUT         runs/bench-train
@@ -60,7 +61,8 @@ for shape in "${shapes[@]}"; do
             reference) out=$OUT/$shape-kiln-reference.json; switch=(--reference-ops); fusion=on; scan=on ;;
             unfused) out=$OUT/$shape-kiln-unfused.json; switch=(); fusion=off; scan=on ;;
             noscan) out=$OUT/$shape-kiln-noscan.json; switch=(); fusion=on; scan=off ;;
-            *) echo "KILN_OPS: unknown '$ops' (ops, reference, unfused or noscan)" >&2; exit 2 ;;
+            checkpointed) out=$OUT/$shape-kiln-checkpointed.json; switch=(--activation-checkpointing); fusion=on; scan=on ;;
+            *) echo "KILN_OPS: unknown '$ops' (ops, reference, unfused, noscan or checkpointed)" >&2; exit 2 ;;
         esac
         echo "== $shape: kiln ($DEVICE, $PRECISION, $ops)" >&2
         if KILN_CUDA_FUSION=$fusion KILN_SCAN_KERNEL=$scan "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" --precision "$PRECISION" \

@@ -132,7 +132,9 @@ def table(files) -> str:
                                  for o in refs if o.get("peak_memory_bytes") and r.get("peak_memory_bytes"))
         framework = r["framework"] + (" (reference ops)" if r.get("reference_ops") else "") \
             + (" (unfused)" if r.get("fusion") is False else "") \
-            + (" (no scan kernel)" if r.get("scan_kernel") is False else "")
+            + (" (no scan kernel)" if r.get("scan_kernel") is False else "") \
+            + (" (checkpointed)" if r.get("activation_checkpointing") else "") \
+            + (f" ({r['moments']} moments)" if r.get("moments", "f32") != "f32" else "")
         lines.append(f"| {shape} | {framework} | {r['precision']} | {r['params'] / 1e6:.1f} | "
                      f"{r['seq']} × {r['micro_batch']} × {r['accumulation']} | {r['tokens_per_s']:,.0f} | {mfu} | "
                      f"{mem} | {ratio} | {mem_ratio} |")
