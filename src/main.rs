@@ -103,6 +103,10 @@ struct SftArgs {
     /// cpu, cuda, vulkan (--features vulkan; f32), or auto (cuda when this build has it and a GPU is visible).
     #[arg(long, default_value = "auto")]
     device: String,
+    /// Recompute memory-bound activations in the backward pass (as the model config's
+    /// `train.activation_checkpointing`): less memory, the same training.
+    #[arg(long)]
+    activation_checkpointing: bool,
     #[arg(long, default_value = "pipelines/sft.toml")]
     pipeline: PathBuf,
     #[arg(long, env = "KILN_CONFIGS", default_value = "configs/models")]
@@ -681,6 +685,7 @@ fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
         from: args.from,
         until: args.until,
         device: args.device,
+        activation_checkpointing: args.activation_checkpointing,
         pipeline: args.pipeline,
         configs_dir: args.configs_dir,
         datasets_dir: datasets_dir.to_path_buf(),
@@ -1104,6 +1109,7 @@ fn train_config(args: &TrainArgs) -> Result<kiln::train::TrainConfig> {
     if let Some(m) = args.moments {
         cfg.adamw.moments = m;
     }
+    cfg.activation_checkpointing |= args.activation_checkpointing;
     Ok(cfg)
 }
 
@@ -1154,7 +1160,6 @@ fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
     let stop = stop_on_ctrl_c();
     let summary = kiln::train::train_on_device(
         &args.device,
-        args.activation_checkpointing,
         &cfg,
         &args.model_dir,
         &args.data,

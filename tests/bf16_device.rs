@@ -91,7 +91,8 @@ fn train_here(
     halt: Option<usize>,
 ) -> bool {
     let stop = AtomicBool::new(false);
-    train_on_device("cpu", recompute, cfg, base, data, run, resume, &stop, halt, false).unwrap().interrupted
+    let cfg = TrainConfig { activation_checkpointing: recompute, ..cfg.clone() };
+    train_on_device("cpu", &cfg, base, data, run, resume, &stop, halt, false).unwrap().interrupted
 }
 
 /// Loss and gradient norm of every step, as `metrics.jsonl` records them.

@@ -207,6 +207,13 @@ fn kiln_train_lowers_the_loss_on_the_synthetic_sample() {
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run_dir.join("train/summary.json")).unwrap()).unwrap();
     assert_eq!(summary["epochs_done"], 1);
+    // f32 on the CPU, accumulating: 4 B each of weights, gradients, their sum, and 8 of moments, no masters.
+    let state = &summary["state_memory"];
+    let params = state["parameters"].as_u64().unwrap();
+    assert!(params > 1_000_000, "{state}");
+    assert_eq!((state["weights"].as_u64(), state["masters"].as_u64()), (Some(4 * params), Some(0)), "{state}");
+    assert_eq!(state["moments"].as_u64(), Some(8 * params), "{state}");
+    assert_eq!(state["gradient_sum"].as_u64(), Some(4 * params), "{state}");
     // The exported epoch is a checkpoint the model tools load.
     kiln(&[
         "generate",
@@ -239,6 +246,37 @@ fn activation_checkpointing_gives_the_same_training() {
     )
     .unwrap();
     let (a, b) = (hf_tensors(&plain), hf_tensors(&recomputed));
+    for (k, t) in &a {
+        let err = t.data.iter().zip(&b[k].data).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(err <= 1e-6, "{k}: {err}");
+    }
+}
+
+/// Activation checkpointing changes memory, not the updates, so a run stopped without it resumes with it
+/// (the config's `activation_checkpointing`, as `kiln train --activation-checkpointing` sets it) and ends
+/// where the uninterrupted run does; any other setting changed is refused.
+#[test]
+fn a_run_resumes_with_activation_checkpointing_switched_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixture_shards(dir.path(), 3);
+    let cfg = TrainConfig { epochs: 2, ..parity_config() };
+    let stop = AtomicBool::new(false);
+    let base = fixture_dir().join("lfm2-tiny");
+    let go = |cfg: &TrainConfig, run: &str, resume: bool, halt: Option<usize>| {
+        kiln::train::train_on_device("cpu", cfg, &base, &data, &dir.path().join(run), resume, &stop, halt, false)
+    };
+    go(&cfg, "straight", false, None).unwrap();
+    assert!(go(&cfg, "resumed", false, Some(4)).unwrap().interrupted);
+    let checkpointed = TrainConfig { activation_checkpointing: true, ..cfg.clone() };
+    let err = go(&TrainConfig { lr: 2e-3, ..checkpointed.clone() }, "resumed", true, None).unwrap_err().to_string();
+    assert!(err.contains("another training config"), "{err}");
+    let summary = go(&checkpointed, "resumed", true, None).unwrap();
+    assert!(!summary.interrupted && summary.epochs_done == 2);
+    let load = |run: &str| {
+        let epoch = dir.path().join(run).join("checkpoints/epoch-2");
+        hf_tensors(&kiln::models::load_model::<Cpu>(&epoch, &Default::default()).unwrap().1)
+    };
+    let (a, b) = (load("straight"), load("resumed"));
     for (k, t) in &a {
         let err = t.data.iter().zip(&b[k].data).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
         assert!(err <= 1e-6, "{k}: {err}");

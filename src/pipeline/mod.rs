@@ -145,6 +145,8 @@ pub struct SftRequest {
     pub until: Option<Stage>,
     /// cpu, cuda, or auto (cuda when built with it and a GPU is present).
     pub device: String,
+    /// Activation checkpointing on, whatever the model config says.
+    pub activation_checkpointing: bool,
     pub pipeline: PathBuf,
     pub configs_dir: PathBuf,
     pub datasets_dir: PathBuf,
@@ -187,6 +189,7 @@ pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, Pipeli
     let def = PipelineDef::load(&req.pipeline)?;
     let mut config = ModelConfig::find(&req.model, &req.configs_dir)?;
     config.train.epochs = req.epochs.unwrap_or(def.defaults.epochs);
+    config.train.activation_checkpointing |= req.activation_checkpointing;
     if let Some(data) = &req.data {
         config.data.recipes = data.clone();
         config.data.weights.retain(|k, _| data.contains(k));

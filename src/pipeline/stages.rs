@@ -305,7 +305,7 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let cfg = &ctx.config.train;
     let base = require_base(ctx, Stage::Train)?;
     let saved = crate::train::trainer::saved_config(ctx.run_dir);
-    let resume = saved.as_ref() == Some(&cfg.for_device(ctx.device));
+    let resume = saved.as_ref().is_some_and(|saved| cfg.for_device(ctx.device).continues(saved));
     if resume {
         eprintln!("  resuming from {}", ctx.run_dir.join("train/state").display());
     } else {
@@ -319,7 +319,6 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     }
     let summary = crate::train::train_on_device(
         ctx.device,
-        false,
         cfg,
         &base,
         &ctx.run_dir.join("data"),

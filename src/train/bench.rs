@@ -71,6 +71,10 @@ pub struct BenchResult {
     /// Whether burn's activation checkpointing ran (kiln only).
     #[serde(default)]
     pub activation_checkpointing: bool,
+    /// Weights, gradients and optimizer state between steps, in bytes (kiln only; `peak_memory_bytes` adds
+    /// the activations and the step's temporaries).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_memory_bytes: Option<u64>,
     /// Whether the DeltaNet scan ran as kiln's kernel (kiln on a CubeCL device only: `KILN_SCAN_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scan_kernel: Option<bool>,
@@ -130,6 +134,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
     }
     let flops = StepFlops::of(&model, config, cfg.seq);
     let adamw = AdamWConfig { weight_decay: 0.01, moments: cfg.moments, ..AdamWConfig::default() };
+    let state_memory_bytes = super::optim::state_memory(&model, &adamw, cfg.accumulation > 1).total();
     let mut opt = AdamW::<B::InnerBackend>::new(adamw);
     let rows_per_step = cfg.micro_batch * cfg.accumulation;
     let mut peak = PeakMemory::default();
@@ -170,6 +175,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         scan_kernel: (device_name != "cpu").then(crate::backend::scan_kernel_enabled),
         moments: Some(cfg.moments),
         activation_checkpointing: cfg.activation_checkpointing,
+        state_memory_bytes: Some(state_memory_bytes),
         tokens_per_step,
         warmup: cfg.warmup,
         median_step_seconds,

@@ -96,7 +96,6 @@ pub fn device_error(device: &str) -> String {
 #[allow(clippy::too_many_arguments)]
 pub fn train_on_device(
     device: &str,
-    activation_checkpointing: bool,
     cfg: &TrainConfig,
     model_dir: &std::path::Path,
     data_dir: &std::path::Path,
@@ -123,5 +122,5 @@ pub fn train_on_device(
             .map(|(summary, _)| summary)
         };
     }
-    with_train_backend!(device, cfg.precision, activation_checkpointing, go)
+    with_train_backend!(device, cfg.precision, cfg.activation_checkpointing, go)
 }

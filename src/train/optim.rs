@@ -218,6 +218,79 @@ impl<B: Backend> AdamW<B> {
     }
 }
 
+/// What a model's weights, gradients and AdamW state take on the device between optimizer steps, in bytes
+/// (activations come on top): the arithmetic of docs/TRAINING.md's memory table for this model's tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct StateMemory {
+    pub parameters: u64,
+    pub weights: u64,
+    /// One backward pass's gradients, in the parameters' dtypes.
+    pub gradients: u64,
+    /// The f32 sum of a step's micro-batch gradients (only when several are accumulated).
+    pub gradient_sum: u64,
+    /// f32 master copies of parameters stored below f32.
+    pub masters: u64,
+    /// Both moments, 8-bit codes and block scales included.
+    pub moments: u64,
+}
+
+impl StateMemory {
+    pub fn total(&self) -> u64 {
+        self.weights + self.gradients + self.gradient_sum + self.masters + self.moments
+    }
+
+    /// One line: each part and the total in GiB.
+    pub fn summary(&self) -> String {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        format!(
+            "{:.1} M parameters: weights {:.2} GiB, gradients {:.2}{}, masters {:.2}, moments {:.2}: {:.2} GiB before activations",
+            self.parameters as f64 / 1e6,
+            gib(self.weights),
+            gib(self.gradients),
+            if self.gradient_sum > 0 { format!(" (+{:.2} summed)", gib(self.gradient_sum)) } else { String::new() },
+            gib(self.masters),
+            gib(self.moments),
+            gib(self.total())
+        )
+    }
+}
+
+/// `StateMemory` of `model` as AdamW with `config` trains it, accumulating micro-batches or not.
+pub fn state_memory<B: Backend, M: Module<B>>(model: &M, config: &AdamWConfig, accumulating: bool) -> StateMemory {
+    struct Tally(Vec<(usize, usize)>);
+    impl<B: Backend> ModuleVisitor<B> for Tally {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let t = param.val();
+            self.0.push((t.shape().num_elements(), t.dtype().size()));
+        }
+    }
+    let mut tally = Tally(Vec::new());
+    model.visit(&mut tally);
+    state_memory_of(&tally.0, config.moments, accumulating)
+}
+
+/// `state_memory` for tensors of `(values, bytes a value)`.
+fn state_memory_of(tensors: &[(usize, usize)], moments: MomentDtype, accumulating: bool) -> StateMemory {
+    let mut m = StateMemory::default();
+    for &(n, bytes) in tensors {
+        let (n64, bytes) = (n as u64, bytes as u64);
+        m.parameters += n64;
+        m.weights += n64 * bytes;
+        m.gradients += n64 * bytes;
+        m.gradient_sum += if accumulating { n64 * 4 } else { 0 };
+        m.masters += if bytes < 4 { n64 * 4 } else { 0 };
+        m.moments += match moments {
+            MomentDtype::Q8 if n >= quant8::MIN_ELEMENTS => {
+                let blocks = n.div_ceil(quant8::BLOCK) as u64;
+                2 * (blocks * quant8::BLOCK as u64 + blocks * 4)
+            }
+            MomentDtype::Bf16 => n64 * 4,
+            _ => n64 * 8,
+        };
+    }
+    m
+}
+
 /// Each float parameter's number of values, by id (what a saved optimizer state must fit).
 pub fn param_sizes<B: Backend, M: Module<B>>(model: &M) -> HashMap<ParamId, usize> {
     struct Sizes(HashMap<ParamId, usize>);
@@ -431,6 +504,26 @@ mod tests {
     use super::*;
     use crate::backend::{Cpu, CpuTrain};
     use crate::testing::{normal, values};
+
+    /// The memory table of docs/TRAINING.md, per parameter: 16 B in f32; 16 B in bf16 (20 accumulating);
+    /// 12 (16) with bf16 moments; 10.03 (14.03) with 8-bit moments, whose small tensors keep f32 moments.
+    #[test]
+    fn state_memory_follows_the_table() {
+        let per_value = |bytes, moments, accumulating| {
+            let m = state_memory_of(&[(1 << 24, bytes)], moments, accumulating);
+            assert_eq!(m.parameters, 1 << 24);
+            m.total() as f64 / (1u64 << 24) as f64
+        };
+        assert_eq!(per_value(4, MomentDtype::F32, false), 16.0);
+        assert_eq!(per_value(2, MomentDtype::F32, false), 16.0);
+        assert_eq!(per_value(2, MomentDtype::F32, true), 20.0);
+        assert_eq!(per_value(2, MomentDtype::Bf16, true), 16.0);
+        assert_eq!((per_value(2, MomentDtype::Q8, false), per_value(2, MomentDtype::Q8, true)), (10.03125, 14.03125));
+        let small = state_memory_of(&[(4095, 2), (4096, 2)], MomentDtype::Q8, false);
+        assert_eq!(small.moments, 4095 * 8 + 2 * (4096 + 16 * 4));
+        assert_eq!(small.masters, 8191 * 4);
+        assert!(small.summary().contains("0.0 M parameters") && small.summary().ends_with("before activations"));
+    }
 
     /// A state exported after a step restores to the same next step, in every moment dtype; a state whose
     /// tensors do not fit the parameter is refused, naming the tensor.

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use super::TrainError;
 use super::data::TrainData;
 use super::linear_ce::LinearCrossEntropy;
-use super::optim::{AdamW, AdamWConfig, CODES_SUFFIX};
+use super::optim::{AdamW, AdamWConfig, CODES_SUFFIX, StateMemory};
 use super::schedule::{Decay, Schedule};
 use super::step::{MicroBatch, optimizer_step};
 use crate::backend::DeviceMemory;
@@ -88,6 +88,9 @@ pub struct TrainConfig {
     /// The accelerator's dense peak in TFLOP/s, for MFU (none on the CPU).
     pub peak_tflops: Option<f64>,
     pub precision: Precision,
+    /// Recompute memory-bound activations in the backward pass instead of keeping them (burn's balanced
+    /// checkpointing): less memory, the same updates, so a run may resume with it switched either way.
+    pub activation_checkpointing: bool,
 }
 
 impl TrainConfig {
@@ -95,6 +98,12 @@ impl TrainConfig {
     /// resume compares against.
     pub fn for_device(&self, device: &str) -> TrainConfig {
         TrainConfig { precision: self.precision.resolve(device), ..self.clone() }
+    }
+
+    /// Whether a state saved with `saved` continues as this config would train: every setting equal but
+    /// activation checkpointing, which changes memory, not the updates.
+    pub fn continues(&self, saved: &TrainConfig) -> bool {
+        *self == TrainConfig { activation_checkpointing: self.activation_checkpointing, ..saved.clone() }
     }
 }
 
@@ -117,6 +126,7 @@ impl Default for TrainConfig {
             export_dtype: ExportDtype::Bf16,
             peak_tflops: None,
             precision: Precision::Auto,
+            activation_checkpointing: false,
         }
     }
 }
@@ -175,6 +185,9 @@ pub struct TrainSummary {
     pub seconds: f64,
     #[serde(default)]
     pub precision: Precision,
+    /// What the weights, gradients and optimizer state took between steps (before activations).
+    #[serde(default)]
+    pub state_memory: StateMemory,
 }
 
 fn param_names<B: burn::tensor::backend::Backend>(model: &CausalLm<B>) -> HashMap<ParamId, String> {
@@ -271,7 +284,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             .map_err(|e| TrainError::State { path: state_dir.clone(), message: e.to_string() })?;
         let p: Position = serde_json::from_str(&text)
             .map_err(|e| TrainError::State { path: state_dir.clone(), message: e.to_string() })?;
-        if p.config != *cfg {
+        if !cfg.continues(&p.config) {
             return Err(TrainError::Config(format!(
                 "{} was written with another training config; resume with the same settings",
                 state_dir.display()
@@ -310,6 +323,10 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     let schedule =
         Schedule { peak: cfg.lr, min_ratio: cfg.min_lr_ratio, warmup_steps: warmup, total_steps, decay: cfg.decay };
     let flops = StepFlops::of(&model, &config, data.seq_len);
+    let state_memory = super::optim::state_memory(&model, &cfg.adamw, global_batch > cfg.micro_batch);
+    if show_progress {
+        eprintln!("train: {}", state_memory.summary());
+    }
 
     let bar = if show_progress { ProgressBar::new(total_steps as u64) } else { ProgressBar::hidden() };
     bar.set_style(
@@ -340,6 +357,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
                     interrupted: true,
                     seconds: started.elapsed().as_secs_f64(),
                     precision: cfg.precision,
+                    state_memory,
                 };
                 write_summary(&train_dir, &summary)?;
                 return Ok((summary, model));
@@ -415,6 +433,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         interrupted: false,
         seconds: started.elapsed().as_secs_f64(),
         precision: cfg.precision,
+        state_memory,
     };
     write_summary(&train_dir, &summary)?;
     Ok((summary, model))

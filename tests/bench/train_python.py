@@ -118,12 +118,14 @@ def table(files) -> str:
     for name in files:
         with open(name) as f:
             results.append(json.load(f))
-    lines = ["| shape | framework | precision | params M | seq × micro × acc | tokens/s | MFU % | peak GiB | kiln / PyTorch tokens/s | kiln / PyTorch memory |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | framework | precision | params M | seq × micro × acc | tokens/s | MFU % | peak GiB | state GiB | kiln / PyTorch tokens/s | kiln / PyTorch memory |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         shape = r.get("shape", r["model_type"])
         mfu = f"{r['mfu'] * 100:.1f}" if r.get("mfu") is not None else "-"
         mem = f"{r['peak_memory_bytes'] / 2**30:.2f}" if r.get("peak_memory_bytes") else "-"
+        # kiln's weights, gradients and optimizer state between steps (the peak adds activations).
+        state = f"{r['state_memory_bytes'] / 2**30:.2f}" if r.get("state_memory_bytes") else "-"
         ratio = mem_ratio = ""
         if r["framework"] == "kiln":
             refs = [o for o in results if o["framework"] == "pytorch" and o.get("shape", o["model_type"]) == shape]
@@ -137,7 +139,7 @@ def table(files) -> str:
             + (f" ({r['moments']} moments)" if r.get("moments", "f32") != "f32" else "")
         lines.append(f"| {shape} | {framework} | {r['precision']} | {r['params'] / 1e6:.1f} | "
                      f"{r['seq']} × {r['micro_batch']} × {r['accumulation']} | {r['tokens_per_s']:,.0f} | {mfu} | "
-                     f"{mem} | {ratio} | {mem_ratio} |")
+                     f"{mem} | {state} | {ratio} | {mem_ratio} |")
     return "\n".join(lines)
 
 
