@@ -75,6 +75,15 @@ pub type VkHalfTrain = Autodiff<VkHalf>;
 pub type VkHalfTrainCheckpointed =
     Autodiff<VkHalf, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
 
+/// The Vulkan backends without burn's fusion (every op its own kernel), in f32 and f16: the unfused path
+/// `KILN_CUDA_FUSION=off` takes on CUDA (`GpuUnfused`), where kiln's kernels run on `CubeBackend` directly
+/// rather than as fused custom operations, checked on lavapipe by the tests (the CLI's vulkan device is the
+/// fused one).
+#[cfg(feature = "vulkan")]
+pub type VkUnfused = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u8>;
+#[cfg(feature = "vulkan")]
+pub type VkHalfUnfused = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, burn::tensor::f16, i32, u8>;
+
 /// Whether this build can compute on a Vulkan device here, in f16 (`half`) or f32: wgpu panics on burn's
 /// device thread where no Vulkan driver is installed, so the first use is probed as CUDA's is (and claims
 /// the device's default dtype as CUDA's probe does).
@@ -183,7 +192,7 @@ macro_rules! cubecl_device_memory {
 #[cfg(feature = "cuda")]
 cubecl_device_memory!(cubecl::cuda::CudaRuntime: burn::backend::Cuda<f32>, Gpu, GpuUnfused);
 #[cfg(feature = "vulkan")]
-cubecl_device_memory!(cubecl::wgpu::WgpuRuntime: Vk, VkHalf);
+cubecl_device_memory!(cubecl::wgpu::WgpuRuntime: Vk, VkHalf, VkUnfused, VkHalfUnfused);
 
 // The CPU backend runs the models' attention in f32 as loops over each query's document keys
 // (`models::cpu_attention`) and the DeltaNet scan as loops over tokens (`models::cpu_deltanet`); the
@@ -285,6 +294,10 @@ cubecl_model_backend!(GpuUnfused);
 cubecl_model_backend!(Vk);
 #[cfg(feature = "vulkan")]
 cubecl_model_backend!(VkHalf);
+#[cfg(feature = "vulkan")]
+cubecl_model_backend!(VkUnfused);
+#[cfg(feature = "vulkan")]
+cubecl_model_backend!(VkHalfUnfused);
 
 /// `scan_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
 pub fn scan_kernel_enabled() -> bool {

@@ -94,6 +94,17 @@ fn a_resumed_run_on_the_fused_backend_equals_the_uninterrupted_one() {
     common::training::assert_resume_agrees::<VkTrain>(&cfg, common::training::Agreement::Within(1e-5));
 }
 
+/// burn's unfused CubeCL backend (what `KILN_CUDA_FUSION=off` runs on CUDA: every op its own kernel, kiln's
+/// DeltaNet scan kernel launched directly instead of as a fused custom operation) trains every tiny shape as
+/// the CPU does.
+#[test]
+fn the_tiny_shapes_train_on_the_unfused_backend_as_on_the_cpu() {
+    common::training::assert_tiny_shapes_train_on::<burn::backend::Autodiff<kiln::backend::VkUnfused>>(
+        Precision::F32,
+        1e-4,
+    );
+}
+
 /// 8-bit moments on the device (u8 code tensors, the map looked up with gathers, the quantizer's float
 /// arithmetic in SPIR-V): bitsandbytes' codes and AdamW8bit parameters (tests/fixtures/optim).
 #[test]

@@ -35,6 +35,16 @@ fn the_tiny_shapes_train_in_half_precision_on_the_fused_backend() {
     common::training::assert_tiny_shapes_train_as_on_the_cpu(Precision::F16, 2, 1e-3);
 }
 
+/// The half-precision graph on burn's unfused backend (`KILN_CUDA_FUSION=off`'s path on CUDA).
+#[test]
+fn the_tiny_shapes_train_in_half_precision_on_the_unfused_backend() {
+    claim_f16();
+    common::training::assert_tiny_shapes_train_on::<burn::backend::Autodiff<kiln::backend::VkHalfUnfused>>(
+        Precision::F16,
+        1e-3,
+    );
+}
+
 /// The trainer in f16: a run stopped after 4 steps and resumed ends where the uninterrupted one does, its
 /// epoch exports (written from f16 parameters) included. With 8-bit moments, as the largest models train
 /// on the GPU: their u8 codes in the half-precision graph, saved and restored.

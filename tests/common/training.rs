@@ -182,6 +182,30 @@ pub fn assert_resume_agrees<B: LinearCrossEntropy + DeviceMemory>(cfg: &TrainCon
     }
 }
 
+/// Each tiny shape's three benchmark steps (micro-batches accumulated) on backend `B` in `precision`, against
+/// the CPU's f32 losses within `tolerance` relative: for backends the CLI does not name (burn's unfused
+/// CubeCL backend on Vulkan).
+pub fn assert_tiny_shapes_train_on<B: LinearCrossEntropy + DeviceMemory>(precision: Precision, tolerance: f64) {
+    let cfg = super::tiny_bench_config(Precision::F32, 2);
+    for shape in super::TINY_SHAPES {
+        let config =
+            kiln::models::ModelConfig::from_file(&super::project_dir().join(shape).join("config.json")).unwrap();
+        let cpu = bench_on_device(&config, &cfg, "cpu").unwrap();
+        let device = kiln::train::bench::bench_train::<B>(
+            &config,
+            &BenchConfig { precision, ..cfg.clone() },
+            "vulkan",
+            &Default::default(),
+        )
+        .unwrap_or_else(|e| panic!("{shape}: {e}"));
+        assert_eq!(device.losses.len(), 3);
+        for (step, (a, b)) in device.losses.iter().zip(&cpu.losses).enumerate() {
+            eprintln!("{shape} step {step}: {precision:?} {a} cpu f32 {b}");
+            assert!((a - b).abs() <= tolerance * b.abs(), "{shape} step {step}: {a} vs cpu {b}");
+        }
+    }
+}
+
 /// Each tiny shape's three benchmark steps on the vulkan device in `precision`, against the CPU's f32
 /// losses within `tolerance` relative: micro-batches accumulated (`accumulation`), one micro-batch with
 /// activation checkpointing, and one with burn's plain compositions.
