@@ -32,6 +32,12 @@
 # KILN may be gzipped (the CUDA build is over the device tool's 64 MiB carry limit; packed it is ~26 MB): it
 # is unpacked to $TMPDIR first, and the unpacked binary's path is passed on to the stages.
 #
+# CubeCL compiles every kernel when a process first launches it (NVRTC on CUDA), and each stage runs several
+# kiln processes; its compilation cache (off by default) keeps compiled kernels on disk for the processes
+# after: the script writes a cubecl.toml switching it on, in KERNEL_CACHE ($TMPDIR/kiln-kernel-cache), into
+# the working directory for the session (where none is there already; removed at the end). KERNEL_CACHE=off
+# leaves it off. burn's autotune results are kept on disk by default (under target/).
+#
 # Settings (environment): DEVICE (cuda); STAGES ("parity table train pipeline profile noscan"); STAGE_TIMEOUT
 # (600);
 # SHAPES ("lfm2-350m lfm2.5-1.2b qwen3.5-0.8b") and KILN_OPS ("ops reference") for the table, where
@@ -208,6 +214,12 @@ if [[ $KILN == *.gz ]]; then
     KILN=$unpacked
 fi
 KILN=$(realpath "$KILN")
+: "${KERNEL_CACHE:=${TMPDIR:-/tmp}/kiln-kernel-cache}"
+if [[ $KERNEL_CACHE != off && ! -e cubecl.toml ]]; then
+    printf '[compilation]\ncache = { file = "%s" }\n' "$KERNEL_CACHE" >cubecl.toml
+    trap 'rm -f cubecl.toml' EXIT
+fi
+export KERNEL_CACHE
 export DEVICE STAGES SHAPES KILN_OPS TRAIN_SHAPE EPOCHS TRAIN_MICRO TRAIN_BATCH TRAIN_LR PROFILE_SHAPES SCAN_AB \
     MOMENTS_SHAPES FIT_SHAPE FIT_SEQ OUT KILN LD_LIBRARY_PATH
 
