@@ -257,16 +257,22 @@ impl StateMemory {
 
 /// `StateMemory` of `model` as AdamW with `config` trains it, accumulating micro-batches or not.
 pub fn state_memory<B: Backend, M: Module<B>>(model: &M, config: &AdamWConfig, accumulating: bool) -> StateMemory {
-    struct Tally(Vec<(usize, usize)>);
+    let tensors: Vec<(usize, usize)> = float_params(model).into_iter().map(|(_, n, bytes)| (n, bytes)).collect();
+    state_memory_of(&tensors, config.moments, accumulating)
+}
+
+/// Each float parameter of `model`: its id, number of values and bytes a value.
+fn float_params<B: Backend, M: Module<B>>(model: &M) -> Vec<(ParamId, usize, usize)> {
+    struct Tally(Vec<(ParamId, usize, usize)>);
     impl<B: Backend> ModuleVisitor<B> for Tally {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let t = param.val();
-            self.0.push((t.shape().num_elements(), t.dtype().size()));
+            self.0.push((param.id, t.shape().num_elements(), t.dtype().size()));
         }
     }
     let mut tally = Tally(Vec::new());
     model.visit(&mut tally);
-    state_memory_of(&tally.0, config.moments, accumulating)
+    tally.0
 }
 
 /// `state_memory` for tensors of `(values, bytes a value)`.
@@ -293,15 +299,7 @@ fn state_memory_of(tensors: &[(usize, usize)], moments: MomentDtype, accumulatin
 
 /// Each float parameter's number of values, by id (what a saved optimizer state must fit).
 pub fn param_sizes<B: Backend, M: Module<B>>(model: &M) -> HashMap<ParamId, usize> {
-    struct Sizes(HashMap<ParamId, usize>);
-    impl<B: Backend> ModuleVisitor<B> for Sizes {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.insert(param.id, param.val().shape().num_elements());
-        }
-    }
-    let mut sizes = Sizes(HashMap::new());
-    model.visit(&mut sizes);
-    sizes.0
+    float_params(model).into_iter().map(|(id, n, _)| (id, n)).collect()
 }
 
 /// Sums the gradients of a step's micro-batches in f32, whatever dtype the backward pass produced them in
