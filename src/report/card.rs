@@ -108,6 +108,34 @@ fn hardware(device: &str) -> String {
     format!("CPU: {} ({cores} cores)", model.unwrap_or_else(|| std::env::consts::ARCH.into()))
 }
 
+/// The card's optimizer row: AdamW's settings and how its moments were kept (8-bit moments change the run).
+fn adamw_line(a: &crate::train::optim::AdamWConfig) -> String {
+    use crate::train::optim::MomentDtype;
+    let moments = match a.moments {
+        MomentDtype::F32 => "",
+        MomentDtype::Bf16 => ", moments in bf16",
+        MomentDtype::Q8 => {
+            ", moments in block-wise 8 bits (bitsandbytes' AdamW8bit scheme; f32 for tensors under 4,096 values)"
+        }
+    };
+    format!("β = ({}, {}), ε = {}, weight decay {}{moments}", a.beta1, a.beta2, a.eps, a.weight_decay)
+}
+
+/// The card's precision row.
+fn precision_line(p: crate::train::Precision) -> String {
+    use crate::train::Precision;
+    match p {
+        Precision::F32 => "f32 throughout".into(),
+        Precision::Bf16 => {
+            "bf16 weights, activations and gradients; f32 master weights, norms, softmax and loss".into()
+        }
+        Precision::F16 => {
+            "f16 weights, activations and gradients (Vulkan); f32 master weights, norms, softmax and loss".into()
+        }
+        Precision::Auto => "the device's default (f32 on the CPU, bf16 on CUDA)".into(),
+    }
+}
+
 /// The eval table's row for one result; the test reads these cells back against the eval files.
 pub fn eval_row(r: &EvalResult) -> Vec<String> {
     let a = &r.aggregate;
@@ -343,13 +371,8 @@ pub fn write_card(
             )
             .to_lowercase(),
         ),
-        (
-            "AdamW",
-            format!(
-                "β = ({}, {}), ε = {}, weight decay {}",
-                c.adamw.beta1, c.adamw.beta2, c.adamw.eps, c.adamw.weight_decay
-            ),
-        ),
+        ("AdamW", adamw_line(&c.adamw)),
+        ("precision", precision_line(inputs.train.precision)),
         (
             "global batch / micro batch",
             format!(
@@ -486,6 +509,16 @@ fn scores_png(path: &Path, evals: &[EvalResult]) -> Result<(), ReportError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_optimizer_and_precision_rows_say_how_the_run_trained() {
+        use crate::train::optim::{AdamWConfig, MomentDtype};
+        let f32_moments = adamw_line(&AdamWConfig::default());
+        assert_eq!(f32_moments, "β = (0.9, 0.999), ε = 0.00000001, weight decay 0.01");
+        let q8 = adamw_line(&AdamWConfig { moments: MomentDtype::Q8, ..AdamWConfig::default() });
+        assert!(q8.starts_with(&f32_moments) && q8.contains("block-wise 8 bits"), "{q8}");
+        assert!(precision_line(crate::train::Precision::Bf16).contains("f32 master weights"));
+    }
 
     #[test]
     fn license_from_front_matter() {
