@@ -132,6 +132,9 @@ fn quantize_rows<B: Backend>(rows: Tensor<B, 2>, table: &Tensor<B, 1>, map: Map)
         Map::Signed => (rank.clone() + first).mask_where(x.clone().lower_elem(0.0), rank.neg() + (first - 2.0)),
         Map::Unsigned => rank + first,
     };
+    // A non-finite moment (its block scale NaN or infinite) still gets an index inside the map, so the
+    // lookups stay in bounds; the scale keeps the value non-finite, and the run stops on its loss.
+    let candidate = candidate.clone().mask_fill(candidate.is_nan(), first);
     let nearest = nearest_code(x, candidate, table);
     (nearest.cast(IntDType::U8), absmax)
 }
@@ -304,6 +307,26 @@ mod tests {
                     assert!(y.abs() > 0.0 && y.signum() == x.signum(), "{map:?}[{i}] {x} → {y}");
                 }
             }
+        }
+    }
+
+    /// A NaN or infinite value leaves its block non-finite (the run's loss then stops it) and every code an
+    /// index of the map; the other blocks are untouched.
+    #[test]
+    fn non_finite_values_stay_non_finite_within_their_block() {
+        let mut data = vec![0.5f32; 2 * BLOCK];
+        data[3] = f32::NAN;
+        data[BLOCK + 1] = f32::INFINITY;
+        data[BLOCK + 2] = 0.25;
+        for map in [Map::Signed, Map::Unsigned] {
+            let n = data.len();
+            let blocks =
+                quantize(Tensor::<Cpu, 1>::from_data(TensorData::new(data.clone(), [n]), &Default::default()), map);
+            let (codes, _) = blocks.to_host();
+            assert!(codes.iter().all(|c| (0.0..=255.0).contains(c)), "{map:?}: {codes:?}");
+            let back = values(dequantize(&blocks, map, n));
+            assert!(back[..BLOCK].iter().any(|x| !x.is_finite()), "{map:?}: the NaN block came back finite");
+            assert!(back[BLOCK..].iter().any(|x| !x.is_finite()), "{map:?}: the infinite block came back finite");
         }
     }
 
