@@ -77,7 +77,9 @@ gpu-carry:
 	$(CARGO) build --release --features cuda
 	mkdir -p gpu
 	gzip -9 -c $(KILN) > $(GPU_CARRY)
-	@size=$$(wc -c < $(GPU_CARRY)); echo "$(GPU_CARRY): $$size bytes"; \
+	@# Which source the binary is, for a later session deciding whether to rebuild it.
+	@git describe --always --dirty > $(GPU_CARRY).commit 2>/dev/null || true
+	@size=$$(wc -c < $(GPU_CARRY)); echo "$(GPU_CARRY): $$size bytes, from $$(cat $(GPU_CARRY).commit 2>/dev/null)"; \
 	    test $$size -lt 67108864 || { echo "$(GPU_CARRY) is over 64 MiB: the device tool cannot carry it" >&2; exit 1; }
 
 clean:
