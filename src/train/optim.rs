@@ -78,10 +78,7 @@ impl<B: Backend> Moment<B> {
     fn to_host(&self, name: &str) -> Vec<(String, HostTensor)> {
         let flat = |data: Vec<f32>| HostTensor { shape: vec![data.len()], data };
         match self {
-            Moment::Dense(t) => {
-                let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t.clone()));
-                vec![(name.to_string(), flat(t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default()))]
-            }
+            Moment::Dense(t) => vec![(name.to_string(), flat_host::<B>(t))],
             Moment::Blocks(blocks) => {
                 let (codes, scales) = blocks.to_host();
                 vec![(format!("{name}{CODES_SUFFIX}"), flat(codes)), (format!("{name}.absmax"), flat(scales))]
@@ -146,6 +143,13 @@ fn primitive<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> B::FloatTensor
     tensor.into_primitive().tensor()
 }
 
+/// A stored state tensor's values as a flat f32 host tensor (for a training-state file).
+fn flat_host<B: Backend>(t: &B::FloatTensorPrimitive) -> HostTensor {
+    let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t.clone()));
+    let data = t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+    HostTensor { shape: vec![data.len()], data }
+}
+
 /// A stored state tensor in the parameter's `shape`: as is when it has it, else (flat, from a file) reshaped
 /// up to it — a rank increase, which burn-fusion fuses.
 fn shaped<B: Backend, const D: usize>(state: B::FloatTensorPrimitive, shape: [usize; D]) -> Tensor<B, D> {
@@ -179,9 +183,7 @@ impl<B: Backend> AdamW<B> {
             out.extend(state.m.to_host(&format!("{name}.m")));
             out.extend(state.v.to_host(&format!("{name}.v")));
             if let Some(master) = &state.master {
-                let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(master.clone()));
-                let data = t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
-                out.push((format!("{name}.master"), HostTensor { shape: vec![data.len()], data }));
+                out.push((format!("{name}.master"), flat_host::<B>(master)));
             }
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
