@@ -164,6 +164,11 @@ pub trait DeviceMemory: Backend {
     fn reserved_bytes(_device: &Self::Device) -> Option<u64> {
         None
     }
+
+    /// The device's whole memory in bytes, where the backend knows it (CUDA); `None` elsewhere.
+    fn total_bytes(_device: &Self::Device) -> Option<u64> {
+        None
+    }
 }
 
 impl DeviceMemory for Flex {}
@@ -174,25 +179,43 @@ impl<B: DeviceMemory, C: burn::backend::autodiff::checkpoint::strategy::Checkpoi
     fn reserved_bytes(device: &Self::Device) -> Option<u64> {
         B::reserved_bytes(device)
     }
+
+    fn total_bytes(device: &Self::Device) -> Option<u64> {
+        B::total_bytes(device)
+    }
 }
 
 /// The CubeCL backends' allocator reserved bytes (one body per runtime for all its element types: burn does
 /// not export the element bounds a generic impl over `CubeBackend<R, F, I, B>` needs).
 #[cfg(any(feature = "cuda", feature = "vulkan"))]
+/// `total` (a closure of the runtime's client) gives the device's whole memory where the runtime says it.
+#[cfg(any(feature = "cuda", feature = "vulkan"))]
 macro_rules! cubecl_device_memory {
-    ($runtime:ty: $($backend:ty),*) => {$(
+    ($runtime:ty, $total:expr; $($backend:ty),*) => {$(
         impl DeviceMemory for $backend {
             fn reserved_bytes(device: &Self::Device) -> Option<u64> {
                 use cubecl::Runtime;
                 <$runtime>::client(device).memory_usage().ok().map(|usage| usage.bytes_reserved)
             }
+
+            fn total_bytes(device: &Self::Device) -> Option<u64> {
+                use cubecl::Runtime;
+                $total(&<$runtime>::client(device))
+            }
         }
     )*};
 }
+/// cubecl-cuda 0.10 sets its largest allocation to a quarter of `cuDeviceTotalMem` (its `runtime.rs`), and
+/// exposes no other figure of the device's memory.
 #[cfg(feature = "cuda")]
-cubecl_device_memory!(cubecl::cuda::CudaRuntime: burn::backend::Cuda<f32>, Gpu, GpuUnfused);
+fn cuda_total_bytes(client: &cubecl::client::ComputeClient<cubecl::cuda::CudaRuntime>) -> Option<u64> {
+    Some(client.properties().memory.max_page_size * 4)
+}
+#[cfg(feature = "cuda")]
+cubecl_device_memory!(cubecl::cuda::CudaRuntime, cuda_total_bytes; burn::backend::Cuda<f32>, Gpu, GpuUnfused);
+// wgpu reports its largest buffer binding, not the device's memory (lavapipe's is the host's).
 #[cfg(feature = "vulkan")]
-cubecl_device_memory!(cubecl::wgpu::WgpuRuntime: Vk, VkHalf, VkUnfused, VkHalfUnfused);
+cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused, VkHalfUnfused);
 
 // The CPU backend runs the models' attention in f32 as loops over each query's document keys
 // (`models::cpu_attention`) and the DeltaNet scan as loops over tokens (`models::cpu_deltanet`); the

@@ -134,7 +134,10 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
     }
     let flops = StepFlops::of(&model, config, cfg.seq);
     let adamw = AdamWConfig { weight_decay: 0.01, moments: cfg.moments, ..AdamWConfig::default() };
-    let state_memory_bytes = super::optim::state_memory(&model, &adamw, cfg.accumulation > 1).total();
+    let state_memory_bytes =
+        super::optim::state_memory_on_device(&model, &adamw, cfg.accumulation > 1, B::total_bytes(device))
+            .map_err(TrainError::Device)?
+            .total();
     let mut opt = AdamW::<B::InnerBackend>::new(adamw);
     let rows_per_step = cfg.micro_batch * cfg.accumulation;
     let mut peak = PeakMemory::default();

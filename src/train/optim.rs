@@ -263,6 +263,42 @@ pub fn state_memory<B: Backend, M: Module<B>>(model: &M, config: &AdamWConfig, a
     state_memory_of(&tensors, config.moments, accumulating)
 }
 
+/// `state_memory` of `model`, or an error where it alone (before any activation) exceeds `device_bytes`, the
+/// device's memory: an 8B model's f32 AdamW state does not fit an 80 GB GPU, and saying so before the first
+/// step beats an allocation failure on the device's thread after minutes of loading. The error names the moment
+/// storage that would fit, if one does.
+pub fn state_memory_on_device<B: Backend, M: Module<B>>(
+    model: &M,
+    config: &AdamWConfig,
+    accumulating: bool,
+    device_bytes: Option<u64>,
+) -> Result<StateMemory, String> {
+    let memory = state_memory(model, config, accumulating);
+    let Some(device_bytes) = device_bytes.filter(|&d| memory.total() > d) else { return Ok(memory) };
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let smaller = [MomentDtype::Bf16, MomentDtype::Q8]
+        .into_iter()
+        .filter(|&moments| moments != config.moments)
+        .map(|moments| (moments, state_memory(model, &AdamWConfig { moments, ..*config }, accumulating).total()))
+        .find(|&(_, total)| total <= device_bytes);
+    let hint = match smaller {
+        Some((m, total)) => {
+            let name = format!("{m:?}").to_lowercase();
+            format!(
+                "AdamW moments in {name} need {:.1} GiB before activations (`[train.adamw] moments = \"{name}\"` or `--moments {name}`)",
+                gib(total)
+            )
+        }
+        None => "no moment storage fits: this model needs a device with more memory".into(),
+    };
+    Err(format!(
+        "the weights, gradients and AdamW state of {:.1} M parameters need {:.1} GiB before any activation, and the device has {:.1} GiB: {hint}",
+        memory.parameters as f64 / 1e6,
+        gib(memory.total()),
+        gib(device_bytes)
+    ))
+}
+
 /// Each float parameter of `model`: its id, number of values and bytes a value.
 fn float_params<B: Backend, M: Module<B>>(model: &M) -> Vec<(ParamId, usize, usize)> {
     struct Tally(Vec<(ParamId, usize, usize)>);
@@ -523,6 +559,29 @@ mod tests {
         assert_eq!(small.moments, 4095 * 8 + 2 * (4096 + 16 * 4));
         assert_eq!(small.masters, 8191 * 4);
         assert!(small.summary().contains("0.0 M parameters") && small.summary().ends_with("before activations"));
+    }
+
+    /// A state larger than the device is an error before the first step, naming the moment storage that
+    /// would fit: 8,192 bf16 values need 16 B each with f32 moments, 12 with bf16, 8 + 16,640 B with 8-bit.
+    #[test]
+    fn a_state_larger_than_the_device_is_refused_with_what_would_fit() {
+        let device = Default::default();
+        let weight = Param::from_tensor(normal::<Cpu, 2>([128, 64], 0.0, 1.0, 1, &device).cast(FloatDType::BF16));
+        let f32_moments = AdamWConfig::default();
+        let fits = |bytes| state_memory_on_device(&weight, &f32_moments, false, bytes);
+        assert_eq!(fits(None).unwrap().total(), 131_072);
+        assert_eq!(fits(Some(131_072)).unwrap().total(), 131_072);
+        let err = fits(Some(100_000)).unwrap_err();
+        assert!(err.contains("need 0.0 GiB before any activation"), "{err}");
+        assert!(err.ends_with("`[train.adamw] moments = \"bf16\"` or `--moments bf16`)"), "{err}");
+        assert!(fits(Some(90_000)).unwrap_err().contains("AdamW moments in q8 need"));
+        assert!(
+            fits(Some(50_000))
+                .unwrap_err()
+                .ends_with("no moment storage fits: this model needs a device with more memory")
+        );
+        let q8 = AdamWConfig { moments: MomentDtype::Q8, ..AdamWConfig::default() };
+        assert_eq!(state_memory_on_device(&weight, &q8, false, Some(90_000)).unwrap().total(), 8 * 8192 + 16_640);
     }
 
     /// A state exported after a step restores to the same next step, in every moment dtype; a state whose

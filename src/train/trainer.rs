@@ -304,6 +304,14 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     if let Some(dtype) = cfg.precision.dtype() {
         model = model.cast_params(dtype);
     }
+    // Before any optimizer state is allocated or read back.
+    let state_memory = super::optim::state_memory_on_device(
+        &model,
+        &cfg.adamw,
+        global_batch > cfg.micro_batch,
+        B::total_bytes(device),
+    )
+    .map_err(TrainError::Device)?;
     let mut opt = AdamW::<B::InnerBackend>::new(cfg.adamw);
     if load_dir == state_dir {
         opt.steps = position.optimizer_steps;
@@ -323,7 +331,6 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     let schedule =
         Schedule { peak: cfg.lr, min_ratio: cfg.min_lr_ratio, warmup_steps: warmup, total_steps, decay: cfg.decay };
     let flops = StepFlops::of(&model, &config, data.seq_len);
-    let state_memory = super::optim::state_memory(&model, &cfg.adamw, global_batch > cfg.micro_batch);
     if show_progress {
         eprintln!("train: {}", state_memory.summary());
     }

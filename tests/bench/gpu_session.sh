@@ -12,9 +12,9 @@
 #            PyTorch (bf16, amp) on the benchmark SHAPES;
 #   train    `kiln train` on the device for EPOCHS epochs of the offline pipeline's shards (`kiln sft --model
 #            tiny --until prepare`: synthetic data, seconds) with a random-init TRAIN_SHAPE model (LFM2-350M by
-#            default; the tiny tokenizer's ids fit any vocabulary): metrics, per-epoch exports; a non-finite
-#            loss there re-runs it with KILN_CUDA_FUSION=off (burn's unfused backend) to tell a fusion bug
-#            from a model bug;
+#            default; the tiny tokenizer's ids fit any vocabulary): metrics, per-epoch exports; a failure or
+#            a non-finite loss there re-runs it with KILN_CUDA_FUSION=off (burn's unfused backend) to tell a
+#            fusion bug from a model bug;
 #   pipeline the whole tiny pipeline on the device (prepare → train → eval → select → card);
 #   profile  per-kernel device times of one training step for each of PROFILE_SHAPES
 #            (tests/bench/kernel_profile.sh: CubeCL's profiler switched on by a cubecl.toml in a scratch
@@ -26,6 +26,11 @@
 #   fit      FIT_SHAPE (LFM2.5-8B-A1B) as its recipe trains it: sequence FIT_SEQ (8192), two micro-batches
 #            accumulated (the f32 gradient sum the recipe's global batch needs), 8-bit moments, two steps,
 #            without and with activation checkpointing, into table-fit.md: does it fit one GPU, how fast.
+#
+# A kiln run that fails on burn's fused CUDA backend is run again without fusion (KILN_CUDA_FUSION=off), so
+# the session still brings back kiln's figures and says whose bug it was: parity runs both for each tiny run;
+# the table stages run the failed shape's other rows unfused, and after a failure the train, pipeline and
+# profile stages run unfused (FUSION_MARK, $OUT/fusion-failed, lists the shapes).
 #
 #   KILN=gpu/kiln.gz OUT=$OUT PACK=$OUT/session.tgz tests/bench/gpu_session.sh   (make gpu-carry packs gpu/kiln.gz)
 #
@@ -59,6 +64,14 @@ cd "$(dirname "$0")/../.."
 run=gpu-session
 step() { echo "== $*" >&2; }
 
+# One parity run of `$config` as `$shape@$3.json` on device $1 in precision $2: the tiny training test's
+# settings (tests/common: tiny_bench_config), three optimizer steps.
+parity_run() {
+    "$KILN" --quiet bench-train --config "$config" --device "$1" --precision "$2" --seq 48 --micro-batch 2 \
+        --accumulation 2 --docs-per-row 3 --steps 3 --warmup 0 --seed 5 --lr 3e-3 \
+        --out "$OUT/parity/$shape@$3.json" >/dev/null 2>>"$OUT/parity.log"
+}
+
 stage_parity() {
     step "parity: tiny shapes on cpu f32 and $DEVICE f32, bf16"
     local config shape run status=0
@@ -67,11 +80,11 @@ stage_parity() {
         shape=$(basename "$config")
         for run in "cpu f32" "$DEVICE f32" "$DEVICE bf16"; do
             set -- $run
-            # The tiny training test's settings (tests/common: tiny_bench_config), three optimizer steps.
-            "$KILN" --quiet bench-train --config "$config" --device "$1" --precision "$2" --seq 48 --micro-batch 2 \
-                --accumulation 2 --docs-per-row 3 --steps 3 --warmup 0 --seed 5 --lr 3e-3 \
-                --out "$OUT/parity/$shape@$1-$2.json" >/dev/null 2>>"$OUT/parity.log" \
-                || { echo "bench-train of $shape on $1 $2 failed (see parity.log)" >&2; status=1; }
+            parity_run "$1" "$2" "$1-$2" && continue
+            echo "bench-train of $shape on $1 $2 failed (see parity.log)" >&2
+            status=1
+            # The same without burn's fusion says whose bug it is.
+            [[ $1 == cuda ]] && KILN_CUDA_FUSION=off parity_run "$1" "$2" "$1-unfused-$2"
         done
     done
     python3 tests/bench/parity.py "$OUT"/parity/*.json >"$OUT/parity.md" || status=1
@@ -167,10 +180,12 @@ stage_train() {
         status=1
         echo "kiln train failed (see train.log)" >&2
         tail -5 "$OUT/train.log" >&2
-        # A non-finite loss on the fused backend: the same run without burn's fusion says whose bug it is.
-        if [[ $DEVICE == cuda ]] && grep -q "non-finite loss" "$OUT/train.log"; then
+        # A non-finite loss or a failure on the fused backend: the same run without burn's fusion says whose
+        # bug it is.
+        if [[ $DEVICE == cuda && ${KILN_CUDA_FUSION:-on} != off ]]; then
             step "kiln train again with KILN_CUDA_FUSION=off"
-            KILN_CUDA_FUSION=off run_train "$train_run-unfused" >"$OUT/train-unfused.log" 2>&1
+            KILN_CUDA_FUSION=off run_train "$train_run-unfused" >"$OUT/train-unfused.log" 2>&1 \
+                && echo "$TRAIN_SHAPE train" >>"$FUSION_MARK"
             tail -2 "$OUT/train-unfused.log"
             mkdir -p "$OUT/train-unfused"
             cp "$train_run-unfused"/train/metrics.jsonl "$OUT/train-unfused/" 2>/dev/null
@@ -199,6 +214,10 @@ stage_pipeline() {
 
 # One stage, in a process of its own so that the parent can time it out (the parent has set up KILN and OUT).
 if [[ ${1:-} == --stage ]]; then
+    if [[ $DEVICE == cuda && -s $FUSION_MARK && " train pipeline profile " == *" $2 "* ]]; then
+        echo "note: kiln runs without burn's fusion in this stage: it failed before ($(paste -sd, "$FUSION_MARK"))" >&2
+        export KILN_CUDA_FUSION=off
+    fi
     "stage_$2"
     exit $?
 fi
@@ -220,8 +239,12 @@ if [[ $KERNEL_CACHE != off && ! -e cubecl.toml ]]; then
     trap 'rm -f cubecl.toml' EXIT
 fi
 export KERNEL_CACHE
+# Where the table and train stages note the shapes whose kiln run failed on burn's fused backend and ran
+# without it (train.sh's FUSION_MARK): the later table rows of those shapes, and the train, pipeline and
+# profile stages after, then run kiln without fusion (KILN_CUDA_FUSION=off). Parity runs both itself.
+: "${FUSION_MARK:=$OUT/fusion-failed}"
 export DEVICE STAGES SHAPES KILN_OPS TRAIN_SHAPE EPOCHS TRAIN_MICRO TRAIN_BATCH TRAIN_LR PROFILE_SHAPES SCAN_AB \
-    MOMENTS_SHAPES FIT_SHAPE FIT_SEQ OUT KILN LD_LIBRARY_PATH
+    MOMENTS_SHAPES FIT_SHAPE FIT_SEQ OUT KILN LD_LIBRARY_PATH FUSION_MARK
 
 step "machine"
 {
