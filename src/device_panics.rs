@@ -41,6 +41,14 @@ impl PanicLog {
             0 => String::new(),
             n => format!(" (then {n} more from places already printed)"),
         };
+        if OUT_OF_MEMORY.iter().any(|m| first.contains(m)) {
+            return format!(
+                "kiln stopped: the device ran out of memory: {first}{repeats}. `kiln train` prints what the weights, \
+                 gradients and optimizer state take when it starts; the rest is activations: lower --micro-batch \
+                 (the global batch stays, by accumulation), add --activation-checkpointing, shorten the sequence, \
+                 or keep AdamW's moments in bf16 or 8 bits (--moments bf16|q8)"
+            );
+        }
         format!(
             "kiln stopped on a panic: {first}{repeats}. A panic on one of burn's device threads (named DSU-… or \
              Device-…) is a burn or CubeCL failure, not bad input: on CUDA, KILN_CUDA_FUSION=off runs without \
@@ -51,6 +59,11 @@ impl PanicLog {
 }
 
 static LOG: Mutex<PanicLog> = Mutex::new(PanicLog::new());
+
+/// How CubeCL 0.10 words a failed device allocation (`IoError::BufferTooBig`, which CUDA's
+/// `CUDA_ERROR_OUT_OF_MEMORY` becomes; `LaunchError::OutOfMemory`) and how the driver does.
+const OUT_OF_MEMORY: [&str; 4] =
+    ["can't allocate buffer of size", "out-of-memory error", "CUDA_ERROR_OUT_OF_MEMORY", "BufferTooBig"];
 
 /// The message a panic carried (`panic!` with a literal or with a formatted string).
 pub fn payload_text(payload: &(dyn Any + Send)) -> String {
@@ -98,6 +111,17 @@ mod tests {
         let summary = log.summary();
         assert!(summary.starts_with("kiln stopped on a panic: 'index out of bounds' on thread 'DSU-0-0' (then 2 more"));
         assert!(summary.contains("KILN_CUDA_FUSION=off"), "{summary}");
+    }
+
+    #[test]
+    fn running_out_of_device_memory_says_what_takes_less() {
+        let mut log = PanicLog::new();
+        let text = "'called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: 8589934592' on thread 'DSU-0-0'";
+        log.record("cubecl-runtime/src/memory_management.rs:310", text.into());
+        let summary = log.summary();
+        assert!(summary.starts_with("kiln stopped: the device ran out of memory: 'called"), "{summary}");
+        assert!(summary.contains("--micro-batch") && summary.contains("--moments bf16|q8"), "{summary}");
+        assert!(!summary.contains("KILN_CUDA_FUSION"), "not a burn bug: {summary}");
     }
 
     #[test]

@@ -199,15 +199,39 @@ fn the_scan_kernel_equals_the_chunk_by_chunk_scan() {
 }
 
 /// What gpu_session.sh takes on the GPU, end to end: bench-train under CubeCL's profiler and the kernel
-/// table kernel_profile.py makes of its log.
+/// table kernel_profile.py makes of its log, beside an unprofiled run of the same step (the table's row).
 #[test]
 fn the_kernel_profile_tabulates_a_training_step() {
     let dir = tempfile::tempdir().unwrap();
     let root = common::project_dir();
+    let config = root.join("configs/models/tiny/config.json");
+    let unprofiled = dir.path().join("tiny-kiln.json");
+    let (ok, _, stderr) = common::run_kiln(
+        &[
+            "--quiet",
+            "bench-train",
+            "--config",
+            config.to_str().unwrap(),
+            "--device",
+            "vulkan",
+            "--seq",
+            "64",
+            "--steps",
+            "2",
+            "--warmup",
+            "2",
+            "--out",
+            unprofiled.to_str().unwrap(),
+        ],
+        &[],
+        &root,
+    );
+    assert!(ok, "{stderr}");
     let prefix = dir.path().join("profile-tiny");
     let out = std::process::Command::new(root.join("tests/bench/kernel_profile.sh"))
-        .args([root.join("configs/models/tiny/config.json"), prefix.clone()])
+        .args([config, prefix.clone()])
         .envs([("KILN", common::kiln_bin().as_os_str()), ("DEVICE", "vulkan".as_ref()), ("SEQ", "64".as_ref())])
+        .env("BENCH", &unprofiled)
         .current_dir(&root)
         .output()
         .unwrap();
@@ -218,6 +242,8 @@ fn the_kernel_profile_tabulates_a_training_step() {
     let kernel_rows = table.lines().filter(|l| l.starts_with("| `")).count();
     assert!(kernel_rows >= 10, "{kernel_rows} kernel rows in the profile:\n{table}");
     assert!(table.contains("| `Matmul"), "no matmul kernel in the profile:\n{table}");
+    let busy = table.lines().find(|l| l.starts_with("The unprofiled step (lfm2, f32, median of 2) takes "));
+    assert!(busy.is_some_and(|l| l.contains("ms: the kernels fill ")), "no busy share:\n{table}");
     let result: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(prefix.with_extension("json")).unwrap()).unwrap();
     assert_eq!(result["device"], "vulkan");

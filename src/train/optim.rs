@@ -443,17 +443,24 @@ pub fn norm_of(squared_sums: &[f32]) -> f64 {
     squared_sums.iter().map(|&s| f64::from(s)).sum::<f64>().sqrt()
 }
 
-/// The global L2 norm of the gradients.
-pub fn grad_norm<B: AutodiffBackend, M: Module<B>>(model: &M, grads: &GradientsParams) -> f64 {
-    norm_of(&read_scalars(squared_sums::<B, M>(model, grads)))
+/// The gradient multiplier of global-norm clipping to `max_norm`, from the parameters' squared sums, on the
+/// device: `min(1, max_norm / (‖g‖ + 1e-6))` in f32, as `torch.nn.utils.clip_grad_norm_` computes it. Kept on
+/// the device so that the update is queued behind the backward pass instead of waiting for the norm to be
+/// read back (the device would idle while the host then queued the optimizer's ops).
+pub fn clip_scale<B: Backend>(squared_sums: &[Tensor<B, 1>], max_norm: f64) -> Option<Tensor<B, 1>> {
+    if squared_sums.is_empty() {
+        return None;
+    }
+    let norm = Tensor::cat(squared_sums.to_vec(), 0).sum().sqrt();
+    Some(((norm + 1e-6).recip() * max_norm).clamp_max(1.0))
 }
 
 struct Step<'a, B: AutodiffBackend> {
     opt: &'a mut AdamW<B::InnerBackend>,
     grads: &'a GradientsParams,
     lr: f64,
-    /// Gradient multiplier from global-norm clipping (1 when not clipped).
-    scale: f64,
+    /// Gradient multiplier from global-norm clipping (`clip_scale`; none when not clipping).
+    scale: Option<Tensor<B::InnerBackend, 1>>,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
@@ -469,7 +476,10 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
         let param = tensor.inner();
         let param_dtype = FloatDType::from(param.dtype());
         let g = grad.cast(FloatDType::F32);
-        let g = if self.scale != 1.0 { g * self.scale } else { g };
+        let g = match &self.scale {
+            Some(scale) => g * scale.clone().reshape([1; D]),
+            None => g,
+        };
         let state = self.opt.states.remove(&id).unwrap_or_else(|| {
             let zeros =
                 || Moment::Dense(primitive(zeros_in::<B::InnerBackend, D>(shape, FloatDType::F32, &param.device())));
@@ -503,7 +513,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
 }
 
 /// One optimizer step: clips to `max_norm` (if any) by the global norm, applies AdamW at `lr`, and
-/// returns the updated model and the pre-clipping gradient norm.
+/// returns the updated model and the pre-clipping gradient norm (read back after the update is queued).
 pub fn step<B: AutodiffBackend, M: Module<B>>(
     model: M,
     opt: &mut AdamW<B::InnerBackend>,
@@ -511,24 +521,19 @@ pub fn step<B: AutodiffBackend, M: Module<B>>(
     lr: f64,
     max_norm: Option<f64>,
 ) -> (M, f64) {
-    let norm = grad_norm::<B, M>(&model, grads);
-    (step_with_norm(model, opt, grads, lr, max_norm, norm), norm)
+    let sums = squared_sums::<B, M>(&model, grads);
+    let model = step_scaled(model, opt, grads, lr, max_norm.and_then(|max| clip_scale(&sums, max)));
+    (model, norm_of(&read_scalars(sums)))
 }
 
-/// `step` with the gradients' global norm already known (read with the step's other scalars).
-pub fn step_with_norm<B: AutodiffBackend, M: Module<B>>(
+/// `step` with the clipping multiplier already on the device (`clip_scale`), or none.
+pub fn step_scaled<B: AutodiffBackend, M: Module<B>>(
     model: M,
     opt: &mut AdamW<B::InnerBackend>,
     grads: &GradientsParams,
     lr: f64,
-    max_norm: Option<f64>,
-    norm: f64,
+    scale: Option<Tensor<B::InnerBackend, 1>>,
 ) -> M {
-    // torch.nn.utils.clip_grad_norm_: scale by max / (norm + 1e-6) when that is below 1.
-    let scale = match max_norm {
-        Some(max) if max / (norm + 1e-6) < 1.0 => max / (norm + 1e-6),
-        _ => 1.0,
-    };
     let mut mapper = Step::<B> { opt, grads, lr, scale };
     let model = model.map(&mut mapper);
     mapper.opt.steps += 1;

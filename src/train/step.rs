@@ -9,7 +9,7 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::data::target_weights;
 use super::linear_ce::{LinearCrossEntropy, chunk_rows_for};
-use super::optim::{AdamW, F32Accumulator, norm_of, read_scalars, squared_sums, step_with_norm};
+use super::optim::{AdamW, F32Accumulator, clip_scale, norm_of, read_scalars, squared_sums, step_scaled};
 use crate::backend::host_tensor;
 use crate::models::{CausalLm, SequenceLayout};
 use crate::tokens::shards::Row;
@@ -107,7 +107,9 @@ pub struct StepOutcome {
     pub grad_norm: f64,
 }
 
-/// A micro-batch whose loss was NaN or infinite; nothing was updated.
+/// A micro-batch whose loss was NaN or infinite. The step's update was queued before the loss was read (the
+/// device does not wait for the host inside a step), so the model it made is dropped and the optimizer's
+/// state is no longer the last good step's: the caller stops, keeping its last saved checkpoint and state.
 #[derive(Debug, Clone, Copy)]
 pub struct NonFiniteLoss {
     pub micro: usize,
@@ -116,7 +118,8 @@ pub struct NonFiniteLoss {
 
 /// Runs one optimizer step over `batches` (the loss of each normalized by the supervised count of all of
 /// them) and updates `model` with AdamW at `lr` after clipping to `max_norm`. A step with nothing supervised
-/// returns the model unchanged and `None`.
+/// returns the model unchanged and `None`. The device is synchronized once, after the update is queued,
+/// to read the losses and the gradient norm.
 pub fn optimizer_step<B: LinearCrossEntropy>(
     model: CausalLm<B>,
     opt: &mut AdamW<B::InnerBackend>,
@@ -146,8 +149,12 @@ pub fn optimizer_step<B: LinearCrossEntropy>(
         accumulator.add(&model, GradientsParams::from_grads(loss.backward(), &model));
     }
     let grads = accumulator.finish();
+    let sums = squared_sums::<B, _>(&model, &grads);
+    // Clipped on the device and queued behind the backward pass; the one read comes after.
+    let scale = max_norm.and_then(|max| clip_scale(&sums, max));
+    let model = step_scaled::<B, _>(model, opt, &grads, lr, scale);
     let (micros, mut scalars): (Vec<usize>, Vec<_>) = losses.into_iter().unzip();
-    scalars.extend(squared_sums::<B, _>(&model, &grads));
+    scalars.extend(sums);
     let values = read_scalars(scalars);
     let (loss_values, squares) = values.split_at(micros.len().min(values.len()));
     let mut loss_sum = 0.0f64;
@@ -157,7 +164,5 @@ pub fn optimizer_step<B: LinearCrossEntropy>(
         }
         loss_sum += value as f64;
     }
-    let grad_norm = norm_of(squares);
-    let model = step_with_norm::<B, _>(model, opt, &grads, lr, max_norm, grad_norm);
-    Ok((model, Some(StepOutcome { loss: loss_sum, grad_norm })))
+    Ok((model, Some(StepOutcome { loss: loss_sum, grad_norm: norm_of(squares) })))
 }

@@ -18,7 +18,9 @@
 #   pipeline the whole tiny pipeline on the device (prepare → train → eval → select → card);
 #   profile  per-kernel device times of one training step for each of PROFILE_SHAPES
 #            (tests/bench/kernel_profile.sh: CubeCL's profiler switched on by a cubecl.toml in a scratch
-#            directory, the log tabulated): what the step spends its time on;
+#            directory, the log tabulated): what the step spends its time on, and beside the table's row of
+#            the shape (run before), the share of its step the kernels fill — the rest is the device waiting
+#            on the host;
 #   noscan   for each of SCAN_AB, kiln's row again with the DeltaNet scan as tensor ops instead of kiln's
 #            kernel (KILN_OPS=noscan: KILN_SCAN_KERNEL=off), into table-noscan.md: what the kernel buys;
 #   moments  for each of MOMENTS_SHAPES, kiln's row again with bf16 and with 8-bit AdamW moments, into
@@ -140,9 +142,13 @@ stage_profile() {
     local shape status=0
     for shape in $PROFILE_SHAPES; do
         step "kernel profile: $shape"
-        if DEVICE=$DEVICE KILN=$KILN SEQ=${SEQ:-4096} tests/bench/kernel_profile.sh \
+        # The table's row of the shape (the same settings, unprofiled), for the share of its step the kernels fill.
+        local row=$OUT/bench/$shape-kiln.json
+        [[ ${KILN_CUDA_FUSION:-on} == off ]] && row=$OUT/bench/$shape-kiln-unfused.json
+        [[ -f $row ]] || row=""
+        if BENCH=$row DEVICE=$DEVICE KILN=$KILN SEQ=${SEQ:-4096} tests/bench/kernel_profile.sh \
             "tests/bench/shapes/$shape.json" "$OUT/profile-$shape"; then
-            head -12 "$OUT/profile-$shape.md"
+            head -14 "$OUT/profile-$shape.md"
         else
             echo "kernel profile of $shape failed (see profile-$shape.stdout)" >&2
             status=1

@@ -6,13 +6,17 @@ times every kernel on the device and, at each device synchronization, logs a tab
 the last one (name, total duration, count, share). kiln's bench-train synchronizes once a step, so each table
 is one step; the last complete one is a steady step (warmup steps carry autotuning's trial kernels).
 
-    kernel_profile.py profile.log [--top 30]    → markdown on stdout
+    kernel_profile.py profile.log [--top 30] [--bench RESULT.json]    → markdown on stdout
 
 Prints every table's total (steps should agree), then the last table's kernels, and the same grouped by
-kernel family (the kernel's type without its generic parameters), largest first.
+kernel family (the kernel's type without its generic parameters), largest first. With --bench (an
+unprofiled `bench-train` result of the same shape and settings: the training table's row), it also says
+what share of that step's wall time the kernels fill: what is left is the device waiting on the host
+(burn's graph building, fusion, launches) — the lever then is fewer ops, not faster kernels.
 """
 
 import argparse
+import json
 import re
 import sys
 from collections import defaultdict
@@ -75,12 +79,24 @@ def short(name):
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-def report(found, top):
+def busy_share(kernel_ms, bench):
+    """The line saying how much of the unprofiled step (`bench`: bench-train's result) the kernels fill."""
+    step_ms = 1e3 * bench["median_step_seconds"]
+    return (
+        f"The unprofiled step ({bench.get('shape', bench['model_type'])}, {bench['precision']}, median of "
+        f"{len(bench['step_seconds'])}) takes {step_ms:.2f} ms: the kernels fill {100 * kernel_ms / step_ms:.1f} % "
+        f"of it, and the device waits on the host for the other {max(step_ms - kernel_ms, 0.0):.2f} ms.\n"
+    )
+
+
+def report(found, top, bench=None):
     out = []
     totals = ", ".join(f"{ms:.2f} ms ({n} kernels)" for _, (ms, n) in found)
     out.append(f"{len(found)} profiled steps: {totals}\n")
     rows, (total, count) = found[-1]
     out.append(f"Last step: {total:.2f} ms of kernel time in {count} kernels.\n")
+    if bench is not None:
+        out.append(busy_share(total, bench))
     out.append("| kernel | ms | count | share |\n|---|---|---|---|")
     for name, ms, n in sorted(rows, key=lambda r: -r[1])[:top]:
         out.append(f"| `{short(name)}` | {ms:.3f} | {n} | {100 * ms / total:.1f} % |")
@@ -98,7 +114,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("log")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--bench", help="an unprofiled bench-train result of the same shape and settings")
     args = parser.parse_args()
+    bench = None
+    if args.bench:
+        try:
+            with open(args.bench, encoding="utf-8") as f:
+                bench = json.load(f)
+        except (OSError, ValueError) as e:
+            sys.exit(f"{args.bench}: {e}")
     try:
         with open(args.log, encoding="utf-8", errors="replace") as f:
             found = tables(f)
@@ -106,7 +130,7 @@ def main():
         sys.exit(f"{args.log}: {e.strerror} (CubeCL writes it only on a CubeCL device, with profiling on)")
     if not found:
         sys.exit(f"{args.log}: no complete profiling table (was CubeCL's profiling on, and did a step finish?)")
-    print(report(found, args.top))
+    print(report(found, args.top, bench))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
 # writes OUT/profile-NAME.md (the table), .json (bench-train's result), .stdout (its output) and .log.gz
 # (CubeCL's log); exits non-zero, saying why on stderr, when a step fails. STEPS (2) and WARMUP (2) set the
 # steps: the warmup steps' tables carry autotuning's trial kernels. FLAGs go to bench-train as they are
-# (--reference-ops, --micro-batch 2, …).
+# (--reference-ops, --micro-batch 2, …). BENCH, an unprofiled bench-train result of the same shape and
+# settings, adds what share of its step the kernels fill (kernel_profile.py --bench).
 set -uo pipefail
 (($# >= 2)) || { echo "usage: kernel_profile.sh SHAPE.json OUT_PREFIX [bench-train flag…]" >&2; exit 2; }
 here=$(cd "$(dirname "$0")" && pwd)
@@ -29,5 +30,7 @@ if ! (cd "$scratch" && "$KILN" --quiet bench-train --config "$config" --device "
     echo "kernel_profile.sh: profiled bench-train failed (see $out.stdout)" >&2
     exit 1
 fi
-python3 "$here/kernel_profile.py" "$out.log" >"$out.md" || { echo "kernel_profile.sh: kernel_profile.py failed" >&2; exit 1; }
+bench=()
+[[ -n ${BENCH:-} ]] && bench=(--bench "$BENCH")
+python3 "$here/kernel_profile.py" "$out.log" "${bench[@]}" >"$out.md" || { echo "kernel_profile.sh: kernel_profile.py failed" >&2; exit 1; }
 gzip -f "$out.log"

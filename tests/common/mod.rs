@@ -255,6 +255,29 @@ pub fn named_params<B: burn::tensor::backend::Backend>(
 pub const TINY_SHAPES: [&str; 3] =
     ["configs/models/tiny", "configs/models/tiny-qwen3.5", "tests/fixtures/lfm2/lfm2-moe-tiny"];
 
+/// Each tiny shape's path and config.
+pub fn tiny_shapes() -> impl Iterator<Item = (&'static str, kiln::models::ModelConfig)> {
+    TINY_SHAPES.into_iter().map(|shape| {
+        let path = project_dir().join(shape).join("config.json");
+        (shape, kiln::models::ModelConfig::from_file(&path).unwrap())
+    })
+}
+
+/// The three losses of benchmark run `a` against run `b`'s (`what` names both), each within `tolerance`
+/// relative.
+pub fn assert_losses_agree(
+    what: &str,
+    a: &kiln::train::bench::BenchResult,
+    b: &kiln::train::bench::BenchResult,
+    tolerance: f64,
+) {
+    assert_eq!(a.losses.len(), 3, "{what}");
+    for (step, (x, y)) in a.losses.iter().zip(&b.losses).enumerate() {
+        eprintln!("{what} step {step}: {x} vs {y}");
+        assert!((x - y).abs() <= tolerance * y.abs(), "{what} step {step}: {x} vs {y}");
+    }
+}
+
 /// 3 steps of 2 rows of 48 tokens, 3 documents a row, `accumulation` micro-batches a step, kiln's ops: the
 /// tiny shapes' training comparisons.
 pub fn tiny_bench_config(precision: kiln::train::Precision, accumulation: usize) -> kiln::train::bench::BenchConfig {
@@ -282,15 +305,11 @@ pub fn tiny_bench_config(precision: kiln::train::Precision, accumulation: usize)
 pub fn assert_reference_ops_agree(precision: kiln::train::Precision, accumulation: usize, tolerance: f64) {
     use kiln::train::bench::{BenchConfig, bench_on_device};
     let cfg = tiny_bench_config(precision, accumulation);
-    for shape in TINY_SHAPES {
-        let config = kiln::models::ModelConfig::from_file(&project_dir().join(shape).join("config.json")).unwrap();
+    for (shape, config) in tiny_shapes() {
         let ops = bench_on_device(&config, &cfg, "cpu").unwrap();
         let reference = bench_on_device(&config, &BenchConfig { reference_ops: true, ..cfg.clone() }, "cpu").unwrap();
         assert!(!ops.reference_ops && reference.reference_ops, "{shape}: the results say which ran");
         assert!(!kiln::models::ops::reference_ops(), "{shape}: the switch is restored after the run");
-        assert_eq!(ops.losses.len(), 3);
-        for (step, (a, b)) in ops.losses.iter().zip(&reference.losses).enumerate() {
-            assert!((a - b).abs() <= tolerance * b.abs(), "{shape} step {step}: ops {a} vs reference {b}");
-        }
+        assert_losses_agree(&format!("{shape}: ops, reference ops"), &ops, &reference, tolerance);
     }
 }

@@ -187,9 +187,7 @@ pub fn assert_resume_agrees<B: LinearCrossEntropy + DeviceMemory>(cfg: &TrainCon
 /// CubeCL backend on Vulkan).
 pub fn assert_tiny_shapes_train_on<B: LinearCrossEntropy + DeviceMemory>(precision: Precision, tolerance: f64) {
     let cfg = super::tiny_bench_config(Precision::F32, 2);
-    for shape in super::TINY_SHAPES {
-        let config =
-            kiln::models::ModelConfig::from_file(&super::project_dir().join(shape).join("config.json")).unwrap();
+    for (shape, config) in super::tiny_shapes() {
         let cpu = bench_on_device(&config, &cfg, "cpu").unwrap();
         let device = kiln::train::bench::bench_train::<B>(
             &config,
@@ -198,11 +196,7 @@ pub fn assert_tiny_shapes_train_on<B: LinearCrossEntropy + DeviceMemory>(precisi
             &Default::default(),
         )
         .unwrap_or_else(|e| panic!("{shape}: {e}"));
-        assert_eq!(device.losses.len(), 3);
-        for (step, (a, b)) in device.losses.iter().zip(&cpu.losses).enumerate() {
-            eprintln!("{shape} step {step}: {precision:?} {a} cpu f32 {b}");
-            assert!((a - b).abs() <= tolerance * b.abs(), "{shape} step {step}: {a} vs cpu {b}");
-        }
+        super::assert_losses_agree(&format!("{shape} {precision:?}, cpu f32"), &device, &cpu, tolerance);
     }
 }
 
@@ -216,18 +210,14 @@ pub fn assert_tiny_shapes_train_as_on_the_cpu(precision: Precision, accumulation
         ("checkpointed", BenchConfig { activation_checkpointing: true, accumulation: 1, ..cfg.clone() }),
         ("reference ops", BenchConfig { reference_ops: true, accumulation: 1, ..cfg.clone() }),
     ];
-    for shape in super::TINY_SHAPES {
-        let config =
-            kiln::models::ModelConfig::from_file(&super::project_dir().join(shape).join("config.json")).unwrap();
+    for (shape, config) in super::tiny_shapes() {
         for (label, cfg) in &variants {
             let cpu = bench_on_device(&config, cfg, "cpu").unwrap();
             let device = bench_on_device(&config, &BenchConfig { precision, ..cfg.clone() }, "vulkan")
                 .unwrap_or_else(|e| panic!("{shape} {label}: {e}"));
-            assert_eq!((device.device.as_str(), device.losses.len()), ("vulkan", 3));
-            for (step, (a, b)) in device.losses.iter().zip(&cpu.losses).enumerate() {
-                eprintln!("{shape} {label} step {step}: vulkan {precision:?} {a} cpu f32 {b}");
-                assert!((a - b).abs() <= tolerance * b.abs(), "{shape} {label} step {step}: vulkan {a} vs cpu {b}");
-            }
+            assert_eq!(device.device, "vulkan");
+            let what = format!("{shape} {label}: vulkan {precision:?}, cpu f32");
+            super::assert_losses_agree(&what, &device, &cpu, tolerance);
         }
     }
 }
