@@ -43,8 +43,9 @@ impl PanicLog {
         };
         if OUT_OF_MEMORY.iter().any(|m| first.contains(m)) {
             return format!(
-                "kiln stopped: the device ran out of memory: {first}{repeats}. `kiln train` prints what the weights, \
-                 gradients and optimizer state take when it starts; the rest is activations: lower --micro-batch \
+                "kiln stopped: the device could not allocate memory (it is full, or the buffer is larger than its \
+                 driver allows): {first}{repeats}. `kiln train` prints what the weights, gradients and optimizer \
+                 state take when it starts; the rest is activations: lower --micro-batch \
                  (the global batch stays, by accumulation), add --activation-checkpointing, shorten the sequence, \
                  or keep AdamW's moments in bf16 or 8 bits (--moments bf16|q8)"
             );
@@ -60,8 +61,9 @@ impl PanicLog {
 
 static LOG: Mutex<PanicLog> = Mutex::new(PanicLog::new());
 
-/// How CubeCL 0.10 words a failed device allocation (`IoError::BufferTooBig`, which CUDA's
-/// `CUDA_ERROR_OUT_OF_MEMORY` becomes; `LaunchError::OutOfMemory`) and how the driver does.
+/// How CubeCL 0.10 words a failed device allocation (`IoError::BufferTooBig`: what CUDA's
+/// `CUDA_ERROR_OUT_OF_MEMORY` becomes, and wgpu's answer to a buffer over its size limit;
+/// `LaunchError::OutOfMemory`) and how the driver does.
 const OUT_OF_MEMORY: [&str; 4] =
     ["can't allocate buffer of size", "out-of-memory error", "CUDA_ERROR_OUT_OF_MEMORY", "BufferTooBig"];
 
@@ -119,7 +121,8 @@ mod tests {
         let text = "'called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: 8589934592' on thread 'DSU-0-0'";
         log.record("cubecl-runtime/src/memory_management.rs:310", text.into());
         let summary = log.summary();
-        assert!(summary.starts_with("kiln stopped: the device ran out of memory: 'called"), "{summary}");
+        assert!(summary.starts_with("kiln stopped: the device could not allocate memory (it is full"), "{summary}");
+        assert!(summary.contains("driver allows): 'called `Result::unwrap()`"), "{summary}");
         assert!(summary.contains("--micro-batch") && summary.contains("--moments bf16|q8"), "{summary}");
         assert!(!summary.contains("KILN_CUDA_FUSION"), "not a burn bug: {summary}");
     }

@@ -415,16 +415,16 @@ fn squared_sum<B: Backend, const D: usize>(g: Tensor<B, D>) -> Tensor<B, 1> {
     }
 }
 
-/// The squared sums of every gradient of `model`'s parameters (in the model's parameter order), as device
-/// tensors: read them with the step's other scalars in one transfer (`read_scalars`), not one per parameter
-/// (each read waits for the device to finish everything queued before it).
-pub fn squared_sums<B: AutodiffBackend, M: Module<B>>(
+/// `Σ g²` over every gradient of `model`'s parameters, on the device: each parameter's `squared_sum`, added
+/// in the model's parameter order. A chain of one-value additions, which the fused backends compile into one
+/// kernel (`Tensor::cat` of the sums would cost a slice-assign kernel per parameter). `None` without gradients.
+pub fn squared_norm<B: AutodiffBackend, M: Module<B>>(
     model: &M,
     grads: &GradientsParams,
-) -> Vec<Tensor<B::InnerBackend, 1>> {
+) -> Option<Tensor<B::InnerBackend, 1>> {
     let mut visitor = SquaredSums::<B::InnerBackend> { grads, sums: Vec::new() };
     model.visit(&mut visitor);
-    visitor.sums
+    visitor.sums.into_iter().reduce(|a, b| a + b)
 }
 
 /// One-element tensors read back to the host in a single transfer, as f32 (not the backend's default
@@ -438,29 +438,42 @@ pub fn read_scalars<B: Backend>(scalars: Vec<Tensor<B, 1>>) -> Vec<f32> {
     all.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_else(|_| vec![f32::NAN; n])
 }
 
-/// The global L2 norm from the parameters' squared sums, summed in f64 in parameter order.
-pub fn norm_of(squared_sums: &[f32]) -> f64 {
-    squared_sums.iter().map(|&s| f64::from(s)).sum::<f64>().sqrt()
+/// The gradient multiplier of global-norm clipping to `max_norm`: `min(1, max_norm / (‖g‖ + 1e-6))` in f32,
+/// as `torch.nn.utils.clip_grad_norm_` computes it, from `squared_norm`. It stays on the device, so the update
+/// is queued behind the backward pass instead of waiting for the norm to be read back (the device would idle
+/// while the host then queued the optimizer's ops). Shaped `[1; rank]` for each parameter rank up front: a
+/// reshape among a parameter's update ops would end the fused backends' element-wise kernel there.
+pub struct ClipScale<B: Backend> {
+    by_rank: [B::FloatTensorPrimitive; 4],
 }
 
-/// The gradient multiplier of global-norm clipping to `max_norm`, from the parameters' squared sums, on the
-/// device: `min(1, max_norm / (‖g‖ + 1e-6))` in f32, as `torch.nn.utils.clip_grad_norm_` computes it. Kept on
-/// the device so that the update is queued behind the backward pass instead of waiting for the norm to be
-/// read back (the device would idle while the host then queued the optimizer's ops).
-pub fn clip_scale<B: Backend>(squared_sums: &[Tensor<B, 1>], max_norm: f64) -> Option<Tensor<B, 1>> {
-    if squared_sums.is_empty() {
-        return None;
+impl<B: Backend> ClipScale<B> {
+    pub fn new(squared_norm: Tensor<B, 1>, max_norm: f64) -> Self {
+        let scale = ((squared_norm.sqrt() + 1e-6).recip() * max_norm).clamp_max(1.0);
+        let by_rank = [
+            primitive(scale.clone()),
+            primitive(scale.clone().reshape([1, 1])),
+            primitive(scale.clone().reshape([1, 1, 1])),
+            primitive(scale.reshape([1, 1, 1, 1])),
+        ];
+        ClipScale { by_rank }
     }
-    let norm = Tensor::cat(squared_sums.to_vec(), 0).sum().sqrt();
-    Some(((norm + 1e-6).recip() * max_norm).clamp_max(1.0))
+
+    /// The multiplier as a `[1; D]` tensor.
+    fn shaped<const D: usize>(&self) -> Tensor<B, D> {
+        match self.by_rank.get(D.wrapping_sub(1)) {
+            Some(t) => Tensor::from_primitive(TensorPrimitive::Float(t.clone())),
+            None => Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(self.by_rank[0].clone())).reshape([1; D]),
+        }
+    }
 }
 
 struct Step<'a, B: AutodiffBackend> {
     opt: &'a mut AdamW<B::InnerBackend>,
     grads: &'a GradientsParams,
     lr: f64,
-    /// Gradient multiplier from global-norm clipping (`clip_scale`; none when not clipping).
-    scale: Option<Tensor<B::InnerBackend, 1>>,
+    /// Gradient multiplier from global-norm clipping (none when not clipping).
+    scale: Option<&'a ClipScale<B::InnerBackend>>,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
@@ -476,8 +489,8 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
         let param = tensor.inner();
         let param_dtype = FloatDType::from(param.dtype());
         let g = grad.cast(FloatDType::F32);
-        let g = match &self.scale {
-            Some(scale) => g * scale.clone().reshape([1; D]),
+        let g = match self.scale {
+            Some(scale) => g * scale.shaped::<D>(),
             None => g,
         };
         let state = self.opt.states.remove(&id).unwrap_or_else(|| {
@@ -521,18 +534,21 @@ pub fn step<B: AutodiffBackend, M: Module<B>>(
     lr: f64,
     max_norm: Option<f64>,
 ) -> (M, f64) {
-    let sums = squared_sums::<B, M>(&model, grads);
-    let model = step_scaled(model, opt, grads, lr, max_norm.and_then(|max| clip_scale(&sums, max)));
-    (model, norm_of(&read_scalars(sums)))
+    let squared = squared_norm::<B, M>(&model, grads);
+    let scale = max_norm.zip(squared.clone()).map(|(max, squared)| ClipScale::new(squared, max));
+    let model = step_scaled(model, opt, grads, lr, scale.as_ref());
+    let norm =
+        squared.map_or(0.0, |squared| read_scalars(vec![squared]).first().map_or(f64::NAN, |&s| f64::from(s).sqrt()));
+    (model, norm)
 }
 
-/// `step` with the clipping multiplier already on the device (`clip_scale`), or none.
+/// `step` with the clipping multiplier already on the device (`ClipScale`), or none.
 pub fn step_scaled<B: AutodiffBackend, M: Module<B>>(
     model: M,
     opt: &mut AdamW<B::InnerBackend>,
     grads: &GradientsParams,
     lr: f64,
-    scale: Option<Tensor<B::InnerBackend, 1>>,
+    scale: Option<&ClipScale<B::InnerBackend>>,
 ) -> M {
     let mut mapper = Step::<B> { opt, grads, lr, scale };
     let model = model.map(&mut mapper);

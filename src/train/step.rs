@@ -9,7 +9,7 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::data::target_weights;
 use super::linear_ce::{LinearCrossEntropy, chunk_rows_for};
-use super::optim::{AdamW, F32Accumulator, clip_scale, norm_of, read_scalars, squared_sums, step_scaled};
+use super::optim::{AdamW, ClipScale, F32Accumulator, read_scalars, squared_norm, step_scaled};
 use crate::backend::host_tensor;
 use crate::models::{CausalLm, SequenceLayout};
 use crate::tokens::shards::Row;
@@ -149,14 +149,14 @@ pub fn optimizer_step<B: LinearCrossEntropy>(
         accumulator.add(&model, GradientsParams::from_grads(loss.backward(), &model));
     }
     let grads = accumulator.finish();
-    let sums = squared_sums::<B, _>(&model, &grads);
+    let squared = squared_norm::<B, _>(&model, &grads);
     // Clipped on the device and queued behind the backward pass; the one read comes after.
-    let scale = max_norm.and_then(|max| clip_scale(&sums, max));
-    let model = step_scaled::<B, _>(model, opt, &grads, lr, scale);
+    let scale = max_norm.zip(squared.clone()).map(|(max, squared)| ClipScale::new(squared, max));
+    let model = step_scaled::<B, _>(model, opt, &grads, lr, scale.as_ref());
     let (micros, mut scalars): (Vec<usize>, Vec<_>) = losses.into_iter().unzip();
-    scalars.extend(sums);
+    scalars.extend(squared);
     let values = read_scalars(scalars);
-    let (loss_values, squares) = values.split_at(micros.len().min(values.len()));
+    let (loss_values, squared) = values.split_at(micros.len().min(values.len()));
     let mut loss_sum = 0.0f64;
     for (&micro, &value) in micros.iter().zip(loss_values) {
         if !value.is_finite() {
@@ -164,5 +164,6 @@ pub fn optimizer_step<B: LinearCrossEntropy>(
         }
         loss_sum += value as f64;
     }
-    Ok((model, Some(StepOutcome { loss: loss_sum, grad_norm: norm_of(squares) })))
+    let grad_norm = squared.first().map_or(0.0, |&s| f64::from(s).sqrt());
+    Ok((model, Some(StepOutcome { loss: loss_sum, grad_norm })))
 }
