@@ -112,12 +112,20 @@ pub fn recurrent<B: Backend>(
 /// pairs of those blocks, `(M + N)⁻¹ = T − T N T` exactly (`N T N = 0`). log₂ C rounds of two matmuls, each
 /// block solved from exact sub-solutions as forward substitution would: no power series, no cancellation.
 /// `outside_bridges[r]` masks everything but round `r`'s joining entries.
-fn unit_lower_inverse<B: Backend>(l: Tensor<B, 5>, outside_bridges: &[Tensor<B, 5, Bool>]) -> Tensor<B, 5> {
-    let size = l.dims()[4];
-    // `eye` is born in the device's default dtype (bf16 on the CUDA bf16 backend); `l` is f32.
-    let mut inverse = Tensor::<B, 2>::eye(size, &l.device()).cast(l.dtype()).unsqueeze::<5>().expand(l.dims());
-    for outside in outside_bridges {
-        let bridge = l.clone().mask_fill(outside.clone(), 0.0);
+fn unit_lower_inverse<B: Backend>(l: Tensor<B, 5>, plan: &ChunkPlan<B>) -> Tensor<B, 5> {
+    // Every round's bridge first: one element-wise kernel on the fused backends.
+    let mut bridges = plan
+        .outside_bridges
+        .iter()
+        .map(|outside| l.clone().mask_fill(outside.clone(), 0.0))
+        .collect::<Vec<_>>()
+        .into_iter();
+    // The first round's blocks are 1×1 with inverse 1: `I − I N I` is `I − N`, no matmul needed.
+    let mut inverse = match bridges.next() {
+        Some(first) => plan.identity.clone() - first,
+        None => l.zeros_like() + plan.identity.clone(),
+    };
+    for bridge in bridges {
         inverse = inverse.clone() - inverse.clone().matmul(bridge).matmul(inverse);
     }
     inverse
@@ -140,6 +148,12 @@ pub struct ChunkPlan<B: Backend> {
     reaches_end: Tensor<B, 4>,
     /// Per doubling round of `unit_lower_inverse`, `[1, 1, 1, C, C]`.
     outside_bridges: Vec<Tensor<B, 5, Bool>>,
+    /// `[1, 1, 1, C, C]`: the identity, f32.
+    identity: Tensor<B, 5>,
+    /// `[1, 1, 1, C, C]`: true on and above the diagonal, where a strictly lower matrix is 0.
+    diagonal_and_above: Tensor<B, 5, Bool>,
+    /// `[1, 1, 1, C]`: 1 at a chunk's last position, else 0.
+    last_position: Tensor<B, 4>,
 }
 
 impl<B: Backend> ChunkPlan<B> {
@@ -198,6 +212,14 @@ impl<B: Backend> ChunkPlan<B> {
             carry: per_position(carry),
             reaches_end: per_position(reaches_end),
             outside_bridges,
+            identity: Tensor::<B, 2>::eye(size, device).cast(FloatDType::F32).unsqueeze::<5>(),
+            diagonal_and_above: Tensor::<B, 2, Bool>::tril_mask([size, size], -1, device).unsqueeze::<5>(),
+            last_position: host_tensor::<B, 4>(
+                (0..size).map(|i| f32::from(u8::from(i == size - 1))).collect(),
+                [1, 1, 1, size],
+                FloatDType::F32,
+                device,
+            ),
         }
     }
 }
@@ -226,6 +248,9 @@ impl<B: AutodiffBackend> ChunkPlan<B> {
             carry: self.carry.clone().inner(),
             reaches_end: self.reaches_end.clone().inner(),
             outside_bridges: self.outside_bridges.iter().map(|m| m.clone().inner()).collect(),
+            identity: self.identity.clone().inner(),
+            diagonal_and_above: self.diagonal_and_above.clone().inner(),
+            last_position: self.last_position.clone().inner(),
         }
     }
 }
@@ -381,11 +406,10 @@ fn from_chunks<B: Backend>(x: Tensor<B, 5>, seq: usize) -> Tensor<B, 4> {
     x.reshape([batch, heads, chunks * size, d]).narrow(2, 0, seq)
 }
 
-/// `[.., C, C]` true on and above the diagonal (`tril_mask(-1)`): where a strictly lower matrix is 0.
-fn diagonal_and_above<B: Backend>(size: usize, device: &B::Device) -> Tensor<B, 5, Bool> {
-    Tensor::<B, 2, Bool>::tril_mask([size, size], -1, device).unsqueeze::<5>()
-}
-
+// The fused CubeCL backends compile a run of element-wise ops with one output shape into one kernel and end
+// it where the shape changes (or at a matmul, slice or scan): the quantities are computed grouped by shape —
+// per position `[b, h, n, C]`, per pair `[.., C, C]`, per key `[.., C, dk]` — rather than as the formulas
+// first need them, which made many of them kernels of their own.
 fn chunk_form<B: Backend>(inputs: ScanInputs<B>, plan: &ChunkPlan<B>) -> ChunkForm<B> {
     let ScanInputs { q, k, v, g, beta } = inputs.into_f32();
     let [batch, heads, seq, _] = k.dims();
@@ -395,23 +419,25 @@ fn chunk_form<B: Backend>(inputs: ScanInputs<B>, plan: &ChunkPlan<B>) -> ChunkFo
     let per_position = |x: Tensor<B, 3>| pad_to(x, chunks * size).reshape([batch, heads, chunks, size]);
     let beta = per_position(beta);
     let cum = per_position(g).cumsum(3);
-    // Masked before exp: no overflow from the blocked (future or other-document) entries.
-    let gap = cum.clone().unsqueeze_dim::<5>(4) - cum.clone().unsqueeze_dim::<5>(3);
-    let decay = gap.mask_fill(plan.blocked.clone(), f32::NEG_INFINITY).exp();
-    let k_beta = k.clone() * beta.clone().unsqueeze_dim::<5>(4);
-    let v_beta = v.clone() * beta.clone().unsqueeze_dim::<5>(4);
-    let key_products = k_beta.clone().matmul(k.clone().swap_dims(3, 4));
-    let lower = (key_products.clone() * decay.clone()).mask_fill(diagonal_and_above(size, &q.device()), 0.0);
-    let inverse = unit_lower_inverse(lower, &plan.outside_bridges);
-    let from_start = cum.clone().exp() * plan.carry.clone();
-    let new_values = inverse.clone().matmul(v_beta.clone());
-    let state_reads = inverse.clone().matmul(k_beta.clone() * from_start.clone().unsqueeze_dim::<5>(4));
-    let scores = q.clone().matmul(k.clone().swap_dims(3, 4));
-    let intra = scores.clone() * decay.clone();
-    let q_decayed = q.clone() * from_start.clone().unsqueeze_dim::<5>(4);
     let last = cum.clone().narrow(3, size - 1, 1);
-    let to_end = (last - cum).exp() * plan.reaches_end.clone();
-    let k_decayed = k.clone() * to_end.clone().unsqueeze_dim::<5>(4);
+    let from_start = cum.clone().exp() * plan.carry.clone();
+    let to_end = (last - cum.clone()).exp() * plan.reaches_end.clone();
+    // Masked before exp: no overflow from the blocked (future or other-document) entries.
+    let gap = cum.clone().unsqueeze_dim::<5>(4) - cum.unsqueeze_dim::<5>(3);
+    let decay = gap.mask_fill(plan.blocked.clone(), f32::NEG_INFINITY).exp();
+    let along = |x: &Tensor<B, 4>| x.clone().unsqueeze_dim::<5>(4);
+    let k_beta = k.clone() * along(&beta);
+    let q_decayed = q.clone() * along(&from_start);
+    let k_decayed = k.clone() * along(&to_end);
+    let keys_from_start = k_beta.clone() * along(&from_start);
+    let v_beta = v.clone() * along(&beta);
+    let key_products = k_beta.clone().matmul(k.clone().swap_dims(3, 4));
+    let scores = q.clone().matmul(k.clone().swap_dims(3, 4));
+    let lower = (key_products.clone() * decay.clone()).mask_fill(plan.diagonal_and_above.clone(), 0.0);
+    let intra = scores.clone() * decay.clone();
+    let inverse = unit_lower_inverse(lower, plan);
+    let new_values = inverse.clone().matmul(v_beta.clone());
+    let state_reads = inverse.clone().matmul(keys_from_start);
     let chunk_decay = from_start.clone().narrow(3, size - 1, 1).reshape([batch, heads, chunks]);
     ChunkForm {
         q,
@@ -557,13 +583,6 @@ pub fn recurrence_by_chunk<B: Backend>(rec: ChunkRecurrence<B>) -> RecurrenceOut
     RecurrenceOut { states: Tensor::stack(states, 2), corrections: Tensor::stack(corrections, 2), last: state }
 }
 
-/// `x` with `extra` `[.., 1]` added at its last position along dim 3.
-fn add_at_last<B: Backend>(x: Tensor<B, 4>, extra: Tensor<B, 4>) -> Tensor<B, 4> {
-    let size = x.dims()[3];
-    let last = x.clone().narrow(3, size - 1, 1) + extra;
-    Tensor::cat(vec![x.narrow(3, 0, size - 1), last], 3)
-}
-
 /// `Σ` over the last dimension of a `[.., C, d]` tensor, `[.., C]`.
 fn row_sums<B: Backend>(x: Tensor<B, 5>) -> Tensor<B, 4> {
     let [b, h, n, c, _] = x.dims();
@@ -608,52 +627,55 @@ pub fn chunked_backward<B: ModelBackend>(
         direction: Direction::Backward,
     });
     let (d_next, d_new_values) = (scan.states, scan.corrections);
-    let d_state_reads = d_new_values.clone().matmul(chunk_states.clone().swap_dims(3, 4)).neg();
+    // Grouped by output shape as `chunk_form` is; the gradients of `state_reads` and `keys_from_start` are
+    // carried negated (`neg_…`), so that no negation follows a matmul as a kernel of its own.
+    let neg_d_state_reads = d_new_values.clone().matmul(chunk_states.clone().swap_dims(3, 4));
     let d_k_decayed = corrected.matmul(d_next.clone().swap_dims(3, 4));
     let d_chunk_decay = (chunk_states * d_next).sum_dim(4).sum_dim(3).reshape([batch, heads, chunks, 1]);
-
-    // Inside the chunks. k_decayed = k ⊙ to_end, to_end = exp(cum_last − cum) on the last document.
     let along = |x: &Tensor<B, 4>| x.clone().unsqueeze_dim::<5>(4);
-    let mut d_k = d_k_decayed.clone() * along(&f.to_end);
-    let d_end_gap = row_sums(d_k_decayed * f.k.clone()) * f.to_end;
-    let mut d_cum = d_end_gap.clone().neg();
-    let d_last = d_end_gap.sum_dim(3);
-    // q_decayed = q ⊙ from_start; the chunk's decay is from_start's last entry.
-    let mut d_q = d_q_decayed.clone() * along(&f.from_start);
-    let mut d_from_start = add_at_last(row_sums(d_q_decayed * f.q.clone()), d_chunk_decay);
+
     // intra = (q kᵀ) ⊙ decay.
     let d_scores = d_intra.clone() * f.decay.clone();
-    d_q = d_q + d_scores.clone().matmul(f.k.clone());
-    d_k = d_k + d_scores.swap_dims(3, 4).matmul(f.q.clone());
-    let mut d_decay = d_intra * f.scores;
-    // new_values = T v_β, state_reads = T (k_β ⊙ from_start).
+    let d_decay_of_scores = d_intra * f.scores;
     let keys_from_start = f.k_beta.clone() * along(&f.from_start);
-    let d_inverse = d_new_values.clone().matmul(f.v_beta.swap_dims(3, 4))
-        + d_state_reads.clone().matmul(keys_from_start.swap_dims(3, 4));
+    let d_q_of_scores = d_scores.clone().matmul(f.k.clone());
+    let d_k_of_scores = d_scores.swap_dims(3, 4).matmul(f.q.clone());
+    // new_values = T v_β, state_reads = T (k_β ⊙ from_start).
     let inverse_t = f.inverse.swap_dims(3, 4);
-    let d_v_beta = inverse_t.clone().matmul(d_new_values);
-    let d_keys_from_start = inverse_t.clone().matmul(d_state_reads);
-    let mut d_k_beta = d_keys_from_start.clone() * along(&f.from_start);
-    d_from_start = d_from_start + row_sums(d_keys_from_start * f.k_beta.clone());
-    // T = (I + L)⁻¹, L strictly lower.
+    let d_v_beta = inverse_t.clone().matmul(d_new_values.clone());
+    let neg_d_keys_from_start = inverse_t.clone().matmul(neg_d_state_reads.clone());
+    let d_inverse =
+        d_new_values.matmul(f.v_beta.swap_dims(3, 4)) - neg_d_state_reads.matmul(keys_from_start.swap_dims(3, 4));
+    // T = (I + L)⁻¹, L strictly lower: dL = −Tᵀ dT Tᵀ. L = (k_β kᵀ) ⊙ decay; decay = exp(cum_i − cum_j) (0
+    // where blocked).
     let d_lower =
-        inverse_t.clone().matmul(d_inverse).matmul(inverse_t).neg().mask_fill(diagonal_and_above(size, &device), 0.0);
-    // L = (k_β kᵀ) ⊙ decay.
+        inverse_t.clone().matmul(d_inverse).matmul(inverse_t).neg().mask_fill(plan.diagonal_and_above.clone(), 0.0);
     let d_products = d_lower.clone() * f.decay.clone();
-    d_k_beta = d_k_beta + d_products.clone().matmul(f.k.clone());
-    d_k = d_k + d_products.swap_dims(3, 4).matmul(f.k_beta);
-    d_decay = d_decay + d_lower * f.key_products;
-    // decay = exp(cum_i − cum_j) (0 where blocked).
-    let d_gap = d_decay * f.decay;
-    let [b, h, n, c, _] = d_gap.dims();
-    d_cum = d_cum + d_gap.clone().sum_dim(4).reshape([b, h, n, c]) - d_gap.sum_dim(3).reshape([b, h, n, c]);
-    // from_start = exp(cum) (0 after a document start).
-    d_cum = add_at_last(d_cum + d_from_start * f.from_start, d_last);
-    // k_β = k ⊙ β, v_β = v ⊙ β.
+    let d_gap = (d_decay_of_scores + d_lower * f.key_products) * f.decay;
+    let d_k_beta_of_products = d_products.clone().matmul(f.k.clone());
+    let d_k_of_products = d_products.swap_dims(3, 4).matmul(f.k_beta.clone());
+
+    // Per key: k_decayed = k ⊙ to_end, q_decayed = q ⊙ from_start, k_β = k ⊙ β, v_β = v ⊙ β.
     let beta = along(&f.beta);
-    d_k = d_k + d_k_beta.clone() * beta.clone();
+    let d_k_beta = d_k_beta_of_products - neg_d_keys_from_start.clone() * along(&f.from_start);
+    let d_q = d_q_decayed.clone() * along(&f.from_start) + d_q_of_scores;
+    let d_k =
+        d_k_decayed.clone() * along(&f.to_end) + d_k_of_scores + d_k_of_products + d_k_beta.clone() * beta.clone();
     let d_v = d_v_beta.clone() * beta;
+
+    // Per position: to_end = exp(cum_last − cum) on the last document, from_start = exp(cum) (0 after a
+    // document start), whose last entry is the chunk's decay; both added at the last position as a one-hot
+    // product (a slice and a concatenation would be three kernels).
+    let d_end_gap = row_sums(d_k_decayed * f.k.clone()) * f.to_end;
+    let d_from_start = row_sums(d_q_decayed * f.q.clone()) - row_sums(neg_d_keys_from_start * f.k_beta)
+        + d_chunk_decay * plan.last_position.clone();
     let d_beta = row_sums(d_k_beta * f.k) + row_sums(d_v_beta * f.v);
+    let [b, h, n, c, _] = d_gap.dims();
+    let (gap_rows, gap_columns) =
+        (d_gap.clone().sum_dim(4).reshape([b, h, n, c]), d_gap.sum_dim(3).reshape([b, h, n, c]));
+    let d_last = d_end_gap.clone().sum_dim(3);
+    let d_cum =
+        d_end_gap.neg() + gap_rows - gap_columns + d_from_start * f.from_start + d_last * plan.last_position.clone();
     // cum = cumsum(g) within the chunk.
     let d_g = d_cum.flip([3]).cumsum(3).flip([3]);
     let per_position = |x: Tensor<B, 4>| x.reshape([batch, heads, chunks * size]).narrow(2, 0, seq);

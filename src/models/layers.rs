@@ -5,11 +5,11 @@
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
-use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::ops::{ModelBackend, NormKind, f32_of};
-use crate::backend::{host_tensor, zeros_in};
+use crate::backend::host_tensor;
 
 /// `weight * x / sqrt(mean(x²) + eps)` over the last dimension (LFM2's form: no `1 +` offset), normalized
 /// in f32 whatever the compute dtype, then cast back before the weight, as transformers does. A weight kept
@@ -67,54 +67,130 @@ pub fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     x.clone().clamp_min(0.0) + x.abs().neg().exp().log1p()
 }
 
+/// What the causal depthwise convolution needs of a layout, built once per forward pass and shared by its
+/// convolution layers: for each lag from 1, the position `lag` steps back (`select` indices `[seq]`, clamped
+/// at 0), whether that position is in the token's document (`[batch, seq, 1]`), and the same from the other
+/// side for the backward pass (the position `lag` ahead, clamped at the end, and whether the token there
+/// reads this one). Shifting by an indexed read keeps each lag inside the fused backends' element-wise
+/// kernel, where a zero-padded concatenation cost a fill and two slice writes of the whole input per lag.
+#[derive(Debug, Clone)]
+pub struct ConvShifts<B: Backend> {
+    lags: Vec<LagShift<B>>,
+}
+
+#[derive(Debug, Clone)]
+struct LagShift<B: Backend> {
+    back: Tensor<B, 1, Int>,
+    reads_back: Tensor<B, 3>,
+    ahead: Tensor<B, 1, Int>,
+    read_from_ahead: Tensor<B, 3>,
+}
+
+impl<B: Backend> ConvShifts<B> {
+    /// The shifts of lags `1..=max_lag` for `layout`, masks in `dtype`.
+    pub fn new(layout: &SequenceLayout, max_lag: usize, dtype: FloatDType, device: &B::Device) -> Self {
+        let (batch, seq) = (layout.batch, layout.seq);
+        let index = |f: &dyn Fn(usize) -> usize| {
+            Tensor::<B, 1, Int>::from_data(TensorData::new((0..seq).map(|t| f(t) as i64).collect(), [seq]), device)
+        };
+        let lags = (1..=max_lag)
+            .map(|lag| {
+                // Token t reads t − lag when it is at least `lag` into its document.
+                let reads = |row: usize, t: usize| t < seq && layout.positions[row * seq + t] as usize >= lag;
+                let mask = |f: &dyn Fn(usize, usize) -> bool| {
+                    let keep = (0..batch * seq).map(|i| f32::from(u8::from(f(i / seq, i % seq)))).collect();
+                    host_tensor::<B, 3>(keep, [batch, seq, 1], dtype, device)
+                };
+                LagShift {
+                    back: index(&|t| t.saturating_sub(lag)),
+                    reads_back: mask(&reads),
+                    ahead: index(&|t| (t + lag).min(seq.saturating_sub(1))),
+                    read_from_ahead: mask(&|row, t| reads(row, t + lag)),
+                }
+            })
+            .collect();
+        ConvShifts { lags }
+    }
+
+    /// The same shifts on the inner backend of an autodiff one.
+    pub fn inner(&self) -> ConvShifts<B::InnerBackend>
+    where
+        B: AutodiffBackend,
+    {
+        let lags = self
+            .lags
+            .iter()
+            .map(|l| LagShift {
+                back: l.back.clone().inner(),
+                reads_back: l.reads_back.clone().inner(),
+                ahead: l.ahead.clone().inner(),
+                read_from_ahead: l.read_from_ahead.clone().inner(),
+            })
+            .collect();
+        ConvShifts { lags }
+    }
+
+    /// Lag `lag`'s shift (from 1); the kernel's taps must not outnumber the lags built plus one.
+    fn lag(&self, lag: usize) -> &LagShift<B> {
+        &self.lags[lag - 1]
+    }
+}
+
+/// `kernel`'s taps as `[1, 1, channels]` tensors, all made before the element-wise work that uses them (a
+/// slice among that work would end the fused kernel there).
+fn kernel_taps<B: Backend>(kernel: &Tensor<B, 2>) -> Vec<Tensor<B, 3>> {
+    let [channels, taps] = kernel.dims();
+    (0..taps).map(|i| kernel.clone().narrow(1, i, 1).reshape([1, 1, channels])).collect()
+}
+
 /// The causal depthwise convolution over the sequence: `y[t] = Σ_lag w[L-1-lag] · x[t-lag]` with `x[t-lag]`
-/// zero before the document starts (`lag_masks[lag - 1]` from `SequenceLayout::lag_mask`). `kernel` is
-/// `[channels, L]`, the checkpoint's `[channels, 1, L]` without the group axis.
+/// zero before the token's document starts (`shifts`). `kernel` is `[channels, L]`, the checkpoint's
+/// `[channels, 1, L]` without the group axis.
 pub fn causal_depthwise_conv<B: Backend>(
     x: Tensor<B, 3>,
     kernel: Tensor<B, 2>,
-    lag_masks: &[Tensor<B, 3>],
+    shifts: &ConvShifts<B>,
 ) -> Tensor<B, 3> {
-    let [_, seq, channels] = x.dims();
-    let taps = kernel.dims()[1];
-    let mut y = x.clone() * kernel.clone().narrow(1, taps - 1, 1).reshape([1, 1, channels]);
-    for lag in 1..taps.min(seq) {
-        let shifted = Tensor::cat(vec![x.clone().narrow(1, 0, lag).zeros_like(), x.clone().narrow(1, 0, seq - lag)], 1);
-        let w = kernel.clone().narrow(1, taps - 1 - lag, 1).reshape([1, 1, channels]);
-        y = y + shifted * lag_masks[lag - 1].clone() * w;
+    let w = kernel_taps(&kernel);
+    let taps = w.len();
+    let mut y = x.clone() * w[taps - 1].clone();
+    for lag in 1..taps {
+        let shift = shifts.lag(lag);
+        y = y + x.clone().select(1, shift.back.clone()) * shift.reads_back.clone() * w[taps - 1 - lag].clone();
     }
     y
 }
 
 /// Gradients of `causal_depthwise_conv` with respect to `x` and `kernel` (in their dtypes) for the output
 /// gradient `grad`, in f32: each lag's masked output gradient flows back `lag` positions,
-/// `d x[t − lag] += w[L−1−lag] · m_lag[t] · g[t]`, and `d w[L−1−lag] = Σ_{rows, t} m_lag[t] · g[t] · x[t − lag]`.
+/// `d x[t] += w[L−1−lag] · m_lag[t + lag] · g[t + lag]`, and `d w[L−1−lag] = Σ_{rows, t} m_lag[t] · g[t] · x[t − lag]`.
 pub fn causal_depthwise_conv_backward<B: Backend>(
     x: Tensor<B, 3>,
     kernel: Tensor<B, 2>,
-    lag_masks: &[Tensor<B, 3>],
+    shifts: &ConvShifts<B>,
     grad: Tensor<B, 3>,
 ) -> (Tensor<B, 3>, Tensor<B, 2>) {
     let (x_dtype, kernel_dtype) = (FloatDType::from(x.dtype()), FloatDType::from(kernel.dtype()));
     let [batch, seq, channels] = x.dims();
-    let taps = kernel.dims()[1];
     let (x, kernel, grad) = (x.cast(FloatDType::F32), kernel.cast(FloatDType::F32), grad.cast(FloatDType::F32));
-    let tap = |i: usize| kernel.clone().narrow(1, i, 1).reshape([1, 1, channels]);
+    let w = kernel_taps(&kernel);
+    let taps = w.len();
+    let f32_mask = |m: &Tensor<B, 3>| m.clone().cast(FloatDType::F32);
+    let mut grad_x = grad.clone() * w[taps - 1].clone();
+    for lag in 1..taps {
+        let shift = shifts.lag(lag);
+        grad_x = grad_x
+            + grad.clone().select(1, shift.ahead.clone())
+                * f32_mask(&shift.read_from_ahead)
+                * w[taps - 1 - lag].clone();
+    }
     let channel_sums = |t: Tensor<B, 3>| t.reshape([batch * seq, channels]).sum_dim(0).reshape([channels, 1]);
-    let mut grad_x = grad.clone() * tap(taps - 1);
     // Kernel gradient columns, last tap first.
     let mut grad_taps = vec![channel_sums(grad.clone() * x.clone())];
     for lag in 1..taps {
-        if lag >= seq {
-            grad_taps.push(zeros_in([channels, 1], FloatDType::F32, &x.device()));
-            continue;
-        }
-        let masked = grad.clone() * lag_masks[lag - 1].clone().cast(FloatDType::F32);
-        let zeros = masked.clone().narrow(1, 0, lag).zeros_like();
-        let back = Tensor::cat(vec![masked.clone().narrow(1, lag, seq - lag), zeros.clone()], 1);
-        grad_x = grad_x + back * tap(taps - 1 - lag);
-        let shifted = Tensor::cat(vec![zeros, x.clone().narrow(1, 0, seq - lag)], 1);
-        grad_taps.push(channel_sums(masked * shifted));
+        let shift = shifts.lag(lag);
+        let shifted = x.clone().select(1, shift.back.clone()) * f32_mask(&shift.reads_back);
+        grad_taps.push(channel_sums(grad.clone() * shifted));
     }
     grad_taps.reverse();
     (grad_x.cast(x_dtype), Tensor::cat(grad_taps, 1).cast(kernel_dtype))
@@ -194,12 +270,6 @@ impl SequenceLayout {
             }
         }
         SequenceLayout { batch: rows.len(), seq, doc_ids, positions }
-    }
-
-    /// `[batch, seq, 1]` masks that keep token `t`'s input from `lag` steps back only inside its document.
-    pub fn lag_mask<B: Backend>(&self, lag: usize, dtype: FloatDType, device: &B::Device) -> Tensor<B, 3> {
-        let keep: Vec<f32> = self.positions.iter().map(|&p| if p as usize >= lag { 1.0 } else { 0.0 }).collect();
-        host_tensor(keep, [self.batch, self.seq, 1], dtype, device)
     }
 }
 

@@ -11,7 +11,7 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{LayerKind, Lfm2Config};
-use super::layers::{RmsNorm, SequenceLayout, SwiGlu, apply_rope, head_logits, rope_tables};
+use super::layers::{ConvShifts, RmsNorm, SequenceLayout, SwiGlu, apply_rope, head_logits, rope_tables};
 use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 use crate::backend::zeros_in;
@@ -28,10 +28,10 @@ pub struct ShortConv<B: Backend> {
 }
 
 impl<B: ModelBackend> ShortConv<B> {
-    pub fn forward(&self, x: Tensor<B, 3>, lag_masks: &[Tensor<B, 3>]) -> Tensor<B, 3> {
+    pub fn forward(&self, x: Tensor<B, 3>, shifts: &ConvShifts<B>) -> Tensor<B, 3> {
         let hidden = self.out_proj.weight.dims()[0];
         let [b, c, xx] = B::split_last(self.in_proj.forward(x), [hidden; 3]);
-        let mut y = B::causal_conv(b * xx, self.conv.val(), lag_masks);
+        let mut y = B::causal_conv(b * xx, self.conv.val(), shifts);
         if let Some(bias) = &self.conv_bias {
             y = y + bias.val().reshape([1, 1, hidden]);
         }
@@ -228,11 +228,11 @@ impl<B: ModelBackend> Lfm2Model<B> {
             })
             .max()
             .unwrap_or(0);
-        let lag_masks: Vec<Tensor<B, 3>> = (1..=max_lag).map(|lag| layout.lag_mask::<B>(lag, dtype, &device)).collect();
+        let shifts = ConvShifts::<B>::new(layout, max_lag, dtype, &device);
         for layer in &self.layers {
             let x = layer.operator_norm.forward(h.clone());
             let y = match &layer.mixer {
-                Mixer::Conv(conv) => conv.forward(x, &lag_masks),
+                Mixer::Conv(conv) => conv.forward(x, &shifts),
                 Mixer::Attention(attn) => attn.forward(
                     x,
                     cos.as_ref().expect("tables built for attention"),

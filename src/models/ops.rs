@@ -37,7 +37,9 @@ use super::attention::{
 use super::deltanet::{
     self, ChunkPlan, ChunkRecurrence, ChunkedScan, RecurrenceOut, ScanInputs, tracked_gated_delta_rule,
 };
-use super::layers::{causal_depthwise_conv, causal_depthwise_conv_backward, l2_normalize, l2_normalize_backward};
+use super::layers::{
+    ConvShifts, causal_depthwise_conv, causal_depthwise_conv_backward, l2_normalize, l2_normalize_backward,
+};
 use crate::backend::zeros_in;
 
 static REFERENCE_OPS: AtomicBool = AtomicBool::new(false);
@@ -127,8 +129,8 @@ pub trait ModelBackend: Backend {
 
     /// The causal depthwise convolution over each document (`layers::causal_depthwise_conv`; LFM2's short
     /// convolutions and Qwen3.5's DeltaNet conv).
-    fn causal_conv(x: Tensor<Self, 3>, kernel: Tensor<Self, 2>, lag_masks: &[Tensor<Self, 3>]) -> Tensor<Self, 3> {
-        causal_depthwise_conv(x, kernel, lag_masks)
+    fn causal_conv(x: Tensor<Self, 3>, kernel: Tensor<Self, 2>, shifts: &ConvShifts<Self>) -> Tensor<Self, 3> {
+        causal_depthwise_conv(x, kernel, shifts)
     }
 
     /// Rows grouped by expert times each group's weights: `x` `[n, in]` holds `counts[e]` consecutive rows
@@ -313,13 +315,14 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         Tensor::from_primitive(TensorPrimitive::Float(output))
     }
 
-    fn causal_conv(x: Tensor<Self, 3>, kernel: Tensor<Self, 2>, lag_masks: &[Tensor<Self, 3>]) -> Tensor<Self, 3> {
+    fn causal_conv(x: Tensor<Self, 3>, kernel: Tensor<Self, 2>, shifts: &ConvShifts<Self>) -> Tensor<Self, 3> {
         if reference_ops() {
-            return causal_depthwise_conv(x, kernel, lag_masks);
+            return causal_depthwise_conv(x, kernel, shifts);
         }
-        let masks: Vec<Tensor<B, 3>> = lag_masks.iter().map(|m| m.clone().inner()).collect();
-        let saved = masks.iter().map(|m| m.clone().into_primitive().tensor()).collect();
-        record_binary(CausalConvBackward, x, kernel, saved, |x, kernel| causal_depthwise_conv(x, kernel, &masks))
+        let shifts = shifts.inner();
+        record_binary(CausalConvBackward, x, kernel, shifts.clone(), |x, kernel| {
+            causal_depthwise_conv(x, kernel, &shifts)
+        })
     }
 
     fn grouped_matmul(x: Tensor<Self, 2>, weights: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
@@ -518,14 +521,12 @@ impl<B: Backend, const D: usize> Backward<B, 1> for L2NormBackward<D> {
 struct CausalConvBackward;
 
 impl<B: Backend> Backward<B, 2> for CausalConvBackward {
-    /// The input and the kernel through the checkpointer, the lag masks.
-    type State = (NodeId, NodeId, Vec<FloatTensor<B>>);
+    /// The input and the kernel through the checkpointer, the layout's shifts.
+    type State = (NodeId, NodeId, ConvShifts<B>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
-        backward_binary(ops, grads, checkpointer, |x, kernel, masks, grad| {
-            let masks: Vec<Tensor<B, 3>> =
-                masks.into_iter().map(|m| Tensor::from_primitive(TensorPrimitive::Float(m))).collect();
-            causal_depthwise_conv_backward(x, kernel, &masks, grad)
+        backward_binary(ops, grads, checkpointer, |x, kernel, shifts, grad| {
+            causal_depthwise_conv_backward(x, kernel, &shifts, grad)
         });
     }
 }
@@ -775,7 +776,7 @@ mod tests {
     ) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
         let device = Default::default();
         let layout = super::super::SequenceLayout::from_doc_lengths(lengths, seq);
-        let masks: Vec<Tensor<B, 3>> = (1..4).map(|lag| layout.lag_mask::<B>(lag, dtype, &device)).collect();
+        let shifts = super::super::layers::ConvShifts::<B>::new(&layout, 3, dtype, &device);
         let x = normal::<B, 3>([lengths.len(), seq, 6], 0.0, 1.0, 9, &device).cast(dtype).require_grad();
         let kernel = normal::<B, 2>([6, 4], 0.0, 0.5, 10, &device).cast(dtype).require_grad();
         let r = normal::<B, 3>([lengths.len(), seq, 6], 0.0, 1.0, 11, &device);
@@ -783,8 +784,8 @@ mod tests {
             let grads = (out.clone().cast(FloatDType::F32) * r.clone()).sum().backward();
             [values(out), values(x.grad(&grads).expect("d x")), values(kernel.grad(&grads).expect("d kernel"))]
         };
-        let op = run(B::causal_conv(x.clone(), kernel.clone(), &masks));
-        (op, run(super::super::layers::causal_depthwise_conv(x.clone(), kernel.clone(), &masks)))
+        let op = run(B::causal_conv(x.clone(), kernel.clone(), &shifts));
+        (op, run(super::super::layers::causal_depthwise_conv(x.clone(), kernel.clone(), &shifts)))
     }
 
     #[test]

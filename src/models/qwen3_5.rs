@@ -13,7 +13,8 @@ use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{Qwen35Config, Qwen35LayerKind};
 use super::deltanet::{ChunkPlan, DocSegments, ScanInputs};
 use super::layers::{
-    RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, head_logits, rope_tables, softplus,
+    ConvShifts, RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, head_logits, rope_tables,
+    softplus,
 };
 use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
@@ -87,9 +88,9 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
         self.out_proj.forward(gated.reshape([batch, seq, nv * dv]))
     }
 
-    pub fn forward(&self, x: Tensor<B, 3>, lag_masks: &[Tensor<B, 3>], plan: &ChunkPlan<B>) -> Tensor<B, 3> {
+    pub fn forward(&self, x: Tensor<B, 3>, shifts: &ConvShifts<B>, plan: &ChunkPlan<B>) -> Tensor<B, 3> {
         let dtype = FloatDType::from(x.dtype());
-        let mixed = silu(B::causal_conv(self.in_proj_qkv.forward(x.clone()), self.conv1d.val(), lag_masks));
+        let mixed = silu(B::causal_conv(self.in_proj_qkv.forward(x.clone()), self.conv1d.val(), shifts));
         let inputs = self.scan_inputs(x, mixed);
         let core = B::gated_delta_rule(inputs.scan, plan);
         self.output(core, inputs.z, dtype)
@@ -225,14 +226,13 @@ impl<B: ModelBackend> Qwen35Model<B> {
         } else {
             (None, None, None)
         };
-        let lag_masks: Vec<Tensor<B, 3>> =
-            (1..=self.max_conv_lag()).map(|lag| layout.lag_mask::<B>(lag, dtype, &device)).collect();
+        let shifts = ConvShifts::<B>::new(layout, self.max_conv_lag(), dtype, &device);
         let segments = DocSegments::from_doc_ids(layout.batch, layout.seq, layout.doc_ids.clone());
         let plan = ChunkPlan::new(&segments, SCAN_CHUNK, &device);
         for layer in &self.layers {
             let x = layer.input_layernorm.forward(h.clone());
             let y = match &layer.mixer {
-                Qwen35Mixer::Linear(net) => net.forward(x, &lag_masks, &plan),
+                Qwen35Mixer::Linear(net) => net.forward(x, &shifts, &plan),
                 Qwen35Mixer::Full(attn) => attn.forward(
                     x,
                     cos.as_ref().expect("tables built for attention"),
