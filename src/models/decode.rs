@@ -8,7 +8,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::deltanet::{self, ChunkPlan, DocSegments};
-use super::layers::{SequenceLayout, causal_depthwise_conv_cached, head_logits, rope_tables};
+use super::layers::{RopeTables, SequenceLayout, causal_depthwise_conv_cached, head_logits};
 use super::lfm2::{Attention, FeedForward, Lfm2Model, Mixer, ShortConv};
 use super::ops::ModelBackend;
 use super::qwen3_5::{GatedAttention, GatedDeltaNet, Qwen35Mixer, Qwen35Model, SCAN_CHUNK};
@@ -137,12 +137,12 @@ impl<B: ModelBackend> Attention<B> {
     fn forward_cached(
         &self,
         x: Tensor<B, 3>,
-        tables: (&Tensor<B, 4>, &Tensor<B, 4>),
+        rope: &RopeTables<B>,
         mask: &Tensor<B, 4>,
         cache_k: &mut Option<Tensor<B, 4>>,
         cache_v: &mut Option<Tensor<B, 4>>,
     ) -> Tensor<B, 3> {
-        let (q, k, v) = self.qkv(x, tables.0, tables.1);
+        let (q, k, v) = self.qkv(x, rope);
         let (k, v) = (append_kv(cache_k, k), append_kv(cache_v, v));
         self.attend(q, k, v, mask)
     }
@@ -174,14 +174,14 @@ impl<B: ModelBackend> CachedDecoding<B> for Lfm2Model<B> {
         let hidden = self.embed_tokens.dims()[1];
         let dtype = FloatDType::from(self.embed_tokens.val().dtype());
         let step = cache.history.step::<B>(valid, dtype, &device);
-        let (cos, sin) = rope_tables::<B>(&step.layout, self.head_dim, self.rope_theta, dtype, &device);
+        let rope = RopeTables::<B>::new(&step.layout, self.head_dim, self.head_dim, self.rope_theta, dtype, &device);
         let mut h = self.embed_tokens.val().select(0, ids.reshape([batch * seq])).reshape([batch, seq, hidden]);
         for (layer, state) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let x = layer.operator_norm.forward(h.clone());
             let y = match (&layer.mixer, state) {
                 (Mixer::Conv(conv), Lfm2LayerCache::Conv(s)) => conv.forward_cached(x, &step.valid, s),
                 (Mixer::Attention(attn), Lfm2LayerCache::Attention { k, v }) => {
-                    attn.forward_cached(x, (&cos, &sin), &step.mask, k, v)
+                    attn.forward_cached(x, &rope, &step.mask, k, v)
                 }
                 _ => unreachable!("the cache is built from this model's layers"),
             };
@@ -265,12 +265,12 @@ impl<B: ModelBackend> GatedAttention<B> {
     fn forward_cached(
         &self,
         x: Tensor<B, 3>,
-        tables: (&Tensor<B, 4>, &Tensor<B, 4>),
+        rope: &RopeTables<B>,
         mask: &Tensor<B, 4>,
         cache_k: &mut Option<Tensor<B, 4>>,
         cache_v: &mut Option<Tensor<B, 4>>,
     ) -> Tensor<B, 3> {
-        let (q, k, v, gate) = self.qkv_gate(x, tables.0, tables.1);
+        let (q, k, v, gate) = self.qkv_gate(x, rope);
         let (k, v) = (append_kv(cache_k, k), append_kv(cache_v, v));
         self.attend(q, k, v, gate, mask)
     }
@@ -306,7 +306,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
         let device = ids.device();
         let dtype = FloatDType::from(self.head_weight().dtype());
         let step = cache.history.step::<B>(valid, dtype, &device);
-        let (cos, sin) = rope_tables::<B>(&step.layout, self.rotary_dim, self.rope_theta, dtype, &device);
+        let rope = self.rope_tables(&step.layout, dtype, &device);
         let segments = decoding_segments(valid);
         // Prefill runs the whole-sequence scan (`ModelBackend::delta_rule_scan`), single tokens the recurrent one.
         let plan = (segments.seq > 1).then(|| ChunkPlan::new(&segments, SCAN_CHUNK, &device));
@@ -319,7 +319,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
                     net.forward_cached(x * step.valid.clone(), &segments, plan.as_ref(), conv, state)
                 }
                 (Qwen35Mixer::Full(attn), QwenLayerCache::Attention { k, v }) => {
-                    attn.forward_cached(x, (&cos, &sin), &step.mask, k, v)
+                    attn.forward_cached(x, &rope, &step.mask, k, v)
                 }
                 _ => unreachable!("the cache is built from this model's layers"),
             };

@@ -282,50 +282,62 @@ pub fn head_logits<B: Backend>(hidden: Tensor<B, 3>, head: Tensor<B, 2>) -> Tens
     hidden.reshape([batch * seq, width]).matmul(head.transpose()).reshape([batch, seq, vocab])
 }
 
-/// `cos` and `sin` tables `[batch, 1, seq, head_dim]` for the layout's positions, HF's `cat(freqs, freqs)` form,
-/// computed in f32 and cast to `dtype` (the activations' dtype), as transformers does.
-pub fn rope_tables<B: Backend>(
-    layout: &SequenceLayout,
-    head_dim: usize,
-    theta: f64,
-    dtype: FloatDType,
-    device: &B::Device,
-) -> (Tensor<B, 4>, Tensor<B, 4>) {
-    let half = head_dim / 2;
-    let inv_freq: Vec<f32> = (0..half).map(|i| (1.0 / theta.powf((2 * i) as f64 / head_dim as f64)) as f32).collect();
-    let n = layout.positions.len();
-    let mut cos = Vec::with_capacity(n * head_dim);
-    let mut sin = Vec::with_capacity(n * head_dim);
-    for &p in &layout.positions {
-        // f32 products, as transformers computes `position_ids.float() @ inv_freq`.
-        let angles: Vec<f32> = inv_freq.iter().map(|f| p as f32 * f).collect();
-        for _ in 0..2 {
-            cos.extend(angles.iter().map(|a| a.cos()));
-            sin.extend(angles.iter().map(|a| a.sin()));
+/// RoPE for a layout, HF's rotate-half form over the first `rotary_dim` dims of each head (the rest pass
+/// through): `cos` and `sin` `[batch, 1, seq, head_dim]` for the layout's positions, computed in f32 and
+/// cast to `dtype` (the activations' dtype) as transformers does, 1 and 0 on the passed dims. `sin` carries
+/// rotate_half's sign and `swap` names the dim each dim reads (the other half of the rotary dims), so that
+/// `x·cos + x[swap]·sin` (`apply_rope`) reads `x` once in one element-wise kernel on the fused backends:
+/// `cat(−x₂, x₁)` was two slices and a concatenation, and their zero-filled gradients.
+#[derive(Debug, Clone)]
+pub struct RopeTables<B: Backend> {
+    cos: Tensor<B, 4>,
+    sin: Tensor<B, 4>,
+    swap: Tensor<B, 1, Int>,
+}
+
+impl<B: Backend> RopeTables<B> {
+    pub fn new(
+        layout: &SequenceLayout,
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f64,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> Self {
+        let half = rotary_dim / 2;
+        let inv_freq: Vec<f32> =
+            (0..half).map(|i| (1.0 / theta.powf((2 * i) as f64 / rotary_dim as f64)) as f32).collect();
+        let n = layout.positions.len();
+        let (mut cos, mut sin) = (Vec::with_capacity(n * head_dim), Vec::with_capacity(n * head_dim));
+        for &p in &layout.positions {
+            // f32 products, as transformers computes `position_ids.float() @ inv_freq`.
+            let angles: Vec<f32> = inv_freq.iter().map(|f| p as f32 * f).collect();
+            cos.extend(angles.iter().chain(&angles).map(|a| a.cos()));
+            sin.extend(angles.iter().map(|a| -a.sin()).chain(angles.iter().map(|a| a.sin())));
+            cos.extend(std::iter::repeat_n(1.0, head_dim - 2 * half));
+            sin.extend(std::iter::repeat_n(0.0, head_dim - 2 * half));
+        }
+        let swap: Vec<i64> = (0..head_dim)
+            .map(|i| match i {
+                i if i < half => i + half,
+                i if i < 2 * half => i - half,
+                i => i,
+            } as i64)
+            .collect();
+        let shape = [layout.batch, 1, layout.seq, head_dim];
+        let table = |values: Vec<f32>| host_tensor::<B, 4>(values, shape, dtype, device);
+        RopeTables {
+            cos: table(cos),
+            sin: table(sin),
+            swap: Tensor::from_data(TensorData::new(swap, [head_dim]), device),
         }
     }
-    let shape = [layout.batch, 1, layout.seq, head_dim];
-    let table = |values: Vec<f32>| host_tensor::<B, 4>(values, shape, dtype, device);
-    (table(cos), table(sin))
 }
 
-/// RoPE on the first `cos.dims()[3]` dims of each head only, the rest passed through (partial rotary).
-pub fn apply_partial_rope<B: ModelBackend>(x: Tensor<B, 4>, cos: &Tensor<B, 4>, sin: &Tensor<B, 4>) -> Tensor<B, 4> {
-    let (d, rotary) = (x.dims()[3], cos.dims()[3]);
-    if rotary == d {
-        return apply_rope(x, cos, sin);
-    }
-    let [rotated, passed] = B::split_last(x, [rotary, d - rotary]);
-    Tensor::cat(vec![apply_rope(rotated, cos, sin), passed], 3)
-}
-
-/// `x * cos + rotate_half(x) * sin` with `rotate_half(x) = cat(-x2, x1)`.
-pub fn apply_rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 4>, sin: &Tensor<B, 4>) -> Tensor<B, 4> {
-    let d = x.dims()[3];
-    let x1 = x.clone().narrow(3, 0, d / 2);
-    let x2 = x.clone().narrow(3, d / 2, d - d / 2);
-    let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-    x * cos.clone() + rotated * sin.clone()
+/// `x · cos + rotate_half(x) · sin` on the rotary dims of `x` `[batch, heads, seq, head_dim]`, the rest
+/// unchanged, with `rotate_half(x) = cat(−x₂, x₁)` as `x[swap]` and the sign in `sin` (`RopeTables`).
+pub fn apply_rope<B: Backend>(x: Tensor<B, 4>, rope: &RopeTables<B>) -> Tensor<B, 4> {
+    x.clone() * rope.cos.clone() + x.select(3, rope.swap.clone()) * rope.sin.clone()
 }
 
 #[cfg(test)]
@@ -337,5 +349,57 @@ mod tests {
         let l = SequenceLayout::from_doc_lengths(&[vec![2, 3], vec![4]], 6);
         assert_eq!(l.positions, [0, 1, 0, 1, 2, 0, 0, 1, 2, 3, 0, 0]);
         assert_eq!(l.doc_ids, [0, 0, 1, 1, 1, 2, 0, 0, 0, 0, 1, 2]);
+    }
+
+    /// The shifted reads give the convolution a loop over each token's document computes, including lags
+    /// longer than a document or the row.
+    #[test]
+    fn the_convolution_reads_each_lag_inside_the_document() {
+        use crate::backend::Cpu;
+        use crate::testing::{normal, values};
+        let device = Default::default();
+        let (seq, channels, taps) = (6, 3, 4);
+        let layout = SequenceLayout::from_doc_lengths(&[vec![2, 4], vec![1, 1, 3]], seq);
+        let x = normal::<Cpu, 3>([2, seq, channels], 0.0, 1.0, 4, &device);
+        let w = normal::<Cpu, 2>([channels, taps], 0.0, 1.0, 5, &device);
+        let shifts = ConvShifts::<Cpu>::new(&layout, taps - 1, FloatDType::F32, &device);
+        let got = values(causal_depthwise_conv(x.clone(), w.clone(), &shifts));
+        let (xs, ws) = (values(x), values(w));
+        for (i, &y) in got.iter().enumerate() {
+            let (row, t, c) = (i / (seq * channels), i / channels % seq, i % channels);
+            let position = layout.positions[row * seq + t] as usize;
+            let want: f32 =
+                (0..taps.min(position + 1)).map(|lag| ws[c * taps + taps - 1 - lag] * xs[i - lag * channels]).sum();
+            assert!((y - want).abs() < 1e-6, "row {row} t {t} c {c}: {y} vs {want}");
+        }
+    }
+
+    /// `x·cos + x[swap]·sin` is transformers' `x·cos + cat(−x₂, x₁)·sin` bit for bit, with the dims past
+    /// `rotary_dim` passed through unchanged (f32 and bf16; positions restarting with each document).
+    #[test]
+    fn rope_by_swapped_reads_equals_rotate_half_bit_for_bit() {
+        use crate::backend::Cpu;
+        use crate::testing::{normal, values};
+        let device = Default::default();
+        let layout = SequenceLayout::from_doc_lengths(&[vec![3, 4], vec![7]], 7);
+        let (head_dim, rotary) = (12, 8);
+        for dtype in [FloatDType::F32, FloatDType::BF16] {
+            let x = normal::<Cpu, 4>([2, 3, 7, head_dim], 0.0, 1.0, 3, &device).cast(dtype);
+            let got = apply_rope(x.clone(), &RopeTables::new(&layout, head_dim, rotary, 1e4, dtype, &device));
+            // The reference: HF's tables over the rotary dims, rotate_half by concatenation.
+            let half = rotary / 2;
+            let inv: Vec<f32> = (0..half).map(|i| (1.0 / 1e4f64.powf((2 * i) as f64 / rotary as f64)) as f32).collect();
+            let table = |f: fn(f32) -> f32| {
+                let v = layout.positions.iter().flat_map(|&p| (0..rotary).map(move |i| (p, i)));
+                let v: Vec<f32> = v.map(|(p, i)| f(p as f32 * inv[i % half])).collect();
+                host_tensor::<Cpu, 4>(v, [2, 1, 7, rotary], dtype, &device)
+            };
+            let rotated = x.clone().narrow(3, 0, rotary);
+            let (x1, x2) = (rotated.clone().narrow(3, 0, half), rotated.clone().narrow(3, half, half));
+            let turned = Tensor::cat(vec![x2.neg(), x1], 3);
+            let roped = rotated * table(f32::cos) + turned * table(f32::sin);
+            let want = Tensor::cat(vec![roped, x.narrow(3, rotary, head_dim - rotary)], 3);
+            assert_eq!(values(got), values(want), "{dtype:?}");
+        }
     }
 }

@@ -11,7 +11,7 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{LayerKind, Lfm2Config};
-use super::layers::{ConvShifts, RmsNorm, SequenceLayout, SwiGlu, apply_rope, head_logits, rope_tables};
+use super::layers::{ConvShifts, RmsNorm, RopeTables, SequenceLayout, SwiGlu, apply_rope, head_logits};
 use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 use crate::backend::zeros_in;
@@ -56,12 +56,7 @@ pub struct Attention<B: Backend> {
 impl<B: ModelBackend> Attention<B> {
     /// Queries `[batch, heads, seq, head_dim]` and keys, values `[batch, kv_heads, seq, head_dim]`, with the
     /// per-head norms and RoPE applied.
-    pub fn qkv(
-        &self,
-        x: Tensor<B, 3>,
-        cos: &Tensor<B, 4>,
-        sin: &Tensor<B, 4>,
-    ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+    pub fn qkv(&self, x: Tensor<B, 3>, rope: &RopeTables<B>) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
         let [batch, seq, _] = x.dims();
         let hd = self.head_dim;
         let heads = |t: Tensor<B, 3>, norm: Option<&RmsNorm<B>>, n: usize| {
@@ -75,7 +70,7 @@ impl<B: ModelBackend> Attention<B> {
         let q = heads(self.q_proj.forward(x.clone()), Some(&self.q_layernorm), self.num_heads);
         let k = heads(self.k_proj.forward(x.clone()), Some(&self.k_layernorm), self.num_kv_heads);
         let v = heads(self.v_proj.forward(x), None, self.num_kv_heads);
-        (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        (apply_rope(q, rope), apply_rope(k, rope), v)
     }
 
     /// `out_proj(softmax(q kᵀ / √d + mask) v)` over grouped kv heads.
@@ -84,14 +79,8 @@ impl<B: ModelBackend> Attention<B> {
     }
 
     /// Attention over the whole sequence, inside each document (the training and full-forward path).
-    pub fn forward(
-        &self,
-        x: Tensor<B, 3>,
-        cos: &Tensor<B, 4>,
-        sin: &Tensor<B, 4>,
-        docs: &DocumentAttention<B>,
-    ) -> Tensor<B, 3> {
-        let (q, k, v) = self.qkv(x, cos, sin);
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, docs: &DocumentAttention<B>) -> Tensor<B, 3> {
+        let (q, k, v) = self.qkv(x, rope);
         self.out_proj.forward(merge_heads(B::document_attention(q, k, v, docs)))
     }
 }
@@ -213,11 +202,11 @@ impl<B: ModelBackend> Lfm2Model<B> {
         // Everything the forward pass builds (RoPE tables, masks) follows the weights' dtype.
         let dtype = FloatDType::from(h.dtype());
         let needs_attention = self.layers.iter().any(|l| matches!(l.mixer, Mixer::Attention(_)));
-        let (cos, sin, docs) = if needs_attention {
-            let (cos, sin) = rope_tables::<B>(layout, self.head_dim, self.rope_theta, dtype, &device);
-            (Some(cos), Some(sin), Some(DocumentAttention::<B>::new(layout, &device)))
+        let (rope, docs) = if needs_attention {
+            let rope = RopeTables::<B>::new(layout, self.head_dim, self.head_dim, self.rope_theta, dtype, &device);
+            (Some(rope), Some(DocumentAttention::<B>::new(layout, &device)))
         } else {
-            (None, None, None)
+            (None, None)
         };
         let max_lag = self
             .layers
@@ -235,8 +224,7 @@ impl<B: ModelBackend> Lfm2Model<B> {
                 Mixer::Conv(conv) => conv.forward(x, &shifts),
                 Mixer::Attention(attn) => attn.forward(
                     x,
-                    cos.as_ref().expect("tables built for attention"),
-                    sin.as_ref().expect("tables built for attention"),
+                    rope.as_ref().expect("tables built for attention"),
                     docs.as_ref().expect("documents built for attention"),
                 ),
             };

@@ -13,8 +13,7 @@ use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{Qwen35Config, Qwen35LayerKind};
 use super::deltanet::{ChunkPlan, DocSegments, ScanInputs};
 use super::layers::{
-    ConvShifts, RmsNorm, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_partial_rope, head_logits, rope_tables,
-    softplus,
+    ConvShifts, RmsNorm, RopeTables, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_rope, head_logits, softplus,
 };
 use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
@@ -118,8 +117,7 @@ impl<B: ModelBackend> GatedAttention<B> {
     pub fn qkv_gate(
         &self,
         x: Tensor<B, 3>,
-        cos: &Tensor<B, 4>,
-        sin: &Tensor<B, 4>,
+        rope: &RopeTables<B>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 3>) {
         let [batch, seq, _] = x.dims();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -129,7 +127,7 @@ impl<B: ModelBackend> GatedAttention<B> {
         let gate = gate.reshape([batch, seq, nh * hd]);
         let k = self.k_norm.forward(self.k_proj.forward(x.clone()).reshape([batch, seq, nkv, hd])).swap_dims(1, 2);
         let v = self.v_proj.forward(x).reshape([batch, seq, nkv, hd]).swap_dims(1, 2);
-        (apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin), v, gate)
+        (apply_rope(q, rope), apply_rope(k, rope), v, gate)
     }
 
     pub fn attend(
@@ -144,14 +142,8 @@ impl<B: ModelBackend> GatedAttention<B> {
     }
 
     /// Attention over the whole sequence, inside each document (the training and full-forward path).
-    pub fn forward(
-        &self,
-        x: Tensor<B, 3>,
-        cos: &Tensor<B, 4>,
-        sin: &Tensor<B, 4>,
-        docs: &DocumentAttention<B>,
-    ) -> Tensor<B, 3> {
-        let (q, k, v, gate) = self.qkv_gate(x, cos, sin);
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, docs: &DocumentAttention<B>) -> Tensor<B, 3> {
+        let (q, k, v, gate) = self.qkv_gate(x, rope);
         self.o_proj.forward(merge_heads(B::document_attention(q, k, v, docs)) * sigmoid(gate))
     }
 }
@@ -210,6 +202,19 @@ impl<B: Backend> Qwen35Model<B> {
             .max()
             .unwrap_or(0)
     }
+
+    /// RoPE over the first `rotary_dim` dims of the full-attention heads.
+    pub(super) fn rope_tables(&self, layout: &SequenceLayout, dtype: FloatDType, device: &B::Device) -> RopeTables<B> {
+        let head_dim = self
+            .layers
+            .iter()
+            .find_map(|l| match &l.mixer {
+                Qwen35Mixer::Full(attn) => Some(attn.head_dim),
+                Qwen35Mixer::Linear(_) => None,
+            })
+            .unwrap_or(self.rotary_dim);
+        RopeTables::new(layout, head_dim, self.rotary_dim, self.rope_theta, dtype, device)
+    }
 }
 
 impl<B: ModelBackend> Qwen35Model<B> {
@@ -220,11 +225,10 @@ impl<B: ModelBackend> Qwen35Model<B> {
         // Everything the forward pass builds (RoPE tables, masks) follows the weights' dtype.
         let dtype = FloatDType::from(h.dtype());
         let needs_attention = self.layers.iter().any(|l| matches!(l.mixer, Qwen35Mixer::Full(_)));
-        let (cos, sin, docs) = if needs_attention {
-            let (cos, sin) = rope_tables::<B>(layout, self.rotary_dim, self.rope_theta, dtype, &device);
-            (Some(cos), Some(sin), Some(DocumentAttention::<B>::new(layout, &device)))
+        let (rope, docs) = if needs_attention {
+            (Some(self.rope_tables(layout, dtype, &device)), Some(DocumentAttention::<B>::new(layout, &device)))
         } else {
-            (None, None, None)
+            (None, None)
         };
         let shifts = ConvShifts::<B>::new(layout, self.max_conv_lag(), dtype, &device);
         let segments = DocSegments::from_doc_ids(layout.batch, layout.seq, layout.doc_ids.clone());
@@ -235,8 +239,7 @@ impl<B: ModelBackend> Qwen35Model<B> {
                 Qwen35Mixer::Linear(net) => net.forward(x, &shifts, &plan),
                 Qwen35Mixer::Full(attn) => attn.forward(
                     x,
-                    cos.as_ref().expect("tables built for attention"),
-                    sin.as_ref().expect("tables built for attention"),
+                    rope.as_ref().expect("tables built for attention"),
                     docs.as_ref().expect("documents built for attention"),
                 ),
             };
