@@ -186,9 +186,8 @@ impl<B: DeviceMemory, C: burn::backend::autodiff::checkpoint::strategy::Checkpoi
 }
 
 /// The CubeCL backends' allocator reserved bytes (one body per runtime for all its element types: burn does
-/// not export the element bounds a generic impl over `CubeBackend<R, F, I, B>` needs).
-#[cfg(any(feature = "cuda", feature = "vulkan"))]
-/// `total` (a closure of the runtime's client) gives the device's whole memory where the runtime says it.
+/// not export the element bounds a generic impl over `CubeBackend<R, F, I, B>` needs), and the device's whole
+/// memory where the runtime says it (`total`, a function of the runtime's client).
 #[cfg(any(feature = "cuda", feature = "vulkan"))]
 macro_rules! cubecl_device_memory {
     ($runtime:ty, $total:expr; $($backend:ty),*) => {$(
