@@ -361,6 +361,8 @@ struct ChunkForm<B: Backend> {
     to_end: Tensor<B, 4>,
     /// `U = T v_β`: the chunk's value corrections before the carried state is subtracted.
     new_values: Tensor<B, 5>,
+    /// `k_β ⊙ from_start`.
+    keys_from_start: Tensor<B, 5>,
     /// `W = T (k_β ⊙ from_start)`: how much of the carried state each correction subtracts.
     state_reads: Tensor<B, 5>,
     /// `q kᵀ`, and `intra = q kᵀ ⊙ decay`: the chunk's own contributions to its outputs.
@@ -437,7 +439,7 @@ fn chunk_form<B: Backend>(inputs: ScanInputs<B>, plan: &ChunkPlan<B>) -> ChunkFo
     let intra = scores.clone() * decay.clone();
     let inverse = unit_lower_inverse(lower, plan);
     let new_values = inverse.clone().matmul(v_beta.clone());
-    let state_reads = inverse.clone().matmul(keys_from_start);
+    let state_reads = inverse.clone().matmul(keys_from_start.clone());
     let chunk_decay = from_start.clone().narrow(3, size - 1, 1).reshape([batch, heads, chunks]);
     ChunkForm {
         q,
@@ -452,6 +454,7 @@ fn chunk_form<B: Backend>(inputs: ScanInputs<B>, plan: &ChunkPlan<B>) -> ChunkFo
         from_start,
         to_end,
         new_values,
+        keys_from_start,
         state_reads,
         scores,
         intra,
@@ -637,7 +640,6 @@ pub fn chunked_backward<B: ModelBackend>(
     // intra = (q kᵀ) ⊙ decay.
     let d_scores = d_intra.clone() * f.decay.clone();
     let d_decay_of_scores = d_intra * f.scores;
-    let keys_from_start = f.k_beta.clone() * along(&f.from_start);
     let d_q_of_scores = d_scores.clone().matmul(f.k.clone());
     let d_k_of_scores = d_scores.swap_dims(3, 4).matmul(f.q.clone());
     // new_values = T v_β, state_reads = T (k_β ⊙ from_start).
@@ -645,7 +647,7 @@ pub fn chunked_backward<B: ModelBackend>(
     let d_v_beta = inverse_t.clone().matmul(d_new_values.clone());
     let neg_d_keys_from_start = inverse_t.clone().matmul(neg_d_state_reads.clone());
     let d_inverse =
-        d_new_values.matmul(f.v_beta.swap_dims(3, 4)) - neg_d_state_reads.matmul(keys_from_start.swap_dims(3, 4));
+        d_new_values.matmul(f.v_beta.swap_dims(3, 4)) - neg_d_state_reads.matmul(f.keys_from_start.swap_dims(3, 4));
     // T = (I + L)⁻¹, L strictly lower: dL = −Tᵀ dT Tᵀ. L = (k_β kᵀ) ⊙ decay; decay = exp(cum_i − cum_j) (0
     // where blocked).
     let d_lower =

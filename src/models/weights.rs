@@ -80,18 +80,18 @@ const PARALLEL_FROM: usize = 1 << 22;
 const RANDOM_CHUNK: usize = 1 << 20;
 
 impl RandomInit {
-    /// `n` values of `init` from the generator seeded with `seed`.
-    fn draw(&self, init: Init, n: usize, seed: u64) -> Vec<f32> {
+    /// Fills `out` with values of `init` from the generator seeded with `seed`.
+    fn fill(&self, init: Init, out: &mut [f32], seed: u64) {
         use rand::{Rng, SeedableRng};
         use rand_distr::Distribution;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         match init {
-            Init::Constant(value) => vec![value; n],
-            Init::LogUniform(lo, hi) => (0..n).map(|_| rng.random_range(lo..hi).ln()).collect(),
+            Init::Constant(value) => out.fill(value),
+            Init::LogUniform(lo, hi) => out.iter_mut().for_each(|x| *x = rng.random_range(lo..hi).ln()),
             Init::Normal => {
                 let normal = rand_distr::Normal::new(0.0f32, self.std as f32)
                     .unwrap_or_else(|_| rand_distr::Normal::new(0.0, 0.02).expect("valid"));
-                (0..n).map(|_| normal.sample(&mut rng)).collect()
+                out.iter_mut().for_each(|x| *x = normal.sample(&mut rng));
             }
         }
     }
@@ -104,18 +104,15 @@ impl TensorSource for RandomInit {
         let digest = crate::hub::sha256_bytes(format!("{}:{key}", self.seed).as_bytes());
         let seed = u64::from_str_radix(&digest[..16], 16).unwrap_or(self.seed);
         let init = (self.rule)(key);
-        let data = if n < PARALLEL_FROM {
-            self.draw(init, n, seed)
+        let mut data = vec![0.0f32; n];
+        if n < PARALLEL_FROM {
+            self.fill(init, &mut data, seed);
         } else {
-            let chunks: Vec<Vec<f32>> = (0..n.div_ceil(RANDOM_CHUNK))
-                .into_par_iter()
-                .map(|c| {
-                    let len = RANDOM_CHUNK.min(n - c * RANDOM_CHUNK);
-                    self.draw(init, len, seed ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15))
-                })
-                .collect();
-            chunks.concat()
-        };
+            // Each piece written in place (no per-piece buffers to concatenate: twice the tensor's memory).
+            data.par_chunks_mut(RANDOM_CHUNK).enumerate().for_each(|(c, piece)| {
+                self.fill(init, piece, seed ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            });
+        }
         HostTensor { shape: shape.to_vec(), data }
     }
 

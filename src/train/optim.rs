@@ -76,7 +76,6 @@ impl<B: Backend> Moment<B> {
     /// or for 8-bit moments the code indices (`<name>.q8`) and block scales (`<name>.absmax`), which restore
     /// the moment exactly.
     fn to_host(&self, name: &str) -> Vec<(String, HostTensor)> {
-        let flat = |data: Vec<f32>| HostTensor { shape: vec![data.len()], data };
         match self {
             Moment::Dense(t) => vec![(name.to_string(), flat_host::<B>(t))],
             Moment::Blocks(blocks) => {
@@ -146,7 +145,11 @@ fn primitive<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> B::FloatTensor
 /// A stored state tensor's values as a flat f32 host tensor (for a training-state file).
 fn flat_host<B: Backend>(t: &B::FloatTensorPrimitive) -> HostTensor {
     let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t.clone()));
-    let data = t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+    flat(t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default())
+}
+
+/// `data` as a one-dimensional host tensor.
+fn flat(data: Vec<f32>) -> HostTensor {
     HostTensor { shape: vec![data.len()], data }
 }
 
