@@ -124,6 +124,16 @@ pub fn scan_kernel() -> Result<bool, String> {
     switch(SCAN_KERNEL_ENV)
 }
 
+/// The environment variable that runs the attention's softmax rows as tensor ops instead of kiln's CubeCL
+/// kernels (`off`/`0`/`false`; `on` is the default).
+pub const ATTENTION_KERNEL_ENV: &str = "KILN_ATTENTION_KERNEL";
+
+/// Whether the CubeCL backends run the attention's softmax rows as kiln's kernels, from
+/// `KILN_ATTENTION_KERNEL`; malformed values are an error (`main` checks before any command runs).
+pub fn attention_kernel() -> Result<bool, String> {
+    switch(ATTENTION_KERNEL_ENV)
+}
+
 /// An on/off switch from the environment: on when unset.
 fn switch(name: &str) -> Result<bool, String> {
     std::env::var_os(name).map_or(Ok(true), |value| parse_switch(name, &value.to_string_lossy()))
@@ -221,7 +231,8 @@ cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused
 // CubeCL backends (and the CPU in other dtypes) use the chunked tensor ops (the trait's defaults); their
 // autodiff wrappers record each with its backward (`models::attention`, `models::deltanet`).
 // The CubeCL backends run the DeltaNet scan across chunks as one kernel (`models::scan_kernel`) unless
-// `KILN_SCAN_KERNEL=off`.
+// `KILN_SCAN_KERNEL=off`, and the attention's softmax rows as kernels (`models::attention_kernel`) unless
+// `KILN_ATTENTION_KERNEL=off`.
 impl ModelBackend for Flex {
     fn attention_forward(
         q: Tensor<Self, 4>,
@@ -294,6 +305,36 @@ impl ModelBackend for Flex {
 macro_rules! cubecl_model_backend {
     ($backend:ty) => {
         impl ModelBackend for $backend {
+            fn attention_probs(
+                scores: Tensor<Self, 4>,
+                docs: &DocumentAttention<Self>,
+                rows: crate::models::attention::ChunkRows,
+            ) -> [Tensor<Self, 4>; 2] {
+                if attention_kernel_enabled() {
+                    crate::models::attention_kernel::attention_probs(scores, docs, rows)
+                } else {
+                    let (probs, lse) = crate::models::attention::softmax_rows(scores, docs, rows);
+                    [probs, lse]
+                }
+            }
+
+            fn attention_score_grads(
+                scores: Tensor<Self, 4>,
+                grad_probs: Tensor<Self, 4>,
+                lse: Tensor<Self, 4>,
+                delta: Tensor<Self, 4>,
+                docs: &DocumentAttention<Self>,
+                rows: crate::models::attention::ChunkRows,
+            ) -> [Tensor<Self, 4>; 2] {
+                if attention_kernel_enabled() {
+                    crate::models::attention_kernel::attention_score_grads([scores, grad_probs, lse, delta], docs, rows)
+                } else {
+                    let (probs, grads) =
+                        crate::models::attention::score_grads(scores, grad_probs, lse, delta, docs, rows);
+                    [probs, grads]
+                }
+            }
+
             fn chunk_recurrence(
                 rec: crate::models::deltanet::ChunkRecurrence<Self>,
             ) -> crate::models::deltanet::RecurrenceOut<Self> {
@@ -324,7 +365,17 @@ cubecl_model_backend!(VkHalfUnfused);
 /// `scan_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
 pub fn scan_kernel_enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| scan_kernel().unwrap_or(true))
+    switch_once(&ENABLED, SCAN_KERNEL_ENV)
+}
+
+/// `attention_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
+pub fn attention_kernel_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    switch_once(&ENABLED, ATTENTION_KERNEL_ENV)
+}
+
+fn switch_once(cell: &std::sync::OnceLock<bool>, name: &str) -> bool {
+    *cell.get_or_init(|| switch(name).unwrap_or(true))
 }
 
 /// Host values as a tensor created in `dtype`. burn's `from_data` without a dtype converts to the device's

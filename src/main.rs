@@ -568,6 +568,7 @@ fn run(cli: Cli) -> Result<()> {
     // could run them here (`info` reports it).
     if !matches!(cli.command, Command::Info) {
         kiln::backend::scan_kernel().map_err(anyhow::Error::msg)?;
+        kiln::backend::attention_kernel().map_err(anyhow::Error::msg)?;
     }
     match cli.command {
         Command::Pull(args) => pull(args, &cli.datasets_dir, cli.quiet),
@@ -805,6 +806,8 @@ fn info() -> Result<()> {
         },
         "cuda_fusion": kiln::backend::cuda_fusion().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "scan_kernel": kiln::backend::scan_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
+        "attention_kernel": kiln::backend::attention_kernel()
+            .map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "hub": {
             "endpoint": config.endpoint,
             "cache_dir": config.cache_dir,

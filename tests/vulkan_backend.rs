@@ -3,8 +3,8 @@
 //! the same fusion and the same kernels with another compiler under them, so a model, an op, a trainer step
 //! or the kernel profiler that goes wrong on a fused CubeCL backend shows here before any GPU session:
 //! the architectures against transformers (logits and gradients), the trainer against PyTorch's AdamW run,
-//! resume, every tiny shape's training steps against the CPU's, kiln's own CubeCL kernel (the DeltaNet scan)
-//! against the tensor ops it replaces, and the per-kernel profile that tests/bench/gpu_session.sh takes on
+//! resume, every tiny shape's training steps against the CPU's, kiln's own CubeCL kernels (the DeltaNet scan,
+//! the attention's softmax rows) against the tensor ops they replace, and the per-kernel profile that tests/bench/gpu_session.sh takes on
 //! the GPU.
 //! Built with `--features vulkan` (`make test` adds it where a Vulkan driver is installed; .ci/run installs
 //! lavapipe).
@@ -15,11 +15,14 @@ mod common;
 use std::path::PathBuf;
 
 use burn::tensor::FloatDType;
+use burn::tensor::Tensor;
 use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
 use kiln::backend::{Cpu, Vk, VkTrain};
+use kiln::models::attention::{ChunkRows, score_grads, softmax_rows};
+use kiln::models::attention_kernel;
 use kiln::models::deltanet::{ChunkRecurrence, Direction, recurrence_by_chunk};
 use kiln::models::hf::hf_gradients;
-use kiln::models::{CausalLm, ModelBackend, SequenceLayout, load_model};
+use kiln::models::{CausalLm, DocumentAttention, ModelBackend, SequenceLayout, load_model};
 use kiln::train::schedule::Decay;
 use kiln::train::{Precision, TrainConfig};
 
@@ -193,6 +196,73 @@ fn the_scan_kernel_equals_the_chunk_by_chunk_scan() {
                     device_err <= 1e-5 * scale && cpu_err <= 1e-5 * scale,
                     "{dims:?} {direction:?} {name}: off by {device_err} (device tensor ops), {cpu_err} (CPU)"
                 );
+            }
+        }
+    }
+}
+
+/// One attention chunk's inputs for the softmax-row kernels: unscaled scores and `dP`
+/// `[batch, kv_heads, group · len, keys]`, per-row log-sum-exp and `δ` `[.., 1]` in f32, in `dtype`.
+fn chunk_rows_inputs<B: ModelBackend>(
+    [batch, kv_heads, group]: [usize; 3],
+    rows: ChunkRows,
+    dtype: FloatDType,
+    device: &B::Device,
+) -> [Tensor<B, 4>; 4] {
+    let (len, keys) = (rows.len, rows.keys());
+    let tensor = |seed, shape: [usize; 4], lo, hi, dtype| {
+        let values = spread(shape.iter().product(), seed, lo, hi);
+        kiln::backend::host_tensor::<B, 1>(values, [shape.iter().product()], dtype, device).reshape(shape)
+    };
+    let scores = tensor(11, [batch, kv_heads, group * len, keys], -6.0, 6.0, dtype);
+    let grad_probs = tensor(12, [batch, kv_heads, group * len, keys], -1.0, 1.0, dtype);
+    // A log-sum-exp at or above each row's largest scaled score, as the forward pass leaves it.
+    let lse = tensor(13, [batch, kv_heads, group * len, 1], 1.0, 3.0, FloatDType::F32) + 6.0 * rows.scale;
+    let delta = tensor(14, [batch, kv_heads, group * len, 1], -0.5, 0.5, FloatDType::F32);
+    [scores, grad_probs, lse, delta]
+}
+
+/// kiln's attention kernels (`models::attention_kernel`, what `attention_probs` and `attention_score_grads`
+/// run on the device) against the tensor ops they replace, in f32 and f16: packed documents with padding,
+/// chunks that start mid-sequence and skip keys before `first`, rows longer than a cube's units, and more
+/// rows than one grid dimension holds (they wrap onto a second).
+#[test]
+fn the_attention_kernels_equal_the_tensor_op_softmax_rows() {
+    // Document lengths per batch row, sequence, [batch, kv heads, group], the chunk.
+    type Case<'a> = (&'a [Vec<u32>], usize, [usize; 3], ChunkRows);
+    let cases: [Case; 4] = [
+        (&[vec![3, 5, 2], vec![9, 3]], 12, [2, 2, 2], ChunkRows { start: 0, len: 12, first: 0, scale: 0.35 }),
+        (&[vec![3, 5, 2], vec![9, 3]], 12, [2, 2, 2], ChunkRows { start: 9, len: 3, first: 8, scale: 0.35 }),
+        (&[vec![150, 200]], 350, [1, 2, 3], ChunkRows { start: 200, len: 150, first: 150, scale: 0.125 }),
+        (&[vec![40, 30]], 70, [1, 1, 1024], ChunkRows { start: 0, len: 70, first: 0, scale: 0.25 }),
+    ];
+    let device = Default::default();
+    for (docs, seq, heads, rows) in cases {
+        let layout = SequenceLayout::from_doc_lengths(docs, seq);
+        for dtype in [FloatDType::F32, FloatDType::F16] {
+            // f16 results are rounded to f16 (2⁻¹¹ relative) on both sides, at different points.
+            let tolerance = if dtype == FloatDType::F32 { 2e-6 } else { 2e-3 };
+            let attention = DocumentAttention::<Vk>::new(&layout, &device);
+            let [scores, grad_probs, lse, delta] = chunk_rows_inputs::<Vk>(heads, rows, dtype, &device);
+            let kernel = attention_kernel::attention_probs(scores.clone(), &attention, rows);
+            let (probs, log_sum) = softmax_rows(scores.clone(), &attention, rows);
+            let inputs = [scores.clone(), grad_probs.clone(), lse.clone(), delta.clone()];
+            let kernel_grads = attention_kernel::attention_score_grads(inputs, &attention, rows);
+            let (grad_p, grad_s) = score_grads(scores, grad_probs, lse, delta, &attention, rows);
+            let [kernel_probs, kernel_lse] = kernel;
+            let [kernel_grad_p, kernel_grad_s] = kernel_grads;
+            let parts = [
+                ("probs", kernel_probs, probs),
+                ("lse", kernel_lse, log_sum),
+                ("backward probs", kernel_grad_p, grad_p),
+                ("score grads", kernel_grad_s, grad_s),
+            ];
+            for (name, kernel, ops) in parts {
+                let (kernel, ops) = (values(kernel), values(ops));
+                let scale = ops.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+                let err = max_abs_diff(&kernel, &ops);
+                eprintln!("{heads:?} {rows:?} {dtype:?} {name}: {err:.2e} (scale {scale:.2})");
+                assert!(err <= tolerance * scale, "{heads:?} {rows:?} {dtype:?} {name}: off by {err}");
             }
         }
     }

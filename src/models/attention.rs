@@ -79,6 +79,11 @@ impl<B: Backend> DocumentAttention<B> {
         }
     }
 
+    /// The `[batch, seq]` document ids on the device: a query sees the keys of its own document up to itself.
+    pub fn ids(&self) -> &Tensor<B, 2, Int> {
+        &self.docs
+    }
+
     /// Per query (`[batch * seq]`, row-major), the first key it may attend to: its document's first token.
     pub fn query_starts(&self) -> &[usize] {
         &self.starts
@@ -158,37 +163,98 @@ fn grouped_queries<B: Backend>(q: Tensor<B, 4>, kv_heads: usize) -> Tensor<B, 5>
     q.reshape([batch, kv_heads, heads / kv_heads, seq, d])
 }
 
+/// Which queries and keys one chunk's score rows cover: queries `start..start + len` (of each batch row, kv
+/// head and query head of its group), keys `first..start + len`, and the scale `1/√d` of their scores.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ChunkRows {
+    pub start: usize,
+    pub len: usize,
+    pub first: usize,
+    pub scale: f64,
+}
+
+impl ChunkRows {
+    fn new((start, len, first): (usize, usize, usize), d: usize) -> Self {
+        ChunkRows { start, len, first, scale: 1.0 / (d as f64).sqrt() }
+    }
+
+    /// Keys per score row.
+    pub fn keys(&self) -> usize {
+        self.start + self.len - self.first
+    }
+}
+
 /// One chunk's queries `[batch, kv_heads, group · len, d]`, keys and values `[batch, kv_heads, keys, d]`,
-/// and its scaled, masked scores in f32 `[batch, kv_heads, group, len, keys]`.
+/// and its unscaled scores `q kᵀ` in the inputs' dtype `[batch, kv_heads, group · len, keys]`.
 struct Chunk<B: Backend> {
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
-    scores: Tensor<B, 5>,
+    scores: Tensor<B, 4>,
 }
 
 impl<B: Backend> Chunk<B> {
-    fn new(
-        q5: &Tensor<B, 5>,
-        k: &Tensor<B, 4>,
-        v: &Tensor<B, 4>,
-        docs: &DocumentAttention<B>,
-        (start, len, first): (usize, usize, usize),
-    ) -> Self {
+    fn new(q5: &Tensor<B, 5>, k: &Tensor<B, 4>, v: &Tensor<B, 4>, rows: ChunkRows) -> Self {
         let [batch, kv_heads, group, _, d] = q5.dims();
-        let keys = start + len - first;
+        let ChunkRows { start, len, first, .. } = rows;
         let q = q5.clone().narrow(3, start, len).reshape([batch, kv_heads, group * len, d]);
-        let k = k.clone().narrow(2, first, keys);
-        let v = v.clone().narrow(2, first, keys);
-        let mask = docs.chunk_mask(start, len, first, keys).reshape([batch, 1, 1, len, keys]);
-        let scores = q.clone().matmul(k.clone().swap_dims(2, 3)).cast(FloatDType::F32) * (1.0 / (d as f64).sqrt());
-        let scores = scores.reshape([batch, kv_heads, group, len, keys]) + mask;
+        let k = k.clone().narrow(2, first, rows.keys());
+        let v = v.clone().narrow(2, first, rows.keys());
+        let scores = q.clone().matmul(k.clone().swap_dims(2, 3));
         Chunk { q, k, v, scores }
     }
 }
 
-/// The exact attention of `ModelBackend::document_attention`, chunk by chunk, on any backend.
-pub fn chunked_attention<B: Backend>(
+/// A chunk's scaled, masked scores in f32 `[batch, kv_heads, group, len, keys]` from its unscaled ones.
+fn masked_scores<B: Backend>(scores: Tensor<B, 4>, docs: &DocumentAttention<B>, rows: ChunkRows) -> Tensor<B, 5> {
+    let [batch, kv_heads, group_len, keys] = scores.dims();
+    let ChunkRows { start, len, first, scale } = rows;
+    let mask = docs.chunk_mask(start, len, first, keys).reshape([batch, 1, 1, len, keys]);
+    (scores.cast(FloatDType::F32) * scale).reshape([batch, kv_heads, group_len / len, len, keys]) + mask
+}
+
+/// `ModelBackend::attention_probs` as tensor ops: the softmax of each score row over the keys its query may
+/// see, in the scores' dtype, and its log-sum-exp `[batch, kv_heads, group · len, 1]` in f32.
+pub fn softmax_rows<B: Backend>(
+    scores: Tensor<B, 4>,
+    docs: &DocumentAttention<B>,
+    rows: ChunkRows,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let shape = scores.dims();
+    let dtype = FloatDType::from(scores.dtype());
+    let masked = masked_scores(scores, docs, rows);
+    let max = masked.clone().max_dim(4);
+    let exp = (masked - max.clone()).exp();
+    let sum = exp.clone().sum_dim(4);
+    let probs = (exp / sum.clone()).cast(dtype).reshape(shape);
+    (probs, (max + sum.log()).reshape([shape[0], shape[1], shape[2], 1]))
+}
+
+/// `ModelBackend::attention_score_grads` as tensor ops: from a chunk's unscaled scores `S`, the gradient
+/// `dP = dO Vᵀ` of its probabilities, and per row the log-sum-exp and `δ = rowsum(dO ⊙ O)` (`[.., 1]`, f32),
+/// the probabilities `P = exp(S/√d − lse)` (0 where masked) and the scores' gradient `P ⊙ (dP − δ) / √d`,
+/// both in the scores' dtype.
+pub fn score_grads<B: Backend>(
+    scores: Tensor<B, 4>,
+    grad_probs: Tensor<B, 4>,
+    lse: Tensor<B, 4>,
+    delta: Tensor<B, 4>,
+    docs: &DocumentAttention<B>,
+    rows: ChunkRows,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let shape = scores.dims();
+    let [batch, kv_heads, group_len, keys] = shape;
+    let dtype = FloatDType::from(scores.dtype());
+    let five = |t: Tensor<B, 4>, width| t.reshape([batch, kv_heads, group_len / rows.len, rows.len, width]);
+    let probs = (masked_scores(scores, docs, rows) - five(lse, 1)).exp();
+    let grad_probs = five(grad_probs.cast(FloatDType::F32), keys);
+    let grad_scores = (probs.clone() * (grad_probs - five(delta, 1))) * rows.scale;
+    (probs.cast(dtype).reshape(shape), grad_scores.cast(dtype).reshape(shape))
+}
+
+/// The exact attention of `ModelBackend::document_attention`, chunk by chunk, on any backend: the matmuls
+/// as tensor ops, each chunk's softmax rows by the backend (`ModelBackend::attention_probs`).
+pub fn chunked_attention<B: ModelBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -196,29 +262,25 @@ pub fn chunked_attention<B: Backend>(
 ) -> AttentionForward<B> {
     let [batch, heads, seq, d] = q.dims();
     let kv_heads = k.dims()[1];
-    let dtype = FloatDType::from(q.dtype());
     let q5 = grouped_queries(q, kv_heads);
     let group = heads / kv_heads;
     let mut outs = Vec::new();
     let mut lses = Vec::new();
     for chunk in docs.chunks(heads) {
-        let len = chunk.1;
-        let Chunk { v, scores, .. } = Chunk::new(&q5, &k, &v, docs, chunk);
-        let keys = scores.dims()[4];
-        let max = scores.clone().max_dim(4);
-        let exp = (scores - max.clone()).exp();
-        let sum = exp.clone().sum_dim(4);
-        let probs = (exp / sum.clone()).cast(dtype).reshape([batch, kv_heads, group * len, keys]);
-        outs.push(probs.matmul(v).reshape([batch, kv_heads, group, len, d]));
-        lses.push(max + sum.log());
+        let rows = ChunkRows::new(chunk, d);
+        let Chunk { v, scores, .. } = Chunk::new(&q5, &k, &v, rows);
+        let [probs, lse] = B::attention_probs(scores, docs, rows);
+        outs.push(probs.matmul(v).reshape([batch, kv_heads, group, rows.len, d]));
+        lses.push(lse.reshape([batch, kv_heads, group, rows.len, 1]));
     }
     AttentionForward { out: Tensor::cat(outs, 3).reshape([batch, heads, seq, d]), lse: Tensor::cat(lses, 3) }
 }
 
 /// Gradients of `chunked_attention` with respect to q, k and v (in their dtypes) for the output gradient
 /// `grad_out`, from the saved output and log-sum-exp: per chunk `P = exp(S − lse)`, `dV += Pᵀ dO`,
-/// `dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)) / √d`, `dQ = dS K`, `dK += dSᵀ Q` (dK, dV summed in f32).
-pub fn chunked_attention_backward<B: Backend>(
+/// `dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)) / √d` (`ModelBackend::attention_score_grads`), `dQ = dS K`,
+/// `dK += dSᵀ Q` (dK, dV summed in f32).
+pub fn chunked_attention_backward<B: ModelBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -239,22 +301,20 @@ pub fn chunked_attention_backward<B: Backend>(
     let (mut grad_k, mut grad_v) = (zeros(), zeros());
     let mut grad_q = Vec::new();
     for chunk in docs.chunks(heads) {
-        let (start, len, first) = chunk;
-        let Chunk { q, k, v, scores } = Chunk::new(&q5, &k, &v, docs, chunk);
-        let keys = scores.dims()[4];
-        let probs = (scores - forward.lse.clone().narrow(3, start, len)).exp();
+        let rows = ChunkRows::new(chunk, d);
+        let ChunkRows { start, len, first, .. } = rows;
+        let Chunk { q, k, v, scores } = Chunk::new(&q5, &k, &v, rows);
+        let per_row = |t: &Tensor<B, 5>| t.clone().narrow(3, start, len).reshape([batch, kv_heads, group * len, 1]);
         let grad_o = grad_out.clone().narrow(3, start, len).reshape([batch, kv_heads, group * len, d]);
-        let probs_low = probs.clone().cast(dtype).reshape([batch, kv_heads, group * len, keys]);
-        let part_v = probs_low.swap_dims(2, 3).matmul(grad_o.clone());
-        let grad_p =
-            grad_o.matmul(v.swap_dims(2, 3)).cast(FloatDType::F32).reshape([batch, kv_heads, group, len, keys]);
-        let grad_s = (probs * (grad_p - delta.clone().narrow(3, start, len))) * (1.0 / (d as f64).sqrt());
-        let grad_s = grad_s.cast(dtype).reshape([batch, kv_heads, group * len, keys]);
+        let grad_probs = grad_o.clone().matmul(v.swap_dims(2, 3));
+        let [probs, grad_s] =
+            B::attention_score_grads(scores, grad_probs, per_row(&forward.lse), per_row(&delta), docs, rows);
+        let part_v = probs.swap_dims(2, 3).matmul(grad_o);
         grad_q.push(grad_s.clone().matmul(k).reshape([batch, kv_heads, group, len, d]));
         let part_k = grad_s.swap_dims(2, 3).matmul(q);
-        let rows = [0..batch, 0..kv_heads, first..start + len, 0..d];
-        grad_k = grad_k.clone().slice_assign(rows.clone(), grad_k.slice(rows.clone()) + part_k.cast(FloatDType::F32));
-        grad_v = grad_v.clone().slice_assign(rows.clone(), grad_v.slice(rows) + part_v.cast(FloatDType::F32));
+        let keys = [0..batch, 0..kv_heads, first..start + len, 0..d];
+        grad_k = grad_k.clone().slice_assign(keys.clone(), grad_k.slice(keys.clone()) + part_k.cast(FloatDType::F32));
+        grad_v = grad_v.clone().slice_assign(keys.clone(), grad_v.slice(keys) + part_v.cast(FloatDType::F32));
     }
     let grad_q = Tensor::cat(grad_q, 3).reshape([batch, heads, seq, d]);
     (grad_q, grad_k.cast(dtype), grad_v.cast(dtype))

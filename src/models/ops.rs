@@ -31,8 +31,8 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 
 use super::attention::{
-    AttentionForward, DocumentAttention, chunked_attention, chunked_attention_backward, softmax_attention,
-    tracked_document_attention,
+    AttentionForward, ChunkRows, DocumentAttention, chunked_attention, chunked_attention_backward, score_grads,
+    softmax_attention, softmax_rows, tracked_document_attention,
 };
 use super::deltanet::{
     self, ChunkPlan, ChunkRecurrence, ChunkedScan, RecurrenceOut, ScanInputs, tracked_gated_delta_rule,
@@ -104,6 +104,33 @@ pub trait ModelBackend: Backend {
         grad_out: Tensor<Self, 4>,
     ) -> (Tensor<Self, 4>, Tensor<Self, 4>, Tensor<Self, 4>) {
         chunked_attention_backward(q, k, v, docs, forward, grad_out)
+    }
+
+    /// One attention chunk's probabilities and log-sum-exp from its unscaled scores `q kᵀ`
+    /// `[batch, kv_heads, group · len, keys]`: the softmax of `S/√d` over the keys each query may see, in the
+    /// scores' dtype, and `[.., 1]` in f32 (`attention::softmax_rows`; the CubeCL backends run one kernel,
+    /// `models::attention_kernel`).
+    fn attention_probs(
+        scores: Tensor<Self, 4>,
+        docs: &DocumentAttention<Self>,
+        rows: ChunkRows,
+    ) -> [Tensor<Self, 4>; 2] {
+        let (probs, lse) = softmax_rows(scores, docs, rows);
+        [probs, lse]
+    }
+
+    /// The backward pass's probabilities and score gradients of one attention chunk
+    /// (`attention::score_grads`; the CubeCL backends run one kernel, `models::attention_kernel`).
+    fn attention_score_grads(
+        scores: Tensor<Self, 4>,
+        grad_probs: Tensor<Self, 4>,
+        lse: Tensor<Self, 4>,
+        delta: Tensor<Self, 4>,
+        docs: &DocumentAttention<Self>,
+        rows: ChunkRows,
+    ) -> [Tensor<Self, 4>; 2] {
+        let (probs, grad_scores) = score_grads(scores, grad_probs, lse, delta, docs, rows);
+        [probs, grad_scores]
     }
 
     /// SwiGLU's gate `silu(gate) · up`, in the inputs' dtype.

@@ -78,6 +78,10 @@ pub struct BenchResult {
     /// Whether the DeltaNet scan ran as kiln's kernel (kiln on a CubeCL device only: `KILN_SCAN_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scan_kernel: Option<bool>,
+    /// Whether the attention's softmax rows ran as kiln's kernels (kiln on a CubeCL device only:
+    /// `KILN_ATTENTION_KERNEL`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_kernel: Option<bool>,
     pub tokens_per_step: u64,
     pub warmup: usize,
     /// Wall seconds of each timed step (the device synchronized at its end).
@@ -176,6 +180,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         reference_ops: reference_ops(),
         fusion: (device_name == "cuda").then(|| crate::backend::cuda_fusion().unwrap_or(true)),
         scan_kernel: (device_name != "cpu").then(crate::backend::scan_kernel_enabled),
+        attention_kernel: (device_name != "cpu").then(crate::backend::attention_kernel_enabled),
         moments: Some(cfg.moments),
         activation_checkpointing: cfg.activation_checkpointing,
         state_memory_bytes: Some(state_memory_bytes),

@@ -135,6 +135,7 @@ def table(files) -> str:
         framework = r["framework"] + (" (reference ops)" if r.get("reference_ops") else "") \
             + (" (unfused)" if r.get("fusion") is False else "") \
             + (" (no scan kernel)" if r.get("scan_kernel") is False else "") \
+            + (" (no attention kernels)" if r.get("attention_kernel") is False else "") \
             + (" (checkpointed)" if r.get("activation_checkpointing") else "") \
             + (f" ({r['moments']} moments)" if r.get("moments", "f32") != "f32" else "")
         lines.append(f"| {shape} | {framework} | {r['precision']} | {r['params'] / 1e6:.1f} | "

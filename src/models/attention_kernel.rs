@@ -1,0 +1,418 @@
+//! The softmax rows of the chunked attention (`attention::chunked_attention`) as CubeCL kernels, for burn's
+//! CubeCL backends (CUDA, Vulkan) with and without burn-fusion; the matmuls around them stay burn's.
+//!
+//! As tensor ops, a chunk's scores `[batch, kv_heads, group · len, keys]` pass through device memory about
+//! a dozen times per step in f32: cast and scale, the additive document mask, the max, `exp`, the sum, the
+//! probabilities, then again in the backward pass (burn's reductions do not fuse a broadcast operand, so each
+//! intermediate is written out). At sequence 4096 that is a gigabyte per attention layer and pass. Here the
+//! forward reads each row of `q kᵀ` once in the inputs' dtype and writes its probabilities and log-sum-exp;
+//! the backward reads `q kᵀ` and `dO Vᵀ` once and writes the probabilities and the scores' gradient. The mask
+//! is not a tensor: a key is seen when it is not in the query's future and carries the query's document id.
+//!
+//! One cube per score row; its units stride over the keys. `attention::softmax_rows` and
+//! `attention::score_grads` are the references they are tested against (tests/vulkan_backend.rs).
+
+// cubecl's prelude has its own `Tensor` (a kernel argument): burn's is `BurnTensor` here.
+use burn::tensor::Tensor as BurnTensor;
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{DType, Shape, TensorMetadata, TensorPrimitive};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+use cubecl::prelude::*;
+
+use super::attention::{ChunkRows, DocumentAttention};
+
+/// Units per cube (one score row): a power of two, for the tree reduction.
+const UNITS: u32 = 128;
+/// The running maximum's start: below any score, and finite, so no `inf − inf` arises.
+const LOWEST: f32 = -3.0e38;
+
+/// Where a cube's score row sits: its index among `rows`, the offset of its batch row in the document ids,
+/// its query's position, and the last key index it may see (its own position; later keys are future).
+#[derive(CubeType)]
+struct RowPlace {
+    row: usize,
+    batch_offset: usize,
+    query: usize,
+    last_key: usize,
+}
+
+/// The row of cube `(CUBE_POS_X, CUBE_POS_Y)` in a chunk of `len` queries starting at `start`, keys from
+/// `first`, `rows_per_batch` rows per batch row (kv heads × group × len) in sequences of `seq` tokens.
+#[cube]
+fn row_place(len: u32, rows_per_batch: u32, seq: u32, start: u32, first: u32) -> RowPlace {
+    let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    let query = start as usize + row % len as usize;
+    RowPlace {
+        row,
+        batch_offset: row / rows_per_batch as usize * seq as usize,
+        query,
+        last_key: query - first as usize,
+    }
+}
+
+/// Whether key index `key` (position `first + key`) is one the row's query sees: not in its future (the
+/// caller's bound) and of the query's document.
+#[cube]
+fn same_document<I: Numeric>(docs: &Tensor<I>, place: &RowPlace, first: u32, key: usize) -> bool {
+    docs[place.batch_offset + first as usize + key] == docs[place.batch_offset + place.query]
+}
+
+/// Forward: `probs[row, j] = exp(S[row, j]·scale − lse[row])` over the keys the row's query sees (0
+/// elsewhere), `lse[row] = log Σ exp(S·scale)` over them, in f32 from `scores` in `F`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn softmax_rows_kernel<F: Float, I: Numeric>(
+    scores: &Tensor<F>,
+    docs: &Tensor<I>,
+    probs: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    rows: u32,
+    keys: u32,
+    len: u32,
+    rows_per_batch: u32,
+    seq: u32,
+    start: u32,
+    first: u32,
+    scale: f32,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let place = row_place(len, rows_per_batch, seq, start, first);
+    // Whole cubes leave: the row is the cube's, so no unit waits at a barrier another has left.
+    if place.row >= rows as usize {
+        terminate!();
+    }
+    let unit = UNIT_POS_X as usize;
+    let units = CUBE_DIM_X as usize;
+    let base = place.row * keys as usize;
+
+    // Each unit's running maximum and sum of exponentials over its keys (online softmax).
+    let mut max = f32::new(LOWEST);
+    let mut sum = 0.0f32;
+    let mut key = unit;
+    while key <= place.last_key {
+        if same_document::<I>(docs, &place, first, key) {
+            let x = f32::cast_from(scores[base + key]) * scale;
+            if x > max {
+                sum = sum * (max - x).exp() + 1.0;
+                max = x;
+            } else {
+                sum += (x - max).exp();
+            }
+        }
+        key += units;
+    }
+
+    // The cube's maximum and sum, by halving.
+    let mut maxes = SharedMemory::<f32>::new(UNITS as usize);
+    let mut sums = SharedMemory::<f32>::new(UNITS as usize);
+    maxes[unit] = max;
+    sums[unit] = sum;
+    sync_cube();
+    let mut stride = units / 2;
+    while stride > 0 {
+        if unit < stride {
+            let a = maxes[unit];
+            let b = maxes[unit + stride];
+            let mut top = b;
+            if a > b {
+                top = a;
+            }
+            sums[unit] = sums[unit] * (a - top).exp() + sums[unit + stride] * (b - top).exp();
+            maxes[unit] = top;
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    let log_sum = maxes[0] + sums[0].ln();
+    if unit == 0 {
+        lse[place.row] = log_sum;
+    }
+
+    let mut key = unit;
+    while key < keys as usize {
+        let mut p = 0.0f32;
+        // `key < keys` keeps the document id read in bounds whether or not `&&` short-circuits here.
+        if key <= place.last_key && same_document::<I>(docs, &place, first, key) {
+            p = (f32::cast_from(scores[base + key]) * scale - log_sum).exp();
+        }
+        probs[base + key] = F::cast_from(p);
+        key += units;
+    }
+}
+
+/// Backward: `probs = exp(S·scale − lse)` (0 where unseen) and `grad_scores = probs · (dP − δ) · scale`, per
+/// element in f32, written in `F`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn score_grads_kernel<F: Float, I: Numeric>(
+    scores: &Tensor<F>,
+    grad_probs: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    docs: &Tensor<I>,
+    probs: &mut Tensor<F>,
+    grad_scores: &mut Tensor<F>,
+    rows: u32,
+    keys: u32,
+    len: u32,
+    rows_per_batch: u32,
+    seq: u32,
+    start: u32,
+    first: u32,
+    scale: f32,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let place = row_place(len, rows_per_batch, seq, start, first);
+    if place.row >= rows as usize {
+        terminate!();
+    }
+    let base = place.row * keys as usize;
+    let log_sum = lse[place.row];
+    let row_delta = delta[place.row];
+    let mut key = UNIT_POS_X as usize;
+    while key < keys as usize {
+        let at = base + key;
+        let mut p = 0.0f32;
+        // `key < keys` keeps the document id read in bounds whether or not `&&` short-circuits here.
+        if key <= place.last_key && same_document::<I>(docs, &place, first, key) {
+            p = (f32::cast_from(scores[at]) * scale - log_sum).exp();
+        }
+        probs[at] = F::cast_from(p);
+        grad_scores[at] = F::cast_from(p * (f32::cast_from(grad_probs[at]) - row_delta) * scale);
+        key += CUBE_DIM_X as usize;
+    }
+}
+
+/// The kernels as backend primitives: `attention_probs` returns `[probs, lse]`, `score_grads`
+/// `[probs, grad_scores]` (shapes and meaning as `ModelBackend::attention_probs` and `attention_score_grads`).
+pub trait AttentionRowKernels: Backend {
+    fn attention_probs(scores: FloatTensor<Self>, docs: IntTensor<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2];
+
+    fn score_grads(inputs: ScoreGradInputs<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2];
+}
+
+/// `score_grads`' tensors as backend primitives.
+pub struct ScoreGradInputs<B: Backend> {
+    pub scores: FloatTensor<B>,
+    pub grad_probs: FloatTensor<B>,
+    pub lse: FloatTensor<B>,
+    pub delta: FloatTensor<B>,
+    pub docs: IntTensor<B>,
+}
+
+/// `ModelBackend::attention_probs` on a CubeCL backend: one kernel launch.
+pub fn attention_probs<B: AttentionRowKernels>(
+    scores: BurnTensor<B, 4>,
+    docs: &DocumentAttention<B>,
+    rows: ChunkRows,
+) -> [BurnTensor<B, 4>; 2] {
+    let ids = docs.ids().clone().into_primitive();
+    B::attention_probs(scores.into_primitive().tensor(), ids, rows)
+        .map(|t| BurnTensor::from_primitive(TensorPrimitive::Float(t)))
+}
+
+/// `ModelBackend::attention_score_grads` on a CubeCL backend: one kernel launch.
+pub fn attention_score_grads<B: AttentionRowKernels>(
+    [scores, grad_probs, lse, delta]: [BurnTensor<B, 4>; 4],
+    docs: &DocumentAttention<B>,
+    rows: ChunkRows,
+) -> [BurnTensor<B, 4>; 2] {
+    let primitive = |t: BurnTensor<B, 4>| t.into_primitive().tensor();
+    let inputs = ScoreGradInputs {
+        scores: primitive(scores),
+        grad_probs: primitive(grad_probs),
+        lse: primitive(lse),
+        delta: primitive(delta),
+        docs: docs.ids().clone().into_primitive(),
+    };
+    B::score_grads(inputs, rows).map(|t| BurnTensor::from_primitive(TensorPrimitive::Float(t)))
+}
+
+/// The per-row output shape `[.., 1]` of scores `[batch, kv_heads, group · len, keys]`.
+fn per_row_shape(scores: &Shape) -> Shape {
+    let [batch, kv_heads, rows, _] = scores.dims::<4>();
+    Shape::new([batch, kv_heads, rows, 1])
+}
+
+/// The launch geometry and the scalars both kernels take, from the scores' shape and the document ids'.
+struct RowLaunch {
+    count: CubeCount,
+    rows: u32,
+    keys: u32,
+    len: u32,
+    rows_per_batch: u32,
+    seq: u32,
+    start: u32,
+    first: u32,
+    scale: f32,
+}
+
+impl RowLaunch {
+    fn new(scores: &Shape, docs: &Shape, chunk: ChunkRows) -> Self {
+        let [batch, kv_heads, group_rows, keys] = scores.dims::<4>();
+        let seq = docs.dims::<2>()[1];
+        assert_eq!(keys, chunk.keys(), "the attention chunk's scores span its keys");
+        let rows = batch * kv_heads * group_rows;
+        // Grids are at most 65,535 cubes wide on some devices (Vulkan's usual limit): rows wrap onto y.
+        let wide = rows.clamp(1, 65_535);
+        let narrow = |n: usize| u32::try_from(n).expect("attention chunk sizes fit in u32");
+        RowLaunch {
+            count: CubeCount::Static(narrow(wide), narrow(rows.div_ceil(wide)), 1),
+            rows: narrow(rows),
+            keys: narrow(keys),
+            len: narrow(chunk.len),
+            rows_per_batch: narrow(kv_heads * group_rows),
+            seq: narrow(seq),
+            start: narrow(chunk.start),
+            first: narrow(chunk.first),
+            scale: chunk.scale as f32,
+        }
+    }
+}
+
+fn f32_per_row<R: CubeRuntime>(t: CubeTensor<R>, what: &str) -> CubeTensor<R> {
+    assert_eq!(t.dtype, DType::F32, "the attention kernels take the {what} in f32, not {:?}", t.dtype);
+    into_contiguous(t)
+}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionRowKernels for CubeBackend<R, F, I, BT> {
+    fn attention_probs(scores: FloatTensor<Self>, docs: IntTensor<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2] {
+        let launch = RowLaunch::new(&scores.shape(), &docs.shape(), rows);
+        let (client, device, dtype) = (scores.client.clone(), scores.device.clone(), scores.dtype);
+        let probs = empty_device_dtype::<R>(client.clone(), device.clone(), scores.shape(), dtype);
+        let lse = empty_device_dtype::<R>(client.clone(), device, per_row_shape(&scores.shape()), DType::F32);
+        let doc_dtype = docs.dtype;
+        softmax_rows_kernel::launch::<R>(
+            &client,
+            launch.count,
+            CubeDim::new_1d(UNITS),
+            into_contiguous(scores).into_tensor_arg(),
+            into_contiguous(docs).into_tensor_arg(),
+            probs.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            launch.rows,
+            launch.keys,
+            launch.len,
+            launch.rows_per_batch,
+            launch.seq,
+            launch.start,
+            launch.first,
+            launch.scale,
+            [dtype.into(), doc_dtype.into()],
+        );
+        [probs, lse]
+    }
+
+    fn score_grads(inputs: ScoreGradInputs<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2] {
+        let ScoreGradInputs { scores, grad_probs, lse, delta, docs } = inputs;
+        let launch = RowLaunch::new(&scores.shape(), &docs.shape(), rows);
+        assert_eq!(grad_probs.dtype, scores.dtype, "the attention kernels take dP in the scores' dtype");
+        let (client, device, dtype) = (scores.client.clone(), scores.device.clone(), scores.dtype);
+        let [probs, grad_scores] =
+            [0, 1].map(|_| empty_device_dtype::<R>(client.clone(), device.clone(), scores.shape(), dtype));
+        let doc_dtype = docs.dtype;
+        score_grads_kernel::launch::<R>(
+            &client,
+            launch.count,
+            CubeDim::new_1d(UNITS),
+            into_contiguous(scores).into_tensor_arg(),
+            into_contiguous(grad_probs).into_tensor_arg(),
+            f32_per_row(lse, "log-sum-exp").into_tensor_arg(),
+            f32_per_row(delta, "rowsum(dO ⊙ O)").into_tensor_arg(),
+            into_contiguous(docs).into_tensor_arg(),
+            probs.clone().into_tensor_arg(),
+            grad_scores.clone().into_tensor_arg(),
+            launch.rows,
+            launch.keys,
+            launch.len,
+            launch.rows_per_batch,
+            launch.seq,
+            launch.start,
+            launch.first,
+            launch.scale,
+            [dtype.into(), doc_dtype.into()],
+        );
+        [probs, grad_scores]
+    }
+}
+
+/// Which kernel a fused custom operation runs.
+#[derive(Debug, Clone, Copy)]
+enum RowKernel {
+    Probs,
+    ScoreGrads,
+}
+
+/// A kernel as one custom operation of burn-fusion's stream: fusion runs it on the backend under it.
+#[derive(Debug, Clone)]
+struct FusedRowKernel<B> {
+    desc: CustomOpIr,
+    kernel: RowKernel,
+    rows: ChunkRows,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: FusionBackend + AttentionRowKernels> Operation<B::FusionRuntime> for FusedRowKernel<B> {
+    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+        let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
+        // The document ids come last.
+        let docs = handles.get_int_tensor::<B>(&inputs[inputs.len() - 1]);
+        let mut float = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
+        let results = match self.kernel {
+            RowKernel::Probs => B::attention_probs(float(0), docs, self.rows),
+            RowKernel::ScoreGrads => {
+                let inputs =
+                    ScoreGradInputs { scores: float(0), grad_probs: float(1), lse: float(2), delta: float(3), docs };
+                B::score_grads(inputs, self.rows)
+            }
+        };
+        for (out, result) in outputs.iter().zip(results) {
+            handles.register_float_tensor::<B>(&out.id, result);
+        }
+    }
+}
+
+/// Registers `kernel` on `floats` and `docs` in burn-fusion's stream, with outputs of the given shapes and
+/// dtypes.
+fn register_row_kernel<B: FusionBackend + AttentionRowKernels>(
+    kernel: RowKernel,
+    floats: Vec<FloatTensor<Fusion<B>>>,
+    docs: IntTensor<Fusion<B>>,
+    outputs: [(Shape, DType); 2],
+    rows: ChunkRows,
+) -> [FloatTensor<Fusion<B>>; 2] {
+    let client = docs.client.clone();
+    let streams = OperationStreams::with_inputs(floats.iter().chain([&docs]));
+    let outputs = outputs.map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype));
+    let inputs: Vec<TensorIr> = floats.into_iter().chain([docs]).map(|t| t.into_ir()).collect();
+    let name = match kernel {
+        RowKernel::Probs => "kiln_attention_probs",
+        RowKernel::ScoreGrads => "kiln_attention_score_grads",
+    };
+    let desc = CustomOpIr::new(name, &inputs, &outputs);
+    let op = FusedRowKernel::<B> { desc: desc.clone(), kernel, rows, _backend: std::marker::PhantomData };
+    let mut results = client.register(streams, OperationIr::Custom(desc), op).into_iter();
+    let mut next = || results.next().expect("an attention kernel registers two outputs");
+    [next(), next()]
+}
+
+impl<B: FusionBackend + AttentionRowKernels> AttentionRowKernels for Fusion<B> {
+    fn attention_probs(scores: FloatTensor<Self>, docs: IntTensor<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2] {
+        let outputs = [(scores.shape(), scores.dtype()), (per_row_shape(&scores.shape()), DType::F32)];
+        register_row_kernel::<B>(RowKernel::Probs, vec![scores], docs, outputs, rows)
+    }
+
+    fn score_grads(inputs: ScoreGradInputs<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2] {
+        let ScoreGradInputs { scores, grad_probs, lse, delta, docs } = inputs;
+        let (shape, dtype) = (scores.shape(), scores.dtype());
+        let floats = vec![scores, grad_probs, lse, delta];
+        register_row_kernel::<B>(RowKernel::ScoreGrads, floats, docs, [(shape.clone(), dtype), (shape, dtype)], rows)
+    }
+}
