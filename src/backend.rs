@@ -16,6 +16,7 @@ use crate::models::attention::{
 };
 use crate::models::deltanet::{self, ChunkPlan, ChunkedScan, ScanInputs};
 use crate::models::{ModelBackend, cpu_attention, cpu_deltanet};
+use crate::train::linear_ce::CrossEntropyRows;
 
 /// CPU backend: pure-Rust Flex in f32.
 pub type Cpu = Flex<f32>;
@@ -134,6 +135,16 @@ pub fn attention_kernel() -> Result<bool, String> {
     switch(ATTENTION_KERNEL_ENV)
 }
 
+/// The environment variable that runs the cross-entropy's rows as tensor ops instead of kiln's CubeCL kernel
+/// (`off`/`0`/`false`; `on` is the default).
+pub const LOSS_KERNEL_ENV: &str = "KILN_LOSS_KERNEL";
+
+/// Whether the CubeCL backends run the cross-entropy's rows as kiln's kernel, from `KILN_LOSS_KERNEL`;
+/// malformed values are an error (`main` checks before any command runs).
+pub fn loss_kernel() -> Result<bool, String> {
+    switch(LOSS_KERNEL_ENV)
+}
+
 /// An on/off switch from the environment: on when unset.
 fn switch(name: &str) -> Result<bool, String> {
     std::env::var_os(name).map_or(Ok(true), |value| parse_switch(name, &value.to_string_lossy()))
@@ -230,9 +241,12 @@ cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused
 // (`models::cpu_attention`) and the DeltaNet scan as loops over tokens (`models::cpu_deltanet`); the
 // CubeCL backends (and the CPU in other dtypes) use the chunked tensor ops (the trait's defaults); their
 // autodiff wrappers record each with its backward (`models::attention`, `models::deltanet`).
-// The CubeCL backends run the DeltaNet scan across chunks as one kernel (`models::scan_kernel`) unless
-// `KILN_SCAN_KERNEL=off`, and the attention's softmax rows as kernels (`models::attention_kernel`) unless
-// `KILN_ATTENTION_KERNEL=off`.
+// The CubeCL backends run the DeltaNet scan across chunks as one kernel (`kernels::scan`) unless
+// `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels (`kernels::attention`) unless
+// `KILN_ATTENTION_KERNEL=off`, and the cross-entropy's rows as one (`kernels::cross_entropy`) unless
+// `KILN_LOSS_KERNEL=off`.
+impl CrossEntropyRows for Flex {}
+
 impl ModelBackend for Flex {
     fn attention_forward(
         q: Tensor<Self, 4>,
@@ -304,6 +318,21 @@ impl ModelBackend for Flex {
 #[cfg(any(feature = "cuda", feature = "vulkan"))]
 macro_rules! cubecl_model_backend {
     ($backend:ty) => {
+        impl CrossEntropyRows for $backend {
+            fn cross_entropy_rows(
+                logits: Tensor<Self, 2>,
+                targets: Tensor<Self, 2, burn::tensor::Int>,
+                coef: Tensor<Self, 2>,
+                with_grads: bool,
+            ) -> (Tensor<Self, 2>, Option<Tensor<Self, 2>>) {
+                if loss_kernel_enabled() {
+                    crate::kernels::cross_entropy::cross_entropy_rows(logits, targets, coef, with_grads)
+                } else {
+                    crate::train::linear_ce::cross_entropy_rows(logits, targets, coef, with_grads)
+                }
+            }
+        }
+
         impl ModelBackend for $backend {
             fn attention_probs(
                 scores: Tensor<Self, 4>,
@@ -311,7 +340,7 @@ macro_rules! cubecl_model_backend {
                 rows: crate::models::attention::ChunkRows,
             ) -> [Tensor<Self, 4>; 2] {
                 if attention_kernel_enabled() {
-                    crate::models::attention_kernel::attention_probs(scores, docs, rows)
+                    crate::kernels::attention::attention_probs(scores, docs, rows)
                 } else {
                     let (probs, lse) = crate::models::attention::softmax_rows(scores, docs, rows);
                     [probs, lse]
@@ -327,7 +356,7 @@ macro_rules! cubecl_model_backend {
                 rows: crate::models::attention::ChunkRows,
             ) -> [Tensor<Self, 4>; 2] {
                 if attention_kernel_enabled() {
-                    crate::models::attention_kernel::attention_score_grads([scores, grad_probs, lse, delta], docs, rows)
+                    crate::kernels::attention::attention_score_grads([scores, grad_probs, lse, delta], docs, rows)
                 } else {
                     let (probs, grads) =
                         crate::models::attention::score_grads(scores, grad_probs, lse, delta, docs, rows);
@@ -339,7 +368,7 @@ macro_rules! cubecl_model_backend {
                 rec: crate::models::deltanet::ChunkRecurrence<Self>,
             ) -> crate::models::deltanet::RecurrenceOut<Self> {
                 if scan_kernel_enabled() {
-                    crate::models::scan_kernel::chunk_recurrence(rec)
+                    crate::kernels::scan::chunk_recurrence(rec)
                 } else {
                     crate::models::deltanet::recurrence_by_chunk(rec)
                 }
@@ -372,6 +401,12 @@ pub fn scan_kernel_enabled() -> bool {
 pub fn attention_kernel_enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     switch_once(&ENABLED, ATTENTION_KERNEL_ENV)
+}
+
+/// `loss_kernel()` read once, for the trainer (the CLI has rejected a malformed value before it runs).
+pub fn loss_kernel_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    switch_once(&ENABLED, LOSS_KERNEL_ENV)
 }
 
 fn switch_once(cell: &std::sync::OnceLock<bool>, name: &str) -> bool {

@@ -3,8 +3,8 @@
 //! Stages and where they live (see the README's stage table): `hub` (Hub access) → `data` (recipes,
 //! readers, normalization, decontamination) → `chat` (native templates, thinking policy, supervised spans)
 //! → `tokens` (tokenizer, token masks, shards, `prepare`). `synth` makes the project's own sample data;
-//! `backend` names the burn backends compiled in; `device_panics` shapes what a panic on one of their
-//! device threads shows.
+//! `backend` names the burn backends compiled in, `kernels` holds kiln's CubeCL kernels for the CubeCL ones;
+//! `device_panics` shapes what a panic on one of their device threads shows.
 
 pub mod backend;
 pub mod chat;
@@ -13,6 +13,8 @@ pub mod device_panics;
 pub mod eval;
 pub mod files;
 pub mod hub;
+#[cfg(any(feature = "cuda", feature = "vulkan"))]
+pub mod kernels;
 pub mod models;
 pub mod pipeline;
 pub mod report;

@@ -569,6 +569,7 @@ fn run(cli: Cli) -> Result<()> {
     if !matches!(cli.command, Command::Info) {
         kiln::backend::scan_kernel().map_err(anyhow::Error::msg)?;
         kiln::backend::attention_kernel().map_err(anyhow::Error::msg)?;
+        kiln::backend::loss_kernel().map_err(anyhow::Error::msg)?;
     }
     match cli.command {
         Command::Pull(args) => pull(args, &cli.datasets_dir, cli.quiet),
@@ -808,6 +809,7 @@ fn info() -> Result<()> {
         "scan_kernel": kiln::backend::scan_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "attention_kernel": kiln::backend::attention_kernel()
             .map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
+        "loss_kernel": kiln::backend::loss_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "hub": {
             "endpoint": config.endpoint,
             "cache_dir": config.cache_dir,

@@ -4,7 +4,7 @@
 //! or the kernel profiler that goes wrong on a fused CubeCL backend shows here before any GPU session:
 //! the architectures against transformers (logits and gradients), the trainer against PyTorch's AdamW run,
 //! resume, every tiny shape's training steps against the CPU's, kiln's own CubeCL kernels (the DeltaNet scan,
-//! the attention's softmax rows) against the tensor ops they replace, and the per-kernel profile that tests/bench/gpu_session.sh takes on
+//! the attention's softmax rows, the cross-entropy's rows) against the tensor ops they replace, and the per-kernel profile that tests/bench/gpu_session.sh takes on
 //! the GPU.
 //! Built with `--features vulkan` (`make test` adds it where a Vulkan driver is installed; .ci/run installs
 //! lavapipe).
@@ -18,11 +18,13 @@ use burn::tensor::FloatDType;
 use burn::tensor::Tensor;
 use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
 use kiln::backend::{Cpu, Vk, VkTrain};
+use kiln::kernels::attention as attention_kernel;
+use kiln::kernels::cross_entropy as kernel_cross_entropy;
 use kiln::models::attention::{ChunkRows, score_grads, softmax_rows};
-use kiln::models::attention_kernel;
 use kiln::models::deltanet::{ChunkRecurrence, Direction, recurrence_by_chunk};
 use kiln::models::hf::hf_gradients;
 use kiln::models::{CausalLm, DocumentAttention, ModelBackend, SequenceLayout, load_model};
+use kiln::train::linear_ce::cross_entropy_rows;
 use kiln::train::schedule::Decay;
 use kiln::train::{Precision, TrainConfig};
 
@@ -170,7 +172,7 @@ fn scan_inputs<B: ModelBackend>(
     }
 }
 
-/// kiln's DeltaNet scan kernel (`models::scan_kernel`, what `chunk_recurrence` runs on the device) against
+/// kiln's DeltaNet scan kernel (`kernels::scan`, what `chunk_recurrence` runs on the device) against
 /// the chunk-by-chunk tensor-op scan it replaces, on the device and on the CPU, in both passes: several rows
 /// and heads, a state width that is not a multiple of the kernel's column tile, a key width below the chunk
 /// size, the model's chunk of 64.
@@ -222,7 +224,7 @@ fn chunk_rows_inputs<B: ModelBackend>(
     [scores, grad_probs, lse, delta]
 }
 
-/// kiln's attention kernels (`models::attention_kernel`, what `attention_probs` and `attention_score_grads`
+/// kiln's attention kernels (`kernels::attention`, what `attention_probs` and `attention_score_grads`
 /// run on the device) against the tensor ops they replace, in f32 and f16: packed documents with padding,
 /// chunks that start mid-sequence and skip keys before `first`, rows longer than a cube's units, and more
 /// rows than one grid dimension holds (they wrap onto a second).
@@ -263,6 +265,58 @@ fn the_attention_kernels_equal_the_tensor_op_softmax_rows() {
                 let err = max_abs_diff(&kernel, &ops);
                 eprintln!("{heads:?} {rows:?} {dtype:?} {name}: {err:.2e} (scale {scale:.2})");
                 assert!(err <= tolerance * scale, "{heads:?} {rows:?} {dtype:?} {name}: off by {err}");
+            }
+        }
+    }
+}
+
+/// kiln's cross-entropy kernel (`kernels::cross_entropy`, what `CrossEntropyRows` runs on the device), and
+/// the tensor ops it replaces run on the device (`KILN_LOSS_KERNEL=off`), against those tensor ops on the
+/// CPU in f32, in f32 and f16, with and without the gradient: a tiny vocabulary, rows longer than a cube's
+/// units, more rows than one grid dimension holds, fractional and zero coefficients. The device's tensor
+/// ops were wrong here once: burn-fusion read a gathered tensor before writing it (`linear_ce`).
+#[test]
+fn the_cross_entropy_kernel_equals_the_tensor_op_rows() {
+    let device = Default::default();
+    let cpu = Default::default();
+    for (rows, vocab) in [(3, 37), (5, 64), (5, 1000), (70_000, 5)] {
+        let logit_values = spread(rows * vocab, 21, -8.0, 8.0);
+        let ids: Vec<i64> = (0..rows).map(|i| (i * 7 % vocab) as i64).collect();
+        let coef: Vec<f32> = (0..rows).map(|i| [0.25, 0.0, 1.5][i % 3]).collect();
+        for dtype in [FloatDType::F32, FloatDType::F16] {
+            // f16 gradients are rounded to f16 (2⁻¹¹ relative); the reference reads the same rounded logits.
+            let tolerance = if dtype == FloatDType::F32 { 2e-6 } else { 2e-3 };
+            let logits = kiln::backend::host_tensor::<Vk, 2>(logit_values.clone(), [rows, vocab], dtype, &device);
+            let rounded = values(logits.clone());
+            let reference_logits = kiln::backend::host_tensor::<Cpu, 2>(rounded, [rows, vocab], FloatDType::F32, &cpu);
+            let reference_coef = kiln::backend::host_tensor::<Cpu, 2>(coef.clone(), [rows, 1], FloatDType::F32, &cpu);
+            let reference_targets = ids_tensor::<Cpu>(&ids, [rows, 1], &cpu);
+            let (reference_nll, reference_grads) =
+                cross_entropy_rows(reference_logits, reference_targets, reference_coef, true);
+            let reference = [values(reference_nll), values(reference_grads.expect("asked for the gradient"))];
+            for with_grads in [true, false] {
+                let targets = ids_tensor::<Vk>(&ids, [rows, 1], &device);
+                let coef = kiln::backend::host_tensor::<Vk, 2>(coef.clone(), [rows, 1], FloatDType::F32, &device);
+                let args = (logits.clone(), targets, coef);
+                let kernel = kernel_cross_entropy::cross_entropy_rows(
+                    args.0.clone(),
+                    args.1.clone(),
+                    args.2.clone(),
+                    with_grads,
+                );
+                let ops = cross_entropy_rows(args.0, args.1, args.2, with_grads);
+                let mut parts = Vec::new();
+                for (path, (nll, grads)) in [("kernel", kernel), ("device tensor ops", ops)] {
+                    assert_eq!(grads.is_some(), with_grads);
+                    parts.push((path, "nll", values(nll), &reference[0]));
+                    parts.extend(grads.map(|g| (path, "dlogits", values(g), &reference[1])));
+                }
+                for (path, name, kernel, reference) in parts {
+                    let scale = reference.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+                    let err = max_abs_diff(&kernel, reference);
+                    eprintln!("{rows} × {vocab} {dtype:?} {path} {name}: {err:.2e} (scale {scale:.2})");
+                    assert!(err <= tolerance * scale, "{rows} × {vocab} {dtype:?} {path} {name}: off by {err}");
+                }
             }
         }
     }

@@ -2,13 +2,10 @@
 //! and LFM2-MoE in `lfm2`, Qwen3.5 in `qwen3_5` with its DeltaNet scan in `deltanet`; their full-sequence
 //! attention in `attention`, the ops with hand-written backward passes in `ops`, and the CPU backend's loop
 //! forms of the attention and the scan in `cpu_attention` and `cpu_deltanet`; the CubeCL backends' kernels
-//! for the attention's softmax rows in `attention_kernel` and the DeltaNet scan in `scan_kernel`), behind
-//! `CausalLm`.
+//! are in `crate::kernels`), behind `CausalLm`.
 //! Knows nothing of datasets, training or the CLI.
 
 pub mod attention;
-#[cfg(any(feature = "cuda", feature = "vulkan"))]
-pub mod attention_kernel;
 pub mod causal_lm;
 pub mod config;
 pub mod cpu_attention;
@@ -21,8 +18,6 @@ pub mod layers;
 pub mod lfm2;
 pub mod ops;
 pub mod qwen3_5;
-#[cfg(any(feature = "cuda", feature = "vulkan"))]
-pub mod scan_kernel;
 pub mod weights;
 
 use std::path::{Path, PathBuf};

@@ -109,7 +109,7 @@ pub trait ModelBackend: Backend {
     /// One attention chunk's probabilities and log-sum-exp from its unscaled scores `q kᵀ`
     /// `[batch, kv_heads, group · len, keys]`: the softmax of `S/√d` over the keys each query may see, in the
     /// scores' dtype, and `[.., 1]` in f32 (`attention::softmax_rows`; the CubeCL backends run one kernel,
-    /// `models::attention_kernel`).
+    /// `kernels::attention`).
     fn attention_probs(
         scores: Tensor<Self, 4>,
         docs: &DocumentAttention<Self>,
@@ -120,7 +120,7 @@ pub trait ModelBackend: Backend {
     }
 
     /// The backward pass's probabilities and score gradients of one attention chunk
-    /// (`attention::score_grads`; the CubeCL backends run one kernel, `models::attention_kernel`).
+    /// (`attention::score_grads`; the CubeCL backends run one kernel, `kernels::attention`).
     fn attention_score_grads(
         scores: Tensor<Self, 4>,
         grad_probs: Tensor<Self, 4>,
@@ -196,7 +196,7 @@ pub trait ModelBackend: Backend {
 
     /// The scan across chunks of the gated delta rule's chunked form, in either pass: the one sequential
     /// part of it, as tensor ops a chunk at a time (`deltanet::recurrence_by_chunk`). The CubeCL backends
-    /// run it as one kernel (`models::scan_kernel`).
+    /// run it as one kernel (`kernels::scan`).
     fn chunk_recurrence(rec: ChunkRecurrence<Self>) -> RecurrenceOut<Self> {
         deltanet::recurrence_by_chunk(rec)
     }

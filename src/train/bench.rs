@@ -82,6 +82,10 @@ pub struct BenchResult {
     /// `KILN_ATTENTION_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_kernel: Option<bool>,
+    /// Whether the cross-entropy's rows ran as kiln's kernel (kiln on a CubeCL device only:
+    /// `KILN_LOSS_KERNEL`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_kernel: Option<bool>,
     pub tokens_per_step: u64,
     pub warmup: usize,
     /// Wall seconds of each timed step (the device synchronized at its end).
@@ -181,6 +185,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         fusion: (device_name == "cuda").then(|| crate::backend::cuda_fusion().unwrap_or(true)),
         scan_kernel: (device_name != "cpu").then(crate::backend::scan_kernel_enabled),
         attention_kernel: (device_name != "cpu").then(crate::backend::attention_kernel_enabled),
+        loss_kernel: (device_name != "cpu").then(crate::backend::loss_kernel_enabled),
         moments: Some(cfg.moments),
         activation_checkpointing: cfg.activation_checkpointing,
         state_memory_bytes: Some(state_memory_bytes),

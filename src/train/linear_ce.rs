@@ -59,7 +59,7 @@ pub struct ChunkedCrossEntropy<B: Backend> {
 /// `dlogits = coef · (softmax − onehot(target))` with `coef = weight / normalizer`, carried back through the
 /// projection per chunk (`dlogits · head` for the rows, `Σ dlogitsᵀ · rows` in f32 for the head).
 #[allow(clippy::too_many_arguments)]
-pub fn chunked_cross_entropy<B: Backend>(
+pub fn chunked_cross_entropy<B: CrossEntropyRows>(
     hidden: Tensor<B, 2>,
     head: Tensor<B, 2>,
     targets: &[i64],
@@ -73,7 +73,6 @@ pub fn chunked_cross_entropy<B: Backend>(
     assert_eq!(targets.len(), rows, "one target per hidden row");
     assert_eq!(weights.len(), rows, "one weight per hidden row");
     let device = hidden.device();
-    let compute = FloatDType::from(hidden.dtype());
     let head_t = head.clone().transpose();
     let mut loss = f32_column::<B>(&[0.0], &device).reshape([1]);
     let mut grad_rows = Vec::new();
@@ -82,20 +81,16 @@ pub fn chunked_cross_entropy<B: Backend>(
     for start in (0..rows).step_by(chunk) {
         let len = chunk.min(rows - start);
         let rows_in = hidden.clone().narrow(0, start, len);
-        let logits = rows_in.clone().matmul(head_t.clone()).cast(FloatDType::F32);
-        let shifted = logits.clone() - logits.max_dim(1);
-        let exp = shifted.clone().exp();
-        let sum = exp.clone().sum_dim(1);
+        let logits = rows_in.clone().matmul(head_t.clone());
         let target =
             Tensor::<B, 2, Int>::from_data(TensorData::new(targets[start..start + len].to_vec(), [len, 1]), &device);
         let weight = f32_column::<B>(&weights[start..start + len], &device);
-        let nll = sum.clone().log() - shifted.gather(1, target.clone());
-        loss = loss + (nll * weight.clone()).sum();
-        if !(want_hidden || want_head) {
+        let with_grads = want_hidden || want_head;
+        let (nll, dlogits) = B::cross_entropy_rows(logits, target, weight.clone() / normalizer, with_grads);
+        loss = loss + (nll * weight).sum();
+        let Some(dlogits) = dlogits else {
             continue;
-        }
-        let coef = weight / normalizer;
-        let dlogits = (exp / sum * coef.clone()).scatter(1, target, coef.neg(), IndexingUpdateOp::Add).cast(compute);
+        };
         if want_hidden {
             grad_rows.push(dlogits.clone().matmul(head.clone()));
         }
@@ -113,6 +108,46 @@ pub fn chunked_cross_entropy<B: Backend>(
         grad_hidden: (want_hidden && !grad_rows.is_empty()).then(|| Tensor::cat(grad_rows, 0)),
         grad_head: grad_head.map(|g| g.cast(head_dtype)),
     }
+}
+
+/// The backends' rows of `chunked_cross_entropy`: from one chunk's logits `[rows, vocab]` in the compute
+/// dtype, targets `[rows, 1]` and coefficients `weight / normalizer` `[rows, 1]` in f32, each row's negative
+/// log-likelihood `[rows, 1]` in f32 and, `with_grads`, `dlogits = coef · (softmax − onehot(target))` in the
+/// logits' dtype. The tensor ops of `cross_entropy_rows` by default; the CubeCL backends run one kernel
+/// (`kernels::cross_entropy`) unless `KILN_LOSS_KERNEL=off`.
+pub trait CrossEntropyRows: Backend {
+    fn cross_entropy_rows(
+        logits: Tensor<Self, 2>,
+        targets: Tensor<Self, 2, Int>,
+        coef: Tensor<Self, 2>,
+        with_grads: bool,
+    ) -> (Tensor<Self, 2>, Option<Tensor<Self, 2>>) {
+        cross_entropy_rows(logits, targets, coef, with_grads)
+    }
+}
+
+/// `CrossEntropyRows::cross_entropy_rows` as tensor ops: logits cast to f32, max-shifted log-sum-exp, the
+/// target's term scattered into the softmax.
+pub fn cross_entropy_rows<B: Backend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 2, Int>,
+    coef: Tensor<B, 2>,
+    with_grads: bool,
+) -> (Tensor<B, 2>, Option<Tensor<B, 2>>) {
+    let compute = FloatDType::from(logits.dtype());
+    // The target's logit is gathered from the input, not from `shifted`: burn-fusion 0.21 fuses a gather
+    // into the element-wise kernel that computes the tensor it reads and then reads memory not yet written
+    // (wrong losses on the fused CubeCL backends from 64 columns on; tests/vulkan_backend.rs).
+    let picked = logits.clone().gather(1, targets.clone()).cast(FloatDType::F32);
+    let logits = logits.cast(FloatDType::F32);
+    let max = logits.clone().max_dim(1);
+    let shifted = logits - max.clone();
+    let exp = shifted.exp();
+    let sum = exp.clone().sum_dim(1);
+    let nll = sum.clone().log() - (picked - max);
+    let dlogits = with_grads
+        .then(|| (exp / sum * coef.clone()).scatter(1, targets, coef.neg(), IndexingUpdateOp::Add).cast(compute));
+    (nll, dlogits)
 }
 
 /// `values` as an f32 `[n, 1]` column (created in f32: a bf16 backend's default dtype would round them).
@@ -147,7 +182,7 @@ impl<B: Backend> Backward<B, 2> for LinearCrossEntropyBackward {
     }
 }
 
-impl<B: ModelBackend, C: CheckpointStrategy> LinearCrossEntropy for Autodiff<B, C> {
+impl<B: ModelBackend + CrossEntropyRows, C: CheckpointStrategy> LinearCrossEntropy for Autodiff<B, C> {
     fn linear_cross_entropy(
         hidden: Tensor<Self, 2>,
         head: Tensor<Self, 2>,

@@ -13,8 +13,10 @@
 #   KILN_OPS    "ops" (kiln's hand-written attention / SwiGLU / loss ops), "reference" (burn's plain
 #               compositions, `--reference-ops`), "unfused" (the ops without burn's fusion on CUDA,
 #               KILN_CUDA_FUSION=off), "noscan" (the ops with the DeltaNet scan as tensor ops, not kiln's
-#               kernel: KILN_SCAN_KERNEL=off), "checkpointed" (the ops with --activation-checkpointing), or
-#               several: "ops reference unfused noscan checkpointed"
+#               kernel: KILN_SCAN_KERNEL=off), "noattn" (the ops with the attention's softmax rows as tensor
+#               ops, not kiln's kernels: KILN_ATTENTION_KERNEL=off), "noloss" (the ops with the
+#               cross-entropy's rows as tensor ops: KILN_LOSS_KERNEL=off), "checkpointed" (the ops with
+#               --activation-checkpointing), or several: "ops reference unfused noscan noattn noloss checkpointed"
 #   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py), or none
 #   PYTHON      a python with torch and transformers (python3); without them the reference is skipped
 #   FALLBACK_UNFUSED  1: after a kiln row of a shape fails on CUDA with burn's fusion, it and the shape's
@@ -57,7 +59,8 @@ unfused_shapes=" "
 results=()
 # One kiln row into $out, with the loop's settings; the result is labelled with its shape.
 kiln_row() {
-    KILN_CUDA_FUSION=$fusion KILN_SCAN_KERNEL=$scan "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" \
+    KILN_CUDA_FUSION=$fusion KILN_SCAN_KERNEL=$scan KILN_ATTENTION_KERNEL=$attn KILN_LOSS_KERNEL=$loss \
+        "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" \
         --precision "$PRECISION" --moments "$MOMENTS" "${switch[@]}" "${common[@]}" --out "$out" >/dev/null \
         && python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['shape']=sys.argv[2]; json.dump(r, open(sys.argv[1],'w'))" \
             "$out" "$shape"
@@ -70,13 +73,16 @@ for shape in "${shapes[@]}"; do
         exit 2
     fi
     for ops in $KILN_OPS; do
+        attn=on loss=on
         case $ops in
             ops) out=$OUT/$shape-kiln.json; switch=(); fusion=on; scan=on ;;
             reference) out=$OUT/$shape-kiln-reference.json; switch=(--reference-ops); fusion=on; scan=on ;;
             unfused) out=$OUT/$shape-kiln-unfused.json; switch=(); fusion=off; scan=on ;;
             noscan) out=$OUT/$shape-kiln-noscan.json; switch=(); fusion=on; scan=off ;;
+            noattn) out=$OUT/$shape-kiln-noattn.json; switch=(); fusion=on; scan=on; attn=off ;;
+            noloss) out=$OUT/$shape-kiln-noloss.json; switch=(); fusion=on; scan=on; loss=off ;;
             checkpointed) out=$OUT/$shape-kiln-checkpointed.json; switch=(--activation-checkpointing); fusion=on; scan=on ;;
-            *) echo "KILN_OPS: unknown '$ops' (ops, reference, unfused, noscan or checkpointed)" >&2; exit 2 ;;
+            *) echo "KILN_OPS: unknown '$ops' (ops, reference, unfused, noscan, noattn, noloss or checkpointed)" >&2; exit 2 ;;
         esac
         if [[ $unfused_shapes == *" $shape "* && $fusion == on ]]; then
             out=${out%.json}-unfused.json fusion=off

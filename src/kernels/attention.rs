@@ -21,12 +21,13 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::stream::Operation;
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+use burn_ir::{CustomOpIr, HandleContainer};
 use cubecl::prelude::*;
 
-use super::attention::{ChunkRows, DocumentAttention};
+use super::{grid_row, outputs, register_custom, row_grid};
+use crate::models::attention::{ChunkRows, DocumentAttention};
 
 /// Units per cube (one score row): a power of two, for the tree reduction.
 const UNITS: u32 = 128;
@@ -43,11 +44,11 @@ struct RowPlace {
     last_key: usize,
 }
 
-/// The row of cube `(CUBE_POS_X, CUBE_POS_Y)` in a chunk of `len` queries starting at `start`, keys from
+/// The running cube's row (`kernels::row_grid`) in a chunk of `len` queries starting at `start`, keys from
 /// `first`, `rows_per_batch` rows per batch row (kv heads × group × len) in sequences of `seq` tokens.
 #[cube]
 fn row_place(len: u32, rows_per_batch: u32, seq: u32, start: u32, first: u32) -> RowPlace {
-    let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    let row = grid_row();
     let query = start as usize + row % len as usize;
     RowPlace {
         row,
@@ -260,11 +261,9 @@ impl RowLaunch {
         let seq = docs.dims::<2>()[1];
         assert_eq!(keys, chunk.keys(), "the attention chunk's scores span its keys");
         let rows = batch * kv_heads * group_rows;
-        // Grids are at most 65,535 cubes wide on some devices (Vulkan's usual limit): rows wrap onto y.
-        let wide = rows.clamp(1, 65_535);
         let narrow = |n: usize| u32::try_from(n).expect("attention chunk sizes fit in u32");
         RowLaunch {
-            count: CubeCount::Static(narrow(wide), narrow(rows.div_ceil(wide)), 1),
+            count: row_grid(rows),
             rows: narrow(rows),
             keys: narrow(keys),
             len: narrow(chunk.len),
@@ -379,28 +378,25 @@ impl<B: FusionBackend + AttentionRowKernels> Operation<B::FusionRuntime> for Fus
     }
 }
 
-/// Registers `kernel` on `floats` and `docs` in burn-fusion's stream, with outputs of the given shapes and
-/// dtypes.
+/// Registers `kernel` on `floats` and then `docs` in burn-fusion's stream.
 fn register_row_kernel<B: FusionBackend + AttentionRowKernels>(
     kernel: RowKernel,
     floats: Vec<FloatTensor<Fusion<B>>>,
     docs: IntTensor<Fusion<B>>,
-    outputs: [(Shape, DType); 2],
+    shapes: [(Shape, DType); 2],
     rows: ChunkRows,
 ) -> [FloatTensor<Fusion<B>>; 2] {
-    let client = docs.client.clone();
-    let streams = OperationStreams::with_inputs(floats.iter().chain([&docs]));
-    let outputs = outputs.map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype));
-    let inputs: Vec<TensorIr> = floats.into_iter().chain([docs]).map(|t| t.into_ir()).collect();
     let name = match kernel {
         RowKernel::Probs => "kiln_attention_probs",
         RowKernel::ScoreGrads => "kiln_attention_score_grads",
     };
-    let desc = CustomOpIr::new(name, &inputs, &outputs);
-    let op = FusedRowKernel::<B> { desc: desc.clone(), kernel, rows, _backend: std::marker::PhantomData };
-    let mut results = client.register(streams, OperationIr::Custom(desc), op).into_iter();
-    let mut next = || results.next().expect("an attention kernel registers two outputs");
-    [next(), next()]
+    let inputs = floats.into_iter().chain([docs]).collect();
+    outputs(register_custom::<B, _>(name, inputs, &shapes, |desc| FusedRowKernel::<B> {
+        desc,
+        kernel,
+        rows,
+        _backend: std::marker::PhantomData,
+    }))
 }
 
 impl<B: FusionBackend + AttentionRowKernels> AttentionRowKernels for Fusion<B> {

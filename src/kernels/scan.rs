@@ -15,12 +15,13 @@ use burn::tensor::{DType, Shape, TensorMetadata, TensorPrimitive};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::stream::Operation;
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+use burn_ir::{CustomOpIr, HandleContainer};
 use cubecl::prelude::*;
 
-use super::deltanet::{ChunkRecurrence, Direction, RecurrenceOut};
+use super::{outputs, register_custom};
+use crate::models::deltanet::{ChunkRecurrence, Direction, RecurrenceOut};
 
 /// State columns per cube. With `UNITS`, the knob to turn once the device profile shows the kernel's time:
 /// Qwen3.5-0.8B gets 16 heads × 16 tiles = 256 cubes of 128 units, each walking 64 chunks in turn.
@@ -270,18 +271,13 @@ impl<B: FusionBackend + ChunkScanKernel> Operation<B::FusionRuntime> for FusedCh
 impl<B: FusionBackend + ChunkScanKernel> ChunkScanKernel for Fusion<B> {
     fn chunk_scan(inputs: ScanPrimitives<Self>, direction: Direction) -> [FloatTensor<Self>; 3] {
         let ScanPrimitives { reads, base, writes, decay, extra, initial } = inputs;
-        let client = reads.client.clone();
+        let shapes = output_shapes(&reads.shape(), &base.shape()).map(|shape| (shape, DType::F32));
         let mut tensors = vec![reads, base, writes, decay, initial];
         tensors.extend(extra);
-        let streams = OperationStreams::with_inputs(tensors.iter());
-        let shapes = output_shapes(&tensors[0].shape(), &tensors[1].shape());
-        let outputs = shapes.map(|shape| TensorIr::uninit(client.create_empty_handle(), shape, DType::F32));
-        let inputs: Vec<TensorIr> = tensors.into_iter().map(|t| t.into_ir()).collect();
-        let desc = CustomOpIr::new("kiln_chunk_scan", &inputs, &outputs);
-        let op = FusedChunkScan::<B> { desc: desc.clone(), direction, _backend: std::marker::PhantomData };
-        let results = client.register(streams, OperationIr::Custom(desc), op);
-        let mut results = results.into_iter();
-        let mut next = || results.next().expect("the chunk scan registers three outputs");
-        [next(), next(), next()]
+        outputs(register_custom::<B, _>("kiln_chunk_scan", tensors, &shapes, |desc| FusedChunkScan::<B> {
+            desc,
+            direction,
+            _backend: std::marker::PhantomData,
+        }))
     }
 }

@@ -1,0 +1,57 @@
+//! kiln's own CubeCL kernels, for burn's CubeCL backends (CUDA, Vulkan) with and without burn-fusion, and
+//! what they share: registering a kernel as one custom operation in burn-fusion's stream, and the grid of
+//! one cube per row. Each kernel replaces a tensor-op composition that stays the reference it is tested
+//! against (tests/vulkan_backend.rs) and the path of every other backend: the DeltaNet scan across chunks
+//! (`scan`), the attention's softmax rows (`attention`), the cross-entropy's rows (`cross_entropy`).
+//! `backend` wires them into `ModelBackend`, each behind an environment switch.
+
+pub mod attention;
+pub mod cross_entropy;
+pub mod scan;
+
+use burn::tensor::{DType, Shape};
+use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::{FusionBackend, FusionTensor};
+use burn_ir::{CustomOpIr, OperationIr, TensorIr};
+use cubecl::prelude::*;
+
+/// Registers one of kiln's kernels in burn-fusion's stream as a custom operation named `name` on `inputs`,
+/// with outputs of the given shapes and dtypes: `operation` makes the operation that runs the kernel on the
+/// backend under fusion from the description (its inputs and outputs in this order). Returns the outputs.
+pub(crate) fn register_custom<B: FusionBackend, O: Operation<B::FusionRuntime> + 'static>(
+    name: &'static str,
+    inputs: Vec<FusionTensor<B::FusionRuntime>>,
+    outputs: &[(Shape, DType)],
+    operation: impl FnOnce(CustomOpIr) -> O,
+) -> Vec<FusionTensor<B::FusionRuntime>> {
+    let client = inputs.first().expect("a kernel has inputs").client.clone();
+    let streams = OperationStreams::with_inputs(inputs.iter());
+    let outputs: Vec<TensorIr> = outputs
+        .iter()
+        .map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape.clone(), *dtype))
+        .collect();
+    let inputs: Vec<TensorIr> = inputs.into_iter().map(|t| t.into_ir()).collect();
+    let desc = CustomOpIr::new(name, &inputs, &outputs);
+    client.register(streams, OperationIr::Custom(desc.clone()), operation(desc))
+}
+
+/// `n` outputs of `register_custom` as an array.
+pub(crate) fn outputs<T, const N: usize>(results: Vec<T>) -> [T; N] {
+    let count = results.len();
+    results.try_into().unwrap_or_else(|_| panic!("a kernel registered {count} outputs, not {N}"))
+}
+
+/// One cube per row for `rows` rows: the grid's x dimension holds at most 65,535 cubes on some devices
+/// (Vulkan's usual limit), so rows wrap onto y; kernels find their row with `grid_row` and leave when it is
+/// `rows` or more.
+pub(crate) fn row_grid(rows: usize) -> CubeCount {
+    let wide = rows.clamp(1, 65_535);
+    let narrow = |n: usize| u32::try_from(n).expect("a kernel's row count fits in u32");
+    CubeCount::Static(narrow(wide), narrow(rows.div_ceil(wide)), 1)
+}
+
+/// The row of the running cube in a `row_grid`.
+#[cube]
+pub(crate) fn grid_row() -> usize {
+    (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
+}
