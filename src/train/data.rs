@@ -48,6 +48,24 @@ impl TrainData {
         Ok(TrainData { rows, seq_len, files })
     }
 
+    /// An error naming the first token id at or beyond `vocab` (shards prepared with another tokenizer): on
+    /// a GPU such an id would read past the embedding and the loss's rows instead of failing.
+    pub fn check_vocabulary(&self, dir: &Path, vocab: usize) -> Result<(), TrainError> {
+        for (index, row) in self.rows.iter().enumerate() {
+            if let Some((position, &id)) = row.input_ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
+                let sample = row.sample_ids.first().map_or(String::new(), |s| format!(" (sample {s})"));
+                return Err(TrainError::Data {
+                    path: dir.to_path_buf(),
+                    message: format!(
+                        "token id {id} at row {index}, position {position}{sample} is outside the model's \
+                         vocabulary of {vocab} ids: were the shards prepared with another model's tokenizer?"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// The row order of `epoch`: a permutation seeded by `seed` and the epoch, so a resumed run sees the same.
     pub fn order(&self, seed: u64, epoch: usize) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.rows.len()).collect();
@@ -86,5 +104,25 @@ mod tests {
         };
         // Position 2 → 3 crosses into the next document: never a target.
         assert_eq!(target_weights(&row), [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn an_id_outside_the_vocabulary_is_named_with_its_row_and_position() {
+        let row = |ids: Vec<u32>| Row {
+            loss_mask: vec![1; ids.len()],
+            doc_lengths: vec![ids.len() as u32],
+            input_ids: ids,
+            sample_ids: vec!["terminal-7".into()],
+            sources: vec!["s".into()],
+        };
+        let data = TrainData { rows: vec![row(vec![0, 5, 9]), row(vec![3, 10, 2])], seq_len: 3, files: Vec::new() };
+        let dir = Path::new("shards");
+        assert!(data.check_vocabulary(dir, 11).is_ok());
+        let message = data.check_vocabulary(dir, 10).unwrap_err().to_string();
+        assert!(
+            message.starts_with("shards: token id 10 at row 1, position 1 (sample terminal-7) is outside"),
+            "{message}"
+        );
+        assert!(message.contains("vocabulary of 10 ids"), "{message}");
     }
 }

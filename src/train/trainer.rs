@@ -301,6 +301,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         )
     };
     let (config, mut model) = load_model::<B>(&load_dir, device)?;
+    data.check_vocabulary(data_dir, config.vocab_size())?;
     if let Some(dtype) = cfg.precision.dtype() {
         model = model.cast_params(dtype);
     }
