@@ -26,13 +26,11 @@ use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer};
 use cubecl::prelude::*;
 
-use super::{grid_row, outputs, register_custom, row_grid};
+use super::{LOWEST, cube_log_sum_exp, exp_sum_add, grid_row, outputs, register_custom, row_grid};
 use crate::models::attention::{ChunkRows, DocumentAttention};
 
 /// Units per cube (one score row): a power of two, for the tree reduction.
 const UNITS: u32 = 128;
-/// The running maximum's start: below any score, and finite, so no `inf − inf` arises.
-const LOWEST: f32 = -3.0e38;
 
 /// Where a cube's score row sits: its index among `rows`, the offset of its batch row in the document ids,
 /// its query's position, and the last key index it may see (its own position; later keys are future).
@@ -93,45 +91,17 @@ fn softmax_rows_kernel<F: Float, I: Numeric>(
     let units = CUBE_DIM_X as usize;
     let base = place.row * keys as usize;
 
-    // Each unit's running maximum and sum of exponentials over its keys (online softmax).
+    // Each unit's running maximum and sum of exponentials over its keys, then the cube's.
     let mut max = f32::new(LOWEST);
     let mut sum = 0.0f32;
     let mut key = unit;
     while key <= place.last_key {
         if same_document::<I>(docs, &place, first, key) {
-            let x = f32::cast_from(scores[base + key]) * scale;
-            if x > max {
-                sum = sum * (max - x).exp() + 1.0;
-                max = x;
-            } else {
-                sum += (x - max).exp();
-            }
+            exp_sum_add(&mut max, &mut sum, f32::cast_from(scores[base + key]) * scale);
         }
         key += units;
     }
-
-    // The cube's maximum and sum, by halving.
-    let mut maxes = SharedMemory::<f32>::new(UNITS as usize);
-    let mut sums = SharedMemory::<f32>::new(UNITS as usize);
-    maxes[unit] = max;
-    sums[unit] = sum;
-    sync_cube();
-    let mut stride = units / 2;
-    while stride > 0 {
-        if unit < stride {
-            let a = maxes[unit];
-            let b = maxes[unit + stride];
-            let mut top = b;
-            if a > b {
-                top = a;
-            }
-            sums[unit] = sums[unit] * (a - top).exp() + sums[unit + stride] * (b - top).exp();
-            maxes[unit] = top;
-        }
-        sync_cube();
-        stride /= 2;
-    }
-    let log_sum = maxes[0] + sums[0].ln();
+    let log_sum = cube_log_sum_exp(max, sum, UNITS as usize);
     if unit == 0 {
         lse[place.row] = log_sum;
     }

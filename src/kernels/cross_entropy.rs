@@ -20,12 +20,10 @@ use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer};
 use cubecl::prelude::*;
 
-use super::{grid_row, outputs, register_custom, row_grid};
+use super::{LOWEST, cube_log_sum_exp, exp_sum_add, grid_row, outputs, register_custom, row_grid};
 
 /// Units per cube (one row of logits): a power of two, for the tree reduction.
 const UNITS: u32 = 256;
-/// The running maximum's start: below any logit, and finite, so no `inf − inf` arises.
-const LOWEST: f32 = -3.0e38;
 
 /// One cube per row: `nll[row] = log Σ exp(x) − x[target]` and, with `with_grads`,
 /// `dlogits[row, j] = coef[row] · (exp(x_j − lse) − [j = target])`, in f32 from logits in `F`.
@@ -56,37 +54,10 @@ fn cross_entropy_rows_kernel<F: Float, I: Numeric>(
     let mut sum = 0.0f32;
     let mut j = unit;
     while j < vocab {
-        let x = f32::cast_from(logits[base + j]);
-        if x > max {
-            sum = sum * (max - x).exp() + 1.0;
-            max = x;
-        } else {
-            sum += (x - max).exp();
-        }
+        exp_sum_add(&mut max, &mut sum, f32::cast_from(logits[base + j]));
         j += units;
     }
-
-    let mut maxes = SharedMemory::<f32>::new(UNITS as usize);
-    let mut sums = SharedMemory::<f32>::new(UNITS as usize);
-    maxes[unit] = max;
-    sums[unit] = sum;
-    sync_cube();
-    let mut stride = units / 2;
-    while stride > 0 {
-        if unit < stride {
-            let a = maxes[unit];
-            let b = maxes[unit + stride];
-            let mut top = b;
-            if a > b {
-                top = a;
-            }
-            sums[unit] = sums[unit] * (a - top).exp() + sums[unit + stride] * (b - top).exp();
-            maxes[unit] = top;
-        }
-        sync_cube();
-        stride /= 2;
-    }
-    let log_sum = maxes[0] + sums[0].ln();
+    let log_sum = cube_log_sum_exp(max, sum, UNITS as usize);
     // Targets are checked against the vocabulary before training (`train::trainer`); the bound only keeps a
     // bad one from reading another row.
     let target = u32::cast_from(targets[row]) as usize;

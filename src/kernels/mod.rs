@@ -55,3 +55,47 @@ pub(crate) fn row_grid(rows: usize) -> CubeCount {
 pub(crate) fn grid_row() -> usize {
     (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
 }
+
+/// The start of a running maximum (online softmax): below any value, finite, so no `inf − inf` arises.
+pub(crate) const LOWEST: f32 = -3.0e38;
+
+/// Adds `x` to a running maximum `max` and sum of exponentials `sum = Σ exp(v − max)` (online softmax),
+/// rescaling the sum when `x` is the new maximum. Start from `LOWEST` and 0.
+#[cube]
+pub(crate) fn exp_sum_add(max: &mut f32, sum: &mut f32, x: f32) {
+    if x > *max {
+        *sum = *sum * (*max - x).exp() + 1.0;
+        *max = x;
+    } else {
+        *sum += (x - *max).exp();
+    }
+}
+
+/// `log Σ exp` over every unit's values in the cube, by halving in shared memory (`units`, the cube's size,
+/// a power of two); every unit gets it.
+#[cube]
+pub(crate) fn cube_log_sum_exp(max: f32, sum: f32, #[comptime] units: usize) -> f32 {
+    let unit = UNIT_POS_X as usize;
+    let mut maxes = SharedMemory::<f32>::new(units);
+    let mut sums = SharedMemory::<f32>::new(units);
+    maxes[unit] = max;
+    sums[unit] = sum;
+    sync_cube();
+    // From the launch's cube size (`units`, known when compiling, would make it a constant).
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if unit < stride {
+            let a = maxes[unit];
+            let b = maxes[unit + stride];
+            let mut top = b;
+            if a > b {
+                top = a;
+            }
+            sums[unit] = sums[unit] * (a - top).exp() + sums[unit + stride] * (b - top).exp();
+            maxes[unit] = top;
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    maxes[0] + sums[0].ln()
+}
