@@ -32,8 +32,24 @@ use crate::models::attention::{ChunkRows, DocumentAttention};
 /// Units per cube (one score row): a power of two, for the tree reduction.
 const UNITS: u32 = 128;
 
-/// Where a cube's score row sits: its index among `rows`, the offset of its batch row in the document ids,
-/// its query's position, and the last key index it may see (its own position; later keys are future).
+/// What both kernels know of their chunk: `rows` score rows of `keys` keys, `len` queries from `start`
+/// (each batch row holds `rows_per_batch` = kv heads × group × len rows, of sequences of `seq` tokens), keys
+/// from `first`, and the scores' scale `1/√d`.
+#[derive(CubeLaunch, CubeType)]
+struct ChunkArgs {
+    rows: u32,
+    keys: u32,
+    len: u32,
+    rows_per_batch: u32,
+    seq: u32,
+    start: u32,
+    first: u32,
+    scale: f32,
+}
+
+/// Where a cube's score row sits: its index among the chunk's rows, the offset of its batch row in the
+/// document ids, its query's position, and the last key index it may see (its own position; later keys are
+/// future).
 #[derive(CubeType)]
 struct RowPlace {
     row: usize,
@@ -42,17 +58,16 @@ struct RowPlace {
     last_key: usize,
 }
 
-/// The running cube's row (`kernels::row_grid`) in a chunk of `len` queries starting at `start`, keys from
-/// `first`, `rows_per_batch` rows per batch row (kv heads × group × len) in sequences of `seq` tokens.
+/// The running cube's row (`kernels::row_grid`) in the chunk.
 #[cube]
-fn row_place(len: u32, rows_per_batch: u32, seq: u32, start: u32, first: u32) -> RowPlace {
+fn row_place(args: &ChunkArgs) -> RowPlace {
     let row = grid_row();
-    let query = start as usize + row % len as usize;
+    let query = args.start as usize + row % args.len as usize;
     RowPlace {
         row,
-        batch_offset: row / rows_per_batch as usize * seq as usize,
+        batch_offset: row / args.rows_per_batch as usize * args.seq as usize,
         query,
-        last_key: query - first as usize,
+        last_key: query - args.first as usize,
     }
 }
 
@@ -66,38 +81,30 @@ fn same_document<I: Numeric>(docs: &Tensor<I>, place: &RowPlace, first: u32, key
 /// Forward: `probs[row, j] = exp(S[row, j]·scale − lse[row])` over the keys the row's query sees (0
 /// elsewhere), `lse[row] = log Σ exp(S·scale)` over them, in f32 from `scores` in `F`.
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
 fn softmax_rows_kernel<F: Float, I: Numeric>(
     scores: &Tensor<F>,
     docs: &Tensor<I>,
     probs: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
-    rows: u32,
-    keys: u32,
-    len: u32,
-    rows_per_batch: u32,
-    seq: u32,
-    start: u32,
-    first: u32,
-    scale: f32,
+    args: ChunkArgs,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let place = row_place(len, rows_per_batch, seq, start, first);
+    let place = row_place(&args);
     // Whole cubes leave: the row is the cube's, so no unit waits at a barrier another has left.
-    if place.row >= rows as usize {
+    if place.row >= args.rows as usize {
         terminate!();
     }
     let unit = UNIT_POS_X as usize;
     let units = CUBE_DIM_X as usize;
-    let base = place.row * keys as usize;
+    let base = place.row * args.keys as usize;
 
     // Each unit's running maximum and sum of exponentials over its keys, then the cube's.
     let mut max = f32::new(LOWEST);
     let mut sum = 0.0f32;
     let mut key = unit;
     while key <= place.last_key {
-        if same_document::<I>(docs, &place, first, key) {
-            exp_sum_add(&mut max, &mut sum, f32::cast_from(scores[base + key]) * scale);
+        if same_document::<I>(docs, &place, args.first, key) {
+            exp_sum_add(&mut max, &mut sum, f32::cast_from(scores[base + key]) * args.scale);
         }
         key += units;
     }
@@ -107,11 +114,11 @@ fn softmax_rows_kernel<F: Float, I: Numeric>(
     }
 
     let mut key = unit;
-    while key < keys as usize {
+    while key < args.keys as usize {
         let mut p = 0.0f32;
         // `key < keys` keeps the document id read in bounds whether or not `&&` short-circuits here.
-        if key <= place.last_key && same_document::<I>(docs, &place, first, key) {
-            p = (f32::cast_from(scores[base + key]) * scale - log_sum).exp();
+        if key <= place.last_key && same_document::<I>(docs, &place, args.first, key) {
+            p = (f32::cast_from(scores[base + key]) * args.scale - log_sum).exp();
         }
         probs[base + key] = F::cast_from(p);
         key += units;
@@ -121,7 +128,6 @@ fn softmax_rows_kernel<F: Float, I: Numeric>(
 /// Backward: `probs = exp(S·scale − lse)` (0 where unseen) and `grad_scores = probs · (dP − δ) · scale`, per
 /// element in f32, written in `F`.
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
 fn score_grads_kernel<F: Float, I: Numeric>(
     scores: &Tensor<F>,
     grad_probs: &Tensor<F>,
@@ -130,33 +136,26 @@ fn score_grads_kernel<F: Float, I: Numeric>(
     docs: &Tensor<I>,
     probs: &mut Tensor<F>,
     grad_scores: &mut Tensor<F>,
-    rows: u32,
-    keys: u32,
-    len: u32,
-    rows_per_batch: u32,
-    seq: u32,
-    start: u32,
-    first: u32,
-    scale: f32,
+    args: ChunkArgs,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let place = row_place(len, rows_per_batch, seq, start, first);
-    if place.row >= rows as usize {
+    let place = row_place(&args);
+    if place.row >= args.rows as usize {
         terminate!();
     }
-    let base = place.row * keys as usize;
+    let base = place.row * args.keys as usize;
     let log_sum = lse[place.row];
     let row_delta = delta[place.row];
     let mut key = UNIT_POS_X as usize;
-    while key < keys as usize {
+    while key < args.keys as usize {
         let at = base + key;
         let mut p = 0.0f32;
         // `key < keys` keeps the document id read in bounds whether or not `&&` short-circuits here.
-        if key <= place.last_key && same_document::<I>(docs, &place, first, key) {
-            p = (f32::cast_from(scores[at]) * scale - log_sum).exp();
+        if key <= place.last_key && same_document::<I>(docs, &place, args.first, key) {
+            p = (f32::cast_from(scores[at]) * args.scale - log_sum).exp();
         }
         probs[at] = F::cast_from(p);
-        grad_scores[at] = F::cast_from(p * (f32::cast_from(grad_probs[at]) - row_delta) * scale);
+        grad_scores[at] = F::cast_from(p * (f32::cast_from(grad_probs[at]) - row_delta) * args.scale);
         key += CUBE_DIM_X as usize;
     }
 }
@@ -212,38 +211,24 @@ fn per_row_shape(scores: &Shape) -> Shape {
     Shape::new([batch, kv_heads, rows, 1])
 }
 
-/// The launch geometry and the scalars both kernels take, from the scores' shape and the document ids'.
-struct RowLaunch {
-    count: CubeCount,
-    rows: u32,
-    keys: u32,
-    len: u32,
-    rows_per_batch: u32,
-    seq: u32,
-    start: u32,
-    first: u32,
-    scale: f32,
-}
-
-impl RowLaunch {
-    fn new(scores: &Shape, docs: &Shape, chunk: ChunkRows) -> Self {
-        let [batch, kv_heads, group_rows, keys] = scores.dims::<4>();
-        let seq = docs.dims::<2>()[1];
-        assert_eq!(keys, chunk.keys(), "the attention chunk's scores span its keys");
-        let rows = batch * kv_heads * group_rows;
-        let narrow = |n: usize| u32::try_from(n).expect("attention chunk sizes fit in u32");
-        RowLaunch {
-            count: row_grid(rows),
-            rows: narrow(rows),
-            keys: narrow(keys),
-            len: narrow(chunk.len),
-            rows_per_batch: narrow(kv_heads * group_rows),
-            seq: narrow(seq),
-            start: narrow(chunk.start),
-            first: narrow(chunk.first),
-            scale: chunk.scale as f32,
-        }
-    }
+/// The grid and `ChunkArgs` of a chunk, from the scores' shape and the document ids'.
+fn chunk_launch<R: Runtime>(scores: &Shape, docs: &Shape, chunk: ChunkRows) -> (CubeCount, ChunkArgsLaunch<R>) {
+    let [batch, kv_heads, group_rows, keys] = scores.dims::<4>();
+    let seq = docs.dims::<2>()[1];
+    assert_eq!(keys, chunk.keys(), "the attention chunk's scores span its keys");
+    let rows = batch * kv_heads * group_rows;
+    let narrow = |n: usize| u32::try_from(n).expect("attention chunk sizes fit in u32");
+    let args = ChunkArgsLaunch::new(
+        narrow(rows),
+        narrow(keys),
+        narrow(chunk.len),
+        narrow(kv_heads * group_rows),
+        narrow(seq),
+        narrow(chunk.start),
+        narrow(chunk.first),
+        chunk.scale as f32,
+    );
+    (row_grid(rows), args)
 }
 
 fn f32_per_row<R: CubeRuntime>(t: CubeTensor<R>, what: &str) -> CubeTensor<R> {
@@ -253,27 +238,20 @@ fn f32_per_row<R: CubeRuntime>(t: CubeTensor<R>, what: &str) -> CubeTensor<R> {
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionRowKernels for CubeBackend<R, F, I, BT> {
     fn attention_probs(scores: FloatTensor<Self>, docs: IntTensor<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2] {
-        let launch = RowLaunch::new(&scores.shape(), &docs.shape(), rows);
+        let (count, args) = chunk_launch::<R>(&scores.shape(), &docs.shape(), rows);
         let (client, device, dtype) = (scores.client.clone(), scores.device.clone(), scores.dtype);
         let probs = empty_device_dtype::<R>(client.clone(), device.clone(), scores.shape(), dtype);
         let lse = empty_device_dtype::<R>(client.clone(), device, per_row_shape(&scores.shape()), DType::F32);
         let doc_dtype = docs.dtype;
         softmax_rows_kernel::launch::<R>(
             &client,
-            launch.count,
+            count,
             CubeDim::new_1d(UNITS),
             into_contiguous(scores).into_tensor_arg(),
             into_contiguous(docs).into_tensor_arg(),
             probs.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
-            launch.rows,
-            launch.keys,
-            launch.len,
-            launch.rows_per_batch,
-            launch.seq,
-            launch.start,
-            launch.first,
-            launch.scale,
+            args,
             [dtype.into(), doc_dtype.into()],
         );
         [probs, lse]
@@ -281,7 +259,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionR
 
     fn score_grads(inputs: ScoreGradInputs<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2] {
         let ScoreGradInputs { scores, grad_probs, lse, delta, docs } = inputs;
-        let launch = RowLaunch::new(&scores.shape(), &docs.shape(), rows);
+        let (count, args) = chunk_launch::<R>(&scores.shape(), &docs.shape(), rows);
         assert_eq!(grad_probs.dtype, scores.dtype, "the attention kernels take dP in the scores' dtype");
         let (client, device, dtype) = (scores.client.clone(), scores.device.clone(), scores.dtype);
         let [probs, grad_scores] =
@@ -289,7 +267,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionR
         let doc_dtype = docs.dtype;
         score_grads_kernel::launch::<R>(
             &client,
-            launch.count,
+            count,
             CubeDim::new_1d(UNITS),
             into_contiguous(scores).into_tensor_arg(),
             into_contiguous(grad_probs).into_tensor_arg(),
@@ -298,14 +276,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionR
             into_contiguous(docs).into_tensor_arg(),
             probs.clone().into_tensor_arg(),
             grad_scores.clone().into_tensor_arg(),
-            launch.rows,
-            launch.keys,
-            launch.len,
-            launch.rows_per_batch,
-            launch.seq,
-            launch.start,
-            launch.first,
-            launch.scale,
+            args,
             [dtype.into(), doc_dtype.into()],
         );
         [probs, grad_scores]
