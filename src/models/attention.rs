@@ -4,7 +4,10 @@
 //! query), softmax runs in f32 with a per-query log-sum-exp, and no `[batch, heads, seq, seq]` tensor ever
 //! exists. Under autodiff the backward pass is written by hand (scores recomputed per chunk from the saved
 //! log-sum-exp), so training keeps `O(seq)` per head instead of burn's composed backward that holds the
-//! full scores and probabilities of every attention layer until the end of the step.
+//! full scores and probabilities of every attention layer until the end of the step. Between the matmuls,
+//! each chunk's softmax rows go through the backend (`ModelBackend::attention_probs`,
+//! `attention_score_grads`): the tensor ops here (`softmax_rows`, `score_grads`), one CubeCL kernel each on
+//! the CubeCL backends (`kernels::attention`).
 //!
 //! `grouped_attention` (one softmax over an explicit additive mask) stays the path of cached decoding and
 //! the reference the tests hold the chunked computation to. The models reach this through

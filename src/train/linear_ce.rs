@@ -3,7 +3,9 @@
 //! of the head) are taken while its logits are alive, in the forward pass. The backward pass then only
 //! scales the stored gradients by the loss's incoming gradient, so the op costs the three matmuls of the
 //! plain composition and its memory peak is one chunk of logits instead of several full `[tokens, vocab]`
-//! tensors in f32 (the peak of 65k–248k vocabularies). The loss is in f32 whatever the compute dtype.
+//! tensors in f32 (the peak of 65k–248k vocabularies). The loss is in f32 whatever the compute dtype. Each
+//! chunk's rows (loss and logit gradients from the logits) are the backend's (`CrossEntropyRows`): the
+//! tensor ops here, one CubeCL kernel on the CubeCL backends (`kernels::cross_entropy`).
 //!
 //! The plain composition (`step::masked_loss`: matmul → f32 → log-softmax → gather) is the reference the
 //! tests compare this op with, in value and in both gradients, and what runs under
