@@ -342,8 +342,7 @@ macro_rules! cubecl_model_backend {
                 if attention_kernel_enabled() {
                     crate::kernels::attention::attention_probs(scores, docs, rows)
                 } else {
-                    let (probs, lse) = crate::models::attention::softmax_rows(scores, docs, rows);
-                    [probs, lse]
+                    crate::models::attention::softmax_rows(scores, docs, rows)
                 }
             }
 
@@ -358,9 +357,7 @@ macro_rules! cubecl_model_backend {
                 if attention_kernel_enabled() {
                     crate::kernels::attention::attention_score_grads([scores, grad_probs, lse, delta], docs, rows)
                 } else {
-                    let (probs, grads) =
-                        crate::models::attention::score_grads(scores, grad_probs, lse, delta, docs, rows);
-                    [probs, grads]
+                    crate::models::attention::score_grads(scores, grad_probs, lse, delta, docs, rows)
                 }
             }
 

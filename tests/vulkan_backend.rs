@@ -247,10 +247,10 @@ fn the_attention_kernels_equal_the_tensor_op_softmax_rows() {
             let attention = DocumentAttention::<Vk>::new(&layout, &device);
             let [scores, grad_probs, lse, delta] = chunk_rows_inputs::<Vk>(heads, rows, dtype, &device);
             let kernel = attention_kernel::attention_probs(scores.clone(), &attention, rows);
-            let (probs, log_sum) = softmax_rows(scores.clone(), &attention, rows);
+            let [probs, log_sum] = softmax_rows(scores.clone(), &attention, rows);
             let inputs = [scores.clone(), grad_probs.clone(), lse.clone(), delta.clone()];
             let kernel_grads = attention_kernel::attention_score_grads(inputs, &attention, rows);
-            let (grad_p, grad_s) = score_grads(scores, grad_probs, lse, delta, &attention, rows);
+            let [grad_p, grad_s] = score_grads(scores, grad_probs, lse, delta, &attention, rows);
             let [kernel_probs, kernel_lse] = kernel;
             let [kernel_grad_p, kernel_grad_s] = kernel_grads;
             let parts = [

@@ -16,7 +16,7 @@
 use burn::tensor::Tensor as BurnTensor;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, Shape, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
@@ -26,7 +26,10 @@ use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer};
 use cubecl::prelude::*;
 
-use super::{LOWEST, cube_log_sum_exp, exp_sum_add, grid_row, outputs, register_custom, row_grid};
+use super::{
+    LOWEST, cube_log_sum_exp, exp_sum_add, float_tensor, grid_row, outputs, register_custom, register_float_outputs,
+    row_grid,
+};
 use crate::models::attention::{ChunkRows, DocumentAttention};
 
 /// Units per cube (one score row): a power of two, for the tree reduction.
@@ -184,8 +187,7 @@ pub fn attention_probs<B: AttentionRowKernels>(
     rows: ChunkRows,
 ) -> [BurnTensor<B, 4>; 2] {
     let ids = docs.ids().clone().into_primitive();
-    B::attention_probs(scores.into_primitive().tensor(), ids, rows)
-        .map(|t| BurnTensor::from_primitive(TensorPrimitive::Float(t)))
+    B::attention_probs(scores.into_primitive().tensor(), ids, rows).map(float_tensor)
 }
 
 /// `ModelBackend::attention_score_grads` on a CubeCL backend: one kernel launch.
@@ -202,7 +204,7 @@ pub fn attention_score_grads<B: AttentionRowKernels>(
         delta: primitive(delta),
         docs: docs.ids().clone().into_primitive(),
     };
-    B::score_grads(inputs, rows).map(|t| BurnTensor::from_primitive(TensorPrimitive::Float(t)))
+    B::score_grads(inputs, rows).map(float_tensor)
 }
 
 /// The per-row output shape `[.., 1]` of scores `[batch, kv_heads, group · len, keys]`.
@@ -313,9 +315,7 @@ impl<B: FusionBackend + AttentionRowKernels> Operation<B::FusionRuntime> for Fus
                 B::score_grads(inputs, self.rows)
             }
         };
-        for (out, result) in outputs.iter().zip(results) {
-            handles.register_float_tensor::<B>(&out.id, result);
-        }
+        register_float_outputs::<B>(handles, outputs, results);
     }
 }
 

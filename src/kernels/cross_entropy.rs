@@ -11,7 +11,7 @@
 use burn::tensor::Tensor as BurnTensor;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, Int, Shape, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, Int, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
@@ -20,7 +20,10 @@ use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer};
 use cubecl::prelude::*;
 
-use super::{LOWEST, cube_log_sum_exp, exp_sum_add, grid_row, outputs, register_custom, row_grid};
+use super::{
+    LOWEST, cube_log_sum_exp, exp_sum_add, float_tensor, grid_row, outputs, register_custom, register_float_outputs,
+    row_grid,
+};
 
 /// Units per cube (one row of logits): a power of two, for the tree reduction.
 const UNITS: u32 = 256;
@@ -108,7 +111,7 @@ pub fn cross_entropy_rows<B: CrossEntropyRowsKernel>(
         coef.into_primitive().tensor(),
         with_grads,
     )
-    .map(|t| BurnTensor::from_primitive(TensorPrimitive::Float(t)));
+    .map(float_tensor);
     (nll, with_grads.then_some(dlogits))
 }
 
@@ -168,9 +171,7 @@ impl<B: FusionBackend + CrossEntropyRowsKernel> Operation<B::FusionRuntime> for 
         let targets = handles.get_int_tensor::<B>(&inputs[1]);
         let coef = handles.get_float_tensor::<B>(&inputs[2]);
         let results = B::cross_entropy_rows(logits, targets, coef, self.with_grads);
-        for (out, result) in outputs.iter().zip(results) {
-            handles.register_float_tensor::<B>(&out.id, result);
-        }
+        register_float_outputs::<B>(handles, outputs, results);
     }
 }
 

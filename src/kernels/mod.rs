@@ -3,16 +3,19 @@
 //! one cube per row. Each kernel replaces a tensor-op composition that stays the reference it is tested
 //! against (tests/vulkan_backend.rs) and the path of every other backend: the DeltaNet scan across chunks
 //! (`scan`), the attention's softmax rows (`attention`), the cross-entropy's rows (`cross_entropy`).
-//! `backend` wires them into `ModelBackend`, each behind an environment switch.
+//! `backend` wires them into `ModelBackend` and `train::linear_ce::CrossEntropyRows`, each behind an environment
+//! switch.
 
 pub mod attention;
 pub mod cross_entropy;
 pub mod scan;
 
-use burn::tensor::{DType, Shape};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Shape, TensorPrimitive};
 use burn_fusion::stream::{Operation, OperationStreams};
-use burn_fusion::{FusionBackend, FusionTensor};
-use burn_ir::{CustomOpIr, OperationIr, TensorIr};
+use burn_fusion::{FusionBackend, FusionRuntime, FusionTensor};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 use cubecl::prelude::*;
 
 /// Registers one of kiln's kernels in burn-fusion's stream as a custom operation named `name` on `inputs`,
@@ -33,6 +36,22 @@ pub(crate) fn register_custom<B: FusionBackend, O: Operation<B::FusionRuntime> +
     let inputs: Vec<TensorIr> = inputs.into_iter().map(|t| t.into_ir()).collect();
     let desc = CustomOpIr::new(name, &inputs, &outputs);
     client.register(streams, OperationIr::Custom(desc.clone()), operation(desc))
+}
+
+/// In a custom operation's `execute`: the kernel's results as the description's outputs, in order.
+pub(crate) fn register_float_outputs<B: FusionBackend>(
+    handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+    outputs: &[TensorIr],
+    results: impl IntoIterator<Item = FloatTensor<B>>,
+) {
+    for (out, result) in outputs.iter().zip(results) {
+        handles.register_float_tensor::<B>(&out.id, result);
+    }
+}
+
+/// A kernel's float result as a burn tensor (cubecl's prelude has its own `Tensor`, hence the path).
+pub(crate) fn float_tensor<B: Backend, const D: usize>(t: FloatTensor<B>) -> burn::tensor::Tensor<B, D> {
+    burn::tensor::Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
 /// `n` outputs of `register_custom` as an array.

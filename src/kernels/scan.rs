@@ -11,7 +11,7 @@
 use burn::tensor::Tensor as BurnTensor;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Shape, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
@@ -20,7 +20,7 @@ use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer};
 use cubecl::prelude::*;
 
-use super::{outputs, register_custom};
+use super::{float_tensor, outputs, register_custom, register_float_outputs};
 use crate::models::deltanet::{ChunkRecurrence, Direction, RecurrenceOut};
 
 /// State columns per cube. With `UNITS`, the knob to turn once the device profile shows the kernel's time:
@@ -185,11 +185,7 @@ pub fn chunk_recurrence<B: ChunkScanKernel>(rec: ChunkRecurrence<B>) -> Recurren
         initial: rec.initial.into_primitive().tensor(),
     };
     let [states, corrections, last] = B::chunk_scan(inputs, rec.direction);
-    RecurrenceOut {
-        states: BurnTensor::from_primitive(TensorPrimitive::Float(states)),
-        corrections: BurnTensor::from_primitive(TensorPrimitive::Float(corrections)),
-        last: BurnTensor::from_primitive(TensorPrimitive::Float(last)),
-    }
+    RecurrenceOut { states: float_tensor(states), corrections: float_tensor(corrections), last: float_tensor(last) }
 }
 
 /// The output shapes `[states, corrections, last]` for `reads` `[b, h, n, c, dk]` and `base` `[.., dv]`.
@@ -262,9 +258,7 @@ impl<B: FusionBackend + ChunkScanKernel> Operation<B::FusionRuntime> for FusedCh
             extra: (inputs.len() > 5).then(|| get(5)),
         };
         let results = B::chunk_scan(primitives, self.direction);
-        for (out, result) in outputs.iter().zip(results) {
-            handles.register_float_tensor::<B>(&out.id, result);
-        }
+        register_float_outputs::<B>(handles, outputs, results);
     }
 }
 

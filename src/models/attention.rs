@@ -222,7 +222,7 @@ pub fn softmax_rows<B: Backend>(
     scores: Tensor<B, 4>,
     docs: &DocumentAttention<B>,
     rows: ChunkRows,
-) -> (Tensor<B, 4>, Tensor<B, 4>) {
+) -> [Tensor<B, 4>; 2] {
     let shape = scores.dims();
     let dtype = FloatDType::from(scores.dtype());
     let masked = masked_scores(scores, docs, rows);
@@ -230,7 +230,7 @@ pub fn softmax_rows<B: Backend>(
     let exp = (masked - max.clone()).exp();
     let sum = exp.clone().sum_dim(4);
     let probs = (exp / sum.clone()).cast(dtype).reshape(shape);
-    (probs, (max + sum.log()).reshape([shape[0], shape[1], shape[2], 1]))
+    [probs, (max + sum.log()).reshape([shape[0], shape[1], shape[2], 1])]
 }
 
 /// `ModelBackend::attention_score_grads` as tensor ops: from a chunk's unscaled scores `S`, the gradient
@@ -244,7 +244,7 @@ pub fn score_grads<B: Backend>(
     delta: Tensor<B, 4>,
     docs: &DocumentAttention<B>,
     rows: ChunkRows,
-) -> (Tensor<B, 4>, Tensor<B, 4>) {
+) -> [Tensor<B, 4>; 2] {
     let shape = scores.dims();
     let [batch, kv_heads, group_len, keys] = shape;
     let dtype = FloatDType::from(scores.dtype());
@@ -252,7 +252,7 @@ pub fn score_grads<B: Backend>(
     let probs = (masked_scores(scores, docs, rows) - five(lse, 1)).exp();
     let grad_probs = five(grad_probs.cast(FloatDType::F32), keys);
     let grad_scores = (probs.clone() * (grad_probs - five(delta, 1))) * rows.scale;
-    (probs.cast(dtype).reshape(shape), grad_scores.cast(dtype).reshape(shape))
+    [probs.cast(dtype).reshape(shape), grad_scores.cast(dtype).reshape(shape)]
 }
 
 /// The exact attention of `ModelBackend::document_attention`, chunk by chunk, on any backend: the matmuls

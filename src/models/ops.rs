@@ -115,8 +115,7 @@ pub trait ModelBackend: Backend {
         docs: &DocumentAttention<Self>,
         rows: ChunkRows,
     ) -> [Tensor<Self, 4>; 2] {
-        let (probs, lse) = softmax_rows(scores, docs, rows);
-        [probs, lse]
+        softmax_rows(scores, docs, rows)
     }
 
     /// The backward pass's probabilities and score gradients of one attention chunk
@@ -129,8 +128,7 @@ pub trait ModelBackend: Backend {
         docs: &DocumentAttention<Self>,
         rows: ChunkRows,
     ) -> [Tensor<Self, 4>; 2] {
-        let (probs, grad_scores) = score_grads(scores, grad_probs, lse, delta, docs, rows);
-        [probs, grad_scores]
+        score_grads(scores, grad_probs, lse, delta, docs, rows)
     }
 
     /// SwiGLU's gate `silu(gate) · up`, in the inputs' dtype.
