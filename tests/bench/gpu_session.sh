@@ -33,10 +33,12 @@
 #            accumulated (the f32 gradient sum the recipe's global batch needs), 8-bit moments, two steps,
 #            without and with activation checkpointing, into table-fit.md: does it fit one GPU, how fast.
 #
-# A kiln run that fails on burn's fused CUDA backend is run again without fusion (KILN_CUDA_FUSION=off), so
-# the session still brings back kiln's figures and says whose bug it was: parity runs both for each tiny run;
-# the table stages run the failed shape's other rows unfused, and after a failure the train, pipeline and
-# profile stages run unfused (FUSION_MARK, $OUT/fusion-failed, lists the shapes).
+# A kiln run that fails on CUDA is run again without what has never run on a GPU before (tests/bench/
+# fallback.sh: kiln's own CubeCL kernels, burn's fusion, both), so the session still brings back kiln's
+# figures and says whose bug it was. The parity stage also catches a run that completes with wrong losses, and
+# finds the switch that mends it (each kernel alone first); what it finds holds for every run after it. The
+# table stages run a failed shape's other rows with the switches that worked for it, and the train, pipeline
+# and profile stages run with every switch marked before (FALLBACK_MARK, $OUT/fallback: "<shape|*> NAME=off …").
 #
 #   KILN=gpu/kiln.gz OUT=$OUT PACK=$OUT/session.tgz tests/bench/gpu_session.sh   (make gpu-carry packs gpu/kiln.gz)
 #
@@ -79,19 +81,38 @@ parity_run() {
         --out "$OUT/parity/$shape@$3.json" >/dev/null 2>>"$OUT/parity.log"
 }
 
+# Whether the parity run tagged $1 of $shape is within its precision's tolerance of the shape's CPU f32 run.
+parity_ok() {
+    python3 tests/bench/parity.py "$OUT/parity/$shape@cpu-f32.json" "$OUT/parity/$shape@$1.json" >/dev/null 2>&1
+}
+
 stage_parity() {
     step "parity: tiny shapes on cpu f32 and $DEVICE f32, bf16"
-    local config shape run status=0
+    local config shape run status=0 marked tag variant switches
     mkdir -p "$OUT/parity"
     for config in configs/models/tiny configs/models/tiny-qwen3.5 tests/fixtures/lfm2/lfm2-moe-tiny; do
         shape=$(basename "$config")
         for run in "cpu f32" "$DEVICE f32" "$DEVICE bf16"; do
             set -- $run
-            parity_run "$1" "$2" "$1-$2" && continue
-            echo "bench-train of $shape on $1 $2 failed (see parity.log)" >&2
+            marked=""
+            [[ $1 != cpu ]] && marked=$(marked_switches "$FALLBACK_MARK" | paste -sd' ')
+            tag=$1-$2${marked:+-$(switches_label "$marked")}
+            with_switches "$marked" parity_run "$1" "$2" "$tag" && { [[ $1 == cpu ]] || parity_ok "$tag"; } && continue
+            echo "bench-train of $shape on $1 $2${marked:+ ($marked)} failed or is off the CPU's losses (see parity.log)" >&2
             status=1
-            # The same without burn's fusion says whose bug it is.
-            [[ $1 == cuda ]] && KILN_CUDA_FUSION=off parity_run "$1" "$2" "$1-unfused-$2"
+            [[ $1 == cuda ]] || continue
+            # Which switch mends it says whose bug it is; it then holds for every run after this one.
+            for variant in "${FALLBACK_DIAGNOSIS[@]}"; do
+                # shellcheck disable=SC2086  # word lists
+                switches=$(printf '%s\n' $marked $variant | sort -u | paste -sd' ')
+                [[ $switches == "$marked" ]] && continue
+                tag=$1-$2-$(switches_label "$switches")
+                if with_switches "$switches" parity_run "$1" "$2" "$tag" && parity_ok "$tag"; then
+                    echo "$shape on $1 $2 runs with $switches: marked for every kiln run after it" >&2
+                    echo "* $switches" >>"$FALLBACK_MARK"
+                    break
+                fi
+            done
         done
     done
     python3 tests/bench/parity.py "$OUT"/parity/*.json >"$OUT/parity.md" || status=1
@@ -167,8 +188,9 @@ stage_profile() {
     for shape in $PROFILE_SHAPES; do
         step "kernel profile: $shape"
         # The table's row of the shape (the same settings, unprofiled), for the share of its step the kernels fill.
-        local row=$OUT/bench/$shape-kiln.json
-        [[ ${KILN_CUDA_FUSION:-on} == off ]] && row=$OUT/bench/$shape-kiln-unfused.json
+        local switches row
+        switches=$(env | grep -E '^KILN_(CUDA_FUSION|ATTENTION_KERNEL|LOSS_KERNEL|SCAN_KERNEL)=off$' | paste -sd' ')
+        row=$OUT/bench/$shape-kiln${switches:+-$(switches_label "$switches")}.json
         [[ -f $row ]] || row=""
         if BENCH=$row DEVICE=$DEVICE KILN=$KILN SEQ=${SEQ:-4096} tests/bench/kernel_profile.sh \
             "tests/bench/shapes/$shape.json" "$OUT/profile-$shape"; then
@@ -210,15 +232,27 @@ stage_train() {
         status=1
         echo "kiln train failed (see train.log)" >&2
         tail -5 "$OUT/train.log" >&2
-        # A non-finite loss or a failure on the fused backend: the same run without burn's fusion says whose
-        # bug it is.
-        if [[ $DEVICE == cuda && ${KILN_CUDA_FUSION:-on} != off ]]; then
-            step "kiln train again with KILN_CUDA_FUSION=off"
-            KILN_CUDA_FUSION=off run_train "$train_run-unfused" >"$OUT/train-unfused.log" 2>&1 \
-                && echo "$TRAIN_SHAPE train" >>"$FUSION_MARK"
-            tail -2 "$OUT/train-unfused.log"
-            mkdir -p "$OUT/train-unfused"
-            cp "$train_run-unfused"/train/metrics.jsonl "$OUT/train-unfused/" 2>/dev/null
+        # A non-finite loss or a failure on CUDA: the same run without what has never run on a GPU before
+        # (fallback.sh) says whose bug it is.
+        if [[ $DEVICE == cuda ]]; then
+            local marked variant switches label
+            marked=$(marked_switches "$FALLBACK_MARK" | paste -sd' ')
+            for variant in "${FALLBACK_VARIANTS[@]}"; do
+                # shellcheck disable=SC2086  # word lists
+                switches=$(printf '%s\n' $marked $variant | sort -u | paste -sd' ')
+                [[ $switches == "$marked" ]] && continue
+                label=$(switches_label "$switches")
+                step "kiln train again with $switches"
+                with_switches "$switches" run_train "$train_run-$label" >"$OUT/train-$label.log" 2>&1
+                local ok=$?
+                tail -2 "$OUT/train-$label.log"
+                mkdir -p "$OUT/train-$label"
+                cp "$train_run-$label"/train/metrics.jsonl "$OUT/train-$label/" 2>/dev/null
+                if ((ok == 0)); then
+                    echo "$TRAIN_SHAPE $switches" >>"$FALLBACK_MARK"
+                    break
+                fi
+            done
         fi
     fi
     mkdir -p "$OUT/train"
@@ -244,9 +278,15 @@ stage_pipeline() {
 
 # One stage, in a process of its own so that the parent can time it out (the parent has set up KILN and OUT).
 if [[ ${1:-} == --stage ]]; then
-    if [[ $DEVICE == cuda && -s $FUSION_MARK && " train pipeline profile " == *" $2 "* ]]; then
-        echo "note: kiln runs without burn's fusion in this stage: it failed before ($(paste -sd, "$FUSION_MARK"))" >&2
-        export KILN_CUDA_FUSION=off
+    # shellcheck source=tests/bench/fallback.sh
+    source tests/bench/fallback.sh
+    if [[ $DEVICE == cuda && " train pipeline profile " == *" $2 "* ]]; then
+        marked=$(marked_switches "$FALLBACK_MARK" | paste -sd' ')
+        if [[ -n $marked ]]; then
+            echo "note: kiln runs with $marked in this stage, after failures before ($(paste -sd, "$FALLBACK_MARK"))" >&2
+            # shellcheck disable=SC2086  # NAME=off assignments
+            export $marked
+        fi
     fi
     "stage_$2"
     exit $?
@@ -269,12 +309,11 @@ if [[ $KERNEL_CACHE != off && ! -e cubecl.toml ]]; then
     trap 'rm -f cubecl.toml' EXIT
 fi
 export KERNEL_CACHE
-# Where the table and train stages note the shapes whose kiln run failed on burn's fused backend and ran
-# without it (train.sh's FUSION_MARK): the later table rows of those shapes, and the train, pipeline and
-# profile stages after, then run kiln without fusion (KILN_CUDA_FUSION=off). Parity runs both itself.
-: "${FUSION_MARK:=$OUT/fusion-failed}"
+# Where the parity, table and train stages note the switches that mended a failed kiln run (fallback.sh;
+# train.sh's FALLBACK_MARK): the later runs take them.
+: "${FALLBACK_MARK:=$OUT/fallback}"
 export DEVICE STAGES SHAPES KILN_OPS TRAIN_SHAPE EPOCHS TRAIN_MICRO TRAIN_BATCH TRAIN_LR PROFILE_SHAPES SCAN_AB \
-    MOMENTS_SHAPES FIT_SHAPE FIT_SEQ OUT KILN LD_LIBRARY_PATH FUSION_MARK
+    MOMENTS_SHAPES FIT_SHAPE FIT_SEQ OUT KILN LD_LIBRARY_PATH FALLBACK_MARK
 
 step "machine"
 {

@@ -19,10 +19,11 @@
 #               --activation-checkpointing), or several: "ops reference unfused noscan noattn noloss checkpointed"
 #   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py), or none
 #   PYTHON      a python with torch and transformers (python3); without them the reference is skipped
-#   FALLBACK_UNFUSED  1: after a kiln row of a shape fails on CUDA with burn's fusion, it and the shape's
-#               other rows run without fusion (KILN_CUDA_FUSION=off, labelled "unfused"); 0: not
-#   FUSION_MARK a file of "<shape> <ops>" lines, one per shape whose fused row failed and unfused one ran:
-#               appended to here, and read first (those shapes run unfused from the start)
+#   FALLBACK    1: after a kiln row of a shape fails on CUDA, it runs again without kiln's own kernels, then
+#               without burn's fusion, then without both (tests/bench/fallback.sh), and the shape's other rows
+#               run with the first set of switches that worked; 0: not
+#   FALLBACK_MARK a file of "<shape|*> NAME=off …" lines (fallback.sh): appended to here when a fallback
+#               worked, and read first (a shape's rows run with its lines' and the "*" lines' switches)
 #   OUT         runs/bench-train
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,7 +39,7 @@ else
     : "${SEQ:=128}" "${STEPS:=2}" "${WARMUP:=1}" "${PEAK_TFLOPS:=}" "${REFERENCE:=f32}"
     default_shapes=(tiny tiny-qwen3.5)
 fi
-: "${FALLBACK_UNFUSED:=1}" "${FUSION_MARK:=}" "${MICRO:=1}" "${ACC:=1}" "${PRECISION:=auto}" "${MOMENTS:=f32}" "${KILN_OPS:=ops}" "${OUT:=runs/bench-train}"
+: "${FALLBACK:=1}" "${FALLBACK_MARK:=}" "${MICRO:=1}" "${ACC:=1}" "${PRECISION:=auto}" "${MOMENTS:=f32}" "${KILN_OPS:=ops}" "${OUT:=runs/bench-train}"
 [[ $REFERENCE == none ]] && REFERENCE=""
 shapes=("$@")
 ((${#shapes[@]})) || shapes=("${default_shapes[@]}")
@@ -53,13 +54,17 @@ have_torch=1
 common=(--seq "$SEQ" --micro-batch "$MICRO" --accumulation "$ACC" --steps "$STEPS" --warmup "$WARMUP")
 [[ -n $PEAK_TFLOPS ]] && common+=(--peak-tflops "$PEAK_TFLOPS")
 failures=0
-# Shapes whose kiln run failed with burn's fusion and ran without it (here or, through FUSION_MARK, before).
-unfused_shapes=" "
-[[ -n $FUSION_MARK && -s $FUSION_MARK ]] && unfused_shapes=" $(cut -d' ' -f1 "$FUSION_MARK" | paste -sd' ') "
+# shellcheck source=tests/bench/fallback.sh
+source tests/bench/fallback.sh
+if [[ -z $FALLBACK_MARK ]]; then
+    FALLBACK_MARK=$(mktemp)
+    trap 'rm -f "$FALLBACK_MARK"' EXIT
+fi
 results=()
-# One kiln row into $out, with the loop's settings; the result is labelled with its shape.
+# One kiln row into $out, with the loop's settings and the switches in $1; the result is labelled with its shape.
 kiln_row() {
-    KILN_CUDA_FUSION=$fusion KILN_SCAN_KERNEL=$scan KILN_ATTENTION_KERNEL=$attn KILN_LOSS_KERNEL=$loss \
+    # shellcheck disable=SC2086  # $1 is a list of NAME=off assignments
+    env KILN_CUDA_FUSION=$fusion KILN_SCAN_KERNEL=$scan KILN_ATTENTION_KERNEL=$attn KILN_LOSS_KERNEL=$loss $1 \
         "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" \
         --precision "$PRECISION" --moments "$MOMENTS" "${switch[@]}" "${common[@]}" --out "$out" >/dev/null \
         && python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['shape']=sys.argv[2]; json.dump(r, open(sys.argv[1],'w'))" \
@@ -84,29 +89,35 @@ for shape in "${shapes[@]}"; do
             checkpointed) out=$OUT/$shape-kiln-checkpointed.json; switch=(--activation-checkpointing); fusion=on; scan=on ;;
             *) echo "KILN_OPS: unknown '$ops' (ops, reference, unfused, noscan, noattn, noloss or checkpointed)" >&2; exit 2 ;;
         esac
-        if [[ $unfused_shapes == *" $shape "* && $fusion == on ]]; then
-            out=${out%.json}-unfused.json fusion=off
-            echo "== $shape: kiln ($DEVICE, $PRECISION, $ops) without burn's fusion, which failed before" >&2
+        # What failed before (in this shape's rows, or in the parity stage's tiny runs) stays off.
+        marked=$(marked_switches "$FALLBACK_MARK" "$shape" | paste -sd' ')
+        row_out=$out
+        if [[ -n $marked ]]; then
+            out=${out%.json}-$(switches_label "$marked").json
+            echo "== $shape: kiln ($DEVICE, $PRECISION, $ops) with $marked, after a failure before" >&2
         else
             echo "== $shape: kiln ($DEVICE, $PRECISION, $ops)" >&2
         fi
-        if kiln_row; then
+        if kiln_row "$marked"; then
             results+=("$out")
-        else
-            echo "kiln failed on $shape ($ops)" >&2
-            failures=$((failures + 1))
-            # A failure on burn's fused CUDA backend (tracel-ai/burn#5292 stopped every step of the first GPU
-            # session): this row and the shape's others without fusion, so the table still has kiln's figures,
-            # and the unfused row says whose bug it was.
-            if [[ $DEVICE == cuda && $fusion == on && $FALLBACK_UNFUSED == 1 ]]; then
-                echo "== $shape: kiln again without burn's fusion (KILN_CUDA_FUSION=off)" >&2
-                out=${out%.json}-unfused.json fusion=off
-                if kiln_row; then
-                    results+=("$out") unfused_shapes+="$shape "
-                    [[ -n $FUSION_MARK ]] && echo "$shape $ops" >>"$FUSION_MARK"
-                fi
-            fi
+            continue
         fi
+        echo "kiln failed on $shape ($ops)" >&2
+        failures=$((failures + 1))
+        [[ $DEVICE == cuda && $FALLBACK == 1 ]] || continue
+        # The row again without what has never run on a GPU before, so the table still has kiln's figures and
+        # the row that worked says whose bug it was.
+        for variant in "${FALLBACK_VARIANTS[@]}"; do
+            switches=$(printf '%s\n' $marked $variant | sort -u | paste -sd' ')
+            [[ $switches == "$marked" ]] && continue
+            out=${row_out%.json}-$(switches_label "$switches").json
+            echo "== $shape: kiln again with $switches" >&2
+            if kiln_row "$switches"; then
+                results+=("$out")
+                echo "$shape $switches" >>"$FALLBACK_MARK"
+                break
+            fi
+        done
     done
     ((have_torch)) || continue
     for precision in $REFERENCE; do

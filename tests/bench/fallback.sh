@@ -1,0 +1,51 @@
+# Sourced by train.sh and gpu_session.sh: what a kiln run on CUDA is tried again without after it fails, and
+# the mark file that carries what worked to the runs after it.
+#
+# Two parts of kiln's CUDA step have never run on a GPU: burn's fusion (it panicked in every step of the first
+# GPU session, tracel-ai/burn#5292; fixed since and checked on lavapipe) and kiln's own CubeCL kernels (the
+# attention's and the loss's softmax rows, the DeltaNet scan: checked on lavapipe, never compiled by NVRTC).
+# Each has a switch that runs the same binary without it. A device session is minutes long, so a failure in
+# one must not cost the figures of the rest: the run is tried again with the switches below, in order, and
+# the first set that works is marked for the runs after it.
+#
+# Mark file lines: "<scope> NAME=off …", scope a benchmark shape or "*" (every shape: what gpu_session.sh's
+# parity stage finds with the tiny shapes).
+
+# kiln's own kernels off (burn's fused kernels kept: the figures stay close to the fused step's), then burn's
+# fusion off (kiln's kernels kept), then both.
+KILN_KERNELS_OFF="KILN_ATTENTION_KERNEL=off KILN_LOSS_KERNEL=off KILN_SCAN_KERNEL=off"
+FALLBACK_VARIANTS=("$KILN_KERNELS_OFF" "KILN_CUDA_FUSION=off" "KILN_CUDA_FUSION=off $KILN_KERNELS_OFF")
+# For finding which part failed (gpu_session.sh's parity stage, on tiny shapes where a run takes seconds):
+# each kernel alone first.
+FALLBACK_DIAGNOSIS=("KILN_ATTENTION_KERNEL=off" "KILN_LOSS_KERNEL=off" "KILN_SCAN_KERNEL=off" "${FALLBACK_VARIANTS[@]}")
+
+# The switches marked in file $1 for scope $2 ("*" lines apply to every scope; no $2: every line), one per
+# line, without repeats.
+marked_switches() {
+    [[ -n ${1:-} && -s $1 ]] || return 0
+    awk -v scope="${2:-}" 'scope == "" || $1 == scope || $1 == "*" { for (i = 2; i <= NF; i++) print $i }' "$1" \
+        | sort -u
+}
+
+# A short label of a set of switches, for file names and messages ("nokernels", "unfused-noattn", …).
+switches_label() {
+    local label="" kernel
+    [[ " $1 " == *" KILN_CUDA_FUSION=off "* ]] && label+="-unfused"
+    if [[ " $1 " == *" KILN_ATTENTION_KERNEL=off "* && " $1 " == *" KILN_LOSS_KERNEL=off "* \
+        && " $1 " == *" KILN_SCAN_KERNEL=off "* ]]; then
+        label+="-nokernels"
+    else
+        for kernel in ATTENTION:noattn LOSS:noloss SCAN:noscan; do
+            [[ " $1 " == *" KILN_${kernel%%:*}_KERNEL=off "* ]] && label+="-${kernel#*:}"
+        done
+    fi
+    echo "${label#-}"
+}
+
+# Runs "$2" "$3" … (a command or a shell function) in a subshell with the NAME=off assignments in $1 exported.
+with_switches() {
+    local switches=$1
+    shift
+    # shellcheck disable=SC2086  # NAME=off assignments
+    ( if [[ -n $switches ]]; then export $switches; fi; "$@" )
+}
