@@ -115,11 +115,11 @@ pub fn cuda_fusion() -> Result<bool, String> {
     switch(FUSION_ENV)
 }
 
-/// The environment variable that runs the DeltaNet scan as tensor ops instead of kiln's CubeCL kernel
-/// (`off`/`0`/`false`; `on` is the default).
+/// The environment variable that runs the DeltaNet's scan across chunks and chunk solve as tensor ops instead
+/// of kiln's CubeCL kernels (`off`/`0`/`false`; `on` is the default).
 pub const SCAN_KERNEL_ENV: &str = "KILN_SCAN_KERNEL";
 
-/// Whether the CubeCL backends run the DeltaNet scan as kiln's kernel, from `KILN_SCAN_KERNEL`; malformed
+/// Whether the CubeCL backends run the DeltaNet scan and chunk solve as kiln's kernels, from `KILN_SCAN_KERNEL`; malformed
 /// values are an error (`main` checks before any command runs).
 pub fn scan_kernel() -> Result<bool, String> {
     switch(SCAN_KERNEL_ENV)
@@ -241,8 +241,8 @@ cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused
 // (`models::cpu_attention`) and the DeltaNet scan as loops over tokens (`models::cpu_deltanet`); the
 // CubeCL backends (and the CPU in other dtypes) use the chunked tensor ops (the trait's defaults); their
 // autodiff wrappers record each with its backward (`models::attention`, `models::deltanet`).
-// The CubeCL backends run the DeltaNet scan across chunks as one kernel (`kernels::scan`) unless
-// `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels (`kernels::attention`) unless
+// The CubeCL backends run the DeltaNet scan across chunks and the chunk solve as kernels (`kernels::scan`,
+// `kernels::chunk_solve`) unless `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels (`kernels::attention`) unless
 // `KILN_ATTENTION_KERNEL=off`, and the cross-entropy's rows as one (`kernels::cross_entropy`) unless
 // `KILN_LOSS_KERNEL=off`.
 impl CrossEntropyRows for Flex {}
@@ -368,6 +368,17 @@ macro_rules! cubecl_model_backend {
                     crate::kernels::scan::chunk_recurrence(rec)
                 } else {
                     crate::models::deltanet::recurrence_by_chunk(rec)
+                }
+            }
+
+            fn unit_lower_inverse(
+                lower: Tensor<Self, 5>,
+                plan: &crate::models::deltanet::ChunkPlan<Self>,
+            ) -> Tensor<Self, 5> {
+                if scan_kernel_enabled() {
+                    crate::kernels::chunk_solve::unit_lower_inverse(lower)
+                } else {
+                    crate::models::deltanet::unit_lower_inverse(lower, plan)
                 }
             }
         }

@@ -3,9 +3,9 @@
 //! the same fusion and the same kernels with another compiler under them, so a model, an op, a trainer step
 //! or the kernel profiler that goes wrong on a fused CubeCL backend shows here before any GPU session:
 //! the architectures against transformers (logits and gradients), the trainer against PyTorch's AdamW run,
-//! resume, every tiny shape's training steps against the CPU's, kiln's own CubeCL kernels (the DeltaNet scan,
-//! the attention's softmax rows, the cross-entropy's rows) against the tensor ops they replace, and the per-kernel profile that tests/bench/gpu_session.sh takes on
-//! the GPU.
+//! resume, every tiny shape's training steps against the CPU's, kiln's own CubeCL kernels (the DeltaNet scan
+//! and chunk solve, the attention's softmax rows, the cross-entropy's rows) against the tensor ops they
+//! replace, and the per-kernel profile that tests/bench/gpu_session.sh takes on the GPU.
 //! Built with `--features vulkan` (`make test` adds it where a Vulkan driver is installed; .ci/run installs
 //! lavapipe).
 #![cfg(feature = "vulkan")]
@@ -17,11 +17,13 @@ use std::path::PathBuf;
 use burn::tensor::FloatDType;
 use burn::tensor::Tensor;
 use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
-use kiln::backend::{Cpu, Vk, VkTrain};
+use kiln::backend::{Cpu, Vk, VkTrain, VkUnfused};
 use kiln::kernels::attention as attention_kernel;
 use kiln::kernels::cross_entropy as kernel_cross_entropy;
 use kiln::models::attention::{ChunkRows, score_grads, softmax_rows};
-use kiln::models::deltanet::{ChunkRecurrence, Direction, recurrence_by_chunk};
+use kiln::models::deltanet::{
+    ChunkPlan, ChunkRecurrence, Direction, DocSegments, recurrence_by_chunk, unit_lower_inverse,
+};
 use kiln::models::hf::hf_gradients;
 use kiln::models::{CausalLm, DocumentAttention, ModelBackend, SequenceLayout, load_model};
 use kiln::train::linear_ce::cross_entropy_rows;
@@ -200,6 +202,44 @@ fn the_scan_kernel_equals_the_chunk_by_chunk_scan() {
                 );
             }
         }
+    }
+}
+
+/// A strictly lower `L` `[b, h, n, c, c]` with entries in `±scale` (what is on and above the diagonal is
+/// filled too: the solve must not read it), and the plan the tensor-op solve takes.
+fn chunk_solve_inputs<B: ModelBackend>(
+    [b, h, n, c]: [usize; 4],
+    scale: f32,
+    device: &B::Device,
+) -> (Tensor<B, 5>, ChunkPlan<B>) {
+    let count = b * h * n * c * c;
+    let lower = kiln::backend::host_tensor::<B, 1>(spread(count, 7, -scale, scale), [count], FloatDType::F32, device)
+        .reshape([b, h, n, c, c]);
+    let below = Tensor::<B, 2, burn::tensor::Bool>::tril_mask([c, c], -1, device).unsqueeze::<5>();
+    let segments = DocSegments::from_doc_ids(b, n * c, vec![0; b * n * c]);
+    (lower.mask_fill(below, 0.0), ChunkPlan::new(&segments, c, device))
+}
+
+/// kiln's chunk-solve kernel (`kernels::chunk_solve`, forward substitution) against the tensor ops' block
+/// doubling it replaces, on the fused and unfused device backends and on the CPU: tiny chunks, the model's
+/// chunk of 64, and more chunks than a grid row holds (65,600: the grid wraps).
+#[test]
+fn the_chunk_solve_kernel_equals_the_block_doubling() {
+    for (dims, scale) in [([2, 3, 5, 8], 0.3), ([1, 2, 3, 64], 0.05), ([1, 1, 65_600, 4], 0.3)] {
+        let (lower, plan) = chunk_solve_inputs::<Vk>(dims, scale, &Default::default());
+        let fused = values(Vk::unit_lower_inverse(lower.clone(), &plan));
+        let doubling = values(unit_lower_inverse(lower, &plan));
+        let (lower, plan) = chunk_solve_inputs::<VkUnfused>(dims, scale, &Default::default());
+        let unfused = values(VkUnfused::unit_lower_inverse(lower, &plan));
+        let (lower, plan) = chunk_solve_inputs::<Cpu>(dims, scale, &Default::default());
+        let cpu = values(unit_lower_inverse(lower, &plan));
+        let size = cpu.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+        let errors = [max_abs_diff(&fused, &doubling), max_abs_diff(&fused, &cpu), max_abs_diff(&unfused, &cpu)];
+        let [a, b, c] = errors;
+        eprintln!(
+            "{dims:?}: {a:.2e}, {b:.2e}, {c:.2e} (fused vs device doubling, vs CPU; unfused vs CPU; largest {size:.2})"
+        );
+        assert!(errors.iter().all(|&e| e <= 1e-5 * size), "{dims:?}: off by {errors:?} (largest entry {size})");
     }
 }
 

@@ -2,11 +2,13 @@
 //! what they share: registering a kernel as one custom operation in burn-fusion's stream, and the grid of
 //! one cube per row. Each kernel replaces a tensor-op composition that stays the reference it is tested
 //! against (tests/vulkan_backend.rs) and the path of every other backend: the DeltaNet scan across chunks
-//! (`scan`), the attention's softmax rows (`attention`), the cross-entropy's rows (`cross_entropy`).
+//! (`scan`) and chunk solve (`chunk_solve`), the attention's softmax rows (`attention`), the cross-entropy's
+//! rows (`cross_entropy`).
 //! `backend` wires them into `ModelBackend` and `train::linear_ce::CrossEntropyRows`, each behind an environment
 //! switch.
 
 pub mod attention;
+pub mod chunk_solve;
 pub mod cross_entropy;
 pub mod scan;
 

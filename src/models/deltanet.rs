@@ -111,8 +111,9 @@ pub fn recurrent<B: Backend>(
 /// doubling: with `T` the inverse of the block-diagonal part at block size `s`, `N` the part of `L` joining
 /// pairs of those blocks, `(M + N)⁻¹ = T − T N T` exactly (`N T N = 0`). log₂ C rounds of two matmuls, each
 /// block solved from exact sub-solutions as forward substitution would: no power series, no cancellation.
-/// `outside_bridges[r]` masks everything but round `r`'s joining entries.
-fn unit_lower_inverse<B: Backend>(l: Tensor<B, 5>, plan: &ChunkPlan<B>) -> Tensor<B, 5> {
+/// `outside_bridges[r]` masks everything but round `r`'s joining entries. The CubeCL backends solve by
+/// forward substitution in one kernel instead (`ModelBackend::unit_lower_inverse`, `kernels::chunk_solve`).
+pub fn unit_lower_inverse<B: Backend>(l: Tensor<B, 5>, plan: &ChunkPlan<B>) -> Tensor<B, 5> {
     // Every round's bridge first: one element-wise kernel on the fused backends.
     let mut bridges = plan
         .outside_bridges
@@ -412,7 +413,7 @@ fn from_chunks<B: Backend>(x: Tensor<B, 5>, seq: usize) -> Tensor<B, 4> {
 // it where the shape changes (or at a matmul, slice or scan): the quantities are computed grouped by shape —
 // per position `[b, h, n, C]`, per pair `[.., C, C]`, per key `[.., C, dk]` — rather than as the formulas
 // first need them, which made many of them kernels of their own.
-fn chunk_form<B: Backend>(inputs: ScanInputs<B>, plan: &ChunkPlan<B>) -> ChunkForm<B> {
+fn chunk_form<B: ModelBackend>(inputs: ScanInputs<B>, plan: &ChunkPlan<B>) -> ChunkForm<B> {
     let ScanInputs { q, k, v, g, beta } = inputs.into_f32();
     let [batch, heads, seq, _] = k.dims();
     assert_eq!(seq, plan.seq, "the plan was made for another sequence length");
@@ -437,7 +438,7 @@ fn chunk_form<B: Backend>(inputs: ScanInputs<B>, plan: &ChunkPlan<B>) -> ChunkFo
     let scores = q.clone().matmul(k.clone().swap_dims(3, 4));
     let lower = (key_products.clone() * decay.clone()).mask_fill(plan.diagonal_and_above.clone(), 0.0);
     let intra = scores.clone() * decay.clone();
-    let inverse = unit_lower_inverse(lower, plan);
+    let inverse = B::unit_lower_inverse(lower, plan);
     let new_values = inverse.clone().matmul(v_beta.clone());
     let state_reads = inverse.clone().matmul(keys_from_start.clone());
     let chunk_decay = from_start.clone().narrow(3, size - 1, 1).reshape([batch, heads, chunks]);

@@ -192,6 +192,13 @@ pub trait ModelBackend: Backend {
         deltanet::chunked_backward(inputs, plan, chunk_states, grad_out)
     }
 
+    /// `(I + L)⁻¹` for every chunk's strictly lower `L` `[batch, heads, chunks, C, C]` in f32, the chunked
+    /// form's triangular solve (`deltanet::unit_lower_inverse`, block doubling). The CubeCL backends solve
+    /// by forward substitution in one kernel (`kernels::chunk_solve`).
+    fn unit_lower_inverse(lower: Tensor<Self, 5>, plan: &ChunkPlan<Self>) -> Tensor<Self, 5> {
+        deltanet::unit_lower_inverse(lower, plan)
+    }
+
     /// The scan across chunks of the gated delta rule's chunked form, in either pass: the one sequential
     /// part of it, as tensor ops a chunk at a time (`deltanet::recurrence_by_chunk`). The CubeCL backends
     /// run it as one kernel (`kernels::scan`).

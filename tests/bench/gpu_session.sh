@@ -21,8 +21,9 @@
 #            directory, the log tabulated): what the step spends its time on, and beside the table's row of
 #            the shape (run before), the share of its step the kernels fill — the rest is the device waiting
 #            on the host;
-#   noscan   for each of SCAN_AB, kiln's row again with the DeltaNet scan as tensor ops instead of kiln's
-#            kernel (KILN_OPS=noscan: KILN_SCAN_KERNEL=off), into table-noscan.md: what the kernel buys;
+#   noscan   for each of SCAN_AB, kiln's row again with the DeltaNet scan and chunk solve as tensor ops
+#            instead of kiln's kernels (KILN_OPS=noscan: KILN_SCAN_KERNEL=off), into table-noscan.md: what
+#            the kernels buy;
 #   noattn   for each of ATTN_AB, kiln's row again with the attention's softmax rows as tensor ops instead
 #            of kiln's kernels (KILN_OPS=noattn: KILN_ATTENTION_KERNEL=off), into table-noattn.md;
 #   noloss   for each of LOSS_AB, kiln's row again with the cross-entropy's rows as tensor ops instead of
@@ -143,7 +144,7 @@ kernel_ab() {
 }
 
 stage_noscan() {
-    step "the DeltaNet scan as tensor ops: ${SCAN_AB:-no shape}"
+    step "the DeltaNet scan and chunk solve as tensor ops: ${SCAN_AB:-no shape}"
     # shellcheck disable=SC2086  # SCAN_AB is a list
     kernel_ab noscan $SCAN_AB
 }

@@ -12,7 +12,7 @@
 #   PRECISION   kiln's precision (auto: bf16 on cuda, f32 on cpu); MOMENTS kiln's AdamW moments (f32, bf16, q8)
 #   KILN_OPS    "ops" (kiln's hand-written attention / SwiGLU / loss ops), "reference" (burn's plain
 #               compositions, `--reference-ops`), "unfused" (the ops without burn's fusion on CUDA,
-#               KILN_CUDA_FUSION=off), "noscan" (the ops with the DeltaNet scan as tensor ops, not kiln's
+#               KILN_CUDA_FUSION=off), "noscan" (the ops with the DeltaNet scan and chunk solve as tensor ops, not kiln's
 #               kernel: KILN_SCAN_KERNEL=off), "noattn" (the ops with the attention's softmax rows as tensor
 #               ops, not kiln's kernels: KILN_ATTENTION_KERNEL=off), "noloss" (the ops with the
 #               cross-entropy's rows as tensor ops: KILN_LOSS_KERNEL=off), "checkpointed" (the ops with
