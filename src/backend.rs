@@ -145,6 +145,16 @@ pub fn loss_kernel() -> Result<bool, String> {
     switch(LOSS_KERNEL_ENV)
 }
 
+/// The environment variable that runs the RMSNorms as tensor ops instead of kiln's CubeCL kernels
+/// (`off`/`0`/`false`; `on` is the default).
+pub const NORM_KERNEL_ENV: &str = "KILN_NORM_KERNEL";
+
+/// Whether the CubeCL backends run the RMSNorms as kiln's kernels, from `KILN_NORM_KERNEL`; malformed values
+/// are an error (`main` checks before any command runs).
+pub fn norm_kernel() -> Result<bool, String> {
+    switch(NORM_KERNEL_ENV)
+}
+
 /// An on/off switch from the environment: on when unset.
 fn switch(name: &str) -> Result<bool, String> {
     std::env::var_os(name).map_or(Ok(true), |value| parse_switch(name, &value.to_string_lossy()))
@@ -243,8 +253,8 @@ cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused
 // autodiff wrappers record each with its backward (`models::attention`, `models::deltanet`).
 // The CubeCL backends run the DeltaNet scan across chunks and the chunk solve as kernels (`kernels::scan`,
 // `kernels::chunk_solve`) unless `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels (`kernels::attention`) unless
-// `KILN_ATTENTION_KERNEL=off`, and the cross-entropy's rows as one (`kernels::cross_entropy`) unless
-// `KILN_LOSS_KERNEL=off`.
+// `KILN_ATTENTION_KERNEL=off`, the cross-entropy's rows as one (`kernels::cross_entropy`) unless
+// `KILN_LOSS_KERNEL=off`, and the RMSNorms as kernels (`kernels::norm`) unless `KILN_NORM_KERNEL=off`.
 impl CrossEntropyRows for Flex {}
 
 impl ModelBackend for Flex {
@@ -371,6 +381,33 @@ macro_rules! cubecl_model_backend {
                 }
             }
 
+            fn rms_norm<const D: usize>(
+                x: Tensor<Self, D>,
+                weight: Tensor<Self, 1>,
+                eps: f64,
+                kind: crate::models::ops::NormKind,
+            ) -> Tensor<Self, D> {
+                if norm_kernel_enabled() {
+                    crate::kernels::norm::rms_norm(x, weight, eps, kind)
+                } else {
+                    crate::models::ops::rms_norm_forward(x, weight, eps, kind)
+                }
+            }
+
+            fn rms_norm_grads<const D: usize>(
+                x: Tensor<Self, D>,
+                weight: Tensor<Self, 1>,
+                eps: f64,
+                kind: crate::models::ops::NormKind,
+                grad: Tensor<Self, D>,
+            ) -> (Tensor<Self, D>, Tensor<Self, 1>) {
+                if norm_kernel_enabled() {
+                    crate::kernels::norm::rms_norm_grads(x, weight, eps, kind, grad)
+                } else {
+                    crate::models::ops::rms_norm_backward(x, weight, eps, kind, grad)
+                }
+            }
+
             fn unit_lower_inverse(
                 lower: Tensor<Self, 5>,
                 plan: &crate::models::deltanet::ChunkPlan<Self>,
@@ -415,6 +452,12 @@ pub fn attention_kernel_enabled() -> bool {
 pub fn loss_kernel_enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     switch_once(&ENABLED, LOSS_KERNEL_ENV)
+}
+
+/// `norm_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
+pub fn norm_kernel_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    switch_once(&ENABLED, NORM_KERNEL_ENV)
 }
 
 fn switch_once(cell: &std::sync::OnceLock<bool>, name: &str) -> bool {

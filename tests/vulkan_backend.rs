@@ -16,7 +16,8 @@ use std::path::PathBuf;
 
 use burn::tensor::FloatDType;
 use burn::tensor::Tensor;
-use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
+use common::norms::{norm_parts, norm_parts_by_tensor_ops};
+use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, spread, values};
 use kiln::backend::{Cpu, Vk, VkTrain, VkUnfused};
 use kiln::kernels::attention as attention_kernel;
 use kiln::kernels::cross_entropy as kernel_cross_entropy;
@@ -25,6 +26,7 @@ use kiln::models::deltanet::{
     ChunkPlan, ChunkRecurrence, Direction, DocSegments, recurrence_by_chunk, unit_lower_inverse,
 };
 use kiln::models::hf::hf_gradients;
+use kiln::models::ops::NormKind;
 use kiln::models::{CausalLm, DocumentAttention, ModelBackend, SequenceLayout, load_model};
 use kiln::train::linear_ce::cross_entropy_rows;
 use kiln::train::schedule::Decay;
@@ -141,17 +143,6 @@ fn cached_decoding_follows_the_full_forward_on_the_fused_backend() {
     parity::assert_cached_decoding_follows(&model, row, 66, &full, 1e-4, &Default::default());
 }
 
-/// Deterministic values in `[lo, hi)` for the scan kernel's inputs.
-fn spread(len: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            lo + (hi - lo) * ((x >> 40) as f32 / (1u64 << 24) as f32)
-        })
-        .collect()
-}
-
 fn scan_inputs<B: ModelBackend>(
     [b, h, n, c, dk, dv]: [usize; 6],
     direction: Direction,
@@ -240,6 +231,38 @@ fn the_chunk_solve_kernel_equals_the_block_doubling() {
             "{dims:?}: {a:.2e}, {b:.2e}, {c:.2e} (fused vs device doubling, vs CPU; unfused vs CPU; largest {size:.2})"
         );
         assert!(errors.iter().all(|&e| e <= 1e-5 * size), "{dims:?}: off by {errors:?} (largest entry {size})");
+    }
+}
+
+/// kiln's RMSNorm kernels (`kernels::norm`) against the tensor ops they replace, on the fused and unfused
+/// device backends and on the CPU, in both forms: a q/k norm's width, a width that is not a power of two
+/// with a row count that leaves the last block of the backward pass part-filled, a hidden width, and more
+/// rows than a grid row holds (70,000: the grid wraps).
+#[test]
+fn the_norm_kernels_equal_the_tensor_op_norms() {
+    for dims in [[3, 5, 64], [2, 9, 96], [1, 40, 1024], [1, 70_000, 8]] {
+        for kind in [NormKind::Plain, NormKind::ZeroCentered] {
+            let f32 = [FloatDType::F32; 2];
+            let fused = norm_parts::<Vk>(dims, kind, f32);
+            let unfused = norm_parts::<VkUnfused>(dims, kind, f32);
+            let device_ops = norm_parts_by_tensor_ops::<Vk>(dims, kind, f32);
+            let cpu = norm_parts_by_tensor_ops::<Cpu>(dims, kind, f32);
+            for (i, name) in ["output", "d x", "d weight"].into_iter().enumerate() {
+                let scale = cpu[i].iter().fold(1.0f32, |m, x| m.max(x.abs()));
+                let errors = [
+                    max_abs_diff(&fused[i], &device_ops[i]),
+                    max_abs_diff(&fused[i], &cpu[i]),
+                    max_abs_diff(&unfused[i], &cpu[i]),
+                ];
+                let [a, b, c] = errors;
+                eprintln!(
+                    "{dims:?} {kind:?} {name}: {a:.2e}, {b:.2e}, {c:.2e} (fused vs device ops, vs CPU; unfused vs CPU; largest {scale:.1})"
+                );
+                // The weight gradient sums a column over every row, in another order on each side.
+                let tolerance = if name == "d weight" { 1e-5 } else { 2e-6 } * scale;
+                assert!(errors.iter().all(|&e| e <= tolerance), "{dims:?} {kind:?} {name}: off by {errors:?}");
+            }
+        }
     }
 }
 

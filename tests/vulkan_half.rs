@@ -8,8 +8,11 @@
 
 mod common;
 
-use common::parity::{self, ids_tensor, values};
+use burn::tensor::FloatDType;
+use common::norms::{norm_parts, norm_parts_by_tensor_ops};
+use common::parity::{self, ids_tensor, max_abs_diff, values};
 use kiln::backend::{VkHalf, VkHalfTrain};
+use kiln::models::ops::NormKind;
 use kiln::models::{CausalLm, SequenceLayout, load_model};
 use kiln::train::optim::{AdamWConfig, MomentDtype};
 use kiln::train::schedule::Decay;
@@ -43,6 +46,35 @@ fn the_tiny_shapes_train_in_half_precision_on_the_unfused_backend() {
         Precision::F16,
         1e-3,
     );
+}
+
+/// kiln's RMSNorm kernels in half precision against the tensor ops they replace on the same device, fused
+/// and unfused: both forms with an f16 weight, and the plain form with an f32 weight (Qwen3.5's DeltaNet
+/// output norm), whose output is f32. Outputs rounded to f16 may differ by an ulp where the order of the
+/// sum of squares moves a value across a rounding boundary; the gradients are summed in f32 and rounded once.
+#[test]
+fn the_norm_kernels_equal_the_tensor_op_norms_in_half_precision() {
+    claim_f16();
+    let (f16, f32) = (FloatDType::F16, FloatDType::F32);
+    for dims in [[3, 5, 64], [2, 9, 96], [1, 40, 1024]] {
+        for (kind, dtypes) in
+            [(NormKind::Plain, [f16, f16]), (NormKind::ZeroCentered, [f16, f16]), (NormKind::Plain, [f16, f32])]
+        {
+            let fused = norm_parts::<VkHalf>(dims, kind, dtypes);
+            let unfused = norm_parts::<kiln::backend::VkHalfUnfused>(dims, kind, dtypes);
+            let device_ops = norm_parts_by_tensor_ops::<VkHalf>(dims, kind, dtypes);
+            for (i, name) in ["output", "d x", "d weight"].into_iter().enumerate() {
+                let scale = device_ops[i].iter().fold(1.0f32, |m, x| m.max(x.abs()));
+                let errors = [max_abs_diff(&fused[i], &device_ops[i]), max_abs_diff(&unfused[i], &device_ops[i])];
+                let [a, b] = errors;
+                eprintln!("{dims:?} {kind:?} {dtypes:?} {name}: {a:.2e} fused, {b:.2e} unfused (largest {scale:.1})");
+                assert!(
+                    errors.iter().all(|&e| e <= scale / 512.0),
+                    "{dims:?} {kind:?} {dtypes:?} {name}: off by {errors:?}"
+                );
+            }
+        }
+    }
 }
 
 /// The trainer in f16: a run stopped after 4 steps and resumed ends where the uninterrupted one does, its

@@ -3,13 +3,14 @@
 //! one cube per row. Each kernel replaces a tensor-op composition that stays the reference it is tested
 //! against (tests/vulkan_backend.rs) and the path of every other backend: the DeltaNet scan across chunks
 //! (`scan`) and chunk solve (`chunk_solve`), the attention's softmax rows (`attention`), the cross-entropy's
-//! rows (`cross_entropy`).
+//! rows (`cross_entropy`), the RMSNorms (`norm`).
 //! `backend` wires them into `ModelBackend` and `train::linear_ce::CrossEntropyRows`, each behind an environment
 //! switch.
 
 pub mod attention;
 pub mod chunk_solve;
 pub mod cross_entropy;
+pub mod norm;
 pub mod scan;
 
 use burn::tensor::backend::Backend;
@@ -119,4 +120,25 @@ pub(crate) fn cube_log_sum_exp(max: f32, sum: f32, #[comptime] units: usize) -> 
         stride /= 2;
     }
     maxes[0] + sums[0].ln()
+}
+
+/// `Σ value` over every unit of the cube, by halving in shared memory (`units`, the cube's size, a power of
+/// two); every unit gets it. It waits for every unit first, so that it may run again in a loop while units
+/// still read the last sum.
+#[cube]
+pub(crate) fn cube_sum(value: f32, #[comptime] units: usize) -> f32 {
+    let unit = UNIT_POS_X as usize;
+    let mut sums = SharedMemory::<f32>::new(units);
+    sync_cube();
+    sums[unit] = value;
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if unit < stride {
+            sums[unit] += sums[unit + stride];
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    sums[0]
 }

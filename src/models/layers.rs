@@ -184,7 +184,8 @@ pub fn causal_depthwise_conv_backward<B: Backend>(
                 * f32_mask(&shift.read_from_ahead)
                 * w[taps - 1 - lag].clone();
     }
-    let channel_sums = |t: Tensor<B, 3>| t.reshape([batch * seq, channels]).sum_dim(0).reshape([channels, 1]);
+    let channel_sums =
+        |t: Tensor<B, 3>| super::ops::column_sums(t.reshape([batch * seq, channels])).reshape([channels, 1]);
     // Kernel gradient columns, last tap first.
     let mut grad_taps = vec![channel_sums(grad.clone() * x.clone())];
     for lag in 1..taps {

@@ -136,7 +136,8 @@ pub trait ModelBackend: Backend {
         silu(gate) * up
     }
 
-    /// RMSNorm over the last dimension as transformers computes it (`NormKind` says which form).
+    /// RMSNorm over the last dimension as transformers computes it (`NormKind` says which form). The
+    /// CubeCL backends run it as one kernel (`kernels::norm`).
     fn rms_norm<const D: usize>(
         x: Tensor<Self, D>,
         weight: Tensor<Self, 1>,
@@ -144,6 +145,18 @@ pub trait ModelBackend: Backend {
         kind: NormKind,
     ) -> Tensor<Self, D> {
         rms_norm_forward(x, weight, eps, kind)
+    }
+
+    /// The gradients of `rms_norm` with respect to `x` and `weight` for the output gradient `grad`
+    /// (`rms_norm_backward`; the CubeCL backends' kernel, `kernels::norm`).
+    fn rms_norm_grads<const D: usize>(
+        x: Tensor<Self, D>,
+        weight: Tensor<Self, 1>,
+        eps: f64,
+        kind: NormKind,
+        grad: Tensor<Self, D>,
+    ) -> (Tensor<Self, D>, Tensor<Self, 1>) {
+        rms_norm_backward(x, weight, eps, kind, grad)
     }
 
     /// `x / sqrt(Σx² + eps)` over the last dimension, in f32 (`layers::l2_normalize`; Qwen3.5's DeltaNet
@@ -287,11 +300,30 @@ pub fn rms_norm_backward<B: Backend, const D: usize>(
         NormKind::Plain => normed().cast(x_dtype).cast(FloatDType::F32),
         NormKind::ZeroCentered => normed(),
     };
-    let grad_weight = (f32_of(&grad) * multiplied).reshape([-1, width as i64]).sum_dim(0).reshape([width]);
+    let grad_weight = column_sums((f32_of(&grad) * multiplied).reshape([-1, width as i64]));
     let grad_normed = || f32_of(&grad) * scale.clone();
     let projection = (grad_normed() * normed()).mean_dim(D - 1);
     let grad_x = (grad_normed() - normed() * projection) * inv.clone();
     (grad_x.cast(x_dtype), grad_weight.cast(weight_dtype))
+}
+
+/// `Σ` over the rows of `x` `[rows, width]`, as `[width]`. burn 0.21's reductions along a dimension drop
+/// what lies past about 65,530 elements of it on wgpu (lavapipe, fused and unfused: `sum_dim(0)` of
+/// `[70_000, 1]` misses its last 4,500 rows; a whole-tensor `sum` is right; whether CUDA's do is not known):
+/// longer columns are summed in pieces of 32,768 rows. A norm's weight gradient sums over every token, and a
+/// q/k norm's over every token and head (131,072 rows for LFM2.5-1.2B at sequence 4096).
+pub fn column_sums<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 1> {
+    const PIECE: usize = 32_768;
+    let [rows, width] = x.dims();
+    if rows <= PIECE {
+        return x.sum_dim(0).reshape([width]);
+    }
+    (0..rows)
+        .step_by(PIECE)
+        .map(|start| x.clone().narrow(0, start, PIECE.min(rows - start)).sum_dim(0))
+        .reduce(|sum, piece| sum + piece)
+        .expect("one piece at least")
+        .reshape([width])
 }
 
 /// `x` in f32, as a new cast at each use. A half-precision input cast once and reused after a reduction
@@ -332,7 +364,7 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         if reference_ops() {
             return rms_norm_forward(x, weight, eps, kind);
         }
-        record_binary(RmsNormBackward::<D>, x, weight, (eps, kind), |x, weight| rms_norm_forward(x, weight, eps, kind))
+        record_binary(RmsNormBackward::<D>, x, weight, (eps, kind), |x, weight| B::rms_norm(x, weight, eps, kind))
     }
 
     fn l2_norm<const D: usize>(x: Tensor<Self, D>, eps: f64) -> Tensor<Self, D> {
@@ -667,13 +699,13 @@ impl<B: Backend, const D: usize> Backward<B, 2> for SwigluBackward<D> {
 #[derive(Debug)]
 struct RmsNormBackward<const D: usize>;
 
-impl<B: Backend, const D: usize> Backward<B, 2> for RmsNormBackward<D> {
+impl<B: ModelBackend, const D: usize> Backward<B, 2> for RmsNormBackward<D> {
     /// The input and the weight through the checkpointer, eps and the form.
     type State = (NodeId, NodeId, (f64, NormKind));
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
         backward_binary(ops, grads, checkpointer, |x, weight, (eps, kind), grad: Tensor<B, D>| {
-            rms_norm_backward(x, weight, eps, kind, grad)
+            B::rms_norm_grads(x, weight, eps, kind, grad)
         });
     }
 }

@@ -86,6 +86,9 @@ pub struct BenchResult {
     /// `KILN_LOSS_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_kernel: Option<bool>,
+    /// Whether the RMSNorms ran as kiln's kernels (kiln on a CubeCL device only: `KILN_NORM_KERNEL`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_kernel: Option<bool>,
     pub tokens_per_step: u64,
     pub warmup: usize,
     /// Wall seconds of each timed step (the device synchronized at its end).
@@ -186,6 +189,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         scan_kernel: (device_name != "cpu").then(crate::backend::scan_kernel_enabled),
         attention_kernel: (device_name != "cpu").then(crate::backend::attention_kernel_enabled),
         loss_kernel: (device_name != "cpu").then(crate::backend::loss_kernel_enabled),
+        norm_kernel: (device_name != "cpu").then(crate::backend::norm_kernel_enabled),
         moments: Some(cfg.moments),
         activation_checkpointing: cfg.activation_checkpointing,
         state_memory_bytes: Some(state_memory_bytes),

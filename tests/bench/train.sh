@@ -12,11 +12,12 @@
 #   PRECISION   kiln's precision (auto: bf16 on cuda, f32 on cpu); MOMENTS kiln's AdamW moments (f32, bf16, q8)
 #   KILN_OPS    "ops" (kiln's hand-written attention / SwiGLU / loss ops), "reference" (burn's plain
 #               compositions, `--reference-ops`), "unfused" (the ops without burn's fusion on CUDA,
-#               KILN_CUDA_FUSION=off), "noscan" (the ops with the DeltaNet scan and chunk solve as tensor ops, not kiln's
-#               kernel: KILN_SCAN_KERNEL=off), "noattn" (the ops with the attention's softmax rows as tensor
-#               ops, not kiln's kernels: KILN_ATTENTION_KERNEL=off), "noloss" (the ops with the
-#               cross-entropy's rows as tensor ops: KILN_LOSS_KERNEL=off), "checkpointed" (the ops with
-#               --activation-checkpointing), or several: "ops reference unfused noscan noattn noloss checkpointed"
+#               KILN_CUDA_FUSION=off), or the ops with one of kiln's CubeCL kernels switched off for its tensor
+#               ops: "noscan" (the DeltaNet scan and chunk solve, KILN_SCAN_KERNEL=off), "noattn" (the
+#               attention's softmax rows, KILN_ATTENTION_KERNEL=off), "noloss" (the cross-entropy's rows,
+#               KILN_LOSS_KERNEL=off), "nonorm" (the RMSNorms, KILN_NORM_KERNEL=off); "checkpointed" (the ops
+#               with --activation-checkpointing); or several: "ops reference unfused noscan noattn noloss
+#               nonorm checkpointed"
 #   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py), or none
 #   PYTHON      a python with torch and transformers (python3); without them the reference is skipped
 #   FALLBACK    1: after a kiln row of a shape fails on CUDA, it runs again without kiln's own kernels, then
@@ -64,7 +65,8 @@ results=()
 # One kiln row into $out, with the loop's settings and the switches in $1; the result is labelled with its shape.
 kiln_row() {
     # shellcheck disable=SC2086  # $1 is a list of NAME=off assignments
-    env KILN_CUDA_FUSION=$fusion KILN_SCAN_KERNEL=$scan KILN_ATTENTION_KERNEL=$attn KILN_LOSS_KERNEL=$loss $1 \
+    env KILN_CUDA_FUSION=$fusion KILN_SCAN_KERNEL=$scan KILN_ATTENTION_KERNEL=$attn KILN_LOSS_KERNEL=$loss \
+        KILN_NORM_KERNEL=$norm $1 \
         "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" \
         --precision "$PRECISION" --moments "$MOMENTS" "${switch[@]}" "${common[@]}" --out "$out" >/dev/null \
         && python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['shape']=sys.argv[2]; json.dump(r, open(sys.argv[1],'w'))" \
@@ -78,7 +80,7 @@ for shape in "${shapes[@]}"; do
         exit 2
     fi
     for ops in $KILN_OPS; do
-        attn=on loss=on
+        attn=on loss=on norm=on
         case $ops in
             ops) out=$OUT/$shape-kiln.json; switch=(); fusion=on; scan=on ;;
             reference) out=$OUT/$shape-kiln-reference.json; switch=(--reference-ops); fusion=on; scan=on ;;
@@ -86,8 +88,9 @@ for shape in "${shapes[@]}"; do
             noscan) out=$OUT/$shape-kiln-noscan.json; switch=(); fusion=on; scan=off ;;
             noattn) out=$OUT/$shape-kiln-noattn.json; switch=(); fusion=on; scan=on; attn=off ;;
             noloss) out=$OUT/$shape-kiln-noloss.json; switch=(); fusion=on; scan=on; loss=off ;;
+            nonorm) out=$OUT/$shape-kiln-nonorm.json; switch=(); fusion=on; scan=on; norm=off ;;
             checkpointed) out=$OUT/$shape-kiln-checkpointed.json; switch=(--activation-checkpointing); fusion=on; scan=on ;;
-            *) echo "KILN_OPS: unknown '$ops' (ops, reference, unfused, noscan, noattn, noloss or checkpointed)" >&2; exit 2 ;;
+            *) echo "KILN_OPS: unknown '$ops' (ops, reference, unfused, noscan, noattn, noloss, nonorm or checkpointed)" >&2; exit 2 ;;
         esac
         # What failed before (in this shape's rows, or in the parity stage's tiny runs) stays off.
         marked=$(marked_switches "$FALLBACK_MARK" "$shape" | paste -sd' ')

@@ -132,3 +132,14 @@ pub fn assert_cached_decoding_follows<B: Backend, M: kiln::models::decode::Cache
         assert!(err <= tolerance, "step {t} differs by {err}");
     }
 }
+
+/// Deterministic values in `[lo, hi)` (the kernel tests' inputs).
+pub fn spread(len: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            lo + (hi - lo) * ((x >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}

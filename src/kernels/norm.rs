@@ -1,0 +1,348 @@
+//! The RMSNorms (`ops::rms_norm_forward`, `ops::rms_norm_backward`: LFM2's plain and Qwen3.5's
+//! zero-centered form, every layer's two norms and the attention's q/k norms) as CubeCL kernels, for burn's
+//! CubeCL backends (CUDA, Vulkan) with and without burn-fusion.
+//!
+//! As tensor ops the forward pass is a reduction and an element-wise kernel, the backward pass three
+//! reductions (the row statistics, the projection, the weight gradient down the rows) and element-wise
+//! kernels between them, each reading the rows again and some writing f32 copies of them. Here the forward
+//! pass is one kernel (a cube per row: the sum of squares, then the scaled row) and the backward pass one
+//! kernel over blocks of rows (per row both sums in one pass, then `d x`, and the block's share of `d w`) and
+//! a sum over the blocks' shares. The arithmetic is the tensor ops' in f32 with their roundings to the
+//! input's dtype; only the order of the sums differs. Tested against them (tests/vulkan_backend.rs).
+
+use burn::tensor::Tensor as BurnTensor;
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, FloatDType, Shape, TensorMetadata};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_fusion::stream::Operation;
+use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
+use burn_ir::{CustomOpIr, HandleContainer};
+use cubecl::prelude::*;
+
+use super::{cube_sum, float_tensor, grid_row, outputs, register_custom, register_float_outputs, row_grid};
+use crate::models::ops::{NormKind, column_sums};
+
+/// Rows per cube in the backward pass: its share of the weight gradient sums them before it is written.
+const ROWS_PER_CUBE: usize = 16;
+
+/// What both kernels know: `rows` rows of `width` values, and the norm's epsilon.
+#[derive(CubeLaunch, CubeType)]
+struct NormArgs {
+    rows: u32,
+    width: u32,
+    eps: f32,
+}
+
+/// Units per cube for rows of `width`: a power of two (the tree sums), at most 256, none idle on narrow
+/// rows (the attention's q/k norms are 64–256 wide).
+fn units_for(width: usize) -> usize {
+    width.next_power_of_two().clamp(32, 256)
+}
+
+/// The norm's scale of a column in f32: `w`, or `1 + w` (zero-centered).
+#[cube]
+fn scale_of<W: Float>(weight: &Tensor<W>, column: usize, #[comptime] zero_centered: bool) -> f32 {
+    let mut scale = f32::cast_from(weight[column]);
+    if zero_centered {
+        scale += 1.0;
+    }
+    scale
+}
+
+/// What the scale multiplies, from `x̂` in f32: `cast(x̂)` in the input's dtype `F` (plain, as transformers
+/// rounds before the weight), or `x̂` (zero-centered, scaled in f32).
+#[cube]
+fn scaled_value<F: Float>(normed: f32, #[comptime] zero_centered: bool) -> f32 {
+    let mut value = normed;
+    if !zero_centered {
+        value = f32::cast_from(F::cast_from(normed));
+    }
+    value
+}
+
+/// Forward, one cube per row: `out = scaled(x · r)` with `r = 1 / sqrt(mean(x²) + eps)`, written in `O`
+/// (the input's dtype, or f32 for a plain norm with an f32 weight on a half-precision input).
+#[cube(launch)]
+fn rms_norm_kernel<F: Float, W: Float, O: Float>(
+    x: &Tensor<F>,
+    weight: &Tensor<W>,
+    out: &mut Tensor<O>,
+    args: NormArgs,
+    #[comptime] zero_centered: bool,
+    #[comptime] units: usize,
+    #[define(F, W, O)] _dtypes: [StorageType; 3],
+) {
+    let row = grid_row();
+    // Whole cubes leave: the row is the cube's, so no unit waits at a barrier another has left.
+    if row >= args.rows as usize {
+        terminate!();
+    }
+    let width = args.width as usize;
+    let base = row * width;
+    let mut squares = 0.0f32;
+    let mut column = UNIT_POS_X as usize;
+    while column < width {
+        let v = f32::cast_from(x[base + column]);
+        squares += v * v;
+        column += units;
+    }
+    let inverse = 1.0 / (cube_sum(squares, units) / width as f32 + args.eps).sqrt();
+    let mut column = UNIT_POS_X as usize;
+    while column < width {
+        let normed = f32::cast_from(x[base + column]) * inverse;
+        let value = scaled_value::<F>(normed, zero_centered) * scale_of::<W>(weight, column, zero_centered);
+        out[base + column] = O::cast_from(value);
+        column += units;
+    }
+}
+
+/// Backward, one cube per `ROWS_PER_CUBE` rows. With `s` the scale (`w`, or `1 + w`) and `n` what it
+/// multiplies: `d x = r · (g s − x̂ · mean(g s · x̂))` in `F`, and the block's `Σ g · n` over its rows into
+/// row `block` of `weight_shares` `[blocks, width]` (f32).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_grads_kernel<F: Float, W: Float, O: Float>(
+    x: &Tensor<F>,
+    weight: &Tensor<W>,
+    grad: &Tensor<O>,
+    grad_x: &mut Tensor<F>,
+    weight_shares: &mut Tensor<f32>,
+    args: NormArgs,
+    #[comptime] zero_centered: bool,
+    #[comptime] units: usize,
+    #[comptime] width: usize,
+    #[define(F, W, O)] _dtypes: [StorageType; 3],
+) {
+    let block = grid_row();
+    let rows = args.rows as usize;
+    if block * ROWS_PER_CUBE >= rows {
+        terminate!();
+    }
+    let unit = UNIT_POS_X as usize;
+    // Each unit adds to its own columns only: no barrier needed around it.
+    let mut share = SharedMemory::<f32>::new(width);
+    let mut column = unit;
+    while column < width {
+        share[column] = 0.0;
+        column += units;
+    }
+    for r in 0..ROWS_PER_CUBE {
+        let row = block * ROWS_PER_CUBE + r;
+        // The same for every unit of the cube, so all of them reach the sums' barriers or none.
+        if row < rows {
+            let base = row * width;
+            let mut squares = 0.0f32;
+            let mut dot = 0.0f32;
+            let mut column = unit;
+            while column < width {
+                let v = f32::cast_from(x[base + column]);
+                squares += v * v;
+                dot += scale_of::<W>(weight, column, zero_centered) * f32::cast_from(grad[base + column]) * v;
+                column += units;
+            }
+            let inverse = 1.0 / (cube_sum(squares, units) / width as f32 + args.eps).sqrt();
+            let projection = cube_sum(dot, units) * inverse / width as f32;
+            let mut column = unit;
+            while column < width {
+                let normed = f32::cast_from(x[base + column]) * inverse;
+                let g = f32::cast_from(grad[base + column]);
+                let scaled_grad = g * scale_of::<W>(weight, column, zero_centered);
+                grad_x[base + column] = F::cast_from((scaled_grad - normed * projection) * inverse);
+                share[column] += g * scaled_value::<F>(normed, zero_centered);
+                column += units;
+            }
+        }
+    }
+    let mut column = unit;
+    while column < width {
+        weight_shares[block * width + column] = share[column];
+        column += units;
+    }
+}
+
+/// The kernels as backend primitives on `[rows, width]` tensors: `rms_norm` returns the normalized rows,
+/// `rms_norm_grads` `[d x, the blocks' shares of d w]` (`[rows / ROWS_PER_CUBE, width]`, f32).
+pub trait NormKernels: Backend {
+    fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64, kind: NormKind) -> FloatTensor<Self>;
+
+    fn rms_norm_grads(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+        kind: NormKind,
+    ) -> [FloatTensor<Self>; 2];
+}
+
+/// `x` `[.., width]` as `[rows, width]`.
+fn rows_of<B: Backend, const D: usize>(x: BurnTensor<B, D>) -> FloatTensor<B> {
+    let width = x.dims()[D - 1];
+    x.reshape([-1, width as i64]).into_primitive().tensor()
+}
+
+/// `ModelBackend::rms_norm` on a CubeCL backend: one kernel launch.
+pub fn rms_norm<B: NormKernels, const D: usize>(
+    x: BurnTensor<B, D>,
+    weight: BurnTensor<B, 1>,
+    eps: f64,
+    kind: NormKind,
+) -> BurnTensor<B, D> {
+    let dims = x.dims();
+    let out: BurnTensor<B, 2> = float_tensor(B::rms_norm(rows_of(x), weight.into_primitive().tensor(), eps, kind));
+    out.reshape(dims)
+}
+
+/// `ModelBackend::rms_norm_grads` on a CubeCL backend: one kernel launch and the sum of the blocks' shares.
+pub fn rms_norm_grads<B: NormKernels, const D: usize>(
+    x: BurnTensor<B, D>,
+    weight: BurnTensor<B, 1>,
+    eps: f64,
+    kind: NormKind,
+    grad: BurnTensor<B, D>,
+) -> (BurnTensor<B, D>, BurnTensor<B, 1>) {
+    let dims = x.dims();
+    if x.shape().num_elements() == 0 {
+        return crate::models::ops::rms_norm_backward(x, weight, eps, kind, grad);
+    }
+    let weight_dtype = FloatDType::from(weight.dtype());
+    let [grad_x, shares] = B::rms_norm_grads(rows_of(x), weight.into_primitive().tensor(), rows_of(grad), eps, kind);
+    let grad_x: BurnTensor<B, 2> = float_tensor(grad_x);
+    let shares: BurnTensor<B, 2> = float_tensor(shares);
+    (grad_x.reshape(dims), column_sums(shares).cast(weight_dtype))
+}
+
+/// The output dtype of the forward pass: the input's, or f32 when a plain norm's f32 weight promotes it.
+fn output_dtype(x: DType, weight: DType, kind: NormKind) -> DType {
+    if kind == NormKind::Plain && weight != x { DType::F32 } else { x }
+}
+
+/// `[rows, width]` of a kernel input, and the arguments both kernels take.
+fn norm_args<R: Runtime>(shape: &Shape, eps: f64) -> (usize, usize, NormArgsLaunch<R>) {
+    let [rows, width] = shape.dims::<2>();
+    let narrow = |n: usize| u32::try_from(n).expect("a norm's rows and width fit in u32");
+    (rows, width, NormArgsLaunch::new(narrow(rows), narrow(width), eps as f32))
+}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> NormKernels for CubeBackend<R, F, I, BT> {
+    fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64, kind: NormKind) -> FloatTensor<Self> {
+        let (rows, width, args) = norm_args::<R>(&x.shape(), eps);
+        let (client, device) = (x.client.clone(), x.device.clone());
+        let dtypes = [x.dtype, weight.dtype, output_dtype(x.dtype, weight.dtype, kind)];
+        let out = empty_device_dtype::<R>(client.clone(), device, x.shape(), dtypes[2]);
+        if rows > 0 {
+            let units = units_for(width);
+            rms_norm_kernel::launch::<R>(
+                &client,
+                row_grid(rows),
+                CubeDim::new_1d(units as u32),
+                into_contiguous(x).into_tensor_arg(),
+                into_contiguous(weight).into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                args,
+                kind == NormKind::ZeroCentered,
+                units,
+                dtypes.map(Into::into),
+            );
+        }
+        out
+    }
+
+    fn rms_norm_grads(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+        kind: NormKind,
+    ) -> [FloatTensor<Self>; 2] {
+        let (rows, width, args) = norm_args::<R>(&x.shape(), eps);
+        let (client, device) = (x.client.clone(), x.device.clone());
+        assert_eq!(
+            grad.dtype,
+            output_dtype(x.dtype, weight.dtype, kind),
+            "the norm's gradient is in its output's dtype"
+        );
+        let dtypes = [x.dtype, weight.dtype, grad.dtype];
+        let blocks = rows.div_ceil(ROWS_PER_CUBE);
+        let grad_x = empty_device_dtype::<R>(client.clone(), device.clone(), x.shape(), x.dtype);
+        let shares = empty_device_dtype::<R>(client.clone(), device, Shape::new([blocks.max(1), width]), DType::F32);
+        if rows > 0 {
+            let units = units_for(width);
+            rms_norm_grads_kernel::launch::<R>(
+                &client,
+                row_grid(blocks),
+                CubeDim::new_1d(units as u32),
+                into_contiguous(x).into_tensor_arg(),
+                into_contiguous(weight).into_tensor_arg(),
+                into_contiguous(grad).into_tensor_arg(),
+                grad_x.clone().into_tensor_arg(),
+                shares.clone().into_tensor_arg(),
+                args,
+                kind == NormKind::ZeroCentered,
+                units,
+                width,
+                dtypes.map(Into::into),
+            );
+        }
+        [grad_x, shares]
+    }
+}
+
+/// A kernel as one custom operation of burn-fusion's stream: fusion runs it on the backend under it.
+#[derive(Debug, Clone)]
+struct FusedNorm<B> {
+    desc: CustomOpIr,
+    eps: f64,
+    kind: NormKind,
+    grads: bool,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: FusionBackend + NormKernels> Operation<B::FusionRuntime> for FusedNorm<B> {
+    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+        let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
+        let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
+        let (x, weight) = (get(0), get(1));
+        if self.grads {
+            let grad = get(2);
+            register_float_outputs::<B>(handles, outputs, B::rms_norm_grads(x, weight, grad, self.eps, self.kind));
+        } else {
+            register_float_outputs::<B>(handles, outputs, [B::rms_norm(x, weight, self.eps, self.kind)]);
+        }
+    }
+}
+
+impl<B: FusionBackend + NormKernels> NormKernels for Fusion<B> {
+    fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64, kind: NormKind) -> FloatTensor<Self> {
+        let out = (x.shape(), output_dtype(x.dtype(), weight.dtype(), kind));
+        let [normed] =
+            outputs(register_custom::<B, _>("kiln_rms_norm", vec![x, weight], &[out], |desc| FusedNorm::<B> {
+                desc,
+                eps,
+                kind,
+                grads: false,
+                _backend: std::marker::PhantomData,
+            }));
+        normed
+    }
+
+    fn rms_norm_grads(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+        kind: NormKind,
+    ) -> [FloatTensor<Self>; 2] {
+        let [rows, width] = x.shape().dims::<2>();
+        let shapes = [(x.shape(), x.dtype()), (Shape::new([rows.div_ceil(ROWS_PER_CUBE).max(1), width]), DType::F32)];
+        outputs(register_custom::<B, _>("kiln_rms_norm_grads", vec![x, weight, grad], &shapes, |desc| FusedNorm::<B> {
+            desc,
+            eps,
+            kind,
+            grads: true,
+            _backend: std::marker::PhantomData,
+        }))
+    }
+}
