@@ -119,8 +119,8 @@ pub fn cuda_fusion() -> Result<bool, String> {
 /// of kiln's CubeCL kernels (`off`/`0`/`false`; `on` is the default).
 pub const SCAN_KERNEL_ENV: &str = "KILN_SCAN_KERNEL";
 
-/// Whether the CubeCL backends run the DeltaNet scan and chunk solve as kiln's kernels, from `KILN_SCAN_KERNEL`; malformed
-/// values are an error (`main` checks before any command runs).
+/// Whether the CubeCL backends run the DeltaNet scan and chunk solve as kiln's kernels, from
+/// `KILN_SCAN_KERNEL`; malformed values are an error (`main` checks before any command runs).
 pub fn scan_kernel() -> Result<bool, String> {
     switch(SCAN_KERNEL_ENV)
 }
@@ -252,9 +252,10 @@ cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused
 // CubeCL backends (and the CPU in other dtypes) use the chunked tensor ops (the trait's defaults); their
 // autodiff wrappers record each with its backward (`models::attention`, `models::deltanet`).
 // The CubeCL backends run the DeltaNet scan across chunks and the chunk solve as kernels (`kernels::scan`,
-// `kernels::chunk_solve`) unless `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels (`kernels::attention`) unless
-// `KILN_ATTENTION_KERNEL=off`, the cross-entropy's rows as one (`kernels::cross_entropy`) unless
-// `KILN_LOSS_KERNEL=off`, and the RMSNorms as kernels (`kernels::norm`) unless `KILN_NORM_KERNEL=off`.
+// `kernels::chunk_solve`) unless `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels
+// (`kernels::attention`) unless `KILN_ATTENTION_KERNEL=off`, the cross-entropy's rows as one
+// (`kernels::cross_entropy`) unless `KILN_LOSS_KERNEL=off`, and the RMSNorms as kernels (`kernels::norm`)
+// unless `KILN_NORM_KERNEL=off`.
 impl CrossEntropyRows for Flex {}
 
 impl ModelBackend for Flex {
