@@ -36,8 +36,8 @@ struct NormArgs {
     eps: f32,
 }
 
-/// Units per cube for rows of `width`: a power of two (the tree sums), at most 256, none idle on narrow
-/// rows (the attention's q/k norms are 64–256 wide).
+/// Units per cube for rows of `width`: a power of two (the tree sums) from 32 to 256, so that narrow rows
+/// (the attention's q/k norms are 64–256 wide) leave few units idle.
 fn units_for(width: usize) -> usize {
     width.next_power_of_two().clamp(32, 256)
 }
