@@ -214,9 +214,10 @@ pub fn rms_norm_grads<B: NormKernels, const D: usize>(
     (grad_x.reshape(dims), column_sums(shares).cast(weight_dtype))
 }
 
-/// The output dtype of the forward pass: the input's, or f32 when a plain norm's f32 weight promotes it.
-fn output_dtype(x: DType, weight: DType, kind: NormKind) -> DType {
-    if kind == NormKind::Plain && weight != x { DType::F32 } else { x }
+/// The rows of the weight-gradient shares for `rows` rows: one per backward cube (one at least, so that the
+/// tensor exists when there are no rows).
+fn share_rows(rows: usize) -> usize {
+    rows.div_ceil(ROWS_PER_CUBE).max(1)
 }
 
 /// `[rows, width]` of a kernel input, and the arguments both kernels take.
@@ -230,7 +231,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> NormKernel
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64, kind: NormKind) -> FloatTensor<Self> {
         let (rows, width, args) = norm_args::<R>(&x.shape(), eps);
         let (client, device) = (x.client.clone(), x.device.clone());
-        let dtypes = [x.dtype, weight.dtype, output_dtype(x.dtype, weight.dtype, kind)];
+        let dtypes = [x.dtype, weight.dtype, kind.output_dtype(x.dtype, weight.dtype)];
         let out = empty_device_dtype::<R>(client.clone(), device, x.shape(), dtypes[2]);
         if rows > 0 {
             let units = units_for(width);
@@ -261,13 +262,13 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> NormKernel
         let (client, device) = (x.client.clone(), x.device.clone());
         assert_eq!(
             grad.dtype,
-            output_dtype(x.dtype, weight.dtype, kind),
+            kind.output_dtype(x.dtype, weight.dtype),
             "the norm's gradient is in its output's dtype"
         );
         let dtypes = [x.dtype, weight.dtype, grad.dtype];
-        let blocks = rows.div_ceil(ROWS_PER_CUBE);
+        let blocks = share_rows(rows);
         let grad_x = empty_device_dtype::<R>(client.clone(), device.clone(), x.shape(), x.dtype);
-        let shares = empty_device_dtype::<R>(client.clone(), device, Shape::new([blocks.max(1), width]), DType::F32);
+        let shares = empty_device_dtype::<R>(client.clone(), device, Shape::new([blocks, width]), DType::F32);
         if rows > 0 {
             let units = units_for(width);
             rms_norm_grads_kernel::launch::<R>(
@@ -316,7 +317,7 @@ impl<B: FusionBackend + NormKernels> Operation<B::FusionRuntime> for FusedNorm<B
 
 impl<B: FusionBackend + NormKernels> NormKernels for Fusion<B> {
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64, kind: NormKind) -> FloatTensor<Self> {
-        let out = (x.shape(), output_dtype(x.dtype(), weight.dtype(), kind));
+        let out = (x.shape(), kind.output_dtype(x.dtype(), weight.dtype()));
         let [normed] =
             outputs(register_custom::<B, _>("kiln_rms_norm", vec![x, weight], &[out], |desc| FusedNorm::<B> {
                 desc,
@@ -336,7 +337,7 @@ impl<B: FusionBackend + NormKernels> NormKernels for Fusion<B> {
         kind: NormKind,
     ) -> [FloatTensor<Self>; 2] {
         let [rows, width] = x.shape().dims::<2>();
-        let shapes = [(x.shape(), x.dtype()), (Shape::new([rows.div_ceil(ROWS_PER_CUBE).max(1), width]), DType::F32)];
+        let shapes = [(x.shape(), x.dtype()), (Shape::new([share_rows(rows), width]), DType::F32)];
         outputs(register_custom::<B, _>("kiln_rms_norm_grads", vec![x, weight, grad], &shapes, |desc| FusedNorm::<B> {
             desc,
             eps,

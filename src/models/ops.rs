@@ -28,7 +28,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::activation::{sigmoid, silu};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 
 use super::attention::{
     AttentionForward, ChunkRows, DocumentAttention, chunked_attention, chunked_attention_backward, score_grads,
@@ -253,6 +253,14 @@ pub enum NormKind {
     Plain,
     /// Qwen3.5's zero-centered `cast(x̂ · (1 + w))`, scaled in f32.
     ZeroCentered,
+}
+
+impl NormKind {
+    /// The dtype of the norm's output for an input and a weight in these dtypes: the input's, or f32 where a
+    /// plain norm's f32 weight promotes a half-precision input (as `rms_norm_forward` computes it).
+    pub fn output_dtype(self, x: DType, weight: DType) -> DType {
+        if self == NormKind::Plain && weight != x { DType::F32 } else { x }
+    }
 }
 
 /// The RMSNorm forward pass, the composition transformers runs.

@@ -21,12 +21,21 @@ FALLBACK_VARIANTS=("$KILN_KERNELS_OFF" "KILN_CUDA_FUSION=off" "KILN_CUDA_FUSION=
 FALLBACK_DIAGNOSIS=("KILN_ATTENTION_KERNEL=off" "KILN_LOSS_KERNEL=off" "KILN_NORM_KERNEL=off" "KILN_SCAN_KERNEL=off"
     "${FALLBACK_VARIANTS[@]}")
 
-# The switches marked in file $1 for scope $2 ("*" lines apply to every scope; no $2: every line), one per
+# The switches marked in file $1 for scope $2 ("*" lines apply to every scope; no $2: every line), on one
 # line, without repeats.
 marked_switches() {
     [[ -n ${1:-} && -s $1 ]] || return 0
     awk -v scope="${2:-}" 'scope == "" || $1 == scope || $1 == "*" { for (i = 2; i <= NF; i++) print $i }' "$1" \
-        | sort -u
+        | sort -u | paste -sd' '
+}
+
+# The switches $1 with those of a fallback variant $2 added, on one line; nothing when $2 adds none (the run
+# already had them, so trying it again would change nothing).
+switches_with() {
+    local union
+    # shellcheck disable=SC2086  # word lists
+    union=$(printf '%s\n' $1 $2 | sort -u | paste -sd' ')
+    [[ $union != "$1" ]] && echo "$union"
 }
 
 # A short label of a set of switches, for file names and messages ("nokernels", "unfused-noattn", …).

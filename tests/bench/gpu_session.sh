@@ -98,7 +98,7 @@ stage_parity() {
         for run in "cpu f32" "$DEVICE f32" "$DEVICE bf16"; do
             set -- $run
             marked=""
-            [[ $1 != cpu ]] && marked=$(marked_switches "$FALLBACK_MARK" | paste -sd' ')
+            [[ $1 != cpu ]] && marked=$(marked_switches "$FALLBACK_MARK")
             tag=$1-$2${marked:+-$(switches_label "$marked")}
             with_switches "$marked" parity_run "$1" "$2" "$tag" && { [[ $1 == cpu ]] || parity_ok "$tag"; } && continue
             echo "bench-train of $shape on $1 $2${marked:+ ($marked)} failed or is off the CPU's losses (see parity.log)" >&2
@@ -106,9 +106,7 @@ stage_parity() {
             [[ $1 == cuda ]] || continue
             # Which switch mends it says whose bug it is; it then holds for every run after this one.
             for variant in "${FALLBACK_DIAGNOSIS[@]}"; do
-                # shellcheck disable=SC2086  # word lists
-                switches=$(printf '%s\n' $marked $variant | sort -u | paste -sd' ')
-                [[ $switches == "$marked" ]] && continue
+                switches=$(switches_with "$marked" "$variant") || continue
                 tag=$1-$2-$(switches_label "$switches")
                 if with_switches "$switches" parity_run "$1" "$2" "$tag" && parity_ok "$tag"; then
                     echo "$shape on $1 $2 runs with $switches: marked for every kiln run after it" >&2
@@ -198,7 +196,7 @@ stage_profile() {
         step "kernel profile: $shape"
         # The table's row of the shape (the same settings, unprofiled), for the share of its step the kernels fill.
         local switches row
-        switches=$(env | grep -E '^KILN_(CUDA_FUSION|ATTENTION_KERNEL|LOSS_KERNEL|SCAN_KERNEL)=off$' | paste -sd' ')
+        switches=$(marked_switches "$FALLBACK_MARK")
         row=$OUT/bench/$shape-kiln${switches:+-$(switches_label "$switches")}.json
         [[ -f $row ]] || row=""
         if BENCH=$row DEVICE=$DEVICE KILN=$KILN SEQ=${SEQ:-4096} tests/bench/kernel_profile.sh \
@@ -245,11 +243,9 @@ stage_train() {
         # (fallback.sh) says whose bug it is.
         if [[ $DEVICE == cuda ]]; then
             local marked variant switches label
-            marked=$(marked_switches "$FALLBACK_MARK" | paste -sd' ')
+            marked=$(marked_switches "$FALLBACK_MARK")
             for variant in "${FALLBACK_VARIANTS[@]}"; do
-                # shellcheck disable=SC2086  # word lists
-                switches=$(printf '%s\n' $marked $variant | sort -u | paste -sd' ')
-                [[ $switches == "$marked" ]] && continue
+                switches=$(switches_with "$marked" "$variant") || continue
                 label=$(switches_label "$switches")
                 step "kiln train again with $switches"
                 with_switches "$switches" run_train "$train_run-$label" >"$OUT/train-$label.log" 2>&1
@@ -290,7 +286,7 @@ if [[ ${1:-} == --stage ]]; then
     # shellcheck source=tests/bench/fallback.sh
     source tests/bench/fallback.sh
     if [[ $DEVICE == cuda && " train pipeline profile " == *" $2 "* ]]; then
-        marked=$(marked_switches "$FALLBACK_MARK" | paste -sd' ')
+        marked=$(marked_switches "$FALLBACK_MARK")
         if [[ -n $marked ]]; then
             echo "note: kiln runs with $marked in this stage, after failures before ($(paste -sd, "$FALLBACK_MARK"))" >&2
             # shellcheck disable=SC2086  # NAME=off assignments

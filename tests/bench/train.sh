@@ -93,7 +93,7 @@ for shape in "${shapes[@]}"; do
             *) echo "KILN_OPS: unknown '$ops' (ops, reference, unfused, noscan, noattn, noloss, nonorm or checkpointed)" >&2; exit 2 ;;
         esac
         # What failed before (in this shape's rows, or in the parity stage's tiny runs) stays off.
-        marked=$(marked_switches "$FALLBACK_MARK" "$shape" | paste -sd' ')
+        marked=$(marked_switches "$FALLBACK_MARK" "$shape")
         row_out=$out
         if [[ -n $marked ]]; then
             out=${out%.json}-$(switches_label "$marked").json
@@ -111,8 +111,7 @@ for shape in "${shapes[@]}"; do
         # The row again without what has never run on a GPU before, so the table still has kiln's figures and
         # the row that worked says whose bug it was.
         for variant in "${FALLBACK_VARIANTS[@]}"; do
-            switches=$(printf '%s\n' $marked $variant | sort -u | paste -sd' ')
-            [[ $switches == "$marked" ]] && continue
+            switches=$(switches_with "$marked" "$variant") || continue
             out=${row_out%.json}-$(switches_label "$switches").json
             echo "== $shape: kiln again with $switches" >&2
             if kiln_row "$switches"; then

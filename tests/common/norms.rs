@@ -20,7 +20,7 @@ pub fn norm_inputs<B: ModelBackend>(
         kiln::backend::host_tensor::<B, 1>(spread(count, seed, -scale, scale), [count], dtype, device)
             .reshape([a, b, width])
     };
-    let out_dtype = if kind == NormKind::Plain && weight_dtype != dtype { FloatDType::F32 } else { dtype };
+    let out_dtype = FloatDType::from(kind.output_dtype(dtype.into(), weight_dtype.into()));
     let weight = kiln::backend::host_tensor::<B, 1>(spread(width, 9, 0.5, 1.5), [width], weight_dtype, device);
     (three(10, 3.0, dtype), weight, three(11, 1.0, out_dtype))
 }
