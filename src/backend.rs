@@ -17,6 +17,7 @@ use crate::models::attention::{
 use crate::models::deltanet::{self, ChunkPlan, ChunkedScan, ScanInputs};
 use crate::models::{ModelBackend, cpu_attention, cpu_deltanet};
 use crate::train::linear_ce::CrossEntropyRows;
+use crate::train::optim::SquaredNorm;
 
 /// CPU backend: pure-Rust Flex in f32.
 pub type Cpu = Flex<f32>;
@@ -155,6 +156,16 @@ pub fn norm_kernel() -> Result<bool, String> {
     switch(NORM_KERNEL_ENV)
 }
 
+/// The environment variable that sums the squares of the gradients for their global norm as tensor ops instead
+/// of kiln's CubeCL kernel (`off`/`0`/`false`; `on` is the default).
+pub const OPTIM_KERNEL_ENV: &str = "KILN_OPTIM_KERNEL";
+
+/// Whether the CubeCL backends take the gradients' squared norm with kiln's kernel, from `KILN_OPTIM_KERNEL`;
+/// malformed values are an error (`main` checks before any command runs).
+pub fn optim_kernel() -> Result<bool, String> {
+    switch(OPTIM_KERNEL_ENV)
+}
+
 /// An on/off switch from the environment: on when unset.
 fn switch(name: &str) -> Result<bool, String> {
     std::env::var_os(name).map_or(Ok(true), |value| parse_switch(name, &value.to_string_lossy()))
@@ -255,8 +266,11 @@ cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused
 // `kernels::chunk_solve`) unless `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels
 // (`kernels::attention`) unless `KILN_ATTENTION_KERNEL=off`, the cross-entropy's rows as one
 // (`kernels::cross_entropy`) unless `KILN_LOSS_KERNEL=off`, and the RMSNorms as kernels (`kernels::norm`)
-// unless `KILN_NORM_KERNEL=off`.
+// unless `KILN_NORM_KERNEL=off`, and the gradients' squared norm as one (`kernels::grad_norm`) unless
+// `KILN_OPTIM_KERNEL=off`.
 impl CrossEntropyRows for Flex {}
+
+impl SquaredNorm for Flex {}
 
 impl ModelBackend for Flex {
     fn attention_forward(
@@ -340,6 +354,16 @@ macro_rules! cubecl_model_backend {
                     crate::kernels::cross_entropy::cross_entropy_rows(logits, targets, coef, with_grads)
                 } else {
                     crate::train::linear_ce::cross_entropy_rows(logits, targets, coef, with_grads)
+                }
+            }
+        }
+
+        impl SquaredNorm for $backend {
+            fn squared_norm(tensors: Vec<burn::tensor::ops::FloatTensor<Self>>) -> Option<Tensor<Self, 1>> {
+                if optim_kernel_enabled() {
+                    crate::kernels::grad_norm::squared_norm(tensors)
+                } else {
+                    crate::train::optim::squared_sums_in_order(tensors)
                 }
             }
         }
@@ -459,6 +483,12 @@ pub fn loss_kernel_enabled() -> bool {
 pub fn norm_kernel_enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     switch_once(&ENABLED, NORM_KERNEL_ENV)
+}
+
+/// `optim_kernel()` read once, for the trainer (the CLI has rejected a malformed value before it runs).
+pub fn optim_kernel_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    switch_once(&ENABLED, OPTIM_KERNEL_ENV)
 }
 
 fn switch_once(cell: &std::sync::OnceLock<bool>, name: &str) -> bool {

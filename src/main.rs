@@ -571,6 +571,7 @@ fn run(cli: Cli) -> Result<()> {
         kiln::backend::attention_kernel().map_err(anyhow::Error::msg)?;
         kiln::backend::loss_kernel().map_err(anyhow::Error::msg)?;
         kiln::backend::norm_kernel().map_err(anyhow::Error::msg)?;
+        kiln::backend::optim_kernel().map_err(anyhow::Error::msg)?;
     }
     match cli.command {
         Command::Pull(args) => pull(args, &cli.datasets_dir, cli.quiet),
@@ -812,6 +813,7 @@ fn info() -> Result<()> {
             .map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "loss_kernel": kiln::backend::loss_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "norm_kernel": kiln::backend::norm_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
+        "optim_kernel": kiln::backend::optim_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "hub": {
             "endpoint": config.endpoint,
             "cache_dir": config.cache_dir,

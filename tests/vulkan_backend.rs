@@ -4,8 +4,9 @@
 //! or the kernel profiler that goes wrong on a fused CubeCL backend shows here before any GPU session:
 //! the architectures against transformers (logits and gradients), the trainer against PyTorch's AdamW run,
 //! resume, every tiny shape's training steps against the CPU's, kiln's own CubeCL kernels (the DeltaNet scan
-//! and chunk solve, the attention's softmax rows, the cross-entropy's rows) against the tensor ops they
-//! replace, and the per-kernel profile that tests/bench/gpu_session.sh takes on the GPU.
+//! and chunk solve, the attention's softmax rows, the cross-entropy's rows, the RMSNorms, the gradients'
+//! squared norm) against the tensor ops they replace, and the per-kernel profile that
+//! tests/bench/gpu_session.sh takes on the GPU.
 //! Built with `--features vulkan` (`make test` adds it where a Vulkan driver is installed; .ci/run installs
 //! lavapipe).
 #![cfg(feature = "vulkan")]
@@ -264,6 +265,15 @@ fn the_norm_kernels_equal_the_tensor_op_norms() {
             }
         }
     }
+}
+
+/// kiln's gradient-norm kernel (`kernels::grad_norm`, what the trainer's clipping runs on the device) against
+/// the tensor ops it replaces and an f64 sum, on the fused and unfused device backends: tensors of every rank,
+/// a transposed and a narrowed one, one over several cubes, and more than one launch takes.
+#[test]
+fn the_squared_norm_kernel_equals_the_tensor_op_sums() {
+    common::grad_norm::assert_squared_norm_matches::<Vk>(&[FloatDType::F32]);
+    common::grad_norm::assert_squared_norm_matches::<VkUnfused>(&[FloatDType::F32]);
 }
 
 /// One attention chunk's inputs for the softmax-row kernels: unscaled scores and `dP`

@@ -77,6 +77,17 @@ fn the_norm_kernels_equal_the_tensor_op_norms_in_half_precision() {
     }
 }
 
+/// kiln's gradient-norm kernel on half-precision gradients, and on f16 and f32 ones together (Qwen3.5 keeps
+/// `A_log` and its DeltaNet norm weight in f32: a launch per dtype), fused and unfused.
+#[test]
+fn the_squared_norm_kernel_equals_the_tensor_op_sums_in_half_precision() {
+    claim_f16();
+    let (f16, f32) = (FloatDType::F16, FloatDType::F32);
+    common::grad_norm::assert_squared_norm_matches::<VkHalf>(&[f16]);
+    common::grad_norm::assert_squared_norm_matches::<VkHalf>(&[f16, f32]);
+    common::grad_norm::assert_squared_norm_matches::<kiln::backend::VkHalfUnfused>(&[f16, f32]);
+}
+
 /// The trainer in f16: a run stopped after 4 steps and resumed ends where the uninterrupted one does, its
 /// epoch exports (written from f16 parameters) included. With 8-bit moments, as the largest models train
 /// on the GPU: their u8 codes in the half-precision graph, saved and restored.

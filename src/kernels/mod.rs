@@ -3,13 +3,14 @@
 //! one cube per row. Each kernel replaces a tensor-op composition that stays the reference it is tested
 //! against (tests/vulkan_backend.rs) and the path of every other backend: the DeltaNet scan across chunks
 //! (`scan`) and chunk solve (`chunk_solve`), the attention's softmax rows (`attention`), the cross-entropy's
-//! rows (`cross_entropy`), the RMSNorms (`norm`).
-//! `backend` wires them into `ModelBackend` and `train::linear_ce::CrossEntropyRows`, each behind an environment
-//! switch.
+//! rows (`cross_entropy`), the RMSNorms (`norm`), the gradients' squared norm (`grad_norm`).
+//! `backend` wires them into `ModelBackend`, `train::linear_ce::CrossEntropyRows` and
+//! `train::optim::SquaredNorm`, each behind an environment switch.
 
 pub mod attention;
 pub mod chunk_solve;
 pub mod cross_entropy;
+pub mod grad_norm;
 pub mod norm;
 pub mod scan;
 

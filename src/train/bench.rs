@@ -89,6 +89,10 @@ pub struct BenchResult {
     /// Whether the RMSNorms ran as kiln's kernels (kiln on a CubeCL device only: `KILN_NORM_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub norm_kernel: Option<bool>,
+    /// Whether the gradients' squared norm ran as kiln's kernel (kiln on a CubeCL device only:
+    /// `KILN_OPTIM_KERNEL`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optim_kernel: Option<bool>,
     pub tokens_per_step: u64,
     pub warmup: usize,
     /// Wall seconds of each timed step (the device synchronized at its end).
@@ -190,6 +194,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         attention_kernel: (device_name != "cpu").then(crate::backend::attention_kernel_enabled),
         loss_kernel: (device_name != "cpu").then(crate::backend::loss_kernel_enabled),
         norm_kernel: (device_name != "cpu").then(crate::backend::norm_kernel_enabled),
+        optim_kernel: (device_name != "cpu").then(crate::backend::optim_kernel_enabled),
         moments: Some(cfg.moments),
         activation_checkpointing: cfg.activation_checkpointing,
         state_memory_bytes: Some(state_memory_bytes),

@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 use serde::{Deserialize, Serialize};
 
@@ -387,16 +388,16 @@ impl<B: AutodiffBackend> F32Accumulator<B> {
     }
 }
 
-/// Each parameter's sum of squared gradient entries, in f32, left on the device.
-struct SquaredSums<'a, B: Backend> {
+/// Each parameter's gradient, in the model's parameter order.
+struct GradientsInOrder<'a, B: Backend> {
     grads: &'a GradientsParams,
-    sums: Vec<Tensor<B, 1>>,
+    tensors: Vec<FloatTensor<B>>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredSums<'_, B::InnerBackend> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for GradientsInOrder<'_, B::InnerBackend> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            self.sums.push(squared_sum(g));
+            self.tensors.push(g.into_primitive().tensor());
         }
     }
 }
@@ -418,16 +419,52 @@ fn squared_sum<B: Backend, const D: usize>(g: Tensor<B, D>) -> Tensor<B, 1> {
     }
 }
 
-/// `Σ g²` over every gradient of `model`'s parameters, on the device: each parameter's `squared_sum`, added
-/// in the model's parameter order. A chain of one-value additions, which the fused backends compile into one
-/// kernel (`Tensor::cat` of the sums would cost a slice-assign kernel per parameter). `None` without gradients.
+/// `squared_sum` of a rank-erased tensor, at its own rank.
+fn squared_sum_at_rank<B: Backend>(g: FloatTensor<B>) -> Tensor<B, 1> {
+    fn at<B: Backend, const D: usize>(g: FloatTensor<B>) -> Tensor<B, 1> {
+        squared_sum(Tensor::<B, D>::from_primitive(TensorPrimitive::Float(g)))
+    }
+    match g.shape().num_dims() {
+        1 => at::<B, 1>(g),
+        2 => at::<B, 2>(g),
+        3 => at::<B, 3>(g),
+        4 => at::<B, 4>(g),
+        _ => {
+            let len = g.shape().num_elements();
+            squared_sum(Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(g, Shape::new([len])))))
+        }
+    }
+}
+
+/// `SquaredNorm::squared_norm` as tensor ops: each tensor's `squared_sum`, added in order. A chain of
+/// one-value additions, which the fused backends compile into one kernel (`Tensor::cat` of the sums would
+/// cost a slice-assign kernel per tensor).
+pub fn squared_sums_in_order<B: Backend>(tensors: Vec<FloatTensor<B>>) -> Option<Tensor<B, 1>> {
+    tensors.into_iter().map(squared_sum_at_rank::<B>).reduce(|a, b| a + b)
+}
+
+/// How a backend sums the squares of every gradient for the global norm.
+pub trait SquaredNorm: Backend {
+    /// `Σ x²` over every value of `tensors` (any float dtypes) in f32, `[1]`; `None` for no tensors. The
+    /// tensor ops of `squared_sums_in_order` by default; the CubeCL backends read every gradient in a few
+    /// kernel launches (`kernels::grad_norm`) unless `KILN_OPTIM_KERNEL=off`.
+    fn squared_norm(tensors: Vec<FloatTensor<Self>>) -> Option<Tensor<Self, 1>> {
+        squared_sums_in_order(tensors)
+    }
+}
+
+/// `Σ g²` over every gradient of `model`'s parameters, on the device (`SquaredNorm`). `None` without
+/// gradients.
 pub fn squared_norm<B: AutodiffBackend, M: Module<B>>(
     model: &M,
     grads: &GradientsParams,
-) -> Option<Tensor<B::InnerBackend, 1>> {
-    let mut visitor = SquaredSums::<B::InnerBackend> { grads, sums: Vec::new() };
+) -> Option<Tensor<B::InnerBackend, 1>>
+where
+    B::InnerBackend: SquaredNorm,
+{
+    let mut visitor = GradientsInOrder::<B::InnerBackend> { grads, tensors: Vec::new() };
     model.visit(&mut visitor);
-    visitor.sums.into_iter().reduce(|a, b| a + b)
+    B::InnerBackend::squared_norm(visitor.tensors)
 }
 
 /// One-element tensors read back to the host in a single transfer, as f32 (not the backend's default
@@ -536,7 +573,10 @@ pub fn step<B: AutodiffBackend, M: Module<B>>(
     grads: &GradientsParams,
     lr: f64,
     max_norm: Option<f64>,
-) -> (M, f64) {
+) -> (M, f64)
+where
+    B::InnerBackend: SquaredNorm,
+{
     let squared = squared_norm::<B, M>(&model, grads);
     let scale = max_norm.zip(squared.clone()).map(|(max, squared)| ClipScale::new(squared, max));
     let model = step_scaled(model, opt, grads, lr, scale.as_ref());

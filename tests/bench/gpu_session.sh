@@ -30,6 +30,9 @@
 #            kiln's kernel (KILN_OPS=noloss: KILN_LOSS_KERNEL=off), into table-noloss.md;
 #   nonorm   for each of NORM_AB, kiln's row again with the RMSNorms as tensor ops instead of kiln's kernels
 #            (KILN_OPS=nonorm: KILN_NORM_KERNEL=off), into table-nonorm.md;
+#   nooptim  for each of OPTIM_AB, kiln's row again with the gradients' squared norm as tensor ops (three
+#            kernels a parameter) instead of kiln's kernel (KILN_OPS=nooptim: KILN_OPTIM_KERNEL=off), into
+#            table-nooptim.md;
 #   moments  for each of MOMENTS_SHAPES, kiln's row again with bf16 and with 8-bit AdamW moments, into
 #            table-moments.md: the peak memory beside the table's f32-moment row and PyTorch's;
 #   fit      FIT_SHAPE (LFM2.5-8B-A1B) as its recipe trains it: sequence FIT_SEQ (8192), two micro-batches
@@ -59,8 +62,8 @@
 # SHAPES ("lfm2-350m lfm2.5-1.2b qwen3.5-0.8b") and KILN_OPS ("ops reference") for the table, where
 # train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION, MOMENTS and REFERENCE pass through; TRAIN_SHAPE
 # (lfm2-350m), EPOCHS (2), TRAIN_MICRO (4), TRAIN_BATCH (8 sequences a step), TRAIN_LR (2e-5); PROFILE_SHAPES
-# ("lfm2.5-1.2b qwen3.5-0.8b", at SEQ or 4096); SCAN_AB (qwen3.5-0.8b); ATTN_AB, LOSS_AB, NORM_AB and
-# MOMENTS_SHAPES (lfm2.5-1.2b);
+# ("lfm2.5-1.2b qwen3.5-0.8b", at SEQ or 4096); SCAN_AB and OPTIM_AB (qwen3.5-0.8b); ATTN_AB, LOSS_AB,
+# NORM_AB and MOMENTS_SHAPES (lfm2.5-1.2b);
 # FIT_SHAPE (lfm2.5-8b-a1b), FIT_SEQ (8192); OUT (runs/gpu-session), where
 # everything worth keeping is copied; PACK, a .tgz path to pack OUT into at the end (the device tool brings
 # back at most 8 files).
@@ -72,7 +75,8 @@ cd "$(dirname "$0")/../.."
 : "${TRAIN_SHAPE:=lfm2-350m}" "${EPOCHS:=2}" "${TRAIN_MICRO:=4}" "${TRAIN_BATCH:=8}" "${TRAIN_LR:=2e-5}"
 : "${PROFILE_SHAPES=lfm2.5-1.2b qwen3.5-0.8b}" "${OUT:=runs/gpu-session}" "${PACK:=}"
 [[ " $SHAPES " == *" qwen3.5-0.8b "* ]] && : "${SCAN_AB=qwen3.5-0.8b}" || : "${SCAN_AB=}"
-: "${ATTN_AB=lfm2.5-1.2b}" "${LOSS_AB=lfm2.5-1.2b}" "${NORM_AB=lfm2.5-1.2b}" "${MOMENTS_SHAPES=lfm2.5-1.2b}" "${FIT_SHAPE:=lfm2.5-8b-a1b}" "${FIT_SEQ:=8192}"
+: "${ATTN_AB=lfm2.5-1.2b}" "${LOSS_AB=lfm2.5-1.2b}" "${NORM_AB=lfm2.5-1.2b}" "${OPTIM_AB=qwen3.5-0.8b}"
+: "${MOMENTS_SHAPES=lfm2.5-1.2b}" "${FIT_SHAPE:=lfm2.5-8b-a1b}" "${FIT_SEQ:=8192}"
 run=gpu-session
 step() { echo "== $*" >&2; }
 
@@ -165,6 +169,12 @@ stage_nonorm() {
     step "the RMSNorms as tensor ops: ${NORM_AB:-no shape}"
     # shellcheck disable=SC2086  # NORM_AB is a list
     kernel_ab nonorm $NORM_AB
+}
+
+stage_nooptim() {
+    step "the gradients' squared norm as tensor ops: ${OPTIM_AB:-no shape}"
+    # shellcheck disable=SC2086  # OPTIM_AB is a list
+    kernel_ab nooptim $OPTIM_AB
 }
 
 stage_moments() {

@@ -72,7 +72,10 @@ fn assert_codes_agree(what: &str, got: &[f32], want: &[f32], map: Map, scaled: O
 /// The maps, block-wise quantization and four AdamW8bit steps of the fixture on backend `B`: parameters
 /// within `tolerance` of bitsandbytes' (relative to their largest magnitude), and the final moments' codes
 /// equal up to rounding ties.
-pub fn assert_8bit_adamw_follows_bitsandbytes<B: AutodiffBackend>(tolerance: f32) {
+pub fn assert_8bit_adamw_follows_bitsandbytes<B: AutodiffBackend>(tolerance: f32)
+where
+    B::InnerBackend: kiln::train::optim::SquaredNorm,
+{
     let f = Fixture::load();
     let device = B::Device::default();
     for (map, name) in [(Map::Signed, "signed"), (Map::Unsigned, "unsigned")] {
