@@ -17,7 +17,7 @@ use crate::models::attention::{
 use crate::models::deltanet::{self, ChunkPlan, ChunkedScan, ScanInputs};
 use crate::models::{ModelBackend, cpu_attention, cpu_deltanet};
 use crate::train::linear_ce::CrossEntropyRows;
-use crate::train::optim::SquaredNorm;
+use crate::train::optim::OptimizerOps;
 
 /// CPU backend: pure-Rust Flex in f32.
 pub type Cpu = Flex<f32>;
@@ -156,11 +156,11 @@ pub fn norm_kernel() -> Result<bool, String> {
     switch(NORM_KERNEL_ENV)
 }
 
-/// The environment variable that sums the squares of the gradients for their global norm as tensor ops instead
-/// of kiln's CubeCL kernel (`off`/`0`/`false`; `on` is the default).
+/// The environment variable that runs the optimizer (the gradients' global norm, AdamW's update) as tensor ops
+/// instead of kiln's CubeCL kernels (`off`/`0`/`false`; `on` is the default).
 pub const OPTIM_KERNEL_ENV: &str = "KILN_OPTIM_KERNEL";
 
-/// Whether the CubeCL backends take the gradients' squared norm with kiln's kernel, from `KILN_OPTIM_KERNEL`;
+/// Whether the CubeCL backends run the optimizer as kiln's kernels, from `KILN_OPTIM_KERNEL`;
 /// malformed values are an error (`main` checks before any command runs).
 pub fn optim_kernel() -> Result<bool, String> {
     switch(OPTIM_KERNEL_ENV)
@@ -266,11 +266,11 @@ cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused
 // `kernels::chunk_solve`) unless `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels
 // (`kernels::attention`) unless `KILN_ATTENTION_KERNEL=off`, the cross-entropy's rows as one
 // (`kernels::cross_entropy`) unless `KILN_LOSS_KERNEL=off`, and the RMSNorms as kernels (`kernels::norm`)
-// unless `KILN_NORM_KERNEL=off`, and the gradients' squared norm as one (`kernels::grad_norm`) unless
-// `KILN_OPTIM_KERNEL=off`.
+// unless `KILN_NORM_KERNEL=off`, and the optimizer's gradient norm and AdamW update as kernels over many
+// tensors at once (`kernels::grad_norm`, `kernels::adamw`) unless `KILN_OPTIM_KERNEL=off`.
 impl CrossEntropyRows for Flex {}
 
-impl SquaredNorm for Flex {}
+impl OptimizerOps for Flex {}
 
 impl ModelBackend for Flex {
     fn attention_forward(
@@ -358,12 +358,24 @@ macro_rules! cubecl_model_backend {
             }
         }
 
-        impl SquaredNorm for $backend {
+        impl OptimizerOps for $backend {
             fn squared_norm(tensors: Vec<burn::tensor::ops::FloatTensor<Self>>) -> Option<Tensor<Self, 1>> {
                 if optim_kernel_enabled() {
                     crate::kernels::grad_norm::squared_norm(tensors)
                 } else {
                     crate::train::optim::squared_sums_in_order(tensors)
+                }
+            }
+
+            fn adamw_update(
+                slots: Vec<crate::train::optim::AdamWSlot<Self>>,
+                clip: Option<burn::tensor::ops::FloatTensor<Self>>,
+                scalars: crate::train::optim::AdamWScalars,
+            ) -> Result<Vec<crate::train::optim::AdamWUpdated<Self>>, Vec<crate::train::optim::AdamWSlot<Self>>> {
+                if optim_kernel_enabled() {
+                    Ok(crate::kernels::adamw::adamw_update(slots, clip, scalars))
+                } else {
+                    Err(slots)
                 }
             }
         }

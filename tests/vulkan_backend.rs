@@ -5,7 +5,7 @@
 //! the architectures against transformers (logits and gradients), the trainer against PyTorch's AdamW run,
 //! resume, every tiny shape's training steps against the CPU's, kiln's own CubeCL kernels (the DeltaNet scan
 //! and chunk solve, the attention's softmax rows, the cross-entropy's rows, the RMSNorms, the gradients'
-//! squared norm) against the tensor ops they replace, and the per-kernel profile that
+//! squared norm, AdamW's update) against the tensor ops they replace, and the per-kernel profile that
 //! tests/bench/gpu_session.sh takes on the GPU.
 //! Built with `--features vulkan` (`make test` adds it where a Vulkan driver is installed; .ci/run installs
 //! lavapipe).
@@ -272,8 +272,25 @@ fn the_norm_kernels_equal_the_tensor_op_norms() {
 /// a transposed and a narrowed one, one over several cubes, and more than one launch takes.
 #[test]
 fn the_squared_norm_kernel_equals_the_tensor_op_sums() {
-    common::grad_norm::assert_squared_norm_matches::<Vk>(&[FloatDType::F32]);
-    common::grad_norm::assert_squared_norm_matches::<VkUnfused>(&[FloatDType::F32]);
+    common::optimizer_ops::assert_squared_norm_matches::<Vk>(&[FloatDType::F32]);
+    common::optimizer_ops::assert_squared_norm_matches::<VkUnfused>(&[FloatDType::F32]);
+}
+
+/// kiln's AdamW kernel (`kernels::adamw`, the trainer's update on the device) against the CPU's tensor ops:
+/// three steps (two clipped) of parameters of ranks 1 to 3 (one gradient a transposed view, more parameters than
+/// one launch takes), with f32 moments and with 8-bit ones (the large parameter's by tensor ops, the rest by
+/// the kernel), fused and unfused. lavapipe has no bf16, so bf16 moments wait for CUDA.
+#[test]
+fn the_adamw_kernel_steps_as_the_cpu_tensor_ops() {
+    use kiln::train::optim::MomentDtype;
+    for moments in [MomentDtype::F32, MomentDtype::Q8] {
+        common::optimizer_ops::assert_adamw_matches_the_cpu::<VkTrain>(FloatDType::F32, moments, 1e-6);
+        common::optimizer_ops::assert_adamw_matches_the_cpu::<burn::backend::Autodiff<VkUnfused>>(
+            FloatDType::F32,
+            moments,
+            1e-6,
+        );
+    }
 }
 
 /// One attention chunk's inputs for the softmax-row kernels: unscaled scores and `dP`

@@ -77,15 +77,28 @@ fn the_norm_kernels_equal_the_tensor_op_norms_in_half_precision() {
     }
 }
 
+/// kiln's AdamW kernel on half-precision parameters (f32 masters kept, as for bf16 on CUDA) against the
+/// CPU's tensor ops in f16: masters and moments within f32 rounding, parameters within an f16 ulp.
+#[test]
+fn the_adamw_kernel_steps_half_precision_parameters_as_the_cpu_tensor_ops() {
+    claim_f16();
+    common::optimizer_ops::assert_adamw_matches_the_cpu::<VkHalfTrain>(FloatDType::F16, MomentDtype::F32, 1e-3);
+    common::optimizer_ops::assert_adamw_matches_the_cpu::<burn::backend::Autodiff<kiln::backend::VkHalfUnfused>>(
+        FloatDType::F16,
+        MomentDtype::F32,
+        1e-3,
+    );
+}
+
 /// kiln's gradient-norm kernel on half-precision gradients, and on f16 and f32 ones together (Qwen3.5 keeps
 /// `A_log` and its DeltaNet norm weight in f32: a launch per dtype), fused and unfused.
 #[test]
 fn the_squared_norm_kernel_equals_the_tensor_op_sums_in_half_precision() {
     claim_f16();
     let (f16, f32) = (FloatDType::F16, FloatDType::F32);
-    common::grad_norm::assert_squared_norm_matches::<VkHalf>(&[f16]);
-    common::grad_norm::assert_squared_norm_matches::<VkHalf>(&[f16, f32]);
-    common::grad_norm::assert_squared_norm_matches::<kiln::backend::VkHalfUnfused>(&[f16, f32]);
+    common::optimizer_ops::assert_squared_norm_matches::<VkHalf>(&[f16]);
+    common::optimizer_ops::assert_squared_norm_matches::<VkHalf>(&[f16, f32]);
+    common::optimizer_ops::assert_squared_norm_matches::<kiln::backend::VkHalfUnfused>(&[f16, f32]);
 }
 
 /// The trainer in f16: a run stopped after 4 steps and resumed ends where the uninterrupted one does, its

@@ -3,10 +3,12 @@
 //! one cube per row. Each kernel replaces a tensor-op composition that stays the reference it is tested
 //! against (tests/vulkan_backend.rs) and the path of every other backend: the DeltaNet scan across chunks
 //! (`scan`) and chunk solve (`chunk_solve`), the attention's softmax rows (`attention`), the cross-entropy's
-//! rows (`cross_entropy`), the RMSNorms (`norm`), the gradients' squared norm (`grad_norm`).
+//! rows (`cross_entropy`), the RMSNorms (`norm`), the gradients' squared norm (`grad_norm`) and AdamW's update
+//! (`adamw`).
 //! `backend` wires them into `ModelBackend`, `train::linear_ce::CrossEntropyRows` and
-//! `train::optim::SquaredNorm`, each behind an environment switch.
+//! `train::optim::OptimizerOps`, each behind an environment switch.
 
+pub mod adamw;
 pub mod attention;
 pub mod chunk_solve;
 pub mod cross_entropy;
@@ -142,4 +144,59 @@ pub(crate) fn cube_sum(value: f32, #[comptime] units: usize) -> f32 {
         stride /= 2;
     }
     sums[0]
+}
+
+/// Units per cube of the kernels over many tensors (`CubeLayout`).
+pub(crate) const UNITS: usize = 256;
+/// Values one cube of them takes at least: 32 a unit.
+const MIN_VALUES_PER_CUBE: usize = UNITS * 32;
+/// Cubes over all tensors, beyond one a tensor: past it, each cube takes more values. As partial sums, far below
+/// the ~65,530 entries from which burn 0.21's reductions along a dimension drop values on wgpu
+/// (`ops::column_sums`), and enough cubes to fill any GPU.
+const MAX_CUBES: usize = 16_384;
+
+/// How the cubes of a kernel over many tensors (`grad_norm`, `adamw`) split tensors of `lens` values: each
+/// cube takes `per_cube` values (a multiple of the units), and `starts[i]` to `starts[i + 1]` are tensor `i`'s
+/// cubes (one at least, so that an empty tensor still has its slot); `starts` ends with the total.
+#[derive(Debug, PartialEq)]
+pub(crate) struct CubeLayout {
+    pub(crate) per_cube: usize,
+    pub(crate) starts: Vec<usize>,
+}
+
+impl CubeLayout {
+    pub(crate) fn new(lens: &[usize]) -> Self {
+        let values: usize = lens.iter().sum();
+        let per_cube = values.div_ceil(MAX_CUBES).next_multiple_of(UNITS).max(MIN_VALUES_PER_CUBE);
+        let mut starts = Vec::with_capacity(lens.len() + 1);
+        let mut next = 0;
+        starts.push(next);
+        for &len in lens {
+            next += len.div_ceil(per_cube).max(1);
+            starts.push(next);
+        }
+        CubeLayout { per_cube, starts }
+    }
+
+    pub(crate) fn cubes(&self) -> usize {
+        self.starts.last().copied().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_tensor_has_whole_cubes_of_its_own_and_a_large_model_few() {
+        let small = CubeLayout::new(&[1, MIN_VALUES_PER_CUBE, MIN_VALUES_PER_CUBE + 1, 0]);
+        assert_eq!(small, CubeLayout { per_cube: MIN_VALUES_PER_CUBE, starts: vec![0, 1, 2, 4, 5] });
+        assert_eq!(CubeLayout::new(&[]).cubes(), 0);
+        // LFM2.5-1.2B's 1.17 B values in 148 tensors: at most one cube more than MAX_CUBES a tensor.
+        let lens: Vec<usize> = (0..148).map(|i| if i == 0 { 67_108_864 } else { 7_500_000 }).collect();
+        let large = CubeLayout::new(&lens);
+        assert_eq!(large.per_cube % UNITS, 0);
+        assert!(large.per_cube * MAX_CUBES >= lens.iter().sum::<usize>());
+        assert!((MAX_CUBES / 2..=MAX_CUBES + lens.len()).contains(&large.cubes()), "{}", large.cubes());
+    }
 }

@@ -89,8 +89,8 @@ pub struct BenchResult {
     /// Whether the RMSNorms ran as kiln's kernels (kiln on a CubeCL device only: `KILN_NORM_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub norm_kernel: Option<bool>,
-    /// Whether the gradients' squared norm ran as kiln's kernel (kiln on a CubeCL device only:
-    /// `KILN_OPTIM_KERNEL`).
+    /// Whether the optimizer (the gradients' norm, AdamW's update) ran as kiln's kernels (kiln on a CubeCL
+    /// device only: `KILN_OPTIM_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optim_kernel: Option<bool>,
     pub tokens_per_step: u64,

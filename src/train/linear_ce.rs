@@ -20,7 +20,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 
-use super::optim::SquaredNorm;
+use super::optim::OptimizerOps;
 use super::step::masked_loss;
 use crate::backend::host_tensor;
 use crate::models::ModelBackend;
@@ -35,8 +35,8 @@ pub fn chunk_rows_for(vocab: usize) -> usize {
 }
 
 /// A training backend: the models' attention with its hand-written backward (`ModelBackend`), the fused
-/// projection + cross-entropy, and the gradient norm's sum of squares on the backend under it (`SquaredNorm`).
-pub trait LinearCrossEntropy: AutodiffBackend<InnerBackend: SquaredNorm> + ModelBackend {
+/// projection + cross-entropy, and the gradient norm's sum of squares on the backend under it (`OptimizerOps`).
+pub trait LinearCrossEntropy: AutodiffBackend<InnerBackend: OptimizerOps> + ModelBackend {
     /// `Σᵢ weightsᵢ · CE(hiddenᵢ · headᵀ, targetsᵢ) / normalizer` as a `[1]` f32 tensor, differentiable in
     /// `hidden` (`[rows, width]`) and `head` (`[vocab, width]`), with `chunk_rows` rows of logits at a time.
     fn linear_cross_entropy(
@@ -185,7 +185,7 @@ impl<B: Backend> Backward<B, 2> for LinearCrossEntropyBackward {
     }
 }
 
-impl<B: ModelBackend + CrossEntropyRows + SquaredNorm, C: CheckpointStrategy> LinearCrossEntropy for Autodiff<B, C> {
+impl<B: ModelBackend + CrossEntropyRows + OptimizerOps, C: CheckpointStrategy> LinearCrossEntropy for Autodiff<B, C> {
     fn linear_cross_entropy(
         hidden: Tensor<Self, 2>,
         head: Tensor<Self, 2>,

@@ -8,13 +8,13 @@
 //! dtype. Moments are f32, bf16 (`moments = "bf16"`, 4 bytes per parameter less) or block-wise 8-bit
 //! (`moments = "q8"`, 6 bytes less: `quant8`, as bitsandbytes' AdamW8bit) for the largest models.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 use serde::{Deserialize, Serialize};
 
 use super::quant8::{self, Blocks, Map};
@@ -436,31 +436,95 @@ fn squared_sum_at_rank<B: Backend>(g: FloatTensor<B>) -> Tensor<B, 1> {
     }
 }
 
-/// `SquaredNorm::squared_norm` as tensor ops: each tensor's `squared_sum`, added in order. A chain of
+/// `OptimizerOps::squared_norm` as tensor ops: each tensor's `squared_sum`, added in order. A chain of
 /// one-value additions, which the fused backends compile into one kernel (`Tensor::cat` of the sums would
 /// cost a slice-assign kernel per tensor).
 pub fn squared_sums_in_order<B: Backend>(tensors: Vec<FloatTensor<B>>) -> Option<Tensor<B, 1>> {
-    tensors.into_iter().map(squared_sum_at_rank::<B>).reduce(|a, b| a + b)
+    // Every sum queued before the first addition: interleaved with the reductions, each addition would be a
+    // kernel of its own.
+    let sums: Vec<Tensor<B, 1>> = tensors.into_iter().map(squared_sum_at_rank::<B>).collect();
+    sums.into_iter().reduce(|a, b| a + b)
 }
 
-/// How a backend sums the squares of every gradient for the global norm.
-pub trait SquaredNorm: Backend {
+/// What AdamW's update of one parameter reads, rank-erased: the parameter as stored, its gradient, its f32
+/// master (a parameter stored below f32), both moments in their dense dtype (f32 or bf16; a moment restored
+/// from a file is flat), and the weight-decay multiplier (`1 − lr·wd` for matrices, 1 for vectors).
+pub struct AdamWSlot<B: Backend> {
+    pub param: FloatTensor<B>,
+    pub grad: FloatTensor<B>,
+    pub master: Option<FloatTensor<B>>,
+    pub m: FloatTensor<B>,
+    pub v: FloatTensor<B>,
+    pub decay: f32,
+}
+
+/// What it writes: the parameter in its own dtype and shape, the master and the moments.
+pub struct AdamWUpdated<B: Backend> {
+    pub param: FloatTensor<B>,
+    pub master: Option<FloatTensor<B>>,
+    pub m: FloatTensor<B>,
+    pub v: FloatTensor<B>,
+}
+
+/// A step's AdamW constants in f32, each computed in f64 as the tensor ops' scalars are.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWScalars {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub one_minus_beta1: f32,
+    pub one_minus_beta2: f32,
+    /// `lr / (1 − β1^t)`.
+    pub step_size: f32,
+    /// `sqrt(1 − β2^t)`.
+    pub bias2_root: f32,
+    pub eps: f32,
+}
+
+impl AdamWScalars {
+    /// The constants of optimizer step `t` (from 1) at rate `lr`.
+    pub fn new(config: &AdamWConfig, lr: f64, t: i32) -> Self {
+        AdamWScalars {
+            beta1: config.beta1 as f32,
+            beta2: config.beta2 as f32,
+            one_minus_beta1: (1.0 - config.beta1) as f32,
+            one_minus_beta2: (1.0 - config.beta2) as f32,
+            step_size: (lr / (1.0 - config.beta1.powi(t))) as f32,
+            bias2_root: (1.0 - config.beta2.powi(t)).sqrt() as f32,
+            eps: config.eps as f32,
+        }
+    }
+}
+
+/// The optimizer's work on a backend: the gradients' squared norm and AdamW's update.
+pub trait OptimizerOps: Backend {
     /// `Σ x²` over every value of `tensors` (any float dtypes) in f32, `[1]`; `None` for no tensors. The
     /// tensor ops of `squared_sums_in_order` by default; the CubeCL backends read every gradient in a few
     /// kernel launches (`kernels::grad_norm`) unless `KILN_OPTIM_KERNEL=off`.
     fn squared_norm(tensors: Vec<FloatTensor<Self>>) -> Option<Tensor<Self, 1>> {
         squared_sums_in_order(tensors)
     }
+
+    /// AdamW's update of every slot together, in their order, with the gradients scaled by `clip` (`[1]`,
+    /// f32) when clipping. `Err` gives the slots back, to be updated one by one as tensor ops: the default;
+    /// the CubeCL backends update them in a few kernel launches (`kernels::adamw`) unless
+    /// `KILN_OPTIM_KERNEL=off`.
+    fn adamw_update(
+        slots: Vec<AdamWSlot<Self>>,
+        _clip: Option<FloatTensor<Self>>,
+        _scalars: AdamWScalars,
+    ) -> Result<Vec<AdamWUpdated<Self>>, Vec<AdamWSlot<Self>>> {
+        Err(slots)
+    }
 }
 
-/// `Σ g²` over every gradient of `model`'s parameters, on the device (`SquaredNorm`). `None` without
+/// `Σ g²` over every gradient of `model`'s parameters, on the device (`OptimizerOps`). `None` without
 /// gradients.
 pub fn squared_norm<B: AutodiffBackend, M: Module<B>>(
     model: &M,
     grads: &GradientsParams,
 ) -> Option<Tensor<B::InnerBackend, 1>>
 where
-    B::InnerBackend: SquaredNorm,
+    B::InnerBackend: OptimizerOps,
 {
     let mut visitor = GradientsInOrder::<B::InnerBackend> { grads, tensors: Vec::new() };
     model.visit(&mut visitor);
@@ -508,20 +572,96 @@ impl<B: Backend> ClipScale<B> {
     }
 }
 
+/// Parameters one chunk of the backend's AdamW update takes at most, and values (a larger parameter is a
+/// chunk of its own). A chunk's new parameters are allocated before the old ones are released (the model
+/// holds them until the chunk's results replace them), so the chunk bounds what the update adds to the memory
+/// in use: 512 MiB of bf16 parameters, where one update of all of them would add a whole model's copy.
+const CHUNK_PARAMS: usize = 32;
+const CHUNK_VALUES: usize = 1 << 28;
+
+/// The next chunk of parameters for the backend's AdamW update (`OptimizerOps::adamw_update`), with their
+/// states: in the model's order, not updated yet this step, with dense moments (8-bit ones stay with the
+/// tensor ops of `Step`), all of the first one's parameter and gradient dtypes.
+struct Gather<'a, B: AutodiffBackend> {
+    opt: &'a mut AdamW<B::InnerBackend>,
+    grads: &'a GradientsParams,
+    /// `1 − lr·wd` in f32, for matrices.
+    decay: f32,
+    done: &'a HashSet<ParamId>,
+    dtypes: Option<(DType, DType)>,
+    values: usize,
+    ids: Vec<ParamId>,
+    slots: Vec<AdamWSlot<B::InnerBackend>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.slots.len() == CHUNK_PARAMS || self.done.contains(&param.id) {
+            return;
+        }
+        let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) else { return };
+        let tensor = param.val().inner();
+        let len = tensor.shape().num_elements();
+        let moments = self.opt.config.moments;
+        let dtypes = (tensor.dtype(), grad.dtype());
+        if (moments == MomentDtype::Q8 && len >= quant8::MIN_ELEMENTS)
+            || self.dtypes.is_some_and(|d| d != dtypes)
+            || (!self.slots.is_empty() && self.values + len > CHUNK_VALUES)
+        {
+            return;
+        }
+        let (m, v, master) = match self.opt.states.remove(&param.id) {
+            Some(ParamState { m: Moment::Dense(m), v: Moment::Dense(v), master }) => (m, v, master),
+            Some(state) => {
+                self.opt.states.insert(param.id, state);
+                return;
+            }
+            None => {
+                let zeros =
+                    || primitive(zeros_in::<B::InnerBackend, D>(tensor.dims(), moments.dense(), &tensor.device()));
+                let master = (tensor.dtype() != DType::F32).then(|| primitive(tensor.clone().cast(FloatDType::F32)));
+                (zeros(), zeros(), master)
+            }
+        };
+        let decay = if D > 1 { self.decay } else { 1.0 };
+        self.dtypes = Some(dtypes);
+        self.values += len;
+        self.ids.push(param.id);
+        self.slots.push(AdamWSlot { param: primitive(tensor), grad: primitive(grad), master, m, v, decay });
+    }
+}
+
+/// Puts the backend's updated parameters into the model.
+struct Replace<B: Backend> {
+    updated: HashMap<ParamId, FloatTensor<B>>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Replace<B::InnerBackend> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(updated) = self.updated.remove(&id) else { return Param::from_mapped_value(id, tensor, mapper) };
+        let out = Tensor::from_inner(Tensor::from_primitive(TensorPrimitive::Float(updated)));
+        let out = if tensor.is_require_grad() { out.require_grad() } else { out };
+        Param::from_mapped_value(id, out, mapper)
+    }
+}
+
+/// AdamW as tensor ops, one parameter at a time, for the parameters not in `done`.
 struct Step<'a, B: AutodiffBackend> {
     opt: &'a mut AdamW<B::InnerBackend>,
     grads: &'a GradientsParams,
     lr: f64,
     /// Gradient multiplier from global-norm clipping (none when not clipping).
     scale: Option<&'a ClipScale<B::InnerBackend>>,
+    /// Parameters the backend has updated already (`OptimizerOps::adamw_update`).
+    done: &'a HashSet<ParamId>,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
-        let Some(grad) = self.grads.get::<B::InnerBackend, D>(id) else {
-            return Param::from_mapped_value(id, tensor, mapper);
-        };
+        let grad = self.grads.get::<B::InnerBackend, D>(id).filter(|_| !self.done.contains(&id));
+        let Some(grad) = grad else { return Param::from_mapped_value(id, tensor, mapper) };
         let require_grad = tensor.is_require_grad();
         let shape = tensor.dims();
         let c = self.opt.config;
@@ -575,7 +715,7 @@ pub fn step<B: AutodiffBackend, M: Module<B>>(
     max_norm: Option<f64>,
 ) -> (M, f64)
 where
-    B::InnerBackend: SquaredNorm,
+    B::InnerBackend: OptimizerOps,
 {
     let squared = squared_norm::<B, M>(&model, grads);
     let scale = max_norm.zip(squared.clone()).map(|(max, squared)| ClipScale::new(squared, max));
@@ -585,15 +725,53 @@ where
     (model, norm)
 }
 
-/// `step` with the clipping multiplier already on the device (`ClipScale`), or none.
+/// `step` with the clipping multiplier already on the device (`ClipScale`), or none: the parameters with
+/// dense moments go to the backend's update of many at once (`OptimizerOps::adamw_update`), a chunk at a
+/// time (`Gather`); what it gives back, and 8-bit moments, are updated one by one as tensor ops (`Step`).
 pub fn step_scaled<B: AutodiffBackend, M: Module<B>>(
-    model: M,
+    mut model: M,
     opt: &mut AdamW<B::InnerBackend>,
     grads: &GradientsParams,
     lr: f64,
     scale: Option<&ClipScale<B::InnerBackend>>,
-) -> M {
-    let mut mapper = Step::<B> { opt, grads, lr, scale };
+) -> M
+where
+    B::InnerBackend: OptimizerOps,
+{
+    let c = opt.config;
+    let decay = if c.weight_decay != 0.0 { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 };
+    let scalars = AdamWScalars::new(&c, lr, (opt.steps + 1) as i32);
+    let mut done = HashSet::new();
+    loop {
+        let mut gather =
+            Gather::<B> { opt, grads, decay, done: &done, dtypes: None, values: 0, ids: Vec::new(), slots: Vec::new() };
+        model.visit(&mut gather);
+        let Gather { ids, slots, .. } = gather;
+        if slots.is_empty() {
+            break;
+        }
+        let clip = scale.map(|s| s.by_rank[0].clone());
+        match <B::InnerBackend as OptimizerOps>::adamw_update(slots, clip, scalars) {
+            Ok(results) => {
+                let mut updated = HashMap::new();
+                for (id, u) in ids.into_iter().zip(results) {
+                    opt.states
+                        .insert(id, ParamState { m: Moment::Dense(u.m), v: Moment::Dense(u.v), master: u.master });
+                    updated.insert(id, u.param);
+                    done.insert(id);
+                }
+                model = model.map(&mut Replace { updated });
+            }
+            Err(slots) => {
+                for (id, s) in ids.into_iter().zip(slots) {
+                    opt.states
+                        .insert(id, ParamState { m: Moment::Dense(s.m), v: Moment::Dense(s.v), master: s.master });
+                }
+                break;
+            }
+        }
+    }
+    let mut mapper = Step::<B> { opt, grads, lr, scale, done: &done };
     let model = model.map(&mut mapper);
     mapper.opt.steps += 1;
     model

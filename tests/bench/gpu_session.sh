@@ -30,9 +30,9 @@
 #            kiln's kernel (KILN_OPS=noloss: KILN_LOSS_KERNEL=off), into table-noloss.md;
 #   nonorm   for each of NORM_AB, kiln's row again with the RMSNorms as tensor ops instead of kiln's kernels
 #            (KILN_OPS=nonorm: KILN_NORM_KERNEL=off), into table-nonorm.md;
-#   nooptim  for each of OPTIM_AB, kiln's row again with the gradients' squared norm as tensor ops (three
-#            kernels a parameter) instead of kiln's kernel (KILN_OPS=nooptim: KILN_OPTIM_KERNEL=off), into
-#            table-nooptim.md;
+#   nooptim  for each of OPTIM_AB, kiln's row again with the optimizer (the gradients' norm, AdamW's update)
+#            as tensor ops, two to six kernels a parameter, instead of kiln's kernels over many tensors
+#            (KILN_OPS=nooptim: KILN_OPTIM_KERNEL=off), into table-nooptim.md;
 #   moments  for each of MOMENTS_SHAPES, kiln's row again with bf16 and with 8-bit AdamW moments, into
 #            table-moments.md: the peak memory beside the table's f32-moment row and PyTorch's;
 #   fit      FIT_SHAPE (LFM2.5-8B-A1B) as its recipe trains it: sequence FIT_SEQ (8192), two micro-batches
@@ -172,7 +172,7 @@ stage_nonorm() {
 }
 
 stage_nooptim() {
-    step "the gradients' squared norm as tensor ops: ${OPTIM_AB:-no shape}"
+    step "the optimizer as tensor ops: ${OPTIM_AB:-no shape}"
     # shellcheck disable=SC2086  # OPTIM_AB is a list
     kernel_ab nooptim $OPTIM_AB
 }

@@ -15,8 +15,8 @@
 #               KILN_CUDA_FUSION=off), or the ops with one of kiln's CubeCL kernels switched off for its tensor
 #               ops: "noscan" (the DeltaNet scan and chunk solve, KILN_SCAN_KERNEL=off), "noattn" (the
 #               attention's softmax rows, KILN_ATTENTION_KERNEL=off), "noloss" (the cross-entropy's rows,
-#               KILN_LOSS_KERNEL=off), "nonorm" (the RMSNorms, KILN_NORM_KERNEL=off), "nooptim" (the gradients'
-#               squared norm, KILN_OPTIM_KERNEL=off); "checkpointed" (the ops with --activation-checkpointing);
+#               KILN_LOSS_KERNEL=off), "nonorm" (the RMSNorms, KILN_NORM_KERNEL=off), "nooptim" (the optimizer's
+#               gradient norm and AdamW update, KILN_OPTIM_KERNEL=off); "checkpointed" (the ops with --activation-checkpointing);
 #               or several: "ops reference unfused noscan noattn noloss nonorm nooptim checkpointed"
 #   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py), or none
 #   PYTHON      a python with torch and transformers (python3); without them the reference is skipped

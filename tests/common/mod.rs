@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
-pub mod grad_norm;
 pub mod norms;
 pub mod optim;
+pub mod optimizer_ops;
 pub mod parity;
 pub mod training;
 

@@ -74,7 +74,7 @@ fn assert_codes_agree(what: &str, got: &[f32], want: &[f32], map: Map, scaled: O
 /// equal up to rounding ties.
 pub fn assert_8bit_adamw_follows_bitsandbytes<B: AutodiffBackend>(tolerance: f32)
 where
-    B::InnerBackend: kiln::train::optim::SquaredNorm,
+    B::InnerBackend: kiln::train::optim::OptimizerOps,
 {
     let f = Fixture::load();
     let device = B::Device::default();
