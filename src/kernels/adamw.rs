@@ -204,15 +204,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AdamWKerne
             .map(|s| empty_device_dtype::<R>(client.clone(), device.clone(), s.param.shape(), param_dtype))
             .collect();
         let layout = CubeLayout::new(&lens);
+        let per_cube = u32::try_from(layout.per_cube).expect("values a cube that fit in u32");
         let bindings = 5 + usize::from(kept_masters);
-        let per_launch =
-            ((client.properties().hardware.max_bindings as usize).saturating_sub(4) / bindings).clamp(1, MAX_TENSORS);
-        let narrow = |n: usize| u32::try_from(n).expect("a cube index that fits in u32");
         let clip = into_contiguous(clip);
-        let mut from = 0;
-        while from < slots.len() {
-            let to = (from + per_launch).min(slots.len());
-            let part = &slots[from..to];
+        for launch in layout.launches(bindings, client.properties().hardware.max_bindings, MAX_TENSORS) {
+            let part = &slots[launch.tensors.clone()];
             let args = AdamWArgsLaunch::new(
                 scalars.beta1,
                 scalars.beta2,
@@ -221,28 +217,27 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AdamWKerne
                 scalars.step_size,
                 scalars.bias2_root,
                 scalars.eps,
-                narrow(layout.starts[from]),
-                narrow(layout.per_cube),
+                launch.base,
+                per_cube,
             );
             let arg = |t: &CubeTensor<R>| t.clone().into_tensor_arg();
             adamw_kernel::launch::<R>(
                 &client,
-                row_grid(layout.starts[to] - layout.starts[from]),
+                row_grid(launch.cubes),
                 CubeDim::new_1d(UNITS as u32),
                 part.iter().map(|s| arg(&s.param)).collect(),
                 part.iter().map(|s| arg(&s.grad)).collect(),
                 part.iter().filter_map(|s| s.master.as_ref().map(arg)).collect(),
                 part.iter().map(|s| arg(&s.m)).collect(),
                 part.iter().map(|s| arg(&s.v)).collect(),
-                updated[from..to].iter().map(arg).collect(),
+                updated[launch.tensors.clone()].iter().map(arg).collect(),
                 clip.clone().into_tensor_arg(),
-                layout.starts[from..=to].iter().map(|&s| narrow(s)).collect(),
+                launch.starts.into_iter().collect(),
                 part.iter().map(|s| s.decay).collect(),
                 args,
                 kept_masters,
                 [param_dtype, grad_dtype, moment_dtype].map(Into::into),
             );
-            from = to;
         }
         slots
             .into_iter()

@@ -104,37 +104,29 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SquaredSum
         assert!(tensors.iter().all(|t| t.dtype == dtype), "squared sums of one dtype per launch");
         let lens: Vec<usize> = tensors.iter().map(|t| t.shape().num_elements()).collect();
         let layout = CubeLayout::new(&lens);
-        let starts = &layout.starts;
-        let total = layout.cubes();
-        let partials = empty_device_dtype::<R>(client.clone(), device, Shape::new([total]), DType::F32);
-        // The partials, the kernel's metadata and its scalars take bindings too.
-        let per_launch = (client.properties().hardware.max_bindings as usize).saturating_sub(4).clamp(1, MAX_TENSORS);
-        let narrow = |n: usize| u32::try_from(n).expect("a cube index that fits in u32");
+        let partials = empty_device_dtype::<R>(client.clone(), device, Shape::new([layout.cubes()]), DType::F32);
+        let per_cube = u32::try_from(layout.per_cube).expect("values a cube that fit in u32");
         let mut tensors = tensors.into_iter();
-        let mut from = 0;
-        while from < lens.len() {
-            let to = (from + per_launch).min(lens.len());
+        for launch in layout.launches(1, client.properties().hardware.max_bindings, MAX_TENSORS) {
             // The order of the values does not change their sum: a gradient whose buffer holds just its own
             // values (a transposed one, say) is read as it lies; anything else is copied first.
             let group: SequenceArg<R, _> = tensors
                 .by_ref()
-                .take(to - from)
+                .take(launch.tensors.len())
                 .map(|t| if t.is_contiguous_buffer() { t } else { into_contiguous(t) })
                 .map(|t| t.into_tensor_arg())
                 .collect();
-            let group_starts: SequenceArg<R, u32> = starts[from..=to].iter().map(|&s| narrow(s)).collect();
             squared_sums_kernel::launch::<R>(
                 &client,
-                row_grid(starts[to] - starts[from]),
+                row_grid(launch.cubes),
                 CubeDim::new_1d(UNITS as u32),
                 group,
-                group_starts,
+                launch.starts.into_iter().collect(),
                 partials.clone().into_tensor_arg(),
-                narrow(starts[from]),
-                narrow(layout.per_cube),
+                launch.base,
+                per_cube,
                 dtype.into(),
             );
-            from = to;
         }
         partials
     }

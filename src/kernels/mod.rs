@@ -181,6 +181,37 @@ impl CubeLayout {
     pub(crate) fn cubes(&self) -> usize {
         self.starts.last().copied().unwrap_or(0)
     }
+
+    /// The launches that cover the tensors when each takes `bindings_per_tensor` of the device's
+    /// `max_bindings` (four are kept for the kernel's outputs, metadata and scalars) and a launch takes at
+    /// most `max_tensors`.
+    pub(crate) fn launches(&self, bindings_per_tensor: usize, max_bindings: u32, max_tensors: usize) -> Vec<Launch> {
+        let per_launch = ((max_bindings as usize).saturating_sub(4) / bindings_per_tensor.max(1)).clamp(1, max_tensors);
+        let narrow = |n: usize| u32::try_from(n).expect("a cube index that fits in u32");
+        let tensors = self.starts.len().saturating_sub(1);
+        (0..tensors)
+            .step_by(per_launch)
+            .map(|from| {
+                let to = (from + per_launch).min(tensors);
+                Launch {
+                    tensors: from..to,
+                    base: narrow(self.starts[from]),
+                    cubes: self.starts[to] - self.starts[from],
+                    starts: self.starts[from..=to].iter().map(|&s| narrow(s)).collect(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// One launch of a kernel over many tensors: its tensors, its first cube's index in the layout, its cube count
+/// and its tensors' `starts` (the layout's, one past the last included).
+#[derive(Debug, PartialEq)]
+pub(crate) struct Launch {
+    pub(crate) tensors: std::ops::Range<usize>,
+    pub(crate) base: u32,
+    pub(crate) cubes: usize,
+    pub(crate) starts: Vec<u32>,
 }
 
 #[cfg(test)]
@@ -198,5 +229,23 @@ mod tests {
         assert_eq!(large.per_cube % UNITS, 0);
         assert!(large.per_cube * MAX_CUBES >= lens.iter().sum::<usize>());
         assert!((MAX_CUBES / 2..=MAX_CUBES + lens.len()).contains(&large.cubes()), "{}", large.cubes());
+    }
+
+    #[test]
+    fn launches_cover_every_tensor_once_within_the_bindings() {
+        let layout = CubeLayout::new(&[1, MIN_VALUES_PER_CUBE, MIN_VALUES_PER_CUBE + 1, 0, 5]);
+        // lavapipe's 30 bindings, 6 a parameter: 4 parameters a launch.
+        let launches = layout.launches(6, 30, 32);
+        assert_eq!(
+            launches,
+            vec![
+                Launch { tensors: 0..4, base: 0, cubes: 5, starts: vec![0, 1, 2, 4, 5] },
+                Launch { tensors: 4..5, base: 5, cubes: 1, starts: vec![5, 6] },
+            ]
+        );
+        // Too few bindings still make progress, one tensor a launch; many bindings stop at the cap.
+        assert_eq!(layout.launches(6, 2, 32).len(), 5);
+        assert_eq!(layout.launches(1, 1024, 2).len(), 3);
+        assert!(CubeLayout::new(&[]).launches(1, 1024, 32).is_empty());
     }
 }
