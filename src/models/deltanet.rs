@@ -412,15 +412,16 @@ fn from_chunks<B: Backend>(x: Tensor<B, 5>, seq: usize) -> Tensor<B, 4> {
 // The fused CubeCL backends compile a run of element-wise ops with one output shape into one kernel and end
 // it where the shape changes (or at a matmul, slice or scan): the quantities are computed grouped by shape —
 // per position `[b, h, n, C]`, per pair `[.., C, C]`, per key `[.., C, dk]` — rather than as the formulas
-// first need them, which made many of them kernels of their own.
+// first need them, which made many of them kernels of their own. The decays come before q, k and v are cut
+// into chunks: burn-fusion 0.21 runs every op of a block opened by one it cannot fuse (the cumulative sum)
+// as a kernel of its own, and the block stays open to the ops that follow while another (those reshapes) is
+// still being explored.
 fn chunk_form<B: ModelBackend>(inputs: ScanInputs<B>, plan: &ChunkPlan<B>) -> ChunkForm<B> {
     let ScanInputs { q, k, v, g, beta } = inputs.into_f32();
     let [batch, heads, seq, _] = k.dims();
     assert_eq!(seq, plan.seq, "the plan was made for another sequence length");
     let (size, chunks) = (plan.size, plan.chunks);
-    let (q, k, v) = (into_chunks(q, plan), into_chunks(k, plan), into_chunks(v, plan));
     let per_position = |x: Tensor<B, 3>| pad_to(x, chunks * size).reshape([batch, heads, chunks, size]);
-    let beta = per_position(beta);
     let cum = per_position(g).cumsum(3);
     let last = cum.clone().narrow(3, size - 1, 1);
     let from_start = cum.clone().exp() * plan.carry.clone();
@@ -428,6 +429,8 @@ fn chunk_form<B: ModelBackend>(inputs: ScanInputs<B>, plan: &ChunkPlan<B>) -> Ch
     // Masked before exp: no overflow from the blocked (future or other-document) entries.
     let gap = cum.clone().unsqueeze_dim::<5>(4) - cum.unsqueeze_dim::<5>(3);
     let decay = gap.mask_fill(plan.blocked.clone(), f32::NEG_INFINITY).exp();
+    let beta = per_position(beta);
+    let (q, k, v) = (into_chunks(q, plan), into_chunks(k, plan), into_chunks(v, plan));
     let along = |x: &Tensor<B, 4>| x.clone().unsqueeze_dim::<5>(4);
     let k_beta = k.clone() * along(&beta);
     let q_decayed = q.clone() * along(&from_start);

@@ -137,10 +137,13 @@ impl<B: Backend> ConvShifts<B> {
 }
 
 /// `kernel`'s taps as `[1, 1, channels]` tensors, all made before the element-wise work that uses them (a
-/// slice among that work would end the fused kernel there).
+/// slice among that work would end the fused kernel there). The kernel is copied once into tap-major order:
+/// each tap is then a whole row, which the CubeCL backends slice as a view of the copy (its offset aligned)
+/// where a column of `[channels, L]` took a slice kernel of its own.
 fn kernel_taps<B: Backend>(kernel: &Tensor<B, 2>) -> Vec<Tensor<B, 3>> {
     let [channels, taps] = kernel.dims();
-    (0..taps).map(|i| kernel.clone().narrow(1, i, 1).reshape([1, 1, channels])).collect()
+    let rows = kernel.clone().swap_dims(0, 1).reshape([taps * channels]);
+    (0..taps).map(|i| rows.clone().narrow(0, i * channels, channels).reshape([1, 1, channels])).collect()
 }
 
 /// The causal depthwise convolution over the sequence: `y[t] = Σ_lag w[L-1-lag] · x[t-lag]` with `x[t-lag]`
