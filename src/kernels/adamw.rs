@@ -204,7 +204,6 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AdamWKerne
             .map(|s| empty_device_dtype::<R>(client.clone(), device.clone(), s.param.shape(), param_dtype))
             .collect();
         let layout = CubeLayout::new(&lens);
-        let per_cube = u32::try_from(layout.per_cube).expect("values a cube that fit in u32");
         let bindings = 5 + usize::from(kept_masters);
         let clip = into_contiguous(clip);
         for launch in layout.launches(bindings, client.properties().hardware.max_bindings, MAX_TENSORS) {
@@ -218,7 +217,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AdamWKerne
                 scalars.bias2_root,
                 scalars.eps,
                 launch.base,
-                per_cube,
+                launch.per_cube,
             );
             let arg = |t: &CubeTensor<R>| t.clone().into_tensor_arg();
             adamw_kernel::launch::<R>(

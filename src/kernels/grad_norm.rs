@@ -105,7 +105,6 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SquaredSum
         let lens: Vec<usize> = tensors.iter().map(|t| t.shape().num_elements()).collect();
         let layout = CubeLayout::new(&lens);
         let partials = empty_device_dtype::<R>(client.clone(), device, Shape::new([layout.cubes()]), DType::F32);
-        let per_cube = u32::try_from(layout.per_cube).expect("values a cube that fit in u32");
         let mut tensors = tensors.into_iter();
         for launch in layout.launches(1, client.properties().hardware.max_bindings, MAX_TENSORS) {
             // The order of the values does not change their sum: a gradient whose buffer holds just its own
@@ -124,7 +123,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SquaredSum
                 launch.starts.into_iter().collect(),
                 partials.clone().into_tensor_arg(),
                 launch.base,
-                per_cube,
+                launch.per_cube,
                 dtype.into(),
             );
         }

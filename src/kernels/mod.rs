@@ -187,7 +187,7 @@ impl CubeLayout {
     /// most `max_tensors`.
     pub(crate) fn launches(&self, bindings_per_tensor: usize, max_bindings: u32, max_tensors: usize) -> Vec<Launch> {
         let per_launch = ((max_bindings as usize).saturating_sub(4) / bindings_per_tensor.max(1)).clamp(1, max_tensors);
-        let narrow = |n: usize| u32::try_from(n).expect("a cube index that fits in u32");
+        let narrow = |n: usize| u32::try_from(n).expect("cube indices and values a cube that fit in u32");
         let tensors = self.starts.len().saturating_sub(1);
         (0..tensors)
             .step_by(per_launch)
@@ -197,6 +197,7 @@ impl CubeLayout {
                     tensors: from..to,
                     base: narrow(self.starts[from]),
                     cubes: self.starts[to] - self.starts[from],
+                    per_cube: narrow(self.per_cube),
                     starts: self.starts[from..=to].iter().map(|&s| narrow(s)).collect(),
                 }
             })
@@ -204,13 +205,14 @@ impl CubeLayout {
     }
 }
 
-/// One launch of a kernel over many tensors: its tensors, its first cube's index in the layout, its cube count
-/// and its tensors' `starts` (the layout's, one past the last included).
+/// One launch of a kernel over many tensors: its tensors, its first cube's index in the layout, its cube count,
+/// the values a cube takes and its tensors' `starts` (the layout's, one past the last included).
 #[derive(Debug, PartialEq)]
 pub(crate) struct Launch {
     pub(crate) tensors: std::ops::Range<usize>,
     pub(crate) base: u32,
     pub(crate) cubes: usize,
+    pub(crate) per_cube: u32,
     pub(crate) starts: Vec<u32>,
 }
 
@@ -239,8 +241,8 @@ mod tests {
         assert_eq!(
             launches,
             vec![
-                Launch { tensors: 0..4, base: 0, cubes: 5, starts: vec![0, 1, 2, 4, 5] },
-                Launch { tensors: 4..5, base: 5, cubes: 1, starts: vec![5, 6] },
+                Launch { tensors: 0..4, base: 0, cubes: 5, per_cube: 8192, starts: vec![0, 1, 2, 4, 5] },
+                Launch { tensors: 4..5, base: 5, cubes: 1, per_cube: 8192, starts: vec![5, 6] },
             ]
         );
         // Too few bindings still make progress, one tensor a launch; many bindings stop at the cap.
