@@ -166,6 +166,15 @@ pub fn optim_kernel() -> Result<bool, String> {
     switch(OPTIM_KERNEL_ENV)
 }
 
+/// The switch of kiln's causal-conv kernels (`kernels::conv`) on the CubeCL backends.
+pub const CONV_KERNEL_ENV: &str = "KILN_CONV_KERNEL";
+
+/// Whether the CubeCL backends run the causal depthwise convolution as kiln's kernels, from
+/// `KILN_CONV_KERNEL`; malformed values are an error (`main` checks before any command runs).
+pub fn conv_kernel() -> Result<bool, String> {
+    switch(CONV_KERNEL_ENV)
+}
+
 /// An on/off switch from the environment: on when unset.
 fn switch(name: &str) -> Result<bool, String> {
     std::env::var_os(name).map_or(Ok(true), |value| parse_switch(name, &value.to_string_lossy()))
@@ -265,8 +274,9 @@ cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused
 // The CubeCL backends run the DeltaNet scan across chunks and the chunk solve as kernels (`kernels::scan`,
 // `kernels::chunk_solve`) unless `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels
 // (`kernels::attention`) unless `KILN_ATTENTION_KERNEL=off`, the cross-entropy's rows as one
-// (`kernels::cross_entropy`) unless `KILN_LOSS_KERNEL=off`, and the RMSNorms as kernels (`kernels::norm`)
-// unless `KILN_NORM_KERNEL=off`, and the optimizer's gradient norm and AdamW update as kernels over many
+// (`kernels::cross_entropy`) unless `KILN_LOSS_KERNEL=off`, the RMSNorms as kernels (`kernels::norm`)
+// unless `KILN_NORM_KERNEL=off`, the causal depthwise convolution as kernels (`kernels::conv`) unless
+// `KILN_CONV_KERNEL=off`, and the optimizer's gradient norm and AdamW update as kernels over many
 // tensors at once (`kernels::grad_norm`, `kernels::adamw`) unless `KILN_OPTIM_KERNEL=off`.
 impl CrossEntropyRows for Flex {}
 
@@ -445,6 +455,31 @@ macro_rules! cubecl_model_backend {
                 }
             }
 
+            fn causal_conv(
+                x: Tensor<Self, 3>,
+                kernel: Tensor<Self, 2>,
+                shifts: &crate::models::layers::ConvShifts<Self>,
+            ) -> Tensor<Self, 3> {
+                if conv_kernel_enabled() {
+                    crate::kernels::conv::causal_conv(x, kernel, shifts)
+                } else {
+                    crate::models::layers::causal_depthwise_conv(x, kernel, shifts)
+                }
+            }
+
+            fn causal_conv_grads(
+                x: Tensor<Self, 3>,
+                kernel: Tensor<Self, 2>,
+                shifts: &crate::models::layers::ConvShifts<Self>,
+                grad: Tensor<Self, 3>,
+            ) -> (Tensor<Self, 3>, Tensor<Self, 2>) {
+                if conv_kernel_enabled() {
+                    crate::kernels::conv::causal_conv_grads(x, kernel, shifts, grad)
+                } else {
+                    crate::models::layers::causal_depthwise_conv_backward(x, kernel, shifts, grad)
+                }
+            }
+
             fn unit_lower_inverse(
                 lower: Tensor<Self, 5>,
                 plan: &crate::models::deltanet::ChunkPlan<Self>,
@@ -495,6 +530,12 @@ pub fn loss_kernel_enabled() -> bool {
 pub fn norm_kernel_enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     switch_once(&ENABLED, NORM_KERNEL_ENV)
+}
+
+/// `conv_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
+pub fn conv_kernel_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    switch_once(&ENABLED, CONV_KERNEL_ENV)
 }
 
 /// `optim_kernel()` read once, for the trainer (the CLI has rejected a malformed value before it runs).

@@ -54,8 +54,9 @@ impl PanicLog {
             "kiln stopped on a panic: {first}{repeats}. A panic on one of burn's device threads (named DSU-… or \
              Device-…) is a burn or CubeCL failure, not bad input: on CUDA, KILN_CUDA_FUSION=off runs without \
              burn's fusion, KILN_SCAN_KERNEL=off without kiln's DeltaNet kernels, KILN_ATTENTION_KERNEL=off, \
-             KILN_LOSS_KERNEL=off, KILN_NORM_KERNEL=off and KILN_OPTIM_KERNEL=off without its attention, loss, \
-             norm and optimizer kernels, and --reference-ops on burn's plain compositions instead of kiln's ops"
+             KILN_LOSS_KERNEL=off, KILN_NORM_KERNEL=off, KILN_CONV_KERNEL=off and KILN_OPTIM_KERNEL=off without \
+             its attention, loss, norm, conv and optimizer kernels, and --reference-ops on burn's plain \
+             compositions instead of kiln's ops"
         )
     }
 }

@@ -571,6 +571,7 @@ fn run(cli: Cli) -> Result<()> {
         kiln::backend::attention_kernel().map_err(anyhow::Error::msg)?;
         kiln::backend::loss_kernel().map_err(anyhow::Error::msg)?;
         kiln::backend::norm_kernel().map_err(anyhow::Error::msg)?;
+        kiln::backend::conv_kernel().map_err(anyhow::Error::msg)?;
         kiln::backend::optim_kernel().map_err(anyhow::Error::msg)?;
     }
     match cli.command {
@@ -813,6 +814,7 @@ fn info() -> Result<()> {
             .map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "loss_kernel": kiln::backend::loss_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "norm_kernel": kiln::backend::norm_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
+        "conv_kernel": kiln::backend::conv_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "optim_kernel": kiln::backend::optim_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "hub": {
             "endpoint": config.endpoint,

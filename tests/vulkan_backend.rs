@@ -4,8 +4,8 @@
 //! or the kernel profiler that goes wrong on a fused CubeCL backend shows here before any GPU session:
 //! the architectures against transformers (logits and gradients), the trainer against PyTorch's AdamW run,
 //! resume, every tiny shape's training steps against the CPU's, kiln's own CubeCL kernels (the DeltaNet scan
-//! and chunk solve, the attention's softmax rows, the cross-entropy's rows, the RMSNorms, the gradients'
-//! squared norm, AdamW's update) against the tensor ops they replace, and the per-kernel profile that
+//! and chunk solve, the attention's softmax rows, the cross-entropy's rows, the RMSNorms, the causal conv,
+//! the gradients' squared norm, AdamW's update) against the tensor ops they replace, and the per-kernel profile that
 //! tests/bench/gpu_session.sh takes on the GPU.
 //! Built with `--features vulkan` (`make test` adds it where a Vulkan driver is installed; .ci/run installs
 //! lavapipe).
@@ -17,6 +17,7 @@ use std::path::PathBuf;
 
 use burn::tensor::FloatDType;
 use burn::tensor::Tensor;
+use common::convs::{conv_parts, conv_parts_by_tensor_ops};
 use common::norms::{norm_parts, norm_parts_by_tensor_ops};
 use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, spread, values};
 use kiln::backend::{Cpu, Vk, VkTrain, VkUnfused};
@@ -263,6 +264,35 @@ fn the_norm_kernels_equal_the_tensor_op_norms() {
                 let tolerance = if name == "d weight" { 1e-5 } else { 2e-6 } * scale;
                 assert!(errors.iter().all(|&e| e <= tolerance), "{dims:?} {kind:?} {name}: off by {errors:?}");
             }
+        }
+    }
+}
+
+/// kiln's causal-conv kernels (`kernels::conv`) against the tensor ops they replace, on the fused and
+/// unfused device backends and on the CPU (`common::convs::conv_cases`: 3 and 4 taps, packed rows with
+/// padding, part-filled and several cubes of channels, several backward blocks).
+#[test]
+fn the_conv_kernels_equal_the_tensor_op_conv() {
+    for case in common::convs::conv_cases() {
+        let f32 = FloatDType::F32;
+        let fused = conv_parts::<Vk>(&case, f32);
+        let unfused = conv_parts::<VkUnfused>(&case, f32);
+        let device_ops = conv_parts_by_tensor_ops::<Vk>(&case, f32);
+        let cpu = conv_parts_by_tensor_ops::<Cpu>(&case, f32);
+        for (i, name) in ["output", "d x", "d kernel"].into_iter().enumerate() {
+            let scale = cpu[i].iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            let errors = [
+                max_abs_diff(&fused[i], &device_ops[i]),
+                max_abs_diff(&fused[i], &cpu[i]),
+                max_abs_diff(&unfused[i], &cpu[i]),
+            ];
+            let [a, b, c] = errors;
+            eprintln!(
+                "{case:?} {name}: {a:.2e}, {b:.2e}, {c:.2e} (fused vs device ops, vs CPU; unfused vs CPU; largest {scale:.1})"
+            );
+            // The kernel gradient sums a column over every token, in another order on each side.
+            let tolerance = if name == "d kernel" { 1e-5 } else { 1e-6 } * scale;
+            assert!(errors.iter().all(|&e| e <= tolerance), "{case:?} {name}: off by {errors:?}");
         }
     }
 }

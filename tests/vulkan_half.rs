@@ -9,6 +9,7 @@
 mod common;
 
 use burn::tensor::FloatDType;
+use common::convs::{conv_parts, conv_parts_by_tensor_ops};
 use common::norms::{norm_parts, norm_parts_by_tensor_ops};
 use common::parity::{self, ids_tensor, max_abs_diff, values};
 use kiln::backend::{VkHalf, VkHalfTrain};
@@ -73,6 +74,27 @@ fn the_norm_kernels_equal_the_tensor_op_norms_in_half_precision() {
                     "{dims:?} {kind:?} {dtypes:?} {name}: off by {errors:?}"
                 );
             }
+        }
+    }
+}
+
+/// kiln's causal-conv kernels in half precision against the tensor ops they replace on the same device, fused
+/// and unfused: both sum in f32 and round once to f16, so they differ by at most an f16 ulp where the order
+/// of a sum moves a value across a rounding boundary (the kernel gradient's, over every token).
+#[test]
+fn the_conv_kernels_equal_the_tensor_op_conv_in_half_precision() {
+    claim_f16();
+    for case in common::convs::conv_cases() {
+        let f16 = FloatDType::F16;
+        let fused = conv_parts::<VkHalf>(&case, f16);
+        let unfused = conv_parts::<kiln::backend::VkHalfUnfused>(&case, f16);
+        let device_ops = conv_parts_by_tensor_ops::<VkHalf>(&case, f16);
+        for (i, name) in ["output", "d x", "d kernel"].into_iter().enumerate() {
+            let scale = device_ops[i].iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            let errors = [max_abs_diff(&fused[i], &device_ops[i]), max_abs_diff(&unfused[i], &device_ops[i])];
+            let [a, b] = errors;
+            eprintln!("{case:?} {name}: {a:.2e} fused, {b:.2e} unfused (largest {scale:.1})");
+            assert!(errors.iter().all(|&e| e <= scale / 1024.0), "{case:?} {name}: off by {errors:?}");
         }
     }
 }

@@ -3,14 +3,15 @@
 //! one cube per row. Each kernel replaces a tensor-op composition that stays the reference it is tested
 //! against (tests/vulkan_backend.rs) and the path of every other backend: the DeltaNet scan across chunks
 //! (`scan`) and chunk solve (`chunk_solve`), the attention's softmax rows (`attention`), the cross-entropy's
-//! rows (`cross_entropy`), the RMSNorms (`norm`), the gradients' squared norm (`grad_norm`) and AdamW's update
-//! (`adamw`).
+//! rows (`cross_entropy`), the RMSNorms (`norm`), the causal depthwise convolution (`conv`), the gradients'
+//! squared norm (`grad_norm`) and AdamW's update (`adamw`).
 //! `backend` wires them into `ModelBackend`, `train::linear_ce::CrossEntropyRows` and
 //! `train::optim::OptimizerOps`, each behind an environment switch.
 
 pub mod adamw;
 pub mod attention;
 pub mod chunk_solve;
+pub mod conv;
 pub mod cross_entropy;
 pub mod grad_norm;
 pub mod norm;

@@ -73,9 +73,12 @@ pub fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
 /// side for the backward pass (the position `lag` ahead, clamped at the end, and whether the token there
 /// reads this one). Shifting by an indexed read keeps each lag inside the fused backends' element-wise
 /// kernel, where a zero-padded concatenation cost a fill and two slice writes of the whole input per lag.
+/// kiln's conv kernels (`kernels::conv`) read each token's reach instead: how many tokens back it may read.
 #[derive(Debug, Clone)]
 pub struct ConvShifts<B: Backend> {
     lags: Vec<LagShift<B>>,
+    /// `[batch · seq]` in f32: each token's position in its document, capped at the lags built.
+    reach: Tensor<B, 1>,
 }
 
 #[derive(Debug, Clone)]
@@ -109,7 +112,9 @@ impl<B: Backend> ConvShifts<B> {
                 }
             })
             .collect();
-        ConvShifts { lags }
+        let reach = layout.positions.iter().map(|&p| p.min(max_lag as u32) as f32).collect();
+        let reach = host_tensor::<B, 1>(reach, [batch * seq], FloatDType::F32, device);
+        ConvShifts { lags, reach }
     }
 
     /// The same shifts on the inner backend of an autodiff one.
@@ -127,7 +132,18 @@ impl<B: Backend> ConvShifts<B> {
                 read_from_ahead: l.read_from_ahead.clone().inner(),
             })
             .collect();
-        ConvShifts { lags }
+        ConvShifts { lags, reach: self.reach.clone().inner() }
+    }
+
+    /// The lags built: a kernel may have one tap more.
+    pub fn max_lag(&self) -> usize {
+        self.lags.len()
+    }
+
+    /// Each token's reach `[batch · seq]` (f32): how many tokens back it may read, its position in its
+    /// document capped at `max_lag`.
+    pub fn reach(&self) -> &Tensor<B, 1> {
+        &self.reach
     }
 
     /// Lag `lag`'s shift (from 1); the kernel's taps must not outnumber the lags built plus one.
@@ -148,20 +164,24 @@ fn kernel_taps<B: Backend>(kernel: &Tensor<B, 2>) -> Vec<Tensor<B, 3>> {
 
 /// The causal depthwise convolution over the sequence: `y[t] = Σ_lag w[L-1-lag] · x[t-lag]` with `x[t-lag]`
 /// zero before the token's document starts (`shifts`). `kernel` is `[channels, L]`, the checkpoint's
-/// `[channels, 1, L]` without the group axis.
+/// `[channels, 1, L]` without the group axis. Summed in f32 and rounded once to `x`'s dtype, as the
+/// convolutions transformers runs (cuDNN's, the causal-conv1d kernels) accumulate a half-precision input.
 pub fn causal_depthwise_conv<B: Backend>(
     x: Tensor<B, 3>,
     kernel: Tensor<B, 2>,
     shifts: &ConvShifts<B>,
 ) -> Tensor<B, 3> {
+    let dtype = FloatDType::from(x.dtype());
+    let (x, kernel) = (f32_of(&x), kernel.cast(FloatDType::F32));
     let w = kernel_taps(&kernel);
     let taps = w.len();
     let mut y = x.clone() * w[taps - 1].clone();
     for lag in 1..taps {
         let shift = shifts.lag(lag);
-        y = y + x.clone().select(1, shift.back.clone()) * shift.reads_back.clone() * w[taps - 1 - lag].clone();
+        let mask = shift.reads_back.clone().cast(FloatDType::F32);
+        y = y + x.clone().select(1, shift.back.clone()) * mask * w[taps - 1 - lag].clone();
     }
-    y
+    y.cast(dtype)
 }
 
 /// Gradients of `causal_depthwise_conv` with respect to `x` and `kernel` (in their dtypes) for the output
@@ -201,21 +221,22 @@ pub fn causal_depthwise_conv_backward<B: Backend>(
 }
 
 /// The same convolution continuing `state` (the last `L-1` inputs before `x`, zeros before a sequence
-/// starts); returns the outputs and the new state.
+/// starts), summed in f32 and rounded once as the full one is; returns the outputs and the new state.
 pub fn causal_depthwise_conv_cached<B: Backend>(
     x: Tensor<B, 3>,
     kernel: Tensor<B, 2>,
     state: Tensor<B, 3>,
 ) -> (Tensor<B, 3>, Tensor<B, 3>) {
     let [_, seq, channels] = x.dims();
-    let taps = kernel.dims()[1];
+    let (dtype, taps) = (FloatDType::from(x.dtype()), kernel.dims()[1]);
     let full = Tensor::cat(vec![state, x], 1); // [B, L-1+S, C]
-    let mut y = full.clone().narrow(1, 0, seq).zeros_like();
+    let (wide, kernel) = (f32_of(&full), kernel.cast(FloatDType::F32));
+    let mut y = wide.clone().narrow(1, 0, seq).zeros_like();
     for j in 0..taps {
-        y = y + full.clone().narrow(1, j, seq) * kernel.clone().narrow(1, j, 1).reshape([1, 1, channels]);
+        y = y + wide.clone().narrow(1, j, seq) * kernel.clone().narrow(1, j, 1).reshape([1, 1, channels]);
     }
     let state = full.narrow(1, seq, taps - 1);
-    (y, state)
+    (y.cast(dtype), state)
 }
 
 /// SwiGLU feed-forward: `w2(silu(w1 x) * w3 x)` (w1 = gate, w3 = up, w2 = down).

@@ -4,9 +4,9 @@
 //! `silu(gate) · up` (keeps its two inputs instead of also `σ(gate)` and `silu(gate)`), the RMSNorms
 //! (keep the input and weight instead of an f32 copy of the input and the normalized rows; the statistics
 //! are recomputed in the backward pass), the causal depthwise convolution (keeps its input instead of each
-//! lag's shifted and masked copies), the L2 norm of Qwen3.5's q and k (keeps its input, not an f32 copy),
-//! the MoE's grouped expert matmul (one weight gradient for all
-//! experts instead of a full-size one per expert slice), Qwen3.5's gated delta rule (`deltanet`: the
+//! lag's shifted and masked copies; the CubeCL backends run it as kernels, `kernels::conv`), the L2 norm of
+//! Qwen3.5's q and k (keeps its input, not an f32 copy), the MoE's grouped expert matmul (one weight
+//! gradient for all experts instead of a full-size one per expert slice), Qwen3.5's gated delta rule (`deltanet`: the
 //! inputs and chunk states kept, the chunk solve recomputed) and the split of a fused projection into its
 //! parts (`split_last`: one gradient for the whole projection, each part written into it, instead of one
 //! zero-filled full-size gradient per part, summed). Plain backends run the same forward without a
@@ -169,6 +169,17 @@ pub trait ModelBackend: Backend {
     /// convolutions and Qwen3.5's DeltaNet conv).
     fn causal_conv(x: Tensor<Self, 3>, kernel: Tensor<Self, 2>, shifts: &ConvShifts<Self>) -> Tensor<Self, 3> {
         causal_depthwise_conv(x, kernel, shifts)
+    }
+
+    /// The gradients of `causal_conv` with respect to `x` and `kernel` for the output gradient `grad`
+    /// (`layers::causal_depthwise_conv_backward`; the CubeCL backends' kernel, `kernels::conv`).
+    fn causal_conv_grads(
+        x: Tensor<Self, 3>,
+        kernel: Tensor<Self, 2>,
+        shifts: &ConvShifts<Self>,
+        grad: Tensor<Self, 3>,
+    ) -> (Tensor<Self, 3>, Tensor<Self, 2>) {
+        causal_depthwise_conv_backward(x, kernel, shifts, grad)
     }
 
     /// Rows grouped by expert times each group's weights: `x` `[n, in]` holds `counts[e]` consecutive rows
@@ -392,9 +403,7 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             return causal_depthwise_conv(x, kernel, shifts);
         }
         let shifts = shifts.inner();
-        record_binary(CausalConvBackward, x, kernel, shifts.clone(), |x, kernel| {
-            causal_depthwise_conv(x, kernel, &shifts)
-        })
+        record_binary(CausalConvBackward, x, kernel, shifts.clone(), |x, kernel| B::causal_conv(x, kernel, &shifts))
     }
 
     fn grouped_matmul(x: Tensor<Self, 2>, weights: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
@@ -592,13 +601,13 @@ impl<B: Backend, const D: usize> Backward<B, 1> for L2NormBackward<D> {
 #[derive(Debug)]
 struct CausalConvBackward;
 
-impl<B: Backend> Backward<B, 2> for CausalConvBackward {
+impl<B: ModelBackend> Backward<B, 2> for CausalConvBackward {
     /// The input and the kernel through the checkpointer, the layout's shifts.
     type State = (NodeId, NodeId, ConvShifts<B>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
         backward_binary(ops, grads, checkpointer, |x, kernel, shifts, grad| {
-            causal_depthwise_conv_backward(x, kernel, &shifts, grad)
+            B::causal_conv_grads(x, kernel, &shifts, grad)
         });
     }
 }

@@ -89,6 +89,9 @@ pub struct BenchResult {
     /// Whether the RMSNorms ran as kiln's kernels (kiln on a CubeCL device only: `KILN_NORM_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub norm_kernel: Option<bool>,
+    /// Whether the causal conv ran as kiln's kernels (kiln on a CubeCL device only: `KILN_CONV_KERNEL`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conv_kernel: Option<bool>,
     /// Whether the optimizer (the gradients' norm, AdamW's update) ran as kiln's kernels (kiln on a CubeCL
     /// device only: `KILN_OPTIM_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -194,6 +197,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         attention_kernel: (device_name != "cpu").then(crate::backend::attention_kernel_enabled),
         loss_kernel: (device_name != "cpu").then(crate::backend::loss_kernel_enabled),
         norm_kernel: (device_name != "cpu").then(crate::backend::norm_kernel_enabled),
+        conv_kernel: (device_name != "cpu").then(crate::backend::conv_kernel_enabled),
         optim_kernel: (device_name != "cpu").then(crate::backend::optim_kernel_enabled),
         moments: Some(cfg.moments),
         activation_checkpointing: cfg.activation_checkpointing,

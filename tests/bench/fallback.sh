@@ -3,8 +3,8 @@
 #
 # Two parts of kiln's CUDA step have never run on a GPU: burn's fusion (it panicked in every step of the first
 # GPU session, tracel-ai/burn#5292; fixed since and checked on lavapipe) and kiln's own CubeCL kernels (the
-# attention's and the loss's softmax rows, the DeltaNet scan and chunk solve, the RMSNorms, the optimizer's
-# gradient norm and AdamW update: checked on lavapipe, never compiled by NVRTC).
+# attention's and the loss's softmax rows, the DeltaNet scan and chunk solve, the RMSNorms, the causal conv,
+# the optimizer's gradient norm and AdamW update: checked on lavapipe, never compiled by NVRTC).
 # Each has a switch that runs the same binary without it. A device session is minutes long, so a failure in
 # one must not cost the figures of the rest: the run is tried again with the switches below, in order, and
 # the first set that works is marked for the runs after it.
@@ -15,12 +15,12 @@
 # kiln's own kernels off (burn's fused kernels kept: the figures stay close to the fused step's), then burn's
 # fusion off (kiln's kernels kept), then both.
 KILN_KERNELS_OFF="KILN_ATTENTION_KERNEL=off KILN_LOSS_KERNEL=off KILN_NORM_KERNEL=off"
-KILN_KERNELS_OFF+=" KILN_OPTIM_KERNEL=off KILN_SCAN_KERNEL=off"
+KILN_KERNELS_OFF+=" KILN_OPTIM_KERNEL=off KILN_SCAN_KERNEL=off KILN_CONV_KERNEL=off"
 FALLBACK_VARIANTS=("$KILN_KERNELS_OFF" "KILN_CUDA_FUSION=off" "KILN_CUDA_FUSION=off $KILN_KERNELS_OFF")
 # For finding which part failed (gpu_session.sh's parity stage, on tiny shapes where a run takes seconds):
 # each kernel alone first.
 FALLBACK_DIAGNOSIS=("KILN_ATTENTION_KERNEL=off" "KILN_LOSS_KERNEL=off" "KILN_NORM_KERNEL=off" "KILN_OPTIM_KERNEL=off"
-    "KILN_SCAN_KERNEL=off" "${FALLBACK_VARIANTS[@]}")
+    "KILN_SCAN_KERNEL=off" "KILN_CONV_KERNEL=off" "${FALLBACK_VARIANTS[@]}")
 
 # The switches marked in file $1 for scope $2 ("*" lines apply to every scope; no $2: every line), on one
 # line, without repeats.
@@ -45,10 +45,10 @@ switches_label() {
     [[ " $1 " == *" KILN_CUDA_FUSION=off "* ]] && label+="-unfused"
     if [[ " $1 " == *" KILN_ATTENTION_KERNEL=off "* && " $1 " == *" KILN_LOSS_KERNEL=off "* \
         && " $1 " == *" KILN_NORM_KERNEL=off "* && " $1 " == *" KILN_OPTIM_KERNEL=off "* \
-        && " $1 " == *" KILN_SCAN_KERNEL=off "* ]]; then
+        && " $1 " == *" KILN_SCAN_KERNEL=off "* && " $1 " == *" KILN_CONV_KERNEL=off "* ]]; then
         label+="-nokernels"
     else
-        for kernel in ATTENTION:noattn LOSS:noloss NORM:nonorm OPTIM:nooptim SCAN:noscan; do
+        for kernel in ATTENTION:noattn LOSS:noloss NORM:nonorm OPTIM:nooptim SCAN:noscan CONV:noconv; do
             [[ " $1 " == *" KILN_${kernel%%:*}_KERNEL=off "* ]] && label+="-${kernel#*:}"
         done
     fi

@@ -30,6 +30,8 @@
 #            kiln's kernel (KILN_OPS=noloss: KILN_LOSS_KERNEL=off), into table-noloss.md;
 #   nonorm   for each of NORM_AB, kiln's row again with the RMSNorms as tensor ops instead of kiln's kernels
 #            (KILN_OPS=nonorm: KILN_NORM_KERNEL=off), into table-nonorm.md;
+#   noconv   for each of CONV_AB, kiln's row again with the causal conv as tensor ops instead of kiln's
+#            kernels (KILN_OPS=noconv: KILN_CONV_KERNEL=off), into table-noconv.md;
 #   nooptim  for each of OPTIM_AB, kiln's row again with the optimizer (the gradients' norm, AdamW's update)
 #            as tensor ops, two to six kernels a parameter, instead of kiln's kernels over many tensors
 #            (KILN_OPS=nooptim: KILN_OPTIM_KERNEL=off), into table-nooptim.md;
@@ -63,7 +65,7 @@
 # train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION, MOMENTS and REFERENCE pass through; TRAIN_SHAPE
 # (lfm2-350m), EPOCHS (2), TRAIN_MICRO (4), TRAIN_BATCH (8 sequences a step), TRAIN_LR (2e-5); PROFILE_SHAPES
 # ("lfm2.5-1.2b qwen3.5-0.8b", at SEQ or 4096); SCAN_AB and OPTIM_AB (qwen3.5-0.8b); ATTN_AB, LOSS_AB,
-# NORM_AB and MOMENTS_SHAPES (lfm2.5-1.2b);
+# NORM_AB, CONV_AB and MOMENTS_SHAPES (lfm2.5-1.2b);
 # FIT_SHAPE (lfm2.5-8b-a1b), FIT_SEQ (8192); OUT (runs/gpu-session), where
 # everything worth keeping is copied; PACK, a .tgz path to pack OUT into at the end (the device tool brings
 # back at most 8 files).
@@ -76,7 +78,7 @@ cd "$(dirname "$0")/../.."
 : "${PROFILE_SHAPES=lfm2.5-1.2b qwen3.5-0.8b}" "${OUT:=runs/gpu-session}" "${PACK:=}"
 [[ " $SHAPES " == *" qwen3.5-0.8b "* ]] && : "${SCAN_AB=qwen3.5-0.8b}" || : "${SCAN_AB=}"
 : "${ATTN_AB=lfm2.5-1.2b}" "${LOSS_AB=lfm2.5-1.2b}" "${NORM_AB=lfm2.5-1.2b}" "${OPTIM_AB=qwen3.5-0.8b}"
-: "${MOMENTS_SHAPES=lfm2.5-1.2b}" "${FIT_SHAPE:=lfm2.5-8b-a1b}" "${FIT_SEQ:=8192}"
+: "${CONV_AB=lfm2.5-1.2b}" "${MOMENTS_SHAPES=lfm2.5-1.2b}" "${FIT_SHAPE:=lfm2.5-8b-a1b}" "${FIT_SEQ:=8192}"
 run=gpu-session
 step() { echo "== $*" >&2; }
 
@@ -169,6 +171,12 @@ stage_nonorm() {
     step "the RMSNorms as tensor ops: ${NORM_AB:-no shape}"
     # shellcheck disable=SC2086  # NORM_AB is a list
     kernel_ab nonorm $NORM_AB
+}
+
+stage_noconv() {
+    step "the causal conv as tensor ops: ${CONV_AB:-no shape}"
+    # shellcheck disable=SC2086  # CONV_AB is a list
+    kernel_ab noconv $CONV_AB
 }
 
 stage_nooptim() {

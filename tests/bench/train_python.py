@@ -138,6 +138,7 @@ def table(files) -> str:
             + (" (no attention kernels)" if r.get("attention_kernel") is False else "") \
             + (" (no loss kernel)" if r.get("loss_kernel") is False else "") \
             + (" (no norm kernels)" if r.get("norm_kernel") is False else "") \
+            + (" (no conv kernels)" if r.get("conv_kernel") is False else "") \
             + (" (no optimizer kernels)" if r.get("optim_kernel") is False else "") \
             + (" (checkpointed)" if r.get("activation_checkpointing") else "") \
             + (f" ({r['moments']} moments)" if r.get("moments", "f32") != "f32" else "")

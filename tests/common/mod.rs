@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
+pub mod convs;
 pub mod norms;
 pub mod optim;
 pub mod optimizer_ops;
