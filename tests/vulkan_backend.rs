@@ -19,7 +19,7 @@ use burn::tensor::FloatDType;
 use burn::tensor::Tensor;
 use common::convs::{conv_parts, conv_parts_by_tensor_ops};
 use common::norms::{norm_parts, norm_parts_by_tensor_ops};
-use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, spread, values};
+use common::parity::{self, KernelComparison, KernelResults, ids_tensor, masked_ce, max_abs_diff, spread, values};
 use kiln::backend::{Cpu, Vk, VkTrain, VkUnfused};
 use kiln::kernels::attention as attention_kernel;
 use kiln::kernels::cross_entropy as kernel_cross_entropy;
@@ -249,21 +249,13 @@ fn the_norm_kernels_equal_the_tensor_op_norms() {
             let unfused = norm_parts::<VkUnfused>(dims, kind, f32);
             let device_ops = norm_parts_by_tensor_ops::<Vk>(dims, kind, f32);
             let cpu = norm_parts_by_tensor_ops::<Cpu>(dims, kind, f32);
-            for (i, name) in ["output", "d x", "d weight"].into_iter().enumerate() {
-                let scale = cpu[i].iter().fold(1.0f32, |m, x| m.max(x.abs()));
-                let errors = [
-                    max_abs_diff(&fused[i], &device_ops[i]),
-                    max_abs_diff(&fused[i], &cpu[i]),
-                    max_abs_diff(&unfused[i], &cpu[i]),
-                ];
-                let [a, b, c] = errors;
-                eprintln!(
-                    "{dims:?} {kind:?} {name}: {a:.2e}, {b:.2e}, {c:.2e} (fused vs device ops, vs CPU; unfused vs CPU; largest {scale:.1})"
-                );
-                // The weight gradient sums a column over every row, in another order on each side.
-                let tolerance = if name == "d weight" { 1e-5 } else { 2e-6 } * scale;
-                assert!(errors.iter().all(|&e| e <= tolerance), "{dims:?} {kind:?} {name}: off by {errors:?}");
-            }
+            // The weight gradient sums a column over every row, in another order on each side.
+            parity::assert_kernel_results(
+                &format!("{dims:?} {kind:?}"),
+                ["output", "d x", "d weight"],
+                &kernel_comparisons(&fused, &unfused, &device_ops, &cpu),
+                [2e-6, 2e-6, 1e-5],
+            );
         }
     }
 }
@@ -279,22 +271,25 @@ fn the_conv_kernels_equal_the_tensor_op_conv() {
         let unfused = conv_parts::<VkUnfused>(&case, f32);
         let device_ops = conv_parts_by_tensor_ops::<Vk>(&case, f32);
         let cpu = conv_parts_by_tensor_ops::<Cpu>(&case, f32);
-        for (i, name) in ["output", "d x", "d kernel"].into_iter().enumerate() {
-            let scale = cpu[i].iter().fold(1.0f32, |m, x| m.max(x.abs()));
-            let errors = [
-                max_abs_diff(&fused[i], &device_ops[i]),
-                max_abs_diff(&fused[i], &cpu[i]),
-                max_abs_diff(&unfused[i], &cpu[i]),
-            ];
-            let [a, b, c] = errors;
-            eprintln!(
-                "{case:?} {name}: {a:.2e}, {b:.2e}, {c:.2e} (fused vs device ops, vs CPU; unfused vs CPU; largest {scale:.1})"
-            );
-            // The kernel gradient sums a column over every token, in another order on each side.
-            let tolerance = if name == "d kernel" { 1e-5 } else { 1e-6 } * scale;
-            assert!(errors.iter().all(|&e| e <= tolerance), "{case:?} {name}: off by {errors:?}");
-        }
+        // The kernel gradient sums a column over every token, in another order on each side.
+        parity::assert_kernel_results(
+            &format!("{case:?}"),
+            ["output", "d x", "d kernel"],
+            &kernel_comparisons(&fused, &unfused, &device_ops, &cpu),
+            [1e-6, 1e-6, 1e-5],
+        );
     }
+}
+
+/// What a kernel test compares: the fused kernels with the tensor ops on the device and on the CPU, and the
+/// unfused kernels with the CPU's.
+fn kernel_comparisons<'a>(
+    fused: &'a KernelResults,
+    unfused: &'a KernelResults,
+    device_ops: &'a KernelResults,
+    cpu: &'a KernelResults,
+) -> [KernelComparison<'a>; 3] {
+    [("fused vs device ops", fused, device_ops), ("fused vs CPU", fused, cpu), ("unfused vs CPU", unfused, cpu)]
 }
 
 /// kiln's gradient-norm kernel (`kernels::grad_norm`, what the trainer's clipping runs on the device) against

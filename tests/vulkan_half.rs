@@ -11,7 +11,7 @@ mod common;
 use burn::tensor::FloatDType;
 use common::convs::{conv_parts, conv_parts_by_tensor_ops};
 use common::norms::{norm_parts, norm_parts_by_tensor_ops};
-use common::parity::{self, ids_tensor, max_abs_diff, values};
+use common::parity::{self, ids_tensor, values};
 use kiln::backend::{VkHalf, VkHalfTrain};
 use kiln::models::ops::NormKind;
 use kiln::models::{CausalLm, SequenceLayout, load_model};
@@ -64,16 +64,12 @@ fn the_norm_kernels_equal_the_tensor_op_norms_in_half_precision() {
             let fused = norm_parts::<VkHalf>(dims, kind, dtypes);
             let unfused = norm_parts::<kiln::backend::VkHalfUnfused>(dims, kind, dtypes);
             let device_ops = norm_parts_by_tensor_ops::<VkHalf>(dims, kind, dtypes);
-            for (i, name) in ["output", "d x", "d weight"].into_iter().enumerate() {
-                let scale = device_ops[i].iter().fold(1.0f32, |m, x| m.max(x.abs()));
-                let errors = [max_abs_diff(&fused[i], &device_ops[i]), max_abs_diff(&unfused[i], &device_ops[i])];
-                let [a, b] = errors;
-                eprintln!("{dims:?} {kind:?} {dtypes:?} {name}: {a:.2e} fused, {b:.2e} unfused (largest {scale:.1})");
-                assert!(
-                    errors.iter().all(|&e| e <= scale / 512.0),
-                    "{dims:?} {kind:?} {dtypes:?} {name}: off by {errors:?}"
-                );
-            }
+            parity::assert_kernel_results(
+                &format!("{dims:?} {kind:?} {dtypes:?}"),
+                ["output", "d x", "d weight"],
+                &[("fused", &fused, &device_ops), ("unfused", &unfused, &device_ops)],
+                [1.0 / 512.0; 3],
+            );
         }
     }
 }
@@ -89,13 +85,12 @@ fn the_conv_kernels_equal_the_tensor_op_conv_in_half_precision() {
         let fused = conv_parts::<VkHalf>(&case, f16);
         let unfused = conv_parts::<kiln::backend::VkHalfUnfused>(&case, f16);
         let device_ops = conv_parts_by_tensor_ops::<VkHalf>(&case, f16);
-        for (i, name) in ["output", "d x", "d kernel"].into_iter().enumerate() {
-            let scale = device_ops[i].iter().fold(1.0f32, |m, x| m.max(x.abs()));
-            let errors = [max_abs_diff(&fused[i], &device_ops[i]), max_abs_diff(&unfused[i], &device_ops[i])];
-            let [a, b] = errors;
-            eprintln!("{case:?} {name}: {a:.2e} fused, {b:.2e} unfused (largest {scale:.1})");
-            assert!(errors.iter().all(|&e| e <= scale / 1024.0), "{case:?} {name}: off by {errors:?}");
-        }
+        parity::assert_kernel_results(
+            &format!("{case:?}"),
+            ["output", "d x", "d kernel"],
+            &[("fused", &fused, &device_ops), ("unfused", &unfused, &device_ops)],
+            [1.0 / 1024.0; 3],
+        );
     }
 }
 

@@ -69,6 +69,26 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
+/// A kernel's output and two gradients, as host values.
+pub type KernelResults = [Vec<f32>; 3];
+
+/// One comparison of `assert_kernel_results`: what it compares, the kernel's results, the reference's.
+pub type KernelComparison<'a> = (&'a str, &'a KernelResults, &'a KernelResults);
+
+/// A kernel's three results (`names`: its output and two gradients) against references: each comparison is
+/// (what it compares, the kernel's results, the reference's), and each result must lie within `relative[i]`
+/// of the reference's largest magnitude (at least 1) of it. `case` names the inputs in messages.
+pub fn assert_kernel_results(case: &str, names: [&str; 3], comparisons: &[KernelComparison], relative: [f32; 3]) {
+    for (i, name) in names.into_iter().enumerate() {
+        for (what, got, want) in comparisons {
+            let scale = want[i].iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            let error = max_abs_diff(&got[i], &want[i]);
+            eprintln!("{case} {name}: {error:.2e} {what} (largest {scale:.1})");
+            assert!(error <= relative[i] * scale, "{case} {name}: {what} off by {error} (largest {scale})");
+        }
+    }
+}
+
 pub fn ids_tensor<B: Backend>(ids: &[i64], shape: [usize; 2], device: &B::Device) -> Tensor<B, 2, Int> {
     Tensor::from_data(TensorData::new(ids.to_vec(), shape), device)
 }
