@@ -90,8 +90,8 @@ struct LagShift<B: Backend> {
 }
 
 impl<B: Backend> ConvShifts<B> {
-    /// The shifts of lags `1..=max_lag` for `layout`, masks in `dtype`.
-    pub fn new(layout: &SequenceLayout, max_lag: usize, dtype: FloatDType, device: &B::Device) -> Self {
+    /// The shifts of lags `1..=max_lag` for `layout`, masks in f32 (the convolution sums in f32).
+    pub fn new(layout: &SequenceLayout, max_lag: usize, device: &B::Device) -> Self {
         let (batch, seq) = (layout.batch, layout.seq);
         let index = |f: &dyn Fn(usize) -> usize| {
             Tensor::<B, 1, Int>::from_data(TensorData::new((0..seq).map(|t| f(t) as i64).collect(), [seq]), device)
@@ -102,7 +102,7 @@ impl<B: Backend> ConvShifts<B> {
                 let reads = |row: usize, t: usize| t < seq && layout.positions[row * seq + t] as usize >= lag;
                 let mask = |f: &dyn Fn(usize, usize) -> bool| {
                     let keep = (0..batch * seq).map(|i| f32::from(u8::from(f(i / seq, i % seq)))).collect();
-                    host_tensor::<B, 3>(keep, [batch, seq, 1], dtype, device)
+                    host_tensor::<B, 3>(keep, [batch, seq, 1], FloatDType::F32, device)
                 };
                 LagShift {
                     back: index(&|t| t.saturating_sub(lag)),
@@ -178,8 +178,7 @@ pub fn causal_depthwise_conv<B: Backend>(
     let mut y = x.clone() * w[taps - 1].clone();
     for lag in 1..taps {
         let shift = shifts.lag(lag);
-        let mask = shift.reads_back.clone().cast(FloatDType::F32);
-        y = y + x.clone().select(1, shift.back.clone()) * mask * w[taps - 1 - lag].clone();
+        y = y + x.clone().select(1, shift.back.clone()) * shift.reads_back.clone() * w[taps - 1 - lag].clone();
     }
     y.cast(dtype)
 }
@@ -198,14 +197,11 @@ pub fn causal_depthwise_conv_backward<B: Backend>(
     let (x, kernel, grad) = (x.cast(FloatDType::F32), kernel.cast(FloatDType::F32), grad.cast(FloatDType::F32));
     let w = kernel_taps(&kernel);
     let taps = w.len();
-    let f32_mask = |m: &Tensor<B, 3>| m.clone().cast(FloatDType::F32);
     let mut grad_x = grad.clone() * w[taps - 1].clone();
     for lag in 1..taps {
         let shift = shifts.lag(lag);
         grad_x = grad_x
-            + grad.clone().select(1, shift.ahead.clone())
-                * f32_mask(&shift.read_from_ahead)
-                * w[taps - 1 - lag].clone();
+            + grad.clone().select(1, shift.ahead.clone()) * shift.read_from_ahead.clone() * w[taps - 1 - lag].clone();
     }
     let channel_sums =
         |t: Tensor<B, 3>| super::ops::column_sums(t.reshape([batch * seq, channels])).reshape([channels, 1]);
@@ -213,7 +209,7 @@ pub fn causal_depthwise_conv_backward<B: Backend>(
     let mut grad_taps = vec![channel_sums(grad.clone() * x.clone())];
     for lag in 1..taps {
         let shift = shifts.lag(lag);
-        let shifted = x.clone().select(1, shift.back.clone()) * f32_mask(&shift.reads_back);
+        let shifted = x.clone().select(1, shift.back.clone()) * shift.reads_back.clone();
         grad_taps.push(channel_sums(grad.clone() * shifted));
     }
     grad_taps.reverse();
@@ -387,7 +383,7 @@ mod tests {
         let layout = SequenceLayout::from_doc_lengths(&[vec![2, 4], vec![1, 1, 3]], seq);
         let x = normal::<Cpu, 3>([2, seq, channels], 0.0, 1.0, 4, &device);
         let w = normal::<Cpu, 2>([channels, taps], 0.0, 1.0, 5, &device);
-        let shifts = ConvShifts::<Cpu>::new(&layout, taps - 1, FloatDType::F32, &device);
+        let shifts = ConvShifts::<Cpu>::new(&layout, taps - 1, &device);
         let got = values(causal_depthwise_conv(x.clone(), w.clone(), &shifts));
         let (xs, ws) = (values(x), values(w));
         for (i, &y) in got.iter().enumerate() {

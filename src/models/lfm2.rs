@@ -217,7 +217,7 @@ impl<B: ModelBackend> Lfm2Model<B> {
             })
             .max()
             .unwrap_or(0);
-        let shifts = ConvShifts::<B>::new(layout, max_lag, dtype, &device);
+        let shifts = ConvShifts::<B>::new(layout, max_lag, &device);
         for layer in &self.layers {
             let x = layer.operator_norm.forward(h.clone());
             let y = match &layer.mixer {

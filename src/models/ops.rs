@@ -857,7 +857,7 @@ mod tests {
     ) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
         let device = Default::default();
         let layout = super::super::SequenceLayout::from_doc_lengths(lengths, seq);
-        let shifts = super::super::layers::ConvShifts::<B>::new(&layout, 3, dtype, &device);
+        let shifts = super::super::layers::ConvShifts::<B>::new(&layout, 3, &device);
         let x = normal::<B, 3>([lengths.len(), seq, 6], 0.0, 1.0, 9, &device).cast(dtype).require_grad();
         let kernel = normal::<B, 2>([6, 4], 0.0, 0.5, 10, &device).cast(dtype).require_grad();
         let r = normal::<B, 3>([lengths.len(), seq, 6], 0.0, 1.0, 11, &device);

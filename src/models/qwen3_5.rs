@@ -230,7 +230,7 @@ impl<B: ModelBackend> Qwen35Model<B> {
         } else {
             (None, None)
         };
-        let shifts = ConvShifts::<B>::new(layout, self.max_conv_lag(), dtype, &device);
+        let shifts = ConvShifts::<B>::new(layout, self.max_conv_lag(), &device);
         let segments = DocSegments::from_doc_ids(layout.batch, layout.seq, layout.doc_ids.clone());
         let plan = ChunkPlan::new(&segments, SCAN_CHUNK, &device);
         for layer in &self.layers {

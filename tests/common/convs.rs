@@ -32,7 +32,7 @@ fn conv_inputs<B: ModelBackend>(
     };
     let taps = [case.channels, case.taps];
     let kernel = kiln::backend::host_tensor::<B, 2>(spread(taps[0] * taps[1], 7, -1.0, 1.0), taps, dtype, &device);
-    let shifts = ConvShifts::new(&layout, case.taps - 1, dtype, &device);
+    let shifts = ConvShifts::new(&layout, case.taps - 1, &device);
     (three(12, 2.0), kernel, three(13, 1.0), shifts)
 }
 
