@@ -432,6 +432,10 @@ struct TrainArgs {
     /// Sequences per forward pass.
     #[arg(long)]
     micro_batch: Option<usize>,
+    /// Run each forward pass at its longest row's tokens rounded up to a multiple of this, dropping the rows'
+    /// trailing padding (default 64); 0 runs whole rows.
+    #[arg(long)]
+    pad_multiple: Option<usize>,
     /// 0 disables clipping.
     #[arg(long)]
     max_grad_norm: Option<f64>,
@@ -1098,7 +1102,7 @@ fn train_config(args: &TrainArgs) -> Result<kiln::train::TrainConfig> {
     macro_rules! set {
         ($($field:ident),*) => { $(if let Some(v) = args.$field { cfg.$field = v; })* };
     }
-    set!(epochs, lr, warmup_ratio, decay, global_batch, micro_batch, seed, export_dtype);
+    set!(epochs, lr, warmup_ratio, decay, global_batch, micro_batch, pad_multiple, seed, export_dtype);
     if let Some(wd) = args.weight_decay {
         cfg.adamw.weight_decay = wd;
     }

@@ -43,6 +43,40 @@ fn micro_batching_does_not_change_the_update() {
     assert!((m1[0]["loss"].as_f64().unwrap() - m2[0]["loss"].as_f64().unwrap()).abs() < 1e-5);
 }
 
+/// Dropping the rows' trailing padding (`pad_multiple`) trains as whole rows do: rows of 35 tokens holding two
+/// 12-token documents run at 32 positions (a multiple of 16) or 24 (of 8), and every loss and parameter stays
+/// within f32 rounding of the whole rows' run.
+#[test]
+fn dropping_trailing_padding_does_not_change_the_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::training::fixture_shards_packed(dir.path(), 2, 35);
+    let rows = kiln::train::data::TrainData::load(&data).unwrap().rows;
+    assert_eq!(rows.iter().map(|r| (r.input_ids.len(), r.used())).collect::<Vec<_>>(), [(35, 24), (35, 24)]);
+    let cfg = TrainConfig { global_batch: 2, micro_batch: 2, pad_multiple: 0, ..parity_config() };
+    let (_, whole) = run::<CpuTrain>(&cfg, &data, &dir.path().join("whole"), false, None);
+    let (want, want_metrics) = (hf_tensors(&whole), metrics(&dir.path().join("whole")));
+    assert_eq!(want_metrics.len(), 3);
+    for multiple in [16, 8] {
+        let run_dir = dir.path().join(format!("trimmed-{multiple}"));
+        let trimmed_cfg = TrainConfig { pad_multiple: multiple, ..cfg.clone() };
+        let (_, trimmed) = run::<CpuTrain>(&trimmed_cfg, &data, &run_dir, false, None);
+        for (k, t) in &hf_tensors(&trimmed) {
+            let scale = want[k].data.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let err = t.data.iter().zip(&want[k].data).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            assert!(err <= 1e-6 * scale, "{k}: {err} (multiple {multiple})");
+        }
+        let got_metrics = metrics(&run_dir);
+        assert_eq!(got_metrics.len(), want_metrics.len());
+        for (got, want) in got_metrics.iter().zip(&want_metrics) {
+            let (l, w) = (got["loss"].as_f64().unwrap(), want["loss"].as_f64().unwrap());
+            assert!((l - w).abs() <= 1e-6 * w.abs(), "loss {l} vs {w} (multiple {multiple})");
+            for counted in ["tokens", "supervised_tokens"] {
+                assert_eq!(got[counted], want[counted], "{counted} (multiple {multiple})");
+            }
+        }
+    }
+}
+
 #[test]
 fn a_resumed_run_equals_the_uninterrupted_one_bit_for_bit() {
     assert_resume_is_exact::<CpuTrain>(&TrainConfig {

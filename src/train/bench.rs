@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::linear_ce::LinearCrossEntropy;
 use super::optim::{AdamW, AdamWConfig, MomentDtype};
-use super::step::{MicroBatch, optimizer_step};
+use super::step::{MicroBatch, WHOLE_ROWS, optimizer_step};
 use super::trainer::{PeakMemory, Precision, StepFlops};
 use super::{TrainError, with_train_backend};
 use crate::backend::DeviceMemory;
@@ -165,7 +165,8 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         // New tokens every step, made before the clock starts.
         let rows = random_rows(rows_per_step, cfg.seq, cfg.docs_per_row, config.vocab_size(), cfg.seed + step as u64);
         let refs: Vec<&Row> = rows.iter().collect();
-        let batches: Vec<MicroBatch> = refs.chunks(cfg.micro_batch).map(MicroBatch::from_rows).collect();
+        let batches: Vec<MicroBatch> =
+            refs.chunks(cfg.micro_batch).map(|rows| MicroBatch::from_rows(rows, WHOLE_ROWS)).collect();
         tokens_per_step = batches.iter().map(|b| b.tokens).sum();
         let started = Instant::now();
         let (updated, outcome) = optimizer_step(model, &mut opt, &batches, cfg.lr, Some(1.0), device)

@@ -62,7 +62,7 @@ pub struct MicroBatch {
     pub rows: usize,
     pub seq: usize,
     pub ids: Vec<i64>,
-    /// The next token of each position (0 after a row's last token, never supervised).
+    /// The next token of each position (0 after a row's last; never supervised past a document's end).
     pub targets: Vec<i64>,
     /// 1 where the next token is supervised and in the same document (`target_weights`).
     pub weights: Vec<f32>,
@@ -71,9 +71,26 @@ pub struct MicroBatch {
     pub tokens: u64,
 }
 
+/// `pad_multiple` that keeps whole rows: every micro-batch runs at the shards' sequence length.
+pub const WHOLE_ROWS: usize = 0;
+
+/// The positions one forward pass over `rows` needs: its longest row's tokens rounded up to a multiple of
+/// `pad_multiple`, at most the rows' length (all of it for `WHOLE_ROWS`). Padding sits at a row's end and
+/// nothing before it reads it (attention and the convolutions are causal, its targets are unsupervised), so
+/// dropping it leaves the loss and the gradients as they were.
+pub fn batch_length(rows: &[&Row], pad_multiple: usize) -> usize {
+    let full = rows.first().map_or(0, |r| r.input_ids.len());
+    if pad_multiple == WHOLE_ROWS {
+        return full;
+    }
+    let used = rows.iter().map(|r| r.used()).max().unwrap_or(0).max(1);
+    used.div_ceil(pad_multiple).saturating_mul(pad_multiple).min(full)
+}
+
 impl MicroBatch {
-    pub fn from_rows(rows: &[&Row]) -> Self {
-        let seq = rows.first().map_or(0, |r| r.input_ids.len());
+    /// The rows as one forward pass of `batch_length(rows, pad_multiple)` positions.
+    pub fn from_rows(rows: &[&Row], pad_multiple: usize) -> Self {
+        let seq = batch_length(rows, pad_multiple);
         let mut batch = MicroBatch {
             rows: rows.len(),
             seq,
@@ -84,9 +101,9 @@ impl MicroBatch {
             tokens: 0,
         };
         for row in rows {
-            batch.ids.extend(row.input_ids.iter().map(|&x| x as i64));
-            batch.targets.extend(row.input_ids.iter().skip(1).map(|&x| x as i64).chain([0]));
-            batch.weights.extend(target_weights(row));
+            batch.ids.extend(row.input_ids.iter().take(seq).map(|&x| x as i64));
+            batch.targets.extend(row.input_ids.iter().skip(1).map(|&x| x as i64).chain([0]).take(seq));
+            batch.weights.extend(target_weights(row).into_iter().take(seq));
             batch.doc_lengths.push(row.doc_lengths.clone());
             batch.tokens += row.used() as u64;
         }
@@ -166,4 +183,54 @@ pub fn optimizer_step<B: LinearCrossEntropy>(
     }
     let grad_norm = squared.first().map_or(0.0, |&s| f64::from(s).sqrt());
     Ok((model, Some(StepOutcome { loss: loss_sum, grad_norm })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row of `seq` positions holding documents of `docs` tokens (ids from 1, even ids supervised), the
+    /// rest padding (id 0).
+    fn row(docs: &[u32], seq: usize) -> Row {
+        let used: u32 = docs.iter().sum();
+        let mut input_ids: Vec<u32> = (1..=used).collect();
+        input_ids.resize(seq, 0);
+        Row {
+            loss_mask: input_ids.iter().map(|&id| u8::from(id % 2 == 0)).collect(),
+            input_ids,
+            doc_lengths: docs.to_vec(),
+            sample_ids: docs.iter().map(|l| format!("doc-{l}")).collect(),
+            sources: docs.iter().map(|_| "test".to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn a_batch_runs_at_its_longest_row_rounded_up_to_the_multiple() {
+        let (a, b, full) = (row(&[50, 30], 256), row(&[100], 256), row(&[200, 50], 256));
+        assert_eq!(batch_length(&[&a, &b], 64), 128);
+        assert_eq!(batch_length(&[&a], 64), 128);
+        assert_eq!(batch_length(&[&a, &b], 10), 100);
+        assert_eq!(batch_length(&[&a, &b], WHOLE_ROWS), 256);
+        // Never past the rows' own length.
+        assert_eq!(batch_length(&[&a, &full], 64), 256);
+    }
+
+    #[test]
+    fn a_trimmed_batch_keeps_every_token_target_and_weight() {
+        let rows = [row(&[50, 30], 256), row(&[100], 256)];
+        let refs: Vec<&Row> = rows.iter().collect();
+        let (whole, trimmed) = (MicroBatch::from_rows(&refs, WHOLE_ROWS), MicroBatch::from_rows(&refs, 64));
+        assert_eq!((whole.seq, trimmed.seq), (256, 128));
+        assert_eq!((trimmed.rows, trimmed.ids.len(), trimmed.weights.len()), (2, 256, 256));
+        assert_eq!((trimmed.tokens, trimmed.doc_lengths.clone()), (whole.tokens, whole.doc_lengths.clone()));
+        assert_eq!(trimmed.supervised(), whole.supervised());
+        assert!(trimmed.supervised() > 0.0);
+        for r in 0..2 {
+            let (kept, dropped, part) = (r * 256..r * 256 + 128, r * 256 + 128..(r + 1) * 256, r * 128..(r + 1) * 128);
+            assert_eq!(trimmed.ids[part.clone()], whole.ids[kept.clone()]);
+            assert_eq!(trimmed.targets[part.clone()], whole.targets[kept.clone()]);
+            assert_eq!(trimmed.weights[part], whole.weights[kept]);
+            assert!(whole.weights[dropped].iter().all(|&w| w == 0.0), "row {r}: a dropped position was supervised");
+        }
+    }
 }

@@ -80,6 +80,9 @@ pub struct TrainConfig {
     pub global_batch_tokens: Option<usize>,
     /// Sequences per forward pass; `global_batch` must be a multiple.
     pub micro_batch: usize,
+    /// Each forward pass runs at its longest row's tokens rounded up to a multiple of this, the rows' trailing
+    /// padding dropped (`step::batch_length`); 0 runs whole rows.
+    pub pad_multiple: usize,
     pub max_grad_norm: Option<f64>,
     pub seed: u64,
     /// Save the resumable state every this many optimizer steps (and at every epoch end).
@@ -120,6 +123,7 @@ impl Default for TrainConfig {
             global_batch: 8,
             global_batch_tokens: None,
             micro_batch: 1,
+            pad_multiple: 64,
             max_grad_norm: Some(1.0),
             seed: 42,
             save_every: None,
@@ -374,7 +378,8 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             let start = position.step_in_epoch * global_batch;
             let rows: Vec<&Row> =
                 order[start..(start + global_batch).min(order.len())].iter().map(|&r| &data.rows[r]).collect();
-            let batches: Vec<MicroBatch> = rows.chunks(cfg.micro_batch).map(MicroBatch::from_rows).collect();
+            let batches: Vec<MicroBatch> =
+                rows.chunks(cfg.micro_batch).map(|rows| MicroBatch::from_rows(rows, cfg.pad_multiple)).collect();
             let lr = schedule.lr(position.global_step);
             let (updated, outcome) =
                 optimizer_step(model, &mut opt, &batches, lr, cfg.max_grad_norm, device).map_err(|e| {

@@ -27,6 +27,11 @@ pub fn f32s(v: &safetensors::tensor::TensorView) -> Vec<f32> {
 
 /// The fixture batch (2 rows × 12 tokens, its loss mask) written as a shard, `copies` times.
 pub fn fixture_shards(dir: &Path, copies: usize) -> PathBuf {
+    fixture_shards_packed(dir, copies, 12)
+}
+
+/// The fixture's 12-token rows as documents packed into shard rows of `seq_len` tokens, the rest padding.
+pub fn fixture_shards_packed(dir: &Path, copies: usize, seq_len: usize) -> PathBuf {
     let bytes = std::fs::read(fixture_dir().join("lfm2-tiny/fixture.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let i64s = |k: &str| -> Vec<u32> {
@@ -34,7 +39,7 @@ pub fn fixture_shards(dir: &Path, copies: usize) -> PathBuf {
     };
     let (ids, mask) = (i64s("input_ids"), i64s("loss_mask"));
     let out = dir.join("data");
-    let mut w = ShardWriter::new(&out, Layout::Packed, 12, 0).unwrap();
+    let mut w = ShardWriter::new(&out, Layout::Packed, seq_len, 0).unwrap();
     for c in 0..copies {
         for r in 0..2 {
             let sample = TokenSample {
