@@ -12,7 +12,7 @@ use std::sync::atomic::AtomicBool;
 use burn::tensor::{Int, Tensor, TensorData};
 use common::training::{
     assert_resume_is_exact, assert_three_steps_match_pytorch, f32s, fixture_dir, fixture_shards, metrics,
-    parity_config, run,
+    parity_config, run, run_model,
 };
 use kiln::backend::{Cpu, CpuTrain};
 use kiln::models::hf::hf_tensors;
@@ -43,35 +43,40 @@ fn micro_batching_does_not_change_the_update() {
     assert!((m1[0]["loss"].as_f64().unwrap() - m2[0]["loss"].as_f64().unwrap()).abs() < 1e-5);
 }
 
-/// Dropping the rows' trailing padding (`pad_multiple`) trains as whole rows do: rows of 35 tokens holding two
-/// 12-token documents run at 32 positions (a multiple of 16) or 24 (of 8), and every loss and parameter stays
-/// within f32 rounding of the whole rows' run.
+/// Dropping the rows' trailing padding (`pad_multiple`) trains as whole rows do, for the tiny LFM2 and the
+/// tiny Qwen3.5 (DeltaNet and gated attention layers): rows of 35 positions holding two 12-token documents run
+/// at 32 positions (a multiple of 16) or 24 (of 8), and every loss and parameter stays within f32 rounding of
+/// the whole rows' run.
 #[test]
 fn dropping_trailing_padding_does_not_change_the_training() {
     let dir = tempfile::tempdir().unwrap();
     let data = common::training::fixture_shards_packed(dir.path(), 2, 35);
     let rows = kiln::train::data::TrainData::load(&data).unwrap().rows;
     assert_eq!(rows.iter().map(|r| (r.input_ids.len(), r.used())).collect::<Vec<_>>(), [(35, 24), (35, 24)]);
-    let cfg = TrainConfig { global_batch: 2, micro_batch: 2, pad_multiple: 0, ..parity_config() };
-    let (_, whole) = run::<CpuTrain>(&cfg, &data, &dir.path().join("whole"), false, None);
-    let (want, want_metrics) = (hf_tensors(&whole), metrics(&dir.path().join("whole")));
-    assert_eq!(want_metrics.len(), 3);
-    for multiple in [16, 8] {
-        let run_dir = dir.path().join(format!("trimmed-{multiple}"));
-        let trimmed_cfg = TrainConfig { pad_multiple: multiple, ..cfg.clone() };
-        let (_, trimmed) = run::<CpuTrain>(&trimmed_cfg, &data, &run_dir, false, None);
-        for (k, t) in &hf_tensors(&trimmed) {
-            let scale = want[k].data.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            let err = t.data.iter().zip(&want[k].data).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-            assert!(err <= 1e-6 * scale, "{k}: {err} (multiple {multiple})");
-        }
-        let got_metrics = metrics(&run_dir);
-        assert_eq!(got_metrics.len(), want_metrics.len());
-        for (got, want) in got_metrics.iter().zip(&want_metrics) {
-            let (l, w) = (got["loss"].as_f64().unwrap(), want["loss"].as_f64().unwrap());
-            assert!((l - w).abs() <= 1e-6 * w.abs(), "loss {l} vs {w} (multiple {multiple})");
-            for counted in ["tokens", "supervised_tokens"] {
-                assert_eq!(got[counted], want[counted], "{counted} (multiple {multiple})");
+    let qwen = common::project_dir().join("tests/fixtures/qwen3_5/qwen3_5-tiny");
+    for (name, model_dir) in [("lfm2", fixture_dir().join("lfm2-tiny")), ("qwen3.5", qwen)] {
+        let train = |multiple: usize| {
+            let run_dir = dir.path().join(format!("{name}-{multiple}"));
+            let cfg = TrainConfig { global_batch: 2, micro_batch: 2, pad_multiple: multiple, ..parity_config() };
+            let (_, model) = run_model::<CpuTrain>(&model_dir, &cfg, &data, &run_dir, false, None);
+            (hf_tensors(&model), metrics(&run_dir))
+        };
+        let (want, want_metrics) = train(0);
+        assert_eq!(want_metrics.len(), 3);
+        for multiple in [16, 8] {
+            let (got, got_metrics) = train(multiple);
+            for (k, t) in &got {
+                let scale = want[k].data.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                let err = t.data.iter().zip(&want[k].data).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+                assert!(err <= 1e-6 * scale, "{name} {k}: {err} (multiple {multiple})");
+            }
+            assert_eq!(got_metrics.len(), want_metrics.len());
+            for (got, want) in got_metrics.iter().zip(&want_metrics) {
+                let (l, w) = (got["loss"].as_f64().unwrap(), want["loss"].as_f64().unwrap());
+                assert!((l - w).abs() <= 1e-6 * w.abs(), "{name}: loss {l} vs {w} (multiple {multiple})");
+                for counted in ["tokens", "supervised_tokens"] {
+                    assert_eq!(got[counted], want[counted], "{name}: {counted} (multiple {multiple})");
+                }
             }
         }
     }

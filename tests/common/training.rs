@@ -81,18 +81,20 @@ pub fn run<B: LinearCrossEntropy + DeviceMemory>(
     resume: bool,
     halt: Option<usize>,
 ) -> (TrainSummary, CausalLm<B>) {
-    train::<B>(
-        cfg,
-        &fixture_dir().join("lfm2-tiny"),
-        data,
-        run_dir,
-        resume,
-        &AtomicBool::new(false),
-        halt,
-        false,
-        &Default::default(),
-    )
-    .unwrap()
+    run_model::<B>(&fixture_dir().join("lfm2-tiny"), cfg, data, run_dir, resume, halt)
+}
+
+/// `kiln train` of the checkpoint in `model_dir` on backend `B`'s default device.
+pub fn run_model<B: LinearCrossEntropy + DeviceMemory>(
+    model_dir: &Path,
+    cfg: &TrainConfig,
+    data: &Path,
+    run_dir: &Path,
+    resume: bool,
+    halt: Option<usize>,
+) -> (TrainSummary, CausalLm<B>) {
+    train::<B>(cfg, model_dir, data, run_dir, resume, &AtomicBool::new(false), halt, false, &Default::default())
+        .unwrap()
 }
 
 pub fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
