@@ -62,7 +62,7 @@ pub struct MicroBatch {
     pub rows: usize,
     pub seq: usize,
     pub ids: Vec<i64>,
-    /// The next token of each position (0 after a row's last; never supervised past a document's end).
+    /// The next token of each position (0 past the row's end); a target only where `weights` says so.
     pub targets: Vec<i64>,
     /// 1 where the next token is supervised and in the same document (`target_weights`).
     pub weights: Vec<f32>,
