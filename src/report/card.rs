@@ -121,6 +121,16 @@ fn adamw_line(a: &crate::train::optim::AdamWConfig) -> String {
     format!("β = ({}, {}), ε = {}, weight decay {}{moments}", a.beta1, a.beta2, a.eps, a.weight_decay)
 }
 
+/// The card's batch row: sequences (or tokens) a step and a forward pass, and how far a pass runs.
+fn batch_line(c: &crate::train::TrainConfig) -> String {
+    let global = c.global_batch_tokens.map_or(c.global_batch.to_string(), |t| format!("{t} tokens"));
+    let length = match c.pad_multiple {
+        0 => String::new(),
+        m => format!("; each forward pass runs to its longest row's tokens, rounded up to a multiple of {m}"),
+    };
+    format!("{global} / {} sequences{length}", c.micro_batch)
+}
+
 /// The card's precision row.
 fn precision_line(p: crate::train::Precision) -> String {
     use crate::train::Precision;
@@ -373,14 +383,7 @@ pub fn write_card(
         ),
         ("AdamW", adamw_line(&c.adamw)),
         ("precision", precision_line(inputs.train.precision)),
-        (
-            "global batch / micro batch",
-            format!(
-                "{} / {} sequences",
-                c.global_batch_tokens.map_or(c.global_batch.to_string(), |t| format!("{t} tokens")),
-                c.micro_batch
-            ),
-        ),
+        ("global batch / micro batch", batch_line(c)),
         ("gradient clipping", c.max_grad_norm.map_or("none".into(), |n| format!("global norm {n}"))),
         ("seed", c.seed.to_string()),
         ("hardware", hardware(&inputs.device)),
@@ -509,6 +512,18 @@ fn scores_png(path: &Path, evals: &[EvalResult]) -> Result<(), ReportError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_batch_row_says_how_far_a_forward_pass_runs() {
+        use crate::train::TrainConfig;
+        let trimmed = TrainConfig { global_batch: 128, micro_batch: 2, ..TrainConfig::default() };
+        assert_eq!(
+            batch_line(&trimmed),
+            "128 / 2 sequences; each forward pass runs to its longest row's tokens, rounded up to a multiple of 64"
+        );
+        let whole = TrainConfig { global_batch_tokens: Some(1 << 20), pad_multiple: 0, ..trimmed };
+        assert_eq!(batch_line(&whole), "1048576 tokens / 2 sequences");
+    }
 
     #[test]
     fn the_optimizer_and_precision_rows_say_how_the_run_trained() {
