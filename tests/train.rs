@@ -10,6 +10,7 @@ mod common;
 use std::sync::atomic::AtomicBool;
 
 use burn::tensor::{Int, Tensor, TensorData};
+use common::parity::error_relative_to_largest;
 use common::training::{
     assert_resume_is_exact, assert_three_steps_match_pytorch, f32s, fixture_dir, fixture_shards, metrics,
     parity_config, run, run_model,
@@ -66,9 +67,8 @@ fn dropping_trailing_padding_does_not_change_the_training() {
         for multiple in [16, 8] {
             let (got, got_metrics) = train(multiple);
             for (k, t) in &got {
-                let scale = want[k].data.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-                let err = t.data.iter().zip(&want[k].data).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-                assert!(err <= 1e-6 * scale, "{name} {k}: {err} (multiple {multiple})");
+                let err = error_relative_to_largest(&want[k].data, &t.data);
+                assert!(err <= 1e-6, "{name} {k}: {err} relative (multiple {multiple})");
             }
             assert_eq!(got_metrics.len(), want_metrics.len());
             for (got, want) in got_metrics.iter().zip(&want_metrics) {
@@ -457,8 +457,7 @@ fn bf16_training_tracks_the_pytorch_f32_run() {
     for (name, view) in want.tensors() {
         let Some(key) = name.strip_prefix("param.") else { continue };
         let want = f32s(&view);
-        let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let err = ours[key].data.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max) / scale;
+        let err = error_relative_to_largest(&want, &ours[key].data);
         assert!(err <= 2e-2, "{key}: {err} relative after 3 bf16 steps");
     }
     // The saved state carries an f32 master beside the moments of every parameter.

@@ -69,6 +69,11 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
+/// `max_abs_diff` relative to `want`'s largest magnitude: how the tests compare a gradient or parameter tensor.
+pub fn error_relative_to_largest(want: &[f32], got: &[f32]) -> f32 {
+    max_abs_diff(got, want) / want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-12)
+}
+
 /// A kernel's output and two gradients, as host values.
 pub type KernelResults = [Vec<f32>; 3];
 
@@ -118,8 +123,7 @@ pub fn check_gradients(name: &str, fixture: &Fixture, ours: &BTreeMap<String, Ho
     for (key, (want, shape)) in &fixture.grads {
         let got = ours.get(key).unwrap_or_else(|| panic!("{name}: no gradient for {key}"));
         assert_eq!(&got.shape, shape, "{key}");
-        let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-12);
-        let err = max_abs_diff(&got.data, want) / scale;
+        let err = error_relative_to_largest(want, &got.data);
         eprintln!("{name}: gradient of {key}: relative error {err:.2e}");
         assert!(err <= tolerance, "{name}: gradient of {key} off by {err} (relative to its max)");
     }

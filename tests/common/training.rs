@@ -126,9 +126,7 @@ pub fn assert_three_steps_match_pytorch<B: LinearCrossEntropy + DeviceMemory>() 
     for (name, view) in want.tensors() {
         let Some(key) = name.strip_prefix("param.") else { continue };
         let want = f32s(&view);
-        let got = &ours[key].data;
-        let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max) / scale;
+        let err = super::parity::error_relative_to_largest(&want, &ours[key].data);
         assert!(err <= 1e-4, "{key}: {err} relative after 3 steps");
     }
 }
@@ -172,8 +170,7 @@ pub fn assert_resume_agrees<B: LinearCrossEntropy + DeviceMemory>(cfg: &TrainCon
                 assert_eq!(a.len(), b.len());
                 for (name, want) in a.tensors() {
                     let (want, got) = (f32s(&want), f32s(&b.tensor(&name).unwrap()));
-                    let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-12);
-                    let err = want.iter().zip(&got).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max) / scale;
+                    let err = super::parity::error_relative_to_largest(&want, &got);
                     assert!(err <= tolerance, "{epoch} {name}: {err} relative after resume");
                 }
             }
