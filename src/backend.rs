@@ -15,7 +15,8 @@ use crate::models::attention::{
     AttentionForward, DocumentAttention, chunked_attention, chunked_attention_backward, softmax_attention,
 };
 use crate::models::deltanet::{self, ChunkPlan, ChunkedScan, ScanInputs};
-use crate::models::{ModelBackend, cpu_attention, cpu_deltanet};
+use crate::models::ops::{NormKind, narrow_last, rms_norm_backward, rms_norm_forward, swiglu_backward};
+use crate::models::{ModelBackend, cpu_attention, cpu_deltanet, cpu_elementwise};
 use crate::train::linear_ce::CrossEntropyRows;
 use crate::train::optim::OptimizerOps;
 
@@ -268,7 +269,9 @@ cubecl_device_memory!(cubecl::cuda::CudaRuntime, cuda_total_bytes; burn::backend
 cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused, VkHalfUnfused);
 
 // The CPU backend runs the models' attention in f32 as loops over each query's document keys
-// (`models::cpu_attention`) and the DeltaNet scan as loops over tokens (`models::cpu_deltanet`); the
+// (`models::cpu_attention`), the DeltaNet scan as loops over tokens (`models::cpu_deltanet`), SwiGLU's gate,
+// the RMSNorms and their gradients in one pass each, and makes the parts of a split projection contiguous
+// (`models::cpu_elementwise`); the
 // CubeCL backends (and the CPU in other dtypes) use the chunked tensor ops (the trait's defaults); their
 // autodiff wrappers record each with its backward (`models::attention`, `models::deltanet`).
 // The CubeCL backends run the DeltaNet scan across chunks and the chunk solve as kernels (`kernels::scan`,
@@ -283,6 +286,57 @@ impl CrossEntropyRows for Flex {}
 impl OptimizerOps for Flex {}
 
 impl ModelBackend for Flex {
+    fn swiglu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>) -> Tensor<Self, D> {
+        if cpu_elementwise::takes([gate.dtype(), up.dtype()]) {
+            cpu_elementwise::swiglu(gate, up)
+        } else {
+            burn::tensor::activation::silu(gate) * up
+        }
+    }
+
+    fn swiglu_grads<const D: usize>(
+        gate: Tensor<Self, D>,
+        up: Tensor<Self, D>,
+        grad: Tensor<Self, D>,
+    ) -> (Tensor<Self, D>, Tensor<Self, D>) {
+        if cpu_elementwise::takes([gate.dtype(), up.dtype(), grad.dtype()]) {
+            cpu_elementwise::swiglu_grads(gate, up, grad)
+        } else {
+            swiglu_backward(gate, up, grad)
+        }
+    }
+
+    fn rms_norm<const D: usize>(
+        x: Tensor<Self, D>,
+        weight: Tensor<Self, 1>,
+        eps: f64,
+        kind: NormKind,
+    ) -> Tensor<Self, D> {
+        if cpu_elementwise::takes([x.dtype(), weight.dtype()]) {
+            cpu_elementwise::rms_norm(x, weight, eps, kind)
+        } else {
+            rms_norm_forward(x, weight, eps, kind)
+        }
+    }
+
+    fn rms_norm_grads<const D: usize>(
+        x: Tensor<Self, D>,
+        weight: Tensor<Self, 1>,
+        eps: f64,
+        kind: NormKind,
+        grad: Tensor<Self, D>,
+    ) -> (Tensor<Self, D>, Tensor<Self, 1>) {
+        if cpu_elementwise::takes([x.dtype(), weight.dtype(), grad.dtype()]) {
+            cpu_elementwise::rms_norm_grads(x, weight, eps, kind, grad)
+        } else {
+            rms_norm_backward(x, weight, eps, kind, grad)
+        }
+    }
+
+    fn split_last<const D: usize, const N: usize>(x: Tensor<Self, D>, widths: [usize; N]) -> [Tensor<Self, D>; N] {
+        narrow_last(x, widths).map(cpu_elementwise::contiguous)
+    }
+
     fn attention_forward(
         q: Tensor<Self, 4>,
         k: Tensor<Self, 4>,

@@ -4,15 +4,16 @@
 //! `[queries, keys]` tensor or broadcast mask is built. Forward (output and per-query log-sum-exp) and
 //! backward follow the equations of `attention::chunked_attention{,_backward}`. Work is split over
 //! (row, kv head) with rayon and each task sums in a fixed order, so the results do not depend on the
-//! number of threads. Flex in f32 runs it (`backend.rs`); other dtypes and backends keep the chunked
-//! tensor ops. Cached decoding's attention over a mask (`masked_forward`) gets the same treatment.
+//! number of threads. The softmax rows' exponentials are `host_slices::exp`, which vectorizes over a row.
+//! Flex in f32 runs it (`backend.rs`); other dtypes and backends keep the chunked tensor ops. Cached
+//! decoding's attention over a mask (`masked_forward`) gets the same treatment.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor};
 use rayon::prelude::*;
 
 use super::attention::{AttentionForward, DocumentAttention};
-use super::host_slices::{axpy, dot, host, row, row_mut};
+use super::host_slices::{axpy, dot, exp, host, row, row_mut};
 use crate::backend::host_tensor;
 
 /// The sizes of one attention call: queries `[batch, heads, seq, d]`, keys and values
@@ -57,7 +58,7 @@ pub fn forward(q: &[f32], k: &[f32], v: &[f32], starts: &[usize], dims: Attentio
             let max = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0.0f32;
             for p in probs.iter_mut() {
-                *p = (*p - max).exp();
+                *p = exp(*p - max);
                 sum += *p;
             }
             let out_i = row_mut(out, i, d);
@@ -94,7 +95,7 @@ pub fn masked_forward(q: &[f32], k: &[f32], v: &[f32], mask: &[f32], dims: Atten
             let max = scored.iter().map(|&(_, s)| s).fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0.0f32;
             for (_, s) in scored.iter_mut() {
-                *s = (*s - max).exp();
+                *s = exp(*s - max);
                 sum += *s;
             }
             let out_i = row_mut(out, i, d);
@@ -140,6 +141,7 @@ pub fn backward(
                 let dq_i = row_mut(dq, i, d);
                 for j in starts[b * seq + i]..i + 1 {
                     let (kj, vj) = (row(k, j, d), row(v, j, d));
+                    // One score at a time: libm's `expf` beats the slice form's `exp` unvectorized.
                     let p = (dot(qi, kj) * scale - lse_i).exp();
                     axpy(p, doi, row_mut(dv, j, d));
                     let ds = p * (dot(doi, vj) - delta) * scale;

@@ -1,7 +1,8 @@
 //! The model zoo: HF config parsing, safetensors import and export, and one module per architecture (LFM2
 //! and LFM2-MoE in `lfm2`, Qwen3.5 in `qwen3_5` with its DeltaNet scan in `deltanet`; their full-sequence
 //! attention in `attention`, the ops with hand-written backward passes in `ops`, and the CPU backend's loop
-//! forms of the attention and the scan in `cpu_attention` and `cpu_deltanet`; the CubeCL backends' kernels
+//! forms of the attention and the scan in `cpu_attention` and `cpu_deltanet`, its single-pass element-wise ops
+//! in `cpu_elementwise`; the CubeCL backends' kernels
 //! are in `crate::kernels`), behind `CausalLm`.
 //! Knows nothing of datasets, training or the CLI.
 
@@ -10,6 +11,7 @@ pub mod causal_lm;
 pub mod config;
 pub mod cpu_attention;
 pub mod cpu_deltanet;
+pub mod cpu_elementwise;
 pub mod decode;
 pub mod deltanet;
 pub mod hf;
