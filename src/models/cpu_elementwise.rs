@@ -1,10 +1,10 @@
 //! The CPU backend's (Flex, f32) element-wise ops as single passes over contiguous slices: SwiGLU's gate
 //! `silu(gate) · up` and the RMSNorms, each with its gradients, and the parts of a fused projection made
-//! contiguous. burn's
-//! compositions take a pass and a new tensor per op, evaluate σ with a libm call per element, and walk a
-//! strided view (a part of a split projection) one computed index at a time: together a fifth of a CPU
-//! training step. Work is split into fixed pieces over rayon; each element is computed alone, so the
-//! results do not depend on the number of threads. Other dtypes keep burn's compositions (`backend.rs`).
+//! contiguous. burn's compositions take a pass and a new tensor per op, evaluate σ with a libm call per
+//! element, and walk a strided view (a part of a split projection) one computed index at a time: together
+//! over a quarter of a tiny model's training step. Work is split into fixed pieces over rayon; each element
+//! (and each piece's share of a weight gradient, summed in piece order) is computed alone, so the results do
+//! not depend on the number of threads. Other dtypes keep burn's compositions (`backend.rs`).
 
 use burn::backend::Flex;
 use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
