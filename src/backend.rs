@@ -15,7 +15,7 @@ use crate::models::attention::{
     AttentionForward, DocumentAttention, chunked_attention, chunked_attention_backward, softmax_attention,
 };
 use crate::models::deltanet::{self, ChunkPlan, ChunkedScan, ScanInputs};
-use crate::models::ops::{NormKind, narrow_last, rms_norm_backward, rms_norm_forward, swiglu_backward};
+use crate::models::ops::{NormKind, narrow_last, rms_norm_backward, rms_norm_forward, swiglu_backward, swiglu_forward};
 use crate::models::{ModelBackend, cpu_attention, cpu_deltanet, cpu_elementwise};
 use crate::train::linear_ce::CrossEntropyRows;
 use crate::train::optim::OptimizerOps;
@@ -290,7 +290,7 @@ impl ModelBackend for Flex {
         if cpu_elementwise::takes([gate.dtype(), up.dtype()]) {
             cpu_elementwise::swiglu(gate, up)
         } else {
-            burn::tensor::activation::silu(gate) * up
+            swiglu_forward(gate, up)
         }
     }
 

@@ -134,7 +134,7 @@ pub trait ModelBackend: Backend {
     /// SwiGLU's gate `silu(gate) · up`, in the inputs' dtype (the CPU backend in f32: one pass,
     /// `cpu_elementwise`).
     fn swiglu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>) -> Tensor<Self, D> {
-        silu(gate) * up
+        swiglu_forward(gate, up)
     }
 
     /// The gradients `(d gate, d up)` of `swiglu` for the output gradient `grad` (`swiglu_backward`).
@@ -380,7 +380,7 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
 
     fn swiglu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>) -> Tensor<Self, D> {
         if reference_ops() {
-            return silu(gate) * up;
+            return swiglu_forward(gate, up);
         }
         record_binary(SwigluBackward::<D>, gate, up, (), |gate, up| B::swiglu(gate, up))
     }
@@ -695,6 +695,11 @@ impl<B: Backend, const D: usize> RetroForward for RetroNarrow<B, D> {
             Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x)).narrow(D - 1, self.range.start, self.range.len());
         states.save(out_node, part.into_primitive().tensor());
     }
+}
+
+/// SwiGLU's gate `silu(gate) · up` as burn composes it.
+pub fn swiglu_forward<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
+    silu(gate) * up
 }
 
 /// Gradients of `silu(gate) · up` for the output gradient `grad`, in f32 and returned in the inputs'
