@@ -15,7 +15,10 @@ use crate::models::attention::{
     AttentionForward, DocumentAttention, chunked_attention, chunked_attention_backward, softmax_attention,
 };
 use crate::models::deltanet::{self, ChunkPlan, ChunkedScan, ScanInputs};
-use crate::models::ops::{NormKind, narrow_last, rms_norm_backward, rms_norm_forward, swiglu_backward, swiglu_forward};
+use crate::models::layers::{RopeTables, apply_rope, apply_rope_backward};
+use crate::models::ops::{
+    NormKind, add_part_composed, narrow_last, rms_norm_backward, rms_norm_forward, swiglu_backward, swiglu_forward,
+};
 use crate::models::{ModelBackend, cpu_attention, cpu_deltanet, cpu_elementwise};
 use crate::train::linear_ce::CrossEntropyRows;
 use crate::train::optim::OptimizerOps;
@@ -335,6 +338,36 @@ impl ModelBackend for Flex {
 
     fn split_last<const D: usize, const N: usize>(x: Tensor<Self, D>, widths: [usize; N]) -> [Tensor<Self, D>; N] {
         narrow_last(x, widths).map(cpu_elementwise::contiguous)
+    }
+
+    fn add_part<const D: usize>(
+        whole: Option<Tensor<Self, D>>,
+        dims: [usize; D],
+        range: std::ops::Range<usize>,
+        grad: Tensor<Self, D>,
+    ) -> Tensor<Self, D> {
+        let whole_dtype = whole.as_ref().map_or(grad.dtype(), |w| w.dtype());
+        if cpu_elementwise::takes([whole_dtype, grad.dtype()]) {
+            cpu_elementwise::add_part(whole, dims, range, grad)
+        } else {
+            add_part_composed(whole, dims, range, grad)
+        }
+    }
+
+    fn rope(x: Tensor<Self, 4>, tables: &RopeTables<Self>) -> Tensor<Self, 4> {
+        if cpu_elementwise::takes([x.dtype(), tables.dtype()]) {
+            cpu_elementwise::rope(x, tables)
+        } else {
+            apply_rope(x, tables)
+        }
+    }
+
+    fn rope_grad(grad: Tensor<Self, 4>, tables: &RopeTables<Self>) -> Tensor<Self, 4> {
+        if cpu_elementwise::takes([grad.dtype(), tables.dtype()]) {
+            cpu_elementwise::rope_grad(grad, tables)
+        } else {
+            apply_rope_backward(grad, tables)
+        }
     }
 
     fn attention_forward(

@@ -1,8 +1,9 @@
 //! The CPU backend's (Flex, f32) element-wise ops as single passes over contiguous slices: SwiGLU's gate
-//! `silu(gate) · up` and the RMSNorms, each with its gradients, and the parts of a fused projection made
-//! contiguous. burn's compositions take a pass and a new tensor per op, evaluate σ with a libm call per
-//! element, and walk a strided view (a part of a split projection) one computed index at a time: together
-//! over a quarter of a tiny model's training step. Work is split into fixed pieces over rayon; each element
+//! `silu(gate) · up`, the RMSNorms and RoPE, each with its gradients, and the parts of a fused projection
+//! made contiguous. burn's compositions take a pass and a new tensor per op, evaluate σ with a libm call per
+//! element, and walk a strided or broadcast view (a part of a split projection, q and k after the head swap,
+//! the RoPE tables shared by the heads) one computed index at a time: together over a third of a tiny
+//! model's training step. Work is split into fixed pieces over rayon; each element
 //! (and each piece's share of a weight gradient, summed in piece order) is computed alone, so the results do
 //! not depend on the number of threads. Other dtypes keep burn's compositions (`backend.rs`).
 
@@ -12,6 +13,7 @@ use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
 use super::host_slices::{axpy, dot, exp};
+use super::layers::RopeTables;
 use super::ops::NormKind;
 use crate::backend::host_tensor;
 
@@ -167,6 +169,128 @@ pub fn rms_norm_grads<const D: usize>(
     (host_tensor(d_x, shape, FloatDType::F32, &device), host_tensor(d_w, [width], FloatDType::F32, &device))
 }
 
+/// One part's gradient `grad` added into its `range` of the last dimension of `whole`, in place (a copy only
+/// where `whole` is shared or strided), or copied into zeros of `dims` when there is none yet
+/// (`ModelBackend::add_part`, `split_last`'s backward pass): one pass over the part's rows, where the
+/// composition filled, sliced, added and assigned through strided views.
+pub fn add_part<const D: usize>(
+    whole: Option<Tensor<Flex, D>>,
+    dims: [usize; D],
+    range: std::ops::Range<usize>,
+    grad: Tensor<Flex, D>,
+) -> Tensor<Flex, D> {
+    let (width, part) = (dims[D - 1], range.len());
+    let grad = storage(grad);
+    let grad = slice(&grad);
+    let rows = (PIECE / width.max(1)).max(1);
+    let Some(whole) = whole else {
+        let mut out = vec![0.0f32; dims.iter().product()];
+        out.par_chunks_mut(rows * width).zip(grad.par_chunks(rows * part)).for_each(|(out, grad)| {
+            for (out, grad) in out.chunks_exact_mut(width).zip(grad.chunks_exact(part)) {
+                out[range.clone()].copy_from_slice(grad);
+            }
+        });
+        return host_tensor(out, dims, FloatDType::F32, &Default::default());
+    };
+    let mut whole = storage(whole);
+    let out = whole.storage_mut::<f32>();
+    out.par_chunks_mut(rows * width).zip(grad.par_chunks(rows * part)).for_each(|(out, grad)| {
+        for (out, grad) in out.chunks_exact_mut(width).zip(grad.chunks_exact(part)) {
+            axpy(1.0, grad, &mut out[range.clone()]);
+        }
+    });
+    Tensor::from_primitive(TensorPrimitive::Float(whole))
+}
+
+/// Rows of `d` consecutive values of a 4-D f32 tensor, addressed by its first three indices: a view whose
+/// last dimension is contiguous (q and k after the head swap) is read in place, anything else copied first.
+struct Rows4 {
+    tensor: FlexTensor,
+    /// Element strides of the first three dimensions, and the first element's place.
+    strides: [usize; 3],
+    offset: usize,
+    d: usize,
+}
+
+impl Rows4 {
+    fn new(t: Tensor<Flex, 4>) -> Self {
+        let [_, n1, n2, d] = t.dims();
+        let t = t.into_primitive().tensor();
+        let strides: Option<Vec<usize>> = t.layout().strides().iter().map(|&s| usize::try_from(s).ok()).collect();
+        let (tensor, strides) = match strides {
+            Some(s) if s[3] == 1 || d == 1 => (t, [s[0], s[1], s[2]]),
+            _ => (t.to_contiguous(), [n1 * n2 * d, n2 * d, d]),
+        };
+        let offset = tensor.layout().start_offset();
+        Rows4 { tensor, strides, offset, d }
+    }
+
+    fn row(&self, i: usize, j: usize, k: usize) -> &[f32] {
+        let start = self.offset + i * self.strides[0] + j * self.strides[1] + k * self.strides[2];
+        &self.tensor.storage::<f32>()[start..start + self.d]
+    }
+}
+
+/// `out = a · b + c · d`, element by element (each product rounded, then the sum: burn's `a·b + c·d`).
+fn products_sum(out: &mut [f32], a: &[f32], b: &[f32], c: &[f32], d: &[f32]) {
+    for ((o, (&a, &b)), (&c, &d)) in out.iter_mut().zip(a.iter().zip(b)).zip(c.iter().zip(d)) {
+        *o = a * b + c * d;
+    }
+}
+
+/// The three runs of a head's dims and where the swap sends each: the first rotary half reads the second,
+/// the second reads the first, the passed dims read themselves.
+fn rope_runs(d: usize, half: usize) -> [(std::ops::Range<usize>, std::ops::Range<usize>); 3] {
+    [(0..half, half..2 * half), (half..2 * half, 0..half), (2 * half..d, 2 * half..d)]
+}
+
+/// RoPE (`layers::apply_rope`) for `x` `[batch, heads, seq, d]` (read in place where its last dimension is
+/// contiguous, as after the head swap) with the tables' `cos`, `sin` `[batch, 1, seq, d]`:
+/// `x·cos + x[swap]·sin`, contiguous, equal to the composition bit for bit.
+pub fn rope(x: Tensor<Flex, 4>, tables: &RopeTables<Flex>) -> Tensor<Flex, 4> {
+    let [batch, heads, seq, d] = x.dims();
+    let x = Rows4::new(x);
+    let (cos, sin) = (storage(tables.cos.clone()), storage(tables.sin.clone()));
+    let (cos, sin) = (slice(&cos), slice(&sin));
+    let runs = rope_runs(d, tables.half);
+    let mut out = vec![0.0f32; batch * heads * seq * d];
+    out.par_chunks_mut(seq * d).enumerate().for_each(|(bh, out)| {
+        let (b, h) = (bh / heads, bh % heads);
+        for (s, out) in out.chunks_exact_mut(d).enumerate() {
+            let (x, t) = (x.row(b, h, s), (b * seq + s) * d);
+            let (cos, sin) = (&cos[t..t + d], &sin[t..t + d]);
+            for (own, read) in runs.clone() {
+                products_sum(&mut out[own.clone()], &x[own.clone()], &cos[own.clone()], &x[read], &sin[own]);
+            }
+        }
+    });
+    host_tensor(out, [batch, heads, seq, d], FloatDType::F32, &Default::default())
+}
+
+/// The gradient of `rope` for `grad` `[batch, heads, seq, d]` (`layers::apply_rope_backward`):
+/// `grad·cos + (grad·sin)[swap]`. Laid out `[batch, seq, heads, d]` in memory and returned as the head-swapped
+/// view of that, the layout of the projections q and k come from, so the gradient flows back into them
+/// without a copy.
+pub fn rope_grad(grad: Tensor<Flex, 4>, tables: &RopeTables<Flex>) -> Tensor<Flex, 4> {
+    let [batch, heads, seq, d] = grad.dims();
+    let grad = Rows4::new(grad);
+    let (cos, sin) = (storage(tables.cos.clone()), storage(tables.sin.clone()));
+    let (cos, sin) = (slice(&cos), slice(&sin));
+    let runs = rope_runs(d, tables.half);
+    let mut out = vec![0.0f32; batch * seq * heads * d];
+    out.par_chunks_mut(heads * d).enumerate().for_each(|(bs, out)| {
+        let (b, s) = (bs / seq, bs % seq);
+        let (cos, sin) = (&cos[bs * d..(bs + 1) * d], &sin[bs * d..(bs + 1) * d]);
+        for (h, out) in out.chunks_exact_mut(d).enumerate() {
+            let g = grad.row(b, h, s);
+            for (own, read) in runs.clone() {
+                products_sum(&mut out[own.clone()], &g[own.clone()], &cos[own], &g[read.clone()], &sin[read]);
+            }
+        }
+    });
+    host_tensor::<Flex, 4>(out, [batch, seq, heads, d], FloatDType::F32, &Default::default()).swap_dims(1, 2)
+}
+
 #[cfg(test)]
 mod tests {
     use burn::tensor::activation::silu;
@@ -208,6 +332,44 @@ mod tests {
             let (want_x, want_w) = rms_norm_backward(x.clone(), weight, 1e-6, kind, grad.clone());
             assert_close(&format!("{kind:?} d x"), &values(d_x), &values(want_x), 1e-6);
             assert_close(&format!("{kind:?} d w"), &values(d_w), &values(want_w), 1e-5);
+        }
+    }
+
+    /// A part's gradient into zeros and into a gradient already written, against the composition, over
+    /// several pieces of rows; a `whole` held elsewhere too is left as it was.
+    #[test]
+    fn a_part_adds_into_the_whole_as_the_composition_does() {
+        use crate::models::ops::add_part_composed;
+        let device = Default::default();
+        let dims = [2, PIECE / 9 + 3, 9];
+        let grad = normal::<Flex, 3>([2, PIECE / 9 + 3, 4], 0.0, 1.0, 14, &device);
+        let first = add_part(None, dims, 5..9, grad.clone());
+        assert_eq!(values(first.clone()), values(add_part_composed(None, dims, 5..9, grad.clone())));
+        let whole = normal::<Flex, 3>(dims, 0.0, 1.0, 15, &device);
+        let before = values(whole.clone());
+        let got = add_part(Some(whole.clone()), dims, 1..5, grad.clone());
+        assert_eq!(values(got), values(add_part_composed(Some(whole.clone()), dims, 1..5, grad)));
+        assert_eq!(values(whole), before, "the shared input is unchanged");
+    }
+
+    /// The slice forms of RoPE and its gradient against the compositions, bit for bit: on the head-swapped
+    /// view the models pass, on a contiguous input and on one whose last dimension is strided, with a
+    /// partial rotary width. The gradient comes back as the head-swapped view of a contiguous tensor.
+    #[test]
+    fn rope_and_its_gradient_equal_the_compositions_bit_for_bit() {
+        use crate::models::layers::{SequenceLayout, apply_rope, apply_rope_backward};
+        let device = Default::default();
+        let layout = SequenceLayout::from_doc_lengths(&[vec![5, 6], vec![11]], 11);
+        let tables = RopeTables::<Flex>::new(&layout, 10, 6, 1e4, FloatDType::F32, &device);
+        let seq_major = normal::<Flex, 4>([2, 11, 3, 10], 0.0, 1.0, 31, &device);
+        let transposed = normal::<Flex, 4>([2, 3, 10, 11], 0.0, 1.0, 32, &device);
+        let inputs =
+            [seq_major.clone().swap_dims(1, 2), contiguous(seq_major.swap_dims(1, 2)), transposed.swap_dims(2, 3)];
+        for (case, x) in inputs.into_iter().enumerate() {
+            assert_eq!(values(rope(x.clone(), &tables)), values(apply_rope(x.clone(), &tables)), "case {case}");
+            let grad = rope_grad(x.clone(), &tables);
+            assert_eq!(values(grad.clone()), values(apply_rope_backward(x, &tables)), "case {case} gradient");
+            assert!(grad.swap_dims(1, 2).into_primitive().tensor().as_slice::<f32>().is_some(), "case {case}");
         }
     }
 

@@ -311,9 +311,11 @@ pub fn head_logits<B: Backend>(hidden: Tensor<B, 3>, head: Tensor<B, 2>) -> Tens
 /// `cat(−x₂, x₁)` was two slices and a concatenation, and their zero-filled gradients.
 #[derive(Debug, Clone)]
 pub struct RopeTables<B: Backend> {
-    cos: Tensor<B, 4>,
-    sin: Tensor<B, 4>,
-    swap: Tensor<B, 1, Int>,
+    pub(super) cos: Tensor<B, 4>,
+    pub(super) sin: Tensor<B, 4>,
+    pub(super) swap: Tensor<B, 1, Int>,
+    /// Half the rotary dims: dim `i < half` reads `i + half`, `half ≤ i < 2·half` reads `i − half`.
+    pub(super) half: usize,
 }
 
 impl<B: Backend> RopeTables<B> {
@@ -351,6 +353,25 @@ impl<B: Backend> RopeTables<B> {
             cos: table(cos),
             sin: table(sin),
             swap: Tensor::from_data(TensorData::new(swap, [head_dim]), device),
+            half,
+        }
+    }
+
+    /// The tables' dtype (the activations').
+    pub fn dtype(&self) -> burn::tensor::DType {
+        self.cos.dtype()
+    }
+
+    /// The same tables on the inner backend of an autodiff one.
+    pub fn inner(&self) -> RopeTables<B::InnerBackend>
+    where
+        B: AutodiffBackend,
+    {
+        RopeTables {
+            cos: self.cos.clone().inner(),
+            sin: self.sin.clone().inner(),
+            swap: self.swap.clone().inner(),
+            half: self.half,
         }
     }
 }
@@ -359,6 +380,12 @@ impl<B: Backend> RopeTables<B> {
 /// unchanged, with `rotate_half(x) = cat(−x₂, x₁)` as `x[swap]` and the sign in `sin` (`RopeTables`).
 pub fn apply_rope<B: Backend>(x: Tensor<B, 4>, rope: &RopeTables<B>) -> Tensor<B, 4> {
     x.clone() * rope.cos.clone() + x.select(3, rope.swap.clone()) * rope.sin.clone()
+}
+
+/// The gradient of `apply_rope` for the output gradient `grad`: `grad·cos + (grad·sin)[swap]`, since the
+/// swap is its own inverse (dim `j` is read by the dim it reads).
+pub fn apply_rope_backward<B: Backend>(grad: Tensor<B, 4>, rope: &RopeTables<B>) -> Tensor<B, 4> {
+    grad.clone() * rope.cos.clone() + (grad * rope.sin.clone()).select(3, rope.swap.clone())
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{LayerKind, Lfm2Config};
-use super::layers::{ConvShifts, RmsNorm, RopeTables, SequenceLayout, SwiGlu, apply_rope, head_logits};
+use super::layers::{ConvShifts, RmsNorm, RopeTables, SequenceLayout, SwiGlu, head_logits};
 use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 use crate::backend::zeros_in;
@@ -70,7 +70,7 @@ impl<B: ModelBackend> Attention<B> {
         let q = heads(self.q_proj.forward(x.clone()), Some(&self.q_layernorm), self.num_heads);
         let k = heads(self.k_proj.forward(x.clone()), Some(&self.k_layernorm), self.num_kv_heads);
         let v = heads(self.v_proj.forward(x), None, self.num_kv_heads);
-        (apply_rope(q, rope), apply_rope(k, rope), v)
+        (B::rope(q, rope), B::rope(k, rope), v)
     }
 
     /// `out_proj(softmax(q kᵀ / √d + mask) v)` over grouped kv heads.

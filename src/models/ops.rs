@@ -5,7 +5,8 @@
 //! (keep the input and weight instead of an f32 copy of the input and the normalized rows; the statistics
 //! are recomputed in the backward pass), the causal depthwise convolution (keeps its input instead of each
 //! lag's shifted and masked copies; the CubeCL backends run it as kernels, `kernels::conv`), the L2 norm of
-//! Qwen3.5's q and k (keeps its input, not an f32 copy), the MoE's grouped expert matmul (one weight
+//! Qwen3.5's q and k (keeps its input, not an f32 copy), RoPE (keeps the tables alone; its gradient
+//! `grad·cos + (grad·sin)[swap]` gathers where burn's scatters into zeros), the MoE's grouped expert matmul (one weight
 //! gradient for all experts instead of a full-size one per expert slice), Qwen3.5's gated delta rule (`deltanet`: the
 //! inputs and chunk states kept, the chunk solve recomputed) and the split of a fused projection into its
 //! parts (`split_last`: one gradient for the whole projection, each part written into it, instead of one
@@ -38,14 +39,15 @@ use super::deltanet::{
     self, ChunkPlan, ChunkRecurrence, ChunkedScan, RecurrenceOut, ScanInputs, tracked_gated_delta_rule,
 };
 use super::layers::{
-    ConvShifts, causal_depthwise_conv, causal_depthwise_conv_backward, l2_normalize, l2_normalize_backward,
+    ConvShifts, RopeTables, apply_rope, apply_rope_backward, causal_depthwise_conv, causal_depthwise_conv_backward,
+    l2_normalize, l2_normalize_backward,
 };
 use crate::backend::zeros_in;
 
 static REFERENCE_OPS: AtomicBool = AtomicBool::new(false);
 
 /// With `true`, autodiff backends record burn's plain compositions instead of the hand-written ops: one
-/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, the composed RMSNorms, L2 norms and convolution, one matmul per expert
+/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, the composed RMSNorms, L2 norms, RoPE and convolution, one matmul per expert
 /// slice, the chunked delta rule as tensor ops, `narrow` per part of a fused projection, and the cross-entropy of full logits (`train::linear_ce`). Same results to rounding; more memory. Process-wide; off by default.
 pub fn set_reference_ops(on: bool) {
     REFERENCE_OPS.store(on, Ordering::Relaxed);
@@ -240,6 +242,29 @@ pub trait ModelBackend: Backend {
         deltanet::recurrence_by_chunk(rec)
     }
 
+    /// RoPE on `x` `[batch, heads, seq, head_dim]`: `x·cos + x[swap]·sin` (`layers::apply_rope`; the CPU
+    /// backend in f32 makes one pass, `cpu_elementwise::rope`).
+    fn rope(x: Tensor<Self, 4>, tables: &RopeTables<Self>) -> Tensor<Self, 4> {
+        apply_rope(x, tables)
+    }
+
+    /// The gradient of `rope` for the output gradient `grad` (`layers::apply_rope_backward`).
+    fn rope_grad(grad: Tensor<Self, 4>, tables: &RopeTables<Self>) -> Tensor<Self, 4> {
+        apply_rope_backward(grad, tables)
+    }
+
+    /// One part's gradient `grad` added into its `range` of the split tensor's last dimension: into `whole`
+    /// (the gradient the parts before it wrote), or into zeros of `dims` for the first (`split_last`'s
+    /// backward pass, `add_part_composed`; on the CPU in f32 one pass, `cpu_elementwise::add_part`).
+    fn add_part<const D: usize>(
+        whole: Option<Tensor<Self, D>>,
+        dims: [usize; D],
+        range: std::ops::Range<usize>,
+        grad: Tensor<Self, D>,
+    ) -> Tensor<Self, D> {
+        add_part_composed(whole, dims, range, grad)
+    }
+
     /// `x` cut along its last dimension into consecutive parts of the given widths, which sum to it (a fused
     /// projection's parts: LFM2's B | C | x and experts' gate | up, Qwen3.5's q | k | v, per-head
     /// query | gate and the partial RoPE's rotated | passed dims). The CPU backend copies each part out
@@ -255,6 +280,25 @@ pub fn narrow_last<B: Backend, const D: usize, const N: usize>(
     widths: [usize; N],
 ) -> [Tensor<B, D>; N] {
     part_ranges(widths, x.dims()[D - 1]).map(|range| x.clone().narrow(D - 1, range.start, range.len()))
+}
+
+/// `ModelBackend::add_part` as burn composes it: a zero-filled gradient with the part's slice assigned, or
+/// the part's slice of `whole` plus `grad`, assigned back.
+pub fn add_part_composed<B: Backend, const D: usize>(
+    whole: Option<Tensor<B, D>>,
+    dims: [usize; D],
+    range: std::ops::Range<usize>,
+    grad: Tensor<B, D>,
+) -> Tensor<B, D> {
+    let mut ranges = dims.map(|d| 0..d);
+    ranges[D - 1] = range;
+    match whole {
+        None => zeros_in(dims, grad.dtype().into(), &grad.device()).slice_assign(ranges, grad),
+        Some(whole) => {
+            let sum = whole.clone().slice(ranges.clone()) + grad;
+            whole.slice_assign(ranges, sum)
+        }
+    }
 }
 
 /// Where each part of `widths` lies along a dimension of size `total`, which they must cover.
@@ -406,6 +450,22 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             .into_primitive()
             .tensor();
         let output = record_op::<C, _, _, _, _>(L2NormBackward::<D>, [&x], out, |[x]| (x, eps));
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+
+    fn rope(x: Tensor<Self, 4>, tables: &RopeTables<Self>) -> Tensor<Self, 4> {
+        if reference_ops() {
+            return apply_rope(x, tables);
+        }
+        let tables = tables.inner();
+        let x = x.into_primitive().tensor();
+        let out = B::rope(Tensor::from_primitive(TensorPrimitive::Float(x.primitive.clone())), &tables);
+        let out = out.into_primitive().tensor();
+        // The backward pass needs the tables alone: the input is not kept.
+        let output = match RopeBackward.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(tables, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
         Tensor::from_primitive(TensorPrimitive::Float(output))
     }
 
@@ -611,6 +671,21 @@ impl<B: Backend, const D: usize> Backward<B, 1> for L2NormBackward<D> {
 }
 
 #[derive(Debug)]
+struct RopeBackward;
+
+impl<B: ModelBackend> Backward<B, 1> for RopeBackward {
+    type State = RopeTables<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let Some(node) = parent else { return };
+        let grad_x = B::rope_grad(Tensor::from_primitive(TensorPrimitive::Float(grad)), &ops.state);
+        grads.register::<B>(node.id, grad_x.into_primitive().tensor());
+    }
+}
+
+#[derive(Debug)]
 struct CausalConvBackward;
 
 impl<B: ModelBackend> Backward<B, 2> for CausalConvBackward {
@@ -655,7 +730,7 @@ struct SplitPart<const D: usize> {
 #[derive(Debug)]
 struct SplitPartBackward<const D: usize>;
 
-impl<B: Backend, const D: usize> Backward<B, 1> for SplitPartBackward<D> {
+impl<B: ModelBackend, const D: usize> Backward<B, 1> for SplitPartBackward<D> {
     type State = SplitPart<D>;
 
     /// The first part to run registers a zero gradient for the whole tensor with its own slice written in
@@ -667,15 +742,12 @@ impl<B: Backend, const D: usize> Backward<B, 1> for SplitPartBackward<D> {
         let [parent] = ops.parents;
         let grad = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(grads.consume::<B>(&ops.node)));
         let Some(node) = parent else { return };
-        let mut ranges = part.dims.map(|d| 0..d);
-        ranges[D - 1] = part.range;
         let whole = if part.leaf || !part.written.swap(true, Ordering::Relaxed) {
-            zeros_in(part.dims, grad.dtype().into(), &grad.device()).slice_assign(ranges, grad)
+            None
         } else {
-            let whole = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(grads.consume::<B>(&node)));
-            let sum = whole.clone().slice(ranges.clone()) + grad;
-            whole.slice_assign(ranges, sum)
+            Some(Tensor::<B, D>::from_primitive(TensorPrimitive::Float(grads.consume::<B>(&node))))
         };
+        let whole = B::add_part(whole, part.dims, part.range, grad);
         grads.register::<B>(node.id, whole.into_primitive().tensor());
     }
 }
@@ -994,6 +1066,35 @@ mod tests {
             }
         }
         let [op, composed] = splits::<CpuTrainCheckpointed>(FloatDType::F32, Some(2), true, true);
+        assert_eq!(op, composed, "checkpointed");
+    }
+
+    /// Output and gradient of `Σ rope(x) ⊙ R + Σ x ⊙ R'` through the op and through `apply_rope`, with `x`
+    /// the head-swapped view of a `[batch, seq, heads, d]` leaf (as the models' q and k are) under a
+    /// partial rotary width and documents restarting the positions.
+    fn ropes<B: ModelBackend + AutodiffBackend>(dtype: FloatDType) -> [[Vec<f32>; 2]; 2] {
+        use crate::models::layers::{RopeTables, SequenceLayout};
+        let device = Default::default();
+        let layout = SequenceLayout::from_doc_lengths(&[vec![3, 4], vec![2, 5]], 7);
+        let tables = RopeTables::<B>::new(&layout, 12, 8, 1e4, dtype, &device);
+        let leaf = normal::<B, 4>([2, 7, 3, 12], 0.0, 1.0, 41, &device).cast(dtype).require_grad();
+        let weights = normal::<B, 4>([2, 3, 7, 12], 0.0, 1.0, 42, &device).cast(dtype);
+        let other = normal::<B, 4>([2, 7, 3, 12], 0.0, 1.0, 43, &device).cast(dtype);
+        let run = |rope: &dyn Fn(Tensor<B, 4>) -> Tensor<B, 4>| {
+            let out = rope(leaf.clone().swap_dims(1, 2));
+            let grads = ((out.clone() * weights.clone()).sum() + (leaf.clone() * other.clone()).sum()).backward();
+            [values(out), values(leaf.grad(&grads).expect("a gradient"))]
+        };
+        [run(&|x| B::rope(x, &tables)), run(&|x| apply_rope(x, &tables))]
+    }
+
+    #[test]
+    fn the_rope_and_its_backward_equal_the_composition_bit_for_bit() {
+        for dtype in [FloatDType::F32, FloatDType::BF16] {
+            let [op, composed] = ropes::<CpuTrain>(dtype);
+            assert_eq!(op, composed, "{dtype:?}");
+        }
+        let [op, composed] = ropes::<CpuTrainCheckpointed>(FloatDType::F32);
         assert_eq!(op, composed, "checkpointed");
     }
 

@@ -13,7 +13,7 @@ use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{Qwen35Config, Qwen35LayerKind};
 use super::deltanet::{ChunkPlan, DocSegments, ScanInputs};
 use super::layers::{
-    ConvShifts, RmsNorm, RopeTables, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, apply_rope, head_logits, softplus,
+    ConvShifts, RmsNorm, RopeTables, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, head_logits, softplus,
 };
 use super::ops::ModelBackend;
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
@@ -127,7 +127,7 @@ impl<B: ModelBackend> GatedAttention<B> {
         let gate = gate.reshape([batch, seq, nh * hd]);
         let k = self.k_norm.forward(self.k_proj.forward(x.clone()).reshape([batch, seq, nkv, hd])).swap_dims(1, 2);
         let v = self.v_proj.forward(x).reshape([batch, seq, nkv, hd]).swap_dims(1, 2);
-        (apply_rope(q, rope), apply_rope(k, rope), v, gate)
+        (B::rope(q, rope), B::rope(k, rope), v, gate)
     }
 
     pub fn attend(
