@@ -13,7 +13,7 @@ use burn::tensor::{DType, FloatDType, Tensor};
 use rayon::prelude::*;
 
 use super::attention::{AttentionForward, DocumentAttention};
-use super::host_slices::{axpy, dot, exp, host, row, row_mut};
+use super::host_slices::{MatRef, axpy, dot, exp, host, matmul, row, row_mut};
 use crate::backend::host_tensor;
 
 /// The sizes of one attention call: queries `[batch, heads, seq, d]`, keys and values
@@ -37,35 +37,68 @@ impl AttentionDims {
     }
 }
 
+/// Queries per block: a block's scores `[queries, keys]` are one matrix product and its rows one softmax.
+const BLOCK: usize = 64;
+
+/// A batch row's queries cut into blocks of at most `BLOCK` consecutive queries of one document, each with
+/// its document's first key: block `(start, i0..i1)` scores keys `start..i1`, query `i` the first
+/// `i − start + 1` of them.
+fn query_blocks(starts: &[usize]) -> Vec<(usize, std::ops::Range<usize>)> {
+    let mut blocks = Vec::new();
+    let mut i0 = 0;
+    while i0 < starts.len() {
+        let start = starts[i0];
+        let mut i1 = i0 + 1;
+        while i1 < starts.len() && i1 - i0 < BLOCK && starts[i1] == start {
+            i1 += 1;
+        }
+        blocks.push((start, i0..i1));
+        i0 = i1;
+    }
+    blocks
+}
+
+/// Rows `range` of a `[rows, d]` slice as a matrix.
+fn rows_of(x: &[f32], range: std::ops::Range<usize>, d: usize) -> MatRef<'_> {
+    MatRef::rows(&x[range.start * d..range.end * d], range.len(), d)
+}
+
 /// The output `[batch, heads, seq, d]` and log-sum-exp `[batch, heads, seq]` of `softmax(q kᵀ / √d) v`
-/// where query `i` of batch row `b` sees keys `starts[b · seq + i] ..= i`.
+/// where query `i` of batch row `b` sees keys `starts[b · seq + i] ..= i`: per block of queries, the scores
+/// and the output are matrix products (`host_slices::matmul`) and each row's softmax one vectorized pass.
 pub fn forward(q: &[f32], k: &[f32], v: &[f32], starts: &[usize], dims: AttentionDims) -> (Vec<f32>, Vec<f32>) {
     let AttentionDims { heads, seq, d, .. } = dims;
     let (group, scale) = (dims.group(), dims.scale());
     let mut out = vec![0.0f32; q.len()];
     let mut lse = vec![0.0f32; q.len() / d];
+    let blocks: Vec<_> = (0..dims.batch).map(|b| query_blocks(&starts[b * seq..(b + 1) * seq])).collect();
     out.par_chunks_mut(seq * d).zip(lse.par_chunks_mut(seq)).enumerate().for_each(|(bh, (out, lse))| {
         let (b, h) = (bh / heads, bh % heads);
         let kv = b * dims.kv_heads + h / group;
         let head = seq * d;
         let (q, k, v) = (row(q, bh, head), row(k, kv, head), row(v, kv, head));
-        let mut probs = Vec::with_capacity(seq);
-        for i in 0..seq {
-            let keys = starts[b * seq + i]..i + 1;
-            let qi = row(q, i, d);
+        let mut probs = Vec::new();
+        for (start, queries) in &blocks[b] {
+            let (start, keys) = (*start, queries.end - start);
             probs.clear();
-            probs.extend(keys.clone().map(|j| dot(qi, row(k, j, d)) * scale));
-            let max = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0f32;
-            for p in probs.iter_mut() {
-                *p = exp(*p - max);
-                sum += *p;
+            probs.resize(queries.len() * keys, 0.0);
+            matmul(&mut probs, rows_of(q, queries.clone(), d), rows_of(k, start..queries.end, d).t(), scale, false);
+            for (i, scores) in queries.clone().zip(probs.chunks_exact_mut(keys)) {
+                let (seen, unseen) = scores.split_at_mut(i - start + 1);
+                let max = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0f32;
+                for p in seen.iter_mut() {
+                    *p = exp(*p - max);
+                    sum += *p;
+                }
+                for p in seen.iter_mut() {
+                    *p /= sum;
+                }
+                unseen.fill(0.0);
+                lse[i] = max + sum.ln();
             }
-            let out_i = row_mut(out, i, d);
-            for (p, j) in probs.iter().zip(keys) {
-                axpy(p / sum, row(v, j, d), out_i);
-            }
-            lse[i] = max + sum.ln();
+            let out = &mut out[queries.start * d..queries.end * d];
+            matmul(out, MatRef::rows(&probs, queries.len(), keys), rows_of(v, start..queries.end, d), 1.0, false);
         }
     });
     (out, lse)
@@ -109,8 +142,8 @@ pub fn masked_forward(q: &[f32], k: &[f32], v: &[f32], mask: &[f32], dims: Atten
 
 /// Gradients `(dq, dk, dv)` of `forward` for the output gradient `grad_out`, from its output `out` and
 /// log-sum-exp `lse`: `P = exp(S − lse)`, `dV += Pᵀ dO`, `dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)) / √d`,
-/// `dQ = dS K`, `dK += dSᵀ Q`. One task per (batch row, kv head) owns that head's dk, dv and its query
-/// heads' dq.
+/// `dQ = dS K`, `dK += dSᵀ Q`, each product over a block of queries and its keys. One task per (batch row,
+/// kv head) owns that head's dk, dv and its query heads' dq.
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
     q: &[f32],
@@ -125,29 +158,44 @@ pub fn backward(
     let AttentionDims { kv_heads, seq, d, .. } = dims;
     let (group, scale) = (dims.group(), dims.scale());
     let head = seq * d;
+    let blocks: Vec<_> = (0..dims.batch).map(|b| query_blocks(&starts[b * seq..(b + 1) * seq])).collect();
     let (mut dq, mut dk, mut dv) = (vec![0.0f32; q.len()], vec![0.0f32; k.len()], vec![0.0f32; v.len()]);
     let tasks = dq.par_chunks_mut(group * head).zip(dk.par_chunks_mut(head)).zip(dv.par_chunks_mut(head));
     tasks.enumerate().for_each(|(bkv, ((dq, dk), dv))| {
         let b = bkv / kv_heads;
         let (k, v) = (row(k, bkv, head), row(v, bkv, head));
+        let (mut probs, mut grads) = (Vec::new(), Vec::new());
         for g in 0..group {
             let bh = bkv * group + g;
             let (q, out, grad_out) = (row(q, bh, head), row(out, bh, head), row(grad_out, bh, head));
             let dq = row_mut(dq, g, head);
-            for i in 0..seq {
-                let (qi, doi) = (row(q, i, d), row(grad_out, i, d));
-                let delta = dot(doi, row(out, i, d));
-                let lse_i = lse[bh * seq + i];
-                let dq_i = row_mut(dq, i, d);
-                for j in starts[b * seq + i]..i + 1 {
-                    let (kj, vj) = (row(k, j, d), row(v, j, d));
-                    // One score at a time: libm's `expf` beats the slice form's `exp` unvectorized.
-                    let p = (dot(qi, kj) * scale - lse_i).exp();
-                    axpy(p, doi, row_mut(dv, j, d));
-                    let ds = p * (dot(doi, vj) - delta) * scale;
-                    axpy(ds, kj, dq_i);
-                    axpy(ds, qi, row_mut(dk, j, d));
+            for (start, queries) in &blocks[b] {
+                let (start, n, keys) = (*start, queries.len(), queries.end - start);
+                let (q_rows, do_rows) = (rows_of(q, queries.clone(), d), rows_of(grad_out, queries.clone(), d));
+                let (k_rows, v_rows) = (rows_of(k, start..queries.end, d), rows_of(v, start..queries.end, d));
+                for buffer in [&mut probs, &mut grads] {
+                    buffer.clear();
+                    buffer.resize(n * keys, 0.0);
                 }
+                matmul(&mut probs, q_rows, k_rows.t(), scale, false);
+                matmul(&mut grads, do_rows, v_rows.t(), 1.0, false);
+                for (i, (p, ds)) in queries.clone().zip(probs.chunks_exact_mut(keys).zip(grads.chunks_exact_mut(keys)))
+                {
+                    let (seen, lse_i) = (i - start + 1, lse[bh * seq + i]);
+                    let delta = dot(row(grad_out, i, d), row(out, i, d));
+                    for p in &mut p[..seen] {
+                        *p = exp(*p - lse_i);
+                    }
+                    for (ds, &p) in ds[..seen].iter_mut().zip(&p[..seen]) {
+                        *ds = p * (*ds - delta) * scale;
+                    }
+                    p[seen..].fill(0.0);
+                    ds[seen..].fill(0.0);
+                }
+                let (p_rows, ds_rows) = (MatRef::rows(&probs, n, keys), MatRef::rows(&grads, n, keys));
+                matmul(&mut dv[start * d..queries.end * d], p_rows.t(), do_rows, 1.0, true);
+                matmul(&mut dk[start * d..queries.end * d], ds_rows.t(), q_rows, 1.0, true);
+                matmul(&mut dq[queries.start * d..queries.end * d], ds_rows, k_rows, 1.0, false);
             }
         }
     });
@@ -238,20 +286,28 @@ mod tests {
         SequenceLayout::from_doc_lengths(&[vec![7, 30, 1], vec![40], vec![19, 21]], 40)
     }
 
+    /// Documents shorter than a block of queries (`layout`), and longer ones that span several blocks, one
+    /// of them part-filled (150 = 64 + 64 + 22).
     #[test]
     fn the_host_attention_equals_the_chunked_tensor_ops_forward_and_backward() {
         let device = Default::default();
-        let l = layout();
+        let long = SequenceLayout::from_doc_lengths(&[vec![150, 20], vec![3, 167]], 170);
         // d = 12 leaves a remainder after the eight-lane dot product.
-        for (heads, kv_heads, d) in [(4, 2, 12), (3, 3, 16), (2, 1, 5)] {
+        for (l, heads, kv_heads, d) in
+            [(layout(), 4, 2, 12), (layout(), 3, 3, 16), (layout(), 2, 1, 5), (long, 4, 2, 12)]
+        {
+            let (batch, seq) = (l.batch, l.seq);
             let tensor = |dims: [usize; 4], seed: u64| normal::<Cpu, 4>(dims, 0.0, 1.0, seed, &device);
-            let (q, k, v) =
-                (tensor([3, heads, 40, d], 1), tensor([3, kv_heads, 40, d], 2), tensor([3, kv_heads, 40, d], 3));
-            let grad_out = tensor([3, heads, 40, d], 4);
+            let (q, k, v) = (
+                tensor([batch, heads, seq, d], 1),
+                tensor([batch, kv_heads, seq, d], 2),
+                tensor([batch, kv_heads, seq, d], 3),
+            );
+            let grad_out = tensor([batch, heads, seq, d], 4);
             let docs = DocumentAttention::<Cpu>::new(&l, &device).with_chunk_rows(8);
             let reference = chunked_attention(q.clone(), k.clone(), v.clone(), &docs);
             let host = forward_on_host(q.clone(), k.clone(), v.clone(), &docs);
-            let case = format!("heads {heads}, kv heads {kv_heads}, d {d}");
+            let case = format!("seq {seq}, heads {heads}, kv heads {kv_heads}, d {d}");
             assert_eq!(host.lse.dims(), reference.lse.dims());
             assert_close(&format!("output, {case}"), &values(host.out.clone()), &values(reference.out.clone()), 2e-6);
             assert_close(&format!("lse, {case}"), &values(host.lse.clone()), &values(reference.lse.clone()), 2e-6);

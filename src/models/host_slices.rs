@@ -1,6 +1,7 @@
 //! The f32 slice arithmetic shared by the CPU backend's loop kernels (`cpu_attention`, `cpu_deltanet`,
 //! `cpu_elementwise`): a dot product in eight interleaved lanes, `y += a·x`, an exponential that
-//! vectorizes, row access, and a tensor's host values.
+//! vectorizes, matrix products over strided views of slices (the `gemm` crate's kernels, which burn-flex
+//! runs too), row access, and a tensor's host values.
 
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
@@ -22,6 +23,73 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += a * x;
+    }
+}
+
+/// A `rows × cols` matrix read from a slice: element `(r, c)` at `r · row_stride + c · col_stride`.
+#[derive(Debug, Clone, Copy)]
+pub struct MatRef<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub row_stride: usize,
+    pub col_stride: usize,
+}
+
+impl<'a> MatRef<'a> {
+    /// The row-major `rows × cols` matrix at the start of `data`.
+    pub fn rows(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        MatRef { data, rows, cols, row_stride: cols, col_stride: 1 }
+    }
+
+    /// The transpose (a view: no copy).
+    pub fn t(self) -> Self {
+        MatRef { rows: self.cols, cols: self.rows, row_stride: self.col_stride, col_stride: self.row_stride, ..self }
+    }
+
+    /// Whether every element lies inside `data`.
+    fn in_bounds(&self) -> bool {
+        self.rows == 0
+            || self.cols == 0
+            || (self.rows - 1) * self.row_stride + (self.cols - 1) * self.col_stride < self.data.len()
+    }
+}
+
+/// `out = scale · a·b`, or `out += scale · a·b` with `accumulate`, for `out` the row-major `a.rows × b.cols`
+/// matrix at the start of the slice; single-threaded (callers run it inside their own parallel tasks), and
+/// so in a fixed order of additions.
+pub fn matmul(out: &mut [f32], a: MatRef, b: MatRef, scale: f32, accumulate: bool) {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    assert_eq!(b.rows, k, "inner dimensions agree");
+    assert!(a.in_bounds() && b.in_bounds() && out.len() >= m * n, "matrices inside their slices");
+    if m == 0 || n == 0 {
+        return;
+    }
+    let stride = |s: usize| s as isize;
+    // SAFETY: the asserts above keep every element `gemm` reads or writes inside its slice; `out` is borrowed
+    // mutably and `a`, `b` shared, so they do not overlap.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            stride(n),
+            accumulate,
+            a.data.as_ptr(),
+            stride(a.col_stride),
+            stride(a.row_stride),
+            b.data.as_ptr(),
+            stride(b.col_stride),
+            stride(b.row_stride),
+            1.0,
+            scale,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
     }
 }
 
