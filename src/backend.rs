@@ -9,7 +9,7 @@
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 
 use crate::models::attention::{
     AttentionForward, DocumentAttention, chunked_attention, chunked_attention_backward, softmax_attention,
@@ -271,11 +271,10 @@ cubecl_device_memory!(cubecl::cuda::CudaRuntime, cuda_total_bytes; burn::backend
 #[cfg(feature = "vulkan")]
 cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused, VkHalfUnfused);
 
-// The CPU backend runs the models' attention in f32 as loops over each query's document keys
-// (`models::cpu_attention`), the DeltaNet scan as loops over tokens (`models::cpu_deltanet`), SwiGLU's gate,
-// the RMSNorms and their gradients in one pass each, and makes the parts of a split projection contiguous
-// (`models::cpu_elementwise`); the
-// CubeCL backends (and the CPU in other dtypes) use the chunked tensor ops (the trait's defaults); their
+// The CPU backend runs the models' attention in f32 as matrix products over blocks of each document's
+// queries (`models::cpu_attention`), the DeltaNet scan as loops over tokens (`models::cpu_deltanet`), SwiGLU's
+// gate, the RMSNorms, RoPE, the split parts' gradients and the loss rows in one pass each, and makes the parts
+// of a split projection contiguous (`models::cpu_elementwise`); the CubeCL backends (and the CPU in other dtypes) use the chunked tensor ops (the trait's defaults); their
 // autodiff wrappers record each with its backward (`models::attention`, `models::deltanet`).
 // The CubeCL backends run the DeltaNet scan across chunks and the chunk solve as kernels (`kernels::scan`,
 // `kernels::chunk_solve`) unless `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels
@@ -284,7 +283,20 @@ cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused
 // unless `KILN_NORM_KERNEL=off`, the causal depthwise convolution as kernels (`kernels::conv`) unless
 // `KILN_CONV_KERNEL=off`, and the optimizer's gradient norm and AdamW update as kernels over many
 // tensors at once (`kernels::grad_norm`, `kernels::adamw`) unless `KILN_OPTIM_KERNEL=off`.
-impl CrossEntropyRows for Flex {}
+impl CrossEntropyRows for Flex {
+    fn cross_entropy_rows(
+        logits: Tensor<Self, 2>,
+        targets: Tensor<Self, 2, Int>,
+        coef: Tensor<Self, 2>,
+        with_grads: bool,
+    ) -> (Tensor<Self, 2>, Option<Tensor<Self, 2>>) {
+        if cpu_elementwise::takes([logits.dtype(), coef.dtype()]) {
+            cpu_elementwise::cross_entropy_rows(logits, targets, coef, with_grads)
+        } else {
+            crate::train::linear_ce::cross_entropy_rows(logits, targets, coef, with_grads)
+        }
+    }
+}
 
 impl OptimizerOps for Flex {}
 

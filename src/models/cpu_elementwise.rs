@@ -169,6 +169,65 @@ pub fn rms_norm_grads<const D: usize>(
     (host_tensor(d_x, shape, FloatDType::F32, &device), host_tensor(d_w, [width], FloatDType::F32, &device))
 }
 
+/// `train::linear_ce::cross_entropy_rows` for f32 logits `[rows, vocab]`, targets and coefficients
+/// `[rows, 1]`: per row one pass for the maximum, one for `exp(l − max)` and its sum, and with `with_grads`
+/// one writing `dlogits = coef · exp(l − max) / sum` with `− coef` at the target; the negative
+/// log-likelihood is `ln(sum) − (l[target] − max)`. The composition takes a full-size tensor per step and a
+/// scatter. A target outside the vocabulary panics, as the composition's gather does.
+pub fn cross_entropy_rows(
+    logits: Tensor<Flex, 2>,
+    targets: Tensor<Flex, 2, burn::tensor::Int>,
+    coef: Tensor<Flex, 2>,
+    with_grads: bool,
+) -> (Tensor<Flex, 2>, Option<Tensor<Flex, 2>>) {
+    let [rows, vocab] = logits.dims();
+    let logits = storage(logits);
+    let logits = slice(&logits);
+    let targets = targets.into_data().convert::<i64>();
+    let targets = targets.as_slice::<i64>().expect("i64 targets after the conversion");
+    let coef = storage(coef);
+    let coef = slice(&coef);
+    let target_of = |r: usize| {
+        usize::try_from(targets[r]).ok().filter(|&t| t < vocab).unwrap_or_else(|| {
+            panic!("cross-entropy target {} of row {r} outside the vocabulary of {vocab}", targets[r])
+        })
+    };
+    let mut nll = vec![0.0f32; rows];
+    let mut dlogits = vec![0.0f32; if with_grads { rows * vocab } else { 0 }];
+    let mut exps = Vec::new();
+    let row_loss = |r: usize, logits: &[f32], exps: &mut Vec<f32>| {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        exps.clear();
+        exps.extend(logits.iter().map(|&l| exp(l - max)));
+        let sum: f32 = exps.iter().sum();
+        (sum.ln() - (logits[target_of(r)] - max), sum)
+    };
+    if with_grads {
+        let rows_per = (PIECE / vocab.max(1)).max(1);
+        nll.par_chunks_mut(rows_per).zip(dlogits.par_chunks_mut(rows_per * vocab)).enumerate().for_each_init(
+            Vec::new,
+            |exps, (piece, (nll, dlogits))| {
+                for (i, (nll, dlogits)) in nll.iter_mut().zip(dlogits.chunks_exact_mut(vocab)).enumerate() {
+                    let r = piece * rows_per + i;
+                    let (loss, sum) = row_loss(r, &logits[r * vocab..(r + 1) * vocab], exps);
+                    *nll = loss;
+                    for (d, &e) in dlogits.iter_mut().zip(exps.iter()) {
+                        *d = e / sum * coef[r];
+                    }
+                    dlogits[target_of(r)] += -coef[r];
+                }
+            },
+        );
+    } else {
+        for (r, nll) in nll.iter_mut().enumerate() {
+            *nll = row_loss(r, &logits[r * vocab..(r + 1) * vocab], &mut exps).0;
+        }
+    }
+    let device = Default::default();
+    let dlogits = with_grads.then(|| host_tensor(dlogits, [rows, vocab], FloatDType::F32, &device));
+    (host_tensor(nll, [rows, 1], FloatDType::F32, &device), dlogits)
+}
+
 /// One part's gradient `grad` added into its `range` of the last dimension of `whole`, in place (a copy only
 /// where `whole` is shared or strided), or copied into zeros of `dims` when there is none yet
 /// (`ModelBackend::add_part`, `split_last`'s backward pass): one pass over the part's rows, where the
@@ -333,6 +392,28 @@ mod tests {
             assert_close(&format!("{kind:?} d x"), &values(d_x), &values(want_x), 1e-6);
             assert_close(&format!("{kind:?} d w"), &values(d_w), &values(want_w), 1e-5);
         }
+    }
+
+    /// The loss rows and their logit gradients against the composition, over several pieces of rows and
+    /// with large logits (the shift by the maximum keeps them finite); without gradients too.
+    #[test]
+    fn cross_entropy_rows_equal_the_composition() {
+        use crate::train::linear_ce::cross_entropy_rows as composed;
+        let device = Default::default();
+        let (rows, vocab) = (2 * PIECE / 300 + 3, 300);
+        let logits = normal::<Flex, 2>([rows, vocab], 0.0, 30.0, 16, &device);
+        let targets: Vec<i64> = (0..rows as i64).map(|r| (r * 37) % vocab as i64).collect();
+        let targets =
+            Tensor::<Flex, 2, burn::tensor::Int>::from_data(burn::tensor::TensorData::new(targets, [rows, 1]), &device);
+        let coef = normal::<Flex, 2>([rows, 1], 0.5, 0.2, 17, &device);
+        let (nll, dlogits) = cross_entropy_rows(logits.clone(), targets.clone(), coef.clone(), true);
+        let (want_nll, want_dlogits) = composed(logits.clone(), targets.clone(), coef.clone(), true);
+        assert_close("nll", &values(nll), &values(want_nll), 1e-6);
+        let (got, want) = (values(dlogits.expect("asked for")), values(want_dlogits.expect("asked for")));
+        assert_close("dlogits", &got, &want, 1e-6);
+        let (nll, none) = cross_entropy_rows(logits.clone(), targets.clone(), coef.clone(), false);
+        assert!(none.is_none());
+        assert_close("nll without gradients", &values(nll), &values(composed(logits, targets, coef, false).0), 1e-6);
     }
 
     /// A part's gradient into zeros and into a gradient already written, against the composition, over
