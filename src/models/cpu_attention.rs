@@ -1,12 +1,13 @@
-//! The document attention of `attention` as direct loops over f32 host slices, for the CPU backend: each
-//! query scores only the keys its mask allows (its own document, from the document's first token to
-//! itself), so a packed row costs the sum of its documents' triangles instead of `seq²` scores, and no
-//! `[queries, keys]` tensor or broadcast mask is built. Forward (output and per-query log-sum-exp) and
-//! backward follow the equations of `attention::chunked_attention{,_backward}`. Work is split over
-//! (row, kv head) with rayon and each task sums in a fixed order, so the results do not depend on the
-//! number of threads. The softmax rows' exponentials are `host_slices::exp`, which vectorizes over a row.
-//! Flex in f32 runs it (`backend.rs`); other dtypes and backends keep the chunked tensor ops. Cached
-//! decoding's attention over a mask (`masked_forward`) gets the same treatment.
+//! The document attention of `attention` over f32 host slices, for the CPU backend: each document's queries
+//! go in blocks of `BLOCK`, and a block scores only its document's keys up to its last query (a packed row
+//! costs about the sum of its documents' triangles; no full `[queries, keys]` tensor or broadcast mask is
+//! built). A block's scores, output and gradients are matrix products (`host_slices::matmul`), and each
+//! row's softmax one pass of `host_slices::exp`, which vectorizes. Forward (output and per-query
+//! log-sum-exp) and backward follow the equations of `attention::chunked_attention{,_backward}`. Work is
+//! split over (row, head) or (row, kv head) with rayon, the products run single-threaded inside each task and
+//! each task sums in a fixed order, so the results do not depend on the number of threads. Flex in f32 runs
+//! it (`backend.rs`); other dtypes and backends keep the chunked tensor ops. Cached decoding's attention over
+//! a mask (`masked_forward`: the prompt, then a token at a time) scores key by key.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor};
