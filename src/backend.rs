@@ -274,8 +274,8 @@ cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused
 // The CPU backend runs the models' attention in f32 as matrix products over blocks of each document's
 // queries (`models::cpu_attention`), the DeltaNet scan as loops over tokens (`models::cpu_deltanet`), SwiGLU's
 // gate, the RMSNorms, RoPE, the split parts' gradients and the loss rows in one pass each, and makes the parts
-// of a split projection contiguous (`models::cpu_elementwise`); the CubeCL backends (and the CPU in other dtypes) use the chunked tensor ops (the trait's defaults); their
-// autodiff wrappers record each with its backward (`models::attention`, `models::deltanet`).
+// of a split projection contiguous (`models::cpu_elementwise`); the CubeCL backends (and the CPU in other
+// dtypes) use the chunked tensor ops (the trait's defaults); their autodiff wrappers record each with its backward (`models::attention`, `models::deltanet`).
 // The CubeCL backends run the DeltaNet scan across chunks and the chunk solve as kernels (`kernels::scan`,
 // `kernels::chunk_solve`) unless `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels
 // (`kernels::attention`) unless `KILN_ATTENTION_KERNEL=off`, the cross-entropy's rows as one

@@ -95,9 +95,14 @@ fn inverse_rms(x: &[f32], eps: f64) -> f32 {
     (dot(x, x) / x.len() as f32 + eps as f32).sqrt().recip()
 }
 
-/// Whole rows of `width` per rayon task.
+/// The elements of the whole rows of `width` one rayon task takes (`rows_per_task`).
 fn rows_per_piece(width: usize) -> usize {
-    width * (PIECE / width.max(1)).max(1)
+    width * rows_per_task(width)
+}
+
+/// How many rows of `width` one rayon task takes (at least one).
+fn rows_per_task(width: usize) -> usize {
+    (PIECE / width.max(1)).max(1)
 }
 
 /// RMSNorm over the last dimension in f32 (`ops::rms_norm_forward`): `x · r · s` per row, with
@@ -203,7 +208,7 @@ pub fn cross_entropy_rows(
         (sum.ln() - (logits[target_of(r)] - max), sum)
     };
     if with_grads {
-        let rows_per = (PIECE / vocab.max(1)).max(1);
+        let rows_per = rows_per_task(vocab);
         nll.par_chunks_mut(rows_per).zip(dlogits.par_chunks_mut(rows_per * vocab)).enumerate().for_each_init(
             Vec::new,
             |exps, (piece, (nll, dlogits))| {
@@ -241,7 +246,7 @@ pub fn add_part<const D: usize>(
     let (width, part) = (dims[D - 1], range.len());
     let grad = storage(grad);
     let grad = slice(&grad);
-    let rows = (PIECE / width.max(1)).max(1);
+    let rows = rows_per_task(width);
     let Some(whole) = whole else {
         let mut out = vec![0.0f32; dims.iter().product()];
         out.par_chunks_mut(rows * width).zip(grad.par_chunks(rows * part)).for_each(|(out, grad)| {
