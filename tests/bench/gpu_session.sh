@@ -60,7 +60,7 @@
 # leaves it off. burn's autotune results are kept on disk by default (under target/).
 #
 # Settings (environment): DEVICE (cuda); STAGES ("parity table train pipeline profile noscan"); STAGE_TIMEOUT
-# (600);
+# (600), and STAGE_TIMEOUTS for stages that need another limit ("table=220 train=100");
 # SHAPES ("lfm2-350m lfm2.5-1.2b qwen3.5-0.8b") and KILN_OPS ("ops reference") for the table, where
 # train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION, MOMENTS and REFERENCE pass through; TRAIN_SHAPE
 # (lfm2-350m), EPOCHS (2), TRAIN_MICRO (4), TRAIN_BATCH (8 sequences a step), TRAIN_LR (2e-5); PROFILE_SHAPES
@@ -351,12 +351,21 @@ cat "$OUT/machine.txt" >&2
 for stage in $STAGES; do
     declare -F "stage_$stage" >/dev/null || { echo "STAGES: unknown stage '$stage'" >&2; exit 2; }
 done
+# The limit of stage $1: its STAGE_TIMEOUTS entry, else STAGE_TIMEOUT.
+stage_limit() {
+    local entry
+    for entry in ${STAGE_TIMEOUTS:-}; do
+        [[ $entry == "$1="* ]] && { echo "${entry#*=}"; return; }
+    done
+    echo "$STAGE_TIMEOUT"
+}
 failures=0
 for stage in $STAGES; do
     began=$SECONDS
-    timeout -k 10 "$STAGE_TIMEOUT" "$self" --stage "$stage"
+    limit=$(stage_limit "$stage")
+    timeout -k 10 "$limit" "$self" --stage "$stage"
     status=$?
-    ((status == 124 || status == 137)) && echo "FAILED: $stage ran past STAGE_TIMEOUT=${STAGE_TIMEOUT}s" >&2
+    ((status == 124 || status == 137)) && echo "FAILED: $stage ran past its limit of ${limit}s" >&2
     ((status == 0)) || { ((status == 124 || status == 137)) || echo "FAILED: $stage" >&2; failures=$((failures + 1)); }
     echo "== $stage: $((SECONDS - began)) s, exit $status" >&2
 done
