@@ -71,10 +71,12 @@ bench: build
 # the stripped binary is ~96 MB, over what the device tool carries (64 MiB); gzip brings it to ~26 MB.
 # Without nvcc, cudarc binds the newest CUDA API it knows (13.4); the GPU machines' driver (580) has 13.0's,
 # so the carried build binds that one (the H200 session of 2026-11-26 ran such a build).
+# GPU_FEATURES=autotune adds burn's autotune (see Cargo.toml: its first steps compile ~10 kernels a matmul shape).
 GPU_CARRY := gpu/kiln.gz
+GPU_FEATURES ?= cuda
 gpu-carry: export CUDARC_CUDA_VERSION ?= 13000
 gpu-carry:
-	$(CARGO) build --release --features cuda
+	$(CARGO) build --release --features $(GPU_FEATURES)
 	mkdir -p gpu
 	gzip -9 -c $(KILN) > $(GPU_CARRY)
 	@# Which source the binary is, for a later session deciding whether to rebuild it.

@@ -812,6 +812,7 @@ fn info() -> Result<()> {
         } else {
             "not built".to_string()
         },
+        "cuda_autotune": if cfg!(feature = "autotune") { "on" } else { "off" },
         "cuda_fusion": kiln::backend::cuda_fusion().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "scan_kernel": kiln::backend::scan_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "attention_kernel": kiln::backend::attention_kernel()

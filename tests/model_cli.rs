@@ -139,6 +139,8 @@ fn info_reports_the_backends_and_the_switches() {
     assert_eq!(info["cpu_smoke_test"], "ok");
     assert!(info["backends"].as_array().unwrap().iter().any(|b| b.as_str().unwrap().starts_with("flex")));
     assert_eq!(info["cuda_fusion"], "on");
+    // Which kernels a CUDA build's first steps compile: burn's autotune only with the `autotune` feature.
+    assert_eq!(info["cuda_autotune"], if cfg!(feature = "autotune") { "on" } else { "off" });
     if !cfg!(feature = "cuda") {
         assert_eq!(info["cuda_smoke_test"], "not built");
     }

@@ -4,6 +4,9 @@
 # Stages, run in the order STAGES names them, each under STAGE_TIMEOUT seconds (a device call has a hard
 # limit: a stage that hangs or compiles for ever must not cost the ones after it):
 #
+#   warm     one step of every parity and table run at once, in parallel processes, into the kernel cache
+#            (below): NVRTC compiles a process's kernels one after another at ~1 s each, so the stages after
+#            it load them instead of spending their limits compiling;
 #   parity   correctness first: three training steps of each tiny shape (LFM2, LFM2-MoE, Qwen3.5) with
 #            `kiln bench-train` on the CPU in f32 and on DEVICE in f32 and bf16, losses side by side
 #            (tests/bench/parity.py: f32 within 1e-4 relative of the CPU, bf16 within 1e-2) — the fused
@@ -53,14 +56,20 @@
 # KILN may be gzipped (the CUDA build is over the device tool's 64 MiB carry limit; packed it is ~26 MB): it
 # is unpacked to $TMPDIR first, and the unpacked binary's path is passed on to the stages.
 #
-# CubeCL compiles every kernel when a process first launches it (NVRTC on CUDA), and each stage runs several
-# kiln processes; its compilation cache (off by default) keeps compiled kernels on disk for the processes
-# after: the script writes a cubecl.toml switching it on, in KERNEL_CACHE ($TMPDIR/kiln-kernel-cache), into
-# the working directory for the session (where none is there already; removed at the end). KERNEL_CACHE=off
-# leaves it off. burn's autotune results are kept on disk by default (under target/).
+# CubeCL compiles every kernel when a process first launches it (NVRTC on CUDA: ~1 s a kernel on the H100 machines, so a
+# first step spends minutes compiling), and each stage runs several kiln processes. The script keeps three caches in the
+# directory KERNEL_CACHE (runs/kernel-cache, which the device tool leaves in place between the calls of a warm machine;
+# `off` for none): CubeCL's compiled kernels (PTX) and burn's autotune results, both switched on by a cubecl.toml it
+# writes into the working directory (where none is there already; removed at the end), and the driver's PTX →
+# machine-code cache (CUDA_CACHE_PATH). The machine is fresh every session, so the caches travel: KERNEL_CACHE_IN
+# (gpu/kernel-cache.tgz where it exists) is unpacked into an empty KERNEL_CACHE first, and KERNEL_CACHE_OUT (a .tgz
+# path, e.g. $OUT/kernel-cache.tgz of the device tool) receives them at the end, under the 16 MiB the tool brings back a
+# file (without the driver's cache when that is too large): copy it to gpu/ for the next session.
 #
-# Settings (environment): DEVICE (cuda); STAGES ("parity table train pipeline profile noscan"); STAGE_TIMEOUT
-# (600), and STAGE_TIMEOUTS for stages that need another limit ("table=220 train=100");
+# Settings (environment): DEVICE (cuda); STAGES ("warm parity table train pipeline profile noscan"); STAGE_TIMEOUT
+# (600), and STAGE_TIMEOUTS for stages that need another limit ("table=220 train=100"); PARITY_CONFIGS (the
+# tiny LFM2, Qwen3.5 and LFM2-MoE) and PARITY_PRECISIONS ("f32 bf16") for the parity and warm stages;
+# KERNEL_CACHE, KERNEL_CACHE_IN and KERNEL_CACHE_OUT (above);
 # SHAPES ("lfm2-350m lfm2.5-1.2b qwen3.5-0.8b") and KILN_OPS ("ops reference") for the table, where
 # train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION, MOMENTS and REFERENCE pass through; TRAIN_SHAPE
 # (lfm2-350m), EPOCHS (2), TRAIN_MICRO (4), TRAIN_BATCH (8 sequences a step), TRAIN_LR (2e-5); PROFILE_SHAPES
@@ -72,21 +81,24 @@
 set -uo pipefail
 self=$(realpath "$0")
 cd "$(dirname "$0")/../.."
-: "${DEVICE:=cuda}" "${STAGES:=parity table train pipeline profile noscan}" "${STAGE_TIMEOUT:=600}"
+: "${DEVICE:=cuda}" "${STAGES:=warm parity table train pipeline profile noscan}" "${STAGE_TIMEOUT:=600}"
 : "${SHAPES=lfm2-350m lfm2.5-1.2b qwen3.5-0.8b}" "${KILN_OPS:=ops reference}"
 : "${TRAIN_SHAPE:=lfm2-350m}" "${EPOCHS:=2}" "${TRAIN_MICRO:=4}" "${TRAIN_BATCH:=8}" "${TRAIN_LR:=2e-5}"
 : "${PROFILE_SHAPES=lfm2.5-1.2b qwen3.5-0.8b}" "${OUT:=runs/gpu-session}" "${PACK:=}"
+: "${PARITY_CONFIGS=configs/models/tiny configs/models/tiny-qwen3.5 tests/fixtures/lfm2/lfm2-moe-tiny}"
+: "${PARITY_PRECISIONS=f32 bf16}"
 [[ " $SHAPES " == *" qwen3.5-0.8b "* ]] && : "${SCAN_AB=qwen3.5-0.8b}" || : "${SCAN_AB=}"
 : "${ATTN_AB=lfm2.5-1.2b}" "${LOSS_AB=lfm2.5-1.2b}" "${NORM_AB=lfm2.5-1.2b}" "${OPTIM_AB=qwen3.5-0.8b}"
 : "${CONV_AB=lfm2.5-1.2b}" "${MOMENTS_SHAPES=lfm2.5-1.2b}" "${FIT_SHAPE:=lfm2.5-8b-a1b}" "${FIT_SEQ:=8192}"
 run=gpu-session
 step() { echo "== $*" >&2; }
 
-# One parity run of `$config` as `$shape@$3.json` on device $1 in precision $2: the tiny training test's
-# settings (tests/common: tiny_bench_config), three optimizer steps.
+# The parity runs' settings: the tiny training test's (tests/common: tiny_bench_config).
+PARITY_SETTINGS=(--seq 48 --micro-batch 2 --accumulation 2 --docs-per-row 3 --warmup 0 --seed 5 --lr 3e-3)
+
+# One parity run of `$config` as `$shape@$3.json` on device $1 in precision $2: three optimizer steps.
 parity_run() {
-    "$KILN" --quiet bench-train --config "$config" --device "$1" --precision "$2" --seq 48 --micro-batch 2 \
-        --accumulation 2 --docs-per-row 3 --steps 3 --warmup 0 --seed 5 --lr 3e-3 \
+    "$KILN" --quiet bench-train --config "$config" --device "$1" --precision "$2" "${PARITY_SETTINGS[@]}" --steps 3 \
         --out "$OUT/parity/$shape@$3.json" >/dev/null 2>>"$OUT/parity.log"
 }
 
@@ -96,12 +108,13 @@ parity_ok() {
 }
 
 stage_parity() {
-    step "parity: tiny shapes on cpu f32 and $DEVICE f32, bf16"
+    step "parity: tiny shapes on cpu f32 and $DEVICE ${PARITY_PRECISIONS// /, }"
     local config shape run status=0 marked tag variant switches
     mkdir -p "$OUT/parity"
-    for config in configs/models/tiny configs/models/tiny-qwen3.5 tests/fixtures/lfm2/lfm2-moe-tiny; do
+    for config in $PARITY_CONFIGS; do
         shape=$(basename "$config")
-        for run in "cpu f32" "$DEVICE f32" "$DEVICE bf16"; do
+        for run in "cpu f32" $(printf "$DEVICE:%s " $PARITY_PRECISIONS); do
+            run=${run/:/ }
             set -- $run
             marked=""
             [[ $1 != cpu ]] && marked=$(marked_switches "$FALLBACK_MARK")
@@ -124,6 +137,45 @@ stage_parity() {
     done
     python3 tests/bench/parity.py "$OUT"/parity/*.json >"$OUT/parity.md" || status=1
     cat "$OUT/parity.md"
+    return $status
+}
+
+# One optimizer step of every kiln run the parity and table stages make, all at once in parallel processes:
+# each compiles its kernels on one thread (NVRTC, ~1 s a kernel), so side by side they fill the shared kernel
+# cache in the time of the slowest, and the timed runs after it load their kernels instead of compiling them.
+stage_warm() {
+    if [[ $KERNEL_CACHE == off ]]; then
+        echo "warm: KERNEL_CACHE=off keeps no compiled kernel for the stages after it" >&2
+        return 0
+    fi
+    step "warm: one step of each parity and table run, in parallel processes"
+    mkdir -p "$OUT/warm"
+    local config precision shape names=() pids=() i status=0
+    for config in $PARITY_CONFIGS; do
+        for precision in $PARITY_PRECISIONS; do
+            names+=("$(basename "$config")@$precision")
+            "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" --precision "$precision" \
+                "${PARITY_SETTINGS[@]}" --steps 1 --out "$OUT/warm/${names[-1]}.json" >/dev/null 2>"$OUT/warm/${names[-1]}.log" &
+            pids+=($!)
+        done
+    done
+    for shape in $SHAPES; do
+        config=tests/bench/shapes/$shape.json
+        [[ -f $config ]] || config=configs/models/$shape/config.json
+        names+=("$shape")
+        "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" --precision "${PRECISION:-auto}" \
+            --moments "${MOMENTS:-f32}" --seq "${SEQ:-4096}" --micro-batch "${MICRO:-1}" --accumulation "${ACC:-1}" \
+            --steps 1 --warmup 0 --out "$OUT/warm/$shape.json" >/dev/null 2>"$OUT/warm/$shape.log" &
+        pids+=($!)
+    done
+    for i in "${!pids[@]}"; do
+        if wait "${pids[$i]}"; then
+            echo "warm: ${names[$i]} done at $((SECONDS))s" >&2
+        else
+            echo "warm: ${names[$i]} failed (see warm/${names[$i]}.log): the stages after it compile what it did not" >&2
+            status=1
+        fi
+    done
     return $status
 }
 
@@ -326,12 +378,36 @@ if [[ $KILN == *.gz ]]; then
     KILN=$unpacked
 fi
 KILN=$(realpath "$KILN")
-: "${KERNEL_CACHE:=${TMPDIR:-/tmp}/kiln-kernel-cache}"
-if [[ $KERNEL_CACHE != off && ! -e cubecl.toml ]]; then
-    printf '[compilation]\ncache = { file = "%s" }\n' "$KERNEL_CACHE" >cubecl.toml
-    trap 'rm -f cubecl.toml' EXIT
+: "${KERNEL_CACHE:=runs/kernel-cache}" "${KERNEL_CACHE_IN=gpu/kernel-cache.tgz}" "${KERNEL_CACHE_OUT:=}"
+if [[ $KERNEL_CACHE != off ]]; then
+    mkdir -p "$KERNEL_CACHE"
+    KERNEL_CACHE=$(realpath "$KERNEL_CACHE")
+    # Only into an empty cache: over one that an earlier call on this machine filled, the older archive's
+    # files would replace newer ones.
+    if [[ -f $KERNEL_CACHE_IN && -z $(ls -A "$KERNEL_CACHE") ]]; then
+        tar -xzf "$KERNEL_CACHE_IN" -C "$KERNEL_CACHE" || echo "note: cannot unpack $KERNEL_CACHE_IN: kernels compile afresh" >&2
+    fi
+    export CUDA_CACHE_PATH=$KERNEL_CACHE/nv CUDA_CACHE_MAXSIZE=4294967296
+    # compile.log: a line for each kernel compiled rather than loaded from the cache, by every process.
+    if [[ ! -e cubecl.toml ]]; then
+        printf '[compilation]\ncache = { file = "%s" }\n[compilation.logger]\nlevel = "basic"\nfile = "%s"\nappend = true\n[autotune]\ncache = { file = "%s" }\n' \
+            "$KERNEL_CACHE" "$OUT/compile.log" "$KERNEL_CACHE" >cubecl.toml
+        trap 'rm -f cubecl.toml' EXIT
+    fi
 fi
 export KERNEL_CACHE
+
+# The caches packed into KERNEL_CACHE_OUT, under the device tool's 16 MiB a file: the driver's machine code
+# is left out when all of it would not fit.
+pack_kernel_cache() {
+    local limit=16777216
+    tar -czf "$KERNEL_CACHE_OUT" -C "$KERNEL_CACHE" . || return 1
+    (($(wc -c <"$KERNEL_CACHE_OUT") < limit)) && return 0
+    tar -czf "$KERNEL_CACHE_OUT" -C "$KERNEL_CACHE" --exclude=./nv . || return 1
+    (($(wc -c <"$KERNEL_CACHE_OUT") < limit)) && { echo "note: $KERNEL_CACHE_OUT holds no driver cache (too large)" >&2; return 0; }
+    echo "$KERNEL_CACHE_OUT is over 16 MiB: the device tool will not bring it back" >&2
+    return 1
+}
 # Where the parity, table and train stages note the switches that mended a failed kiln run (fallback.sh;
 # train.sh's FALLBACK_MARK): the later runs take them.
 : "${FALLBACK_MARK:=$OUT/fallback}"
@@ -344,6 +420,7 @@ step "machine"
     git rev-parse --short HEAD 2>/dev/null || echo "(no git)"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+    [[ $KERNEL_CACHE != off ]] && echo "kernel cache: $(find "$KERNEL_CACHE" -type f | wc -l) files, $(du -sh "$KERNEL_CACHE" | cut -f1)$([[ -f $KERNEL_CACHE_IN ]] && echo " from $KERNEL_CACHE_IN")"
     "$KILN" info  # cuda_smoke_test: "ok", or what is missing
 } >"$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt" >&2
@@ -369,6 +446,9 @@ for stage in $STAGES; do
     ((status == 0)) || { ((status == 124 || status == 137)) || echo "FAILED: $stage" >&2; failures=$((failures + 1)); }
     echo "== $stage: $((SECONDS - began)) s, exit $status" >&2
 done
+if [[ $KERNEL_CACHE != off && -n $KERNEL_CACHE_OUT ]]; then
+    pack_kernel_cache && echo "kernel cache: $(find "$KERNEL_CACHE" -type f | wc -l) files → $KERNEL_CACHE_OUT ($(wc -c <"$KERNEL_CACHE_OUT") bytes)" >&2
+fi
 if [[ -n $PACK ]]; then
     tar -czf "$PACK.partial" -C "$(dirname "$OUT")" "$(basename "$OUT")" && mv "$PACK.partial" "$PACK"
 fi

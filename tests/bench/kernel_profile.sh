@@ -23,8 +23,10 @@ mkdir -p "$(dirname "$out")"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 printf '[profiling.logger]\nlevel = "basic"\nfile = "%s"\nappend = false\n' "$out.log" >"$scratch/cubecl.toml"
-# gpu_session.sh's kernel cache, when it keeps one (its cubecl.toml is not read from the scratch directory).
-[[ ${KERNEL_CACHE:-off} != off ]] && printf '[compilation]\ncache = { file = "%s" }\n' "$KERNEL_CACHE" >>"$scratch/cubecl.toml"
+# gpu_session.sh's kernel and autotune caches, when it keeps them (its cubecl.toml is not read from the scratch
+# directory).
+[[ ${KERNEL_CACHE:-off} != off ]] && printf '[compilation]\ncache = { file = "%s" }\n[autotune]\ncache = { file = "%s" }\n' \
+    "$KERNEL_CACHE" "$KERNEL_CACHE" >>"$scratch/cubecl.toml"
 if ! (cd "$scratch" && "$KILN" --quiet bench-train --config "$config" --device "${DEVICE:-cuda}" \
     --seq "${SEQ:-4096}" --steps "${STEPS:-2}" --warmup "${WARMUP:-2}" --out "$out.json" "$@") >"$out.stdout" 2>&1; then
     echo "kernel_profile.sh: profiled bench-train failed (see $out.stdout)" >&2
