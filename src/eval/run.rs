@@ -4,6 +4,8 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -13,7 +15,7 @@ use serde_json::{Map, Value, json};
 use super::parse::{ScorerVersion, parse_response};
 use super::result::{EvalResult, ReplayStep, StepRow, aggregate, score_step};
 use crate::chat::{ChatTemplate, PinnedClock, SpecialTokens, strip_thinking};
-use crate::models::{ModelBackend, load_model};
+use crate::models::{CausalLm, ModelBackend, load_model};
 use crate::tokens::TextTokenizer;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -86,12 +88,16 @@ pub fn evaluate_on_device(
     show_progress: bool,
 ) -> Result<EvalResult, String> {
     macro_rules! on {
+        ($backend:ty, $threads:expr) => {
+            evaluate::<$backend>(name, checkpoint, eval_path, steps, opts, show_progress, $threads, &Default::default())
+        };
         ($backend:ty) => {
-            evaluate::<$backend>(name, checkpoint, eval_path, steps, opts, show_progress, &Default::default())
+            on!($backend, 1)
         };
     }
     match device {
-        "cpu" => on!(crate::backend::Cpu),
+        // One batch's decoding keeps about one core busy on the CPU, so batches run side by side there.
+        "cpu" => on!(crate::backend::Cpu, std::thread::available_parallelism().map_or(1, |n| n.get())),
         #[cfg(feature = "cuda")]
         "cuda" if crate::backend::cuda_choice(true)? => on!(crate::backend::Gpu),
         #[cfg(feature = "cuda")]
@@ -102,7 +108,8 @@ pub fn evaluate_on_device(
     }
 }
 
-/// Evaluates a loaded checkpoint on `steps`; returns the result document.
+/// Evaluates a loaded checkpoint on `steps`, decoding up to `decode_threads` batches at once; returns the
+/// result document (the same whatever the thread count).
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate<B: ModelBackend>(
     name: &str,
@@ -111,6 +118,7 @@ pub fn evaluate<B: ModelBackend>(
     steps: &[ReplayStep],
     opts: &EvalOptions,
     show_progress: bool,
+    decode_threads: usize,
     device: &B::Device,
 ) -> Result<EvalResult, String> {
     let load_started = Instant::now();
@@ -178,13 +186,11 @@ pub fn evaluate<B: ModelBackend>(
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let gen_started = Instant::now();
-    let mut outputs: Vec<Option<(String, String)>> = vec![None; steps.len()];
     let mut rows: Vec<Option<StepRow>> = vec![None; steps.len()];
     let mut f1_sum = 0.0;
     let mut done = 0usize;
-    for batch in order.chunks(opts.batch_size.max(1)) {
-        let batch_prompts: Vec<Vec<u32>> = batch.iter().map(|&i| prompts[i].clone()).collect();
-        let generated = model.generate_greedy(&batch_prompts, opts.max_tokens, &stop, device);
+    let batches: Vec<&[usize]> = order.chunks(opts.batch_size.max(1)).collect();
+    decode_batches(&model, &batches, &prompts, opts.max_tokens, &stop, decode_threads, device, |batch, generated| {
         for (&i, ids) in batch.iter().zip(generated) {
             let finish = if ids.last().is_some_and(|t| stop.contains(t)) { "stop" } else { "length" };
             let text = tokenizer.decode_skip_special(&ids);
@@ -193,11 +199,10 @@ pub fn evaluate<B: ModelBackend>(
             f1_sum += row.command_f1;
             done += 1;
             rows[i] = Some(row);
-            outputs[i] = Some((text, finish.into()));
         }
         bar.set_position(done as u64);
         bar.set_message(format!("Score so far {:.2}", 100.0 * f1_sum / done.max(1) as f64));
-    }
+    });
     bar.finish_and_clear();
     let gen_time = gen_started.elapsed().as_secs_f64();
     let rows: Vec<StepRow> = rows.into_iter().flatten().collect();
@@ -243,4 +248,87 @@ pub fn evaluate<B: ModelBackend>(
         aggregate: aggregate(&rows),
         per_step: rows,
     })
+}
+
+/// Greedy decoding of each of `batches` (indices into `prompts`), each batch's output handed to `done` on the
+/// calling thread as it finishes. With `threads` > 1 the batches run side by side, each thread on its own clone
+/// of the model (burn's tensors are shared, not copied); a batch decodes the same whichever thread runs it, so
+/// only the order of the `done` calls changes.
+#[allow(clippy::too_many_arguments)]
+fn decode_batches<B: ModelBackend>(
+    model: &CausalLm<B>,
+    batches: &[&[usize]],
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    stop: &[u32],
+    threads: usize,
+    device: &B::Device,
+    mut done: impl FnMut(&[usize], Vec<Vec<u32>>),
+) {
+    let decode = |model: &CausalLm<B>, batch: &[usize]| {
+        let batch_prompts: Vec<Vec<u32>> = batch.iter().map(|&i| prompts[i].clone()).collect();
+        model.generate_greedy(&batch_prompts, max_tokens, stop, device)
+    };
+    let threads = threads.min(batches.len());
+    if threads <= 1 {
+        for batch in batches {
+            done(batch, decode(model, batch));
+        }
+        return;
+    }
+    let next = AtomicUsize::new(0);
+    let (sender, finished) = mpsc::channel();
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            let (model, sender, next, decode) = (model.clone(), sender.clone(), &next, &decode);
+            scope.spawn(move || {
+                while let Some(batch) = batches.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    if sender.send((*batch, decode(&model, batch))).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        drop(sender);
+        for (batch, generated) in finished {
+            done(batch, generated);
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Cpu;
+    use crate::models::config::ModelConfig;
+    use crate::models::random_model;
+
+    /// Batches decoded side by side give each prompt the tokens that one thread gives it.
+    #[test]
+    fn decoding_batches_on_several_threads_gives_each_prompt_its_own_output() {
+        let config =
+            ModelConfig::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/tiny/config.json"))
+                .unwrap();
+        let device = Default::default();
+        let model = random_model::<Cpu>(&config, 3, 0.5, &device).unwrap();
+        // Seven prompts of different lengths and last tokens, in batches of two: four batches (the last one
+        // short) for three threads.
+        let prompts: Vec<Vec<u32>> =
+            (0..7u32).map(|p| (0..5 + p).map(|t| (p * 37 + t * 11) % 500 + 10).collect()).collect();
+        let order: Vec<usize> = (0..prompts.len()).collect();
+        let batches: Vec<&[usize]> = order.chunks(2).collect();
+        let decode = |threads| {
+            let mut outputs = vec![Vec::new(); prompts.len()];
+            decode_batches(&model, &batches, &prompts, 5, &[], threads, &device, |batch, generated| {
+                for (&i, ids) in batch.iter().zip(generated) {
+                    outputs[i] = ids;
+                }
+            });
+            outputs
+        };
+        let (one, three) = (decode(1), decode(3));
+        assert!(one.iter().all(|ids| ids.len() == 5), "{one:?}");
+        assert!(one.iter().any(|ids| *ids != one[0]), "the prompts' outputs must differ to show whose is whose");
+        assert_eq!(one, three);
+    }
 }
