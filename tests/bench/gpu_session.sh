@@ -159,13 +159,11 @@ stage_warm() {
             pids+=($!)
         done
     done
+    # The table's own script, so its settings and shape lookup hold here too; one step, no fallbacks, no PyTorch.
     for shape in $SHAPES; do
-        config=tests/bench/shapes/$shape.json
-        [[ -f $config ]] || config=configs/models/$shape/config.json
         names+=("$shape")
-        "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" --precision "${PRECISION:-auto}" \
-            --moments "${MOMENTS:-f32}" --seq "${SEQ:-4096}" --micro-batch "${MICRO:-1}" --accumulation "${ACC:-1}" \
-            --steps 1 --warmup 0 --out "$OUT/warm/$shape.json" >/dev/null 2>"$OUT/warm/$shape.log" &
+        DEVICE=$DEVICE KILN=$KILN KILN_OPS=$KILN_OPS REFERENCE=none STEPS=1 WARMUP=0 FALLBACK=0 OUT=$OUT/warm \
+            tests/bench/train.sh "$shape" >"$OUT/warm/$shape.log" 2>&1 &
         pids+=($!)
     done
     for i in "${!pids[@]}"; do
