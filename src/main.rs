@@ -547,11 +547,12 @@ const MODEL_FILES: &[&str] = &[
 ];
 
 fn main() {
+    let host_allocator = kiln::backend::tune_host_allocator();
     let cli = Cli::parse();
     kiln::device_panics::install();
     // A panic (above all one on a GPU backend's device thread, which kills the command from there) ends in
     // one error line that names the first panic instead of its echoes.
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(cli))) {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(cli, host_allocator))) {
         Ok(Ok(())) => {}
         Ok(Err(err)) => {
             eprintln!("error: {err}");
@@ -567,7 +568,8 @@ fn main() {
     }
 }
 
-fn run(cli: Cli) -> Result<()> {
+/// `host_allocator`: the malloc settings `main` applied (`backend::tune_host_allocator`), for `kiln info`.
+fn run(cli: Cli, host_allocator: Option<&str>) -> Result<()> {
     // Read deep inside the models, where no error can surface: a malformed value stops any command that
     // could run them here (`info` reports it).
     if !matches!(cli.command, Command::Info) {
@@ -597,7 +599,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Score(args) => score_cmd(args),
         Command::Eval(args) => eval_cmd(args, cli.quiet),
         Command::Select(args) => select_cmd(args, cli.quiet),
-        Command::Info => info(),
+        Command::Info => info(host_allocator),
     }
 }
 
@@ -795,13 +797,15 @@ fn synth(args: SynthArgs) -> Result<()> {
     Ok(())
 }
 
-fn info() -> Result<()> {
+fn info(host_allocator: Option<&str>) -> Result<()> {
     let config = HubConfig::from_env();
     kiln::backend::smoke_test::<kiln::backend::Cpu>(&Default::default()).map_err(anyhow::Error::msg)?;
     let report = serde_json::json!({
         "kiln": env!("CARGO_PKG_VERSION"),
         "backends": kiln::backend::compiled(),
         "cpu_smoke_test": "ok",
+        "cpu_matmul_simd": kiln::backend::cpu_matmul_simd(),
+        "host_allocator": host_allocator.unwrap_or("the platform's defaults"),
         "cuda_smoke_test": if cfg!(feature = "cuda") {
             kiln::backend::cuda_ready(true).map_or_else(|why| why, |()| "ok".into())
         } else {

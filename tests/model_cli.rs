@@ -144,6 +144,16 @@ fn info_reports_the_backends_and_the_switches() {
     if !cfg!(feature = "cuda") {
         assert_eq!(info["cuda_smoke_test"], "not built");
     }
+    // The CPU's matmul width, and the malloc thresholds the CPU backend's allocations want (glibc), unless
+    // the environment sets malloc's own.
+    assert!(["avx512", "avx2", "baseline"].contains(&info["cpu_matmul_simd"].as_str().unwrap()), "{info}");
+    let tuned = "glibc malloc: mmap threshold 32 MiB, trim threshold 256 MiB";
+    if cfg!(all(target_os = "linux", target_env = "gnu")) && std::env::var_os("GLIBC_TUNABLES").is_none() {
+        assert_eq!(info["host_allocator"], tuned);
+    }
+    let (ok, stdout, _) = run_kiln(&["info"], &[("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")], &cwd);
+    assert!(ok);
+    assert_eq!(serde_json::from_str::<Value>(&stdout).unwrap()["host_allocator"], "the platform's defaults");
 
     let (ok, stdout, _) = run_kiln(&["info"], &[("KILN_CUDA_FUSION", "off")], &cwd);
     assert!(ok);
