@@ -18,6 +18,7 @@ use crate::models::deltanet::{self, ChunkPlan, ChunkedScan, ScanInputs};
 use crate::models::layers::{RopeTables, apply_rope, apply_rope_backward};
 use crate::models::ops::{
     NormKind, add_part_composed, narrow_last, rms_norm_backward, rms_norm_forward, swiglu_backward, swiglu_forward,
+    write_cache_rows_composed,
 };
 use crate::models::{ModelBackend, cpu_attention, cpu_deltanet, cpu_elementwise};
 use crate::train::linear_ce::CrossEntropyRows;
@@ -420,6 +421,14 @@ impl ModelBackend for Flex {
             cpu_attention::masked_on_host(q, k, v, mask)
         } else {
             softmax_attention(q, k, v, mask)
+        }
+    }
+
+    fn write_cache_rows(cache: Tensor<Self, 4>, at: usize, rows: Tensor<Self, 4>) -> Tensor<Self, 4> {
+        if cpu_attention::takes([&cache, &rows, &rows]) {
+            cpu_attention::write_cache_rows(cache, at, rows)
+        } else {
+            write_cache_rows_composed(cache, at, rows)
         }
     }
 

@@ -7,14 +7,16 @@
 //! split over (row, head) or (row, kv head) with rayon, the products run single-threaded inside each task and
 //! each task sums in a fixed order, so the results do not depend on the number of threads. Flex in f32 runs
 //! it (`backend.rs`); other dtypes and backends keep the chunked tensor ops. Cached decoding's attention over
-//! a mask (`masked_forward`: the prompt, then a token at a time) scores key by key.
+//! a mask (`masked_forward`: the prompt, then a token at a time) goes in blocks the same way, reading the
+//! cache in place, and `write_cache_rows` appends a token's keys and values to it in place.
 
+use burn::backend::Flex;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor};
+use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 use rayon::prelude::*;
 
 use super::attention::{AttentionForward, DocumentAttention};
-use super::host_slices::{MatRef, axpy, dot, exp, host, matmul, row, row_mut};
+use super::host_slices::{FlexValues, HeadRows, MatRef, dot, exp, host, matmul, row, row_mut};
 use crate::backend::host_tensor;
 
 /// The sizes of one attention call: queries `[batch, heads, seq, d]`, keys and values
@@ -105,40 +107,101 @@ pub fn forward(q: &[f32], k: &[f32], v: &[f32], starts: &[usize], dims: Attentio
     (out, lse)
 }
 
+/// The keys a mask row leaves (not −∞): from the first to one past the last.
+fn visible_keys(mask: &[f32]) -> std::ops::Range<usize> {
+    let open = |m: &f32| *m > f32::NEG_INFINITY;
+    match (mask.iter().position(open), mask.iter().rposition(open)) {
+        (Some(first), Some(last)) => first..last + 1,
+        _ => 0..0,
+    }
+}
+
+/// The query rows of one kv head's task in `masked_forward` (its `group` heads' `seq` queries, head by
+/// head), cut into blocks of at most `BLOCK` rows: a long prompt's queries in blocks of one head, a decoded
+/// token's heads stacked into one block (one product reads the head's keys once for all of them).
+fn masked_blocks(group: usize, seq: usize) -> Vec<std::ops::Range<usize>> {
+    if seq >= BLOCK {
+        (0..group)
+            .flat_map(|g| (0..seq).step_by(BLOCK).map(move |i| g * seq + i..g * seq + (i + BLOCK).min(seq)))
+            .collect()
+    } else {
+        let heads = BLOCK / seq;
+        (0..group).step_by(heads).map(|g| g * seq..(g + heads).min(group) * seq).collect()
+    }
+}
+
 /// `softmax(q kᵀ / √d + mask) v` (`attention::softmax_attention`: cached decoding's attention) for queries
-/// `[batch, heads, seq, d]`, keys and values `[batch, kv_heads, keys, d]` and an additive mask
-/// `[batch, seq, keys]` shared by the heads; keys the mask sets to −∞ are skipped, not scored. A query with
-/// no key left (which decoding never makes: a token always sees itself) gets zeros.
-pub fn masked_forward(q: &[f32], k: &[f32], v: &[f32], mask: &[f32], dims: AttentionDims, keys: usize) -> Vec<f32> {
-    let AttentionDims { heads, seq, d, .. } = dims;
+/// `q [batch, heads, seq, d]` (row-major), keys and values `[batch · kv_heads]` heads of `[keys, d]` and an
+/// additive mask `[batch, seq, keys]` shared by the heads. Per kv head, its query heads' rows go in blocks
+/// (`masked_blocks`) whose scores and output are matrix products over the keys the block's mask rows leave
+/// (a causal prompt costs about its triangle, left padding is skipped), and each row's softmax is one
+/// vectorized pass. A query with no key left (which decoding never makes: a token always sees itself) gets
+/// zeros.
+pub fn masked_forward(q: &[f32], k: HeadRows, v: HeadRows, mask: &[f32], dims: AttentionDims, keys: usize) -> Vec<f32> {
+    let AttentionDims { batch, kv_heads, seq, d, .. } = dims;
     let (group, scale) = (dims.group(), dims.scale());
+    let visible: Vec<_> = (0..batch * seq).map(|r| visible_keys(row(mask, r, keys))).collect();
+    let blocks = masked_blocks(group, seq);
     let mut out = vec![0.0f32; q.len()];
-    out.par_chunks_mut(seq * d).enumerate().for_each(|(bh, out)| {
-        let (b, h) = (bh / heads, bh % heads);
-        let kv = b * dims.kv_heads + h / group;
-        let (q, k, v) = (row(q, bh, seq * d), row(k, kv, keys * d), row(v, kv, keys * d));
-        let mut scored = Vec::with_capacity(keys);
-        for i in 0..seq {
-            let (qi, mask) = (row(q, i, d), row(mask, b * seq + i, keys));
-            scored.clear();
-            scored.extend(
-                (0..keys)
-                    .filter(|&j| mask[j] > f32::NEG_INFINITY)
-                    .map(|j| (j, dot(qi, row(k, j, d)) * scale + mask[j])),
-            );
-            let max = scored.iter().map(|&(_, s)| s).fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0f32;
-            for (_, s) in scored.iter_mut() {
-                *s = exp(*s - max);
-                sum += *s;
+    out.par_chunks_mut(group * seq * d).enumerate().for_each(|(bkv, out)| {
+        let b = bkv / kv_heads;
+        let q = row(q, bkv, group * seq * d);
+        let (k, v) = (k.head(bkv), v.head(bkv));
+        let query = |r: usize| b * seq + r % seq;
+        let mut probs = Vec::new();
+        for rows in &blocks {
+            let reach = rows.clone().map(|r| &visible[query(r)]).filter(|range| !range.is_empty());
+            let (first, end) =
+                reach.fold((keys, 0), |(first, end), range| (first.min(range.start), end.max(range.end)));
+            if first >= end {
+                continue;
             }
-            let out_i = row_mut(out, i, d);
-            for &(j, p) in &scored {
-                axpy(p / sum, row(v, j, d), out_i);
+            let width = end - first;
+            probs.clear();
+            probs.resize(rows.len() * width, 0.0);
+            matmul(&mut probs, rows_of(q, rows.clone(), d), rows_of(k, first..end, d).t(), scale, false);
+            for (r, scores) in rows.clone().zip(probs.chunks_exact_mut(width)) {
+                for (s, m) in scores.iter_mut().zip(&row(mask, query(r), keys)[first..end]) {
+                    *s += m;
+                }
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                if max == f32::NEG_INFINITY {
+                    scores.fill(0.0);
+                    continue;
+                }
+                // A masked key's −∞ becomes exactly 0.
+                let mut sum = 0.0f32;
+                for s in scores.iter_mut() {
+                    *s = exp(*s - max);
+                    sum += *s;
+                }
+                for s in scores.iter_mut() {
+                    *s /= sum;
+                }
             }
+            let out = &mut out[rows.start * d..rows.end * d];
+            matmul(out, MatRef::rows(&probs, rows.len(), width), rows_of(v, first..end, d), 1.0, false);
         }
     });
     out
+}
+
+/// Writes `rows [a, b, n, d]` into positions `at..at + n` of `cache [a, b, capacity, d]` (cached decoding's
+/// keys or values, `ModelBackend::write_cache_rows`), in place when the cache holds its storage alone (as a
+/// decoding step leaves it), else into a copy.
+pub fn write_cache_rows(cache: Tensor<Flex, 4>, at: usize, rows: Tensor<Flex, 4>) -> Tensor<Flex, 4> {
+    let [a, b, capacity, d] = cache.dims();
+    let n = rows.dims()[2];
+    assert!(rows.dims() == [a, b, n, d] && at + n <= capacity, "rows that fit the cache");
+    // `to_contiguous` keeps the storage of a tensor laid out from its start; the handle it came from is
+    // dropped at the end of the statement, so the storage is not shared on its account.
+    let mut cache = cache.into_primitive().tensor().to_contiguous();
+    let mut rows = FlexValues::new(rows);
+    let (src, dst) = (rows.values(), cache.storage_mut::<f32>());
+    for h in 0..a * b {
+        dst[(h * capacity + at) * d..(h * capacity + at + n) * d].copy_from_slice(row(src, h, n * d));
+    }
+    Tensor::from_primitive(TensorPrimitive::Float(cache))
 }
 
 /// Gradients `(dq, dk, dv)` of `forward` for the output gradient `grad_out`, from its output `out` and
@@ -231,18 +294,20 @@ pub fn forward_on_host<B: Backend>(
     }
 }
 
-/// `attention::softmax_attention` through `masked_forward`, in f32; `mask` is `[batch, 1, seq, keys]`.
-pub fn masked_on_host<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    mask: &Tensor<B, 4>,
-) -> Tensor<B, 4> {
+/// `attention::softmax_attention` through `masked_forward`, in f32, reading the queries, the cached keys
+/// and values and the mask (`[batch, 1, seq, keys]`) where the CPU backend holds them.
+pub fn masked_on_host(
+    q: Tensor<Flex, 4>,
+    k: Tensor<Flex, 4>,
+    v: Tensor<Flex, 4>,
+    mask: &Tensor<Flex, 4>,
+) -> Tensor<Flex, 4> {
     let dims = dims_of(&q, &k);
     let (shape, keys) = (q.dims(), k.dims()[2]);
     let device = q.device();
-    let mask = host(mask.clone().cast(FloatDType::F32));
-    let out = masked_forward(&host(q), &host(k), &host(v), &mask, dims, keys);
+    let (mut q, mut k, mut v) = (FlexValues::new(q), FlexValues::new(k), FlexValues::new(v));
+    let mut mask = FlexValues::new(mask.clone().cast(FloatDType::F32));
+    let out = masked_forward(q.values(), k.heads(), v.heads(), mask.values(), dims, keys);
     host_tensor(out, shape, FloatDType::F32, &device)
 }
 
@@ -350,6 +415,75 @@ mod tests {
             let case = format!("heads {heads}, kv heads {kv_heads}, d {d}");
             assert_close(&format!("masked attention, {case}"), &values(host), &values(reference), 2e-6);
         }
+    }
+
+    /// Causal attention masks for `seq` new tokens after `past` cached positions, two rows: row 0's first
+    /// `padding` positions are left padding (masked), row 1 has none.
+    fn decoding_mask(seq: usize, past: usize, padding: usize) -> Tensor<Cpu, 4> {
+        let keys = past + seq;
+        let mut mask = vec![f32::NEG_INFINITY; 2 * seq * keys];
+        for b in 0..2 {
+            let first = if b == 0 { padding } else { 0 };
+            for i in 0..seq {
+                mask[(b * seq + i) * keys + first..(b * seq + i) * keys + past + i + 1].fill(0.0);
+            }
+        }
+        crate::backend::host_tensor::<Cpu, 4>(mask, [2, 1, seq, keys], FloatDType::F32, &Default::default())
+    }
+
+    /// A prompt longer than a block of queries (70 new tokens after 2 cached positions, row 0's being left
+    /// padding), with the keys and values read in place from caches with spare positions (views of their
+    /// first 72), equals the softmax composition; so do decoded tokens whose heads share a block.
+    #[test]
+    fn a_long_prompt_and_single_tokens_over_cache_views_equal_the_softmax_composition() {
+        let device = Default::default();
+        let capacity = 90;
+        for (seq, past) in [(70, 2), (1, 71)] {
+            let mask = decoding_mask(seq, past, 2);
+            for (heads, kv_heads, d) in [(4, 2, 12), (2, 1, 8), (3, 3, 5)] {
+                let q = normal::<Cpu, 4>([2, heads, seq, d], 0.0, 1.0, 1, &device);
+                let cache = |seed| normal::<Cpu, 4>([2, kv_heads, capacity, d], 0.0, 1.0, seed, &device);
+                let (k, v) = (cache(2).narrow(2, 0, past + seq), cache(3).narrow(2, 0, past + seq));
+                let reference = crate::models::attention::softmax_attention(q.clone(), k.clone(), v.clone(), &mask);
+                let host = masked_on_host(q, k, v, &mask);
+                let case = format!("{seq} queries after {past}, heads {heads}, kv heads {kv_heads}, d {d}");
+                assert_close(&format!("masked attention, {case}"), &values(host), &values(reference), 2e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn masked_blocks_cover_each_heads_queries_once() {
+        // Long prompts: blocks of one head's queries; short ones: whole heads stacked up to 64 rows.
+        assert_eq!(masked_blocks(2, 70), [0..64, 64..70, 70..134, 134..140]);
+        assert_eq!(masked_blocks(4, 1), vec![0..4]);
+        assert_eq!(masked_blocks(5, 20), [0..60, 60..100]);
+        assert_eq!(visible_keys(&[f32::NEG_INFINITY, 0.0, -1.0, f32::NEG_INFINITY]), 1..3);
+        assert!(visible_keys(&[f32::NEG_INFINITY; 3]).is_empty());
+    }
+
+    /// The storage a tensor's values lie in, as an address.
+    fn storage_address(t: &Tensor<Cpu, 4>) -> usize {
+        FlexValues::new(t.clone()).values().as_ptr() as usize
+    }
+
+    #[test]
+    fn cache_rows_are_written_in_place_unless_the_cache_is_shared() {
+        let device = Default::default();
+        let cache = normal::<Cpu, 4>([2, 3, 8, 4], 0.0, 1.0, 1, &device);
+        let rows = normal::<Cpu, 4>([2, 3, 2, 4], 0.0, 1.0, 2, &device);
+        let expected = values(cache.clone().slice_assign([0..2, 0..3, 5..7, 0..4], rows.clone()));
+        // Shared: the other handle keeps its values.
+        let kept = values(cache.clone());
+        let shared = cache.clone();
+        let written = write_cache_rows(cache, 5, rows.clone());
+        assert_eq!(values(written.clone()), expected);
+        assert_eq!(values(shared), kept);
+        // Held alone: written where it lies.
+        let before = storage_address(&written);
+        let rewritten = write_cache_rows(written, 5, rows.clone());
+        assert_eq!(storage_address(&rewritten), before);
+        assert_eq!(values(rewritten), expected);
     }
 
     #[test]

@@ -79,14 +79,57 @@ impl History {
     }
 }
 
-/// Appends `new` keys or values to an attention cache and returns all of them.
-fn append_kv<B: Backend>(cache: &mut Option<Tensor<B, 4>>, new: Tensor<B, 4>) -> Tensor<B, 4> {
-    let all = match cache.take() {
-        Some(prev) => Tensor::cat(vec![prev, new], 2),
-        None => new,
+/// An attention layer's keys and values after RoPE, `[batch, kv_heads, capacity, head_dim]` each, of which
+/// the first `len` positions are filled. New positions are written into spare capacity
+/// (`ModelBackend::write_cache_rows`, in place), which grows by half again when full: a decoded token costs
+/// its own keys and values, not a copy of the whole cache (`cat` per token was a tenth of a CPU evaluation).
+struct KvCache<B: Backend> {
+    keys: Option<Tensor<B, 4>>,
+    values: Option<Tensor<B, 4>>,
+    len: usize,
+}
+
+impl<B: ModelBackend> KvCache<B> {
+    fn new() -> Self {
+        KvCache { keys: None, values: None, len: 0 }
+    }
+
+    /// Appends `k` and `v` (`[batch, kv_heads, new, head_dim]`) and returns every cached key and value
+    /// (views of the filled positions).
+    fn append(&mut self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let len = self.len + k.dims()[2];
+        let keys = append_rows(self.keys.take(), self.len, k);
+        let values = append_rows(self.values.take(), self.len, v);
+        self.len = len;
+        let filled = (keys.clone().narrow(2, 0, len), values.clone().narrow(2, 0, len));
+        (self.keys, self.values) = (Some(keys), Some(values));
+        filled
+    }
+}
+
+/// Room for `needed` positions and half as many again (at least 64): a generation copies its cache a
+/// logarithmic number of times.
+fn grown_capacity(needed: usize) -> usize {
+    needed + (needed / 2).max(64)
+}
+
+/// `rows [batch, heads, new, d]` written after the first `len` positions of `cache`, into a larger cache
+/// when it has no room left.
+fn append_rows<B: ModelBackend>(cache: Option<Tensor<B, 4>>, len: usize, rows: Tensor<B, 4>) -> Tensor<B, 4> {
+    let [batch, heads, new, d] = rows.dims();
+    let needed = len + new;
+    let cache = match cache {
+        Some(cache) if cache.dims()[2] >= needed => cache,
+        previous => {
+            let shape = [batch, heads, grown_capacity(needed), d];
+            let larger = zeros_in(shape, rows.dtype().into(), &rows.device());
+            match previous {
+                Some(previous) => B::write_cache_rows(larger, 0, previous.narrow(2, 0, len)),
+                None => larger,
+            }
+        }
     };
-    *cache = Some(all.clone());
-    all
+    B::write_cache_rows(cache, len, rows)
 }
 
 /// A model that can run a few tokens after what its cache holds.
@@ -103,8 +146,7 @@ pub trait CachedDecoding<B: Backend> {
 enum Lfm2LayerCache<B: Backend> {
     /// Last `L-1` gated conv inputs `[batch, L-1, hidden]` (zeros before a sequence starts).
     Conv(Tensor<B, 3>),
-    /// Keys and values `[batch, kv_heads, cached, head_dim]` after RoPE.
-    Attention { k: Option<Tensor<B, 4>>, v: Option<Tensor<B, 4>> },
+    Attention(KvCache<B>),
 }
 
 /// The decoding state of a batch of sequences on an LFM2 model.
@@ -139,11 +181,10 @@ impl<B: ModelBackend> Attention<B> {
         x: Tensor<B, 3>,
         rope: &RopeTables<B>,
         mask: &Tensor<B, 4>,
-        cache_k: &mut Option<Tensor<B, 4>>,
-        cache_v: &mut Option<Tensor<B, 4>>,
+        cache: &mut KvCache<B>,
     ) -> Tensor<B, 3> {
         let (q, k, v) = self.qkv(x, rope);
-        let (k, v) = (append_kv(cache_k, k), append_kv(cache_v, v));
+        let (k, v) = cache.append(k, v);
         self.attend(q, k, v, mask)
     }
 }
@@ -162,7 +203,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Lfm2Model<B> {
                     c.conv.val().dtype().into(),
                     device,
                 )),
-                Mixer::Attention(_) => Lfm2LayerCache::Attention { k: None, v: None },
+                Mixer::Attention(_) => Lfm2LayerCache::Attention(KvCache::new()),
             })
             .collect();
         DecodeCache { layers, history: History::new(batch) }
@@ -180,8 +221,8 @@ impl<B: ModelBackend> CachedDecoding<B> for Lfm2Model<B> {
             let x = layer.operator_norm.forward(h.clone());
             let y = match (&layer.mixer, state) {
                 (Mixer::Conv(conv), Lfm2LayerCache::Conv(s)) => conv.forward_cached(x, &step.valid, s),
-                (Mixer::Attention(attn), Lfm2LayerCache::Attention { k, v }) => {
-                    attn.forward_cached(x, &rope, &step.mask, k, v)
+                (Mixer::Attention(attn), Lfm2LayerCache::Attention(kv)) => {
+                    attn.forward_cached(x, &rope, &step.mask, kv)
                 }
                 _ => unreachable!("the cache is built from this model's layers"),
             };
@@ -205,10 +246,7 @@ enum QwenLayerCache<B: Backend> {
         conv: Tensor<B, 3>,
         state: Option<Tensor<B, 4>>,
     },
-    Attention {
-        k: Option<Tensor<B, 4>>,
-        v: Option<Tensor<B, 4>>,
-    },
+    Attention(KvCache<B>),
 }
 
 /// The decoding state of a batch of sequences on a Qwen3.5 model.
@@ -267,11 +305,10 @@ impl<B: ModelBackend> GatedAttention<B> {
         x: Tensor<B, 3>,
         rope: &RopeTables<B>,
         mask: &Tensor<B, 4>,
-        cache_k: &mut Option<Tensor<B, 4>>,
-        cache_v: &mut Option<Tensor<B, 4>>,
+        cache: &mut KvCache<B>,
     ) -> Tensor<B, 3> {
         let (q, k, v, gate) = self.qkv_gate(x, rope);
-        let (k, v) = (append_kv(cache_k, k), append_kv(cache_v, v));
+        let (k, v) = cache.append(k, v);
         self.attend(q, k, v, gate, mask)
     }
 }
@@ -291,7 +328,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
                         state: None,
                     }
                 }
-                Qwen35Mixer::Full(_) => QwenLayerCache::Attention { k: None, v: None },
+                Qwen35Mixer::Full(_) => QwenLayerCache::Attention(KvCache::new()),
             })
             .collect();
         QwenDecodeCache { layers, history: History::new(batch) }
@@ -318,8 +355,8 @@ impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
                 (Qwen35Mixer::Linear(net), QwenLayerCache::DeltaNet { conv, state }) => {
                     net.forward_cached(x * step.valid.clone(), &segments, plan.as_ref(), conv, state)
                 }
-                (Qwen35Mixer::Full(attn), QwenLayerCache::Attention { k, v }) => {
-                    attn.forward_cached(x, &rope, &step.mask, k, v)
+                (Qwen35Mixer::Full(attn), QwenLayerCache::Attention(kv)) => {
+                    attn.forward_cached(x, &rope, &step.mask, kv)
                 }
                 _ => unreachable!("the cache is built from this model's layers"),
             };
@@ -378,4 +415,43 @@ pub fn generate_greedy<B: Backend, M: CachedDecoding<B>>(
         input = Tensor::from_data(TensorData::new(tokens, [batch, 1]), device);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Cpu, CpuTrain};
+    use crate::testing::{normal, values};
+
+    /// Appends of 5, 1, 1, 70, 1 and 130 positions (three of them past the capacity the one before left) read
+    /// back as everything appended so far, concatenated.
+    fn appends_read_back_as_the_concatenation<B: ModelBackend>() {
+        let device = Default::default();
+        let mut cache = KvCache::<B>::new();
+        let (mut keys, mut values_so_far) = (Vec::new(), Vec::new());
+        let mut capacities = Vec::new();
+        for (i, n) in [5, 1, 1, 70, 1, 130].into_iter().enumerate() {
+            let k = normal::<B, 4>([2, 3, n, 4], 0.0, 1.0, i as u64, &device);
+            let v = normal::<B, 4>([2, 3, n, 4], 0.0, 1.0, 100 + i as u64, &device);
+            keys.push(k.clone());
+            values_so_far.push(v.clone());
+            let (all_k, all_v) = cache.append(k, v);
+            assert_eq!(values(all_k), values(Tensor::cat(keys.clone(), 2)), "keys after append {i}");
+            assert_eq!(values(all_v), values(Tensor::cat(values_so_far.clone(), 2)), "values after append {i}");
+            capacities.push(cache.keys.as_ref().map(|k| k.dims()[2]));
+        }
+        assert_eq!(cache.len, 208);
+        assert_eq!(capacities, [69, 69, 69, 141, 141, 312].map(Some));
+    }
+
+    #[test]
+    fn the_cpu_kv_cache_reads_back_what_was_appended() {
+        appends_read_back_as_the_concatenation::<Cpu>();
+    }
+
+    /// The autodiff backend keeps the trait's default, burn's `slice_assign` (what the CubeCL backends run).
+    #[test]
+    fn the_slice_assign_kv_cache_reads_back_what_was_appended() {
+        appends_read_back_as_the_concatenation::<CpuTrain>();
+    }
 }

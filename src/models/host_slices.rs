@@ -1,10 +1,13 @@
 //! The f32 slice arithmetic shared by the CPU backend's loop kernels (`cpu_attention`, `cpu_deltanet`,
 //! `cpu_elementwise`): a dot product in eight interleaved lanes, `y += a·x`, an exponential that
 //! vectorizes, matrix products over strided views of slices (the `gemm` crate's kernels, which burn-flex
-//! runs too), row access, and a tensor's host values.
+//! runs too), row access, and a tensor's host values: copied out (`host`), or read in place from the CPU
+//! backend's storage (`FlexValues`, `HeadRows`).
 
+use burn::backend::Flex;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn_flex::FlexTensor;
 
 /// `Σ aᵢ bᵢ` in eight interleaved partial sums (which the compiler keeps in vector registers).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -108,6 +111,80 @@ pub fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data().into_vec::<f32>().expect("an f32 tensor (checked by the caller)")
 }
 
+/// An f32 tensor of the CPU backend read in place: Flex's storage borrowed rather than copied out as
+/// `host` does (a copy of every cached key and value per decoded token was a sixth of an evaluation).
+pub struct FlexValues {
+    tensor: FlexTensor,
+}
+
+impl FlexValues {
+    /// `t` as held; `values` and `heads` read it where it lies.
+    pub fn new<const D: usize>(t: Tensor<Flex, D>) -> Self {
+        let tensor = t.into_primitive().tensor();
+        assert_eq!(tensor.dtype(), burn::tensor::DType::F32, "an f32 tensor (checked by the caller)");
+        FlexValues { tensor }
+    }
+
+    /// The values in row-major order: in place when the tensor is contiguous, else copied once into a
+    /// contiguous tensor that this then holds.
+    pub fn values(&mut self) -> &[f32] {
+        if self.tensor.as_slice::<f32>().is_none() {
+            self.tensor = self.tensor.to_contiguous();
+        }
+        self.tensor.as_slice::<f32>().expect("a contiguous f32 tensor")
+    }
+
+    /// A `[outer, inner, rows, d]` tensor as `outer · inner` heads of `rows × d` row-major values, read in
+    /// place where each head's rows lie back to back (a contiguous tensor, or a cache narrowed to its
+    /// filled positions), else from a contiguous copy.
+    pub fn heads(&mut self) -> HeadRows<'_> {
+        let layout = self.tensor.layout();
+        let (shape, strides, start) = (layout.shape().to_vec(), layout.strides().to_vec(), layout.start_offset());
+        assert_eq!(shape.len(), 4, "a [outer, inner, rows, d] tensor");
+        let (inner, rows, d) = (shape[1], shape[2], shape[3]);
+        // A dimension of size 1 is never stepped over, whatever its stride.
+        let rows_in_place = (d <= 1 || strides[3] == 1) && (rows <= 1 || strides[2] == d as isize);
+        let outer_strides = [strides[0], strides[1]].map(usize::try_from);
+        match outer_strides {
+            [Ok(outer_stride), Ok(inner_stride)] if rows_in_place => HeadRows {
+                data: self.tensor.storage::<f32>(),
+                start,
+                strides: [outer_stride, inner_stride],
+                inner,
+                len: rows * d,
+            },
+            _ => {
+                self.tensor = self.tensor.to_contiguous();
+                HeadRows::contiguous(self.tensor.storage::<f32>(), rows * d)
+            }
+        }
+    }
+}
+
+/// Heads of `len` row-major values in a slice: head `h` at `start + (h / inner) · strides[0] + (h % inner) ·
+/// strides[1]`.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadRows<'a> {
+    data: &'a [f32],
+    start: usize,
+    strides: [usize; 2],
+    inner: usize,
+    len: usize,
+}
+
+impl<'a> HeadRows<'a> {
+    /// Heads of `len` values back to back from the start of `data`.
+    pub fn contiguous(data: &'a [f32], len: usize) -> Self {
+        HeadRows { data, start: 0, strides: [len, len], inner: 1, len }
+    }
+
+    /// Head `h`'s values.
+    pub fn head(&self, h: usize) -> &'a [f32] {
+        let at = self.start + (h / self.inner) * self.strides[0] + (h % self.inner) * self.strides[1];
+        &self.data[at..at + self.len]
+    }
+}
+
 /// `eˣ` in branch-free f32 arithmetic, so that loops over slices of it vectorize (libm's `expf` is a call per
 /// element: a tenth of a CPU training step went to it). `eˣ = 2ⁿ · eʳ` with `n = round(x / ln 2)` and
 /// `r = x − n ln 2` (ln 2 in two parts, so `r` keeps its low bits) in `[−ln2/2, ln2/2]`, where the Taylor
@@ -136,7 +213,28 @@ pub fn exp(x: f32) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::exp;
+    use super::{FlexValues, exp};
+    use crate::backend::Cpu;
+    use crate::testing::{normal, values};
+
+    /// A cache narrowed to its first positions is read where it lies; a view whose rows are not contiguous
+    /// (keys transposed) is read from a copy, in its logical order either way.
+    #[test]
+    fn heads_are_read_in_place_where_their_rows_lie_back_to_back() {
+        let cache = normal::<Cpu, 4>([2, 3, 10, 4], 0.0, 1.0, 1, &Default::default());
+        let base = FlexValues::new(cache.clone()).values().as_ptr();
+        let narrowed = cache.clone().narrow(2, 0, 6);
+        let transposed = cache.clone().narrow(2, 0, 6).swap_dims(2, 3);
+        for (view, in_place) in [(narrowed, true), (transposed, false)] {
+            let [_, _, rows, d] = view.dims();
+            let expected = values(view.clone());
+            let mut held = FlexValues::new(view);
+            let heads = held.heads();
+            assert_eq!(std::ptr::eq(heads.head(0).as_ptr(), base), in_place, "{rows} × {d} heads");
+            let read: Vec<f32> = (0..6).flat_map(|h| heads.head(h).to_vec()).collect();
+            assert_eq!(read, expected, "{rows} × {d} heads");
+        }
+    }
 
     /// Every 97th f32 magnitude from −87 to 88.7 (normal results) within 2ε relative of the f64
     /// exponential, the results near and below the smallest normal within that or one subnormal step, and

@@ -84,6 +84,13 @@ pub trait ModelBackend: Backend {
         softmax_attention(q, k, v, mask)
     }
 
+    /// Writes `rows [batch, heads, n, d]` into positions `at..at + n` of a decoding cache `[batch, heads,
+    /// capacity, d]` and returns the cache: burn's `slice_assign`, which the CubeCL backends do in place when
+    /// the cache's buffer is not shared (on the CPU in f32, `cpu_attention::write_cache_rows`).
+    fn write_cache_rows(cache: Tensor<Self, 4>, at: usize, rows: Tensor<Self, 4>) -> Tensor<Self, 4> {
+        write_cache_rows_composed(cache, at, rows)
+    }
+
     /// `document_attention` with what its backward pass needs: the output and each query's log-sum-exp
     /// (`attention::chunked_attention`; the CPU backend in f32 runs `cpu_attention` instead).
     fn attention_forward(
@@ -398,6 +405,12 @@ pub fn column_sums<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 1> {
         .reduce(|sum, piece| sum + piece)
         .expect("one piece at least")
         .reshape([width])
+}
+
+/// `ModelBackend::write_cache_rows` as burn's `slice_assign`.
+pub fn write_cache_rows_composed<B: Backend>(cache: Tensor<B, 4>, at: usize, rows: Tensor<B, 4>) -> Tensor<B, 4> {
+    let [batch, heads, n, d] = rows.dims();
+    cache.slice_assign([0..batch, 0..heads, at..at + n, 0..d], rows)
 }
 
 /// `x` in f32, as a new cast at each use. A half-precision input cast once and reused after a reduction
