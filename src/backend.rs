@@ -425,7 +425,7 @@ impl ModelBackend for Flex {
     }
 
     fn write_cache_rows(cache: Tensor<Self, 4>, at: usize, rows: Tensor<Self, 4>) -> Tensor<Self, 4> {
-        if cpu_attention::takes([&cache, &rows, &rows]) {
+        if cpu_attention::takes([&cache, &rows]) {
             cpu_attention::write_cache_rows(cache, at, rows)
         } else {
             write_cache_rows_composed(cache, at, rows)

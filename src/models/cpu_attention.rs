@@ -271,8 +271,8 @@ fn dims_of<B: Backend>(q: &Tensor<B, 4>, k: &Tensor<B, 4>) -> AttentionDims {
     AttentionDims { batch, heads, kv_heads: k.dims()[1], seq, d }
 }
 
-/// Whether `forward_on_host` takes these inputs (all f32); the callers keep the tensor ops otherwise.
-pub fn takes<B: Backend>(tensors: [&Tensor<B, 4>; 3]) -> bool {
+/// Whether the host paths here take these inputs (all f32); the callers keep the tensor ops otherwise.
+pub fn takes<B: Backend, const N: usize>(tensors: [&Tensor<B, 4>; N]) -> bool {
     tensors.iter().all(|t| t.dtype() == DType::F32)
 }
 

@@ -354,6 +354,20 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     let mut checkpoints = Vec::new();
     let mut last_loss = None;
     let mut peak = PeakMemory::default();
+    // The summary of a run that ends here (finished or interrupted), written to `train/summary.json`.
+    let finish = |position: &Position, final_loss, checkpoints, interrupted| {
+        let summary = TrainSummary {
+            steps: position.global_step,
+            epochs_done: position.epoch,
+            final_loss,
+            checkpoints,
+            interrupted,
+            seconds: started.elapsed().as_secs_f64(),
+            precision: cfg.precision,
+            state_memory,
+        };
+        write_summary(&train_dir, &summary).map(|()| summary)
+    };
 
     while position.epoch < cfg.epochs {
         let order = data.order(cfg.seed, position.epoch);
@@ -361,18 +375,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             if stop.load(Ordering::SeqCst) || halt_after.is_some_and(|n| position.global_step >= n) {
                 write_state(&state_dir, &model, &opt, &position, model_dir)?;
                 bar.abandon_with_message("interrupted: state saved, continue with --resume");
-                let summary = TrainSummary {
-                    steps: position.global_step,
-                    epochs_done: position.epoch,
-                    final_loss: last_loss,
-                    checkpoints,
-                    interrupted: true,
-                    seconds: started.elapsed().as_secs_f64(),
-                    precision: cfg.precision,
-                    state_memory,
-                };
-                write_summary(&train_dir, &summary)?;
-                return Ok((summary, model));
+                return Ok((finish(&position, last_loss, checkpoints, true)?, model));
             }
             let step_started = Instant::now();
             let start = position.step_in_epoch * global_batch;
@@ -438,18 +441,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         write_state(&state_dir, &model, &opt, &position, model_dir)?;
     }
     bar.finish_and_clear();
-    let summary = TrainSummary {
-        steps: position.global_step,
-        epochs_done: position.epoch,
-        final_loss: last_loss,
-        checkpoints,
-        interrupted: false,
-        seconds: started.elapsed().as_secs_f64(),
-        precision: cfg.precision,
-        state_memory,
-    };
-    write_summary(&train_dir, &summary)?;
-    Ok((summary, model))
+    Ok((finish(&position, last_loss, checkpoints, false)?, model))
 }
 
 /// The FLOPs of a training step by the trainer's MFU formula: 6 · P · T for the dense forward and backward
