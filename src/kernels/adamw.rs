@@ -316,3 +316,49 @@ impl<B: FusionBackend + AdamWKernel> AdamWKernel for Fusion<B> {
             .collect()
     }
 }
+
+/// The launches CUDA makes (`cuda_source`): f32 parameters, and bf16 ones with f32 masters kept, moments in
+/// f32 or bf16; a full launch of tensors and a short last one.
+#[cfg(all(test, feature = "vulkan"))]
+pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::cuda_source::Variant> {
+    use super::cuda_source::{Runtime, Variant, scalars, settings, tensor, tensors};
+    let args = || AdamWArgsCompilationArg {
+        beta1: (),
+        beta2: (),
+        one_minus_beta1: (),
+        one_minus_beta2: (),
+        step_size: (),
+        bias2_root: (),
+        eps: (),
+        base: (),
+        per_cube: (),
+    };
+    let mut variants = Vec::new();
+    for (param, moment, kept_masters) in
+        [(DType::F32, DType::F32, false), (DType::BF16, DType::F32, true), (DType::BF16, DType::BF16, true)]
+    {
+        for count in [MAX_TENSORS, 3] {
+            let masters = if kept_masters { count } else { 0 };
+            variants.push(Variant::new(
+                format!("adamw {param:?} parameters, {moment:?} moments, {count} tensors"),
+                adamw_kernel::AdamwKernel::<Runtime>::new(
+                    settings(UNITS as u32),
+                    client.clone(),
+                    tensors(count),
+                    tensors(count),
+                    tensors(masters),
+                    tensors(count),
+                    tensors(count),
+                    tensors(count),
+                    tensor(),
+                    scalars(count + 1),
+                    scalars(count),
+                    args(),
+                    kept_masters,
+                    [param, param, moment].map(Into::into),
+                ),
+            ));
+        }
+    }
+    variants
+}

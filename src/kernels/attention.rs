@@ -353,3 +353,53 @@ impl<B: FusionBackend + AttentionRowKernels> AttentionRowKernels for Fusion<B> {
         register_row_kernel::<B>(RowKernel::ScoreGrads, floats, docs, [(shape.clone(), dtype), (shape, dtype)], rows)
     }
 }
+
+/// The launches CUDA makes (`cuda_source`): scores in f32 and bf16, document ids in i32.
+#[cfg(all(test, feature = "vulkan"))]
+pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::cuda_source::Variant> {
+    use super::cuda_source::{Runtime, Variant, settings, tensor};
+    let args = || ChunkArgsCompilationArg {
+        rows: (),
+        keys: (),
+        len: (),
+        rows_per_batch: (),
+        seq: (),
+        start: (),
+        first: (),
+        scale: (),
+    };
+    let mut variants = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        let dtypes = [dtype.into(), DType::I32.into()];
+        variants.push(Variant::new(
+            format!("attention softmax rows {dtype:?}"),
+            softmax_rows_kernel::SoftmaxRowsKernel::<Runtime>::new(
+                settings(UNITS),
+                client.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                args(),
+                dtypes,
+            ),
+        ));
+        variants.push(Variant::new(
+            format!("attention score grads {dtype:?}"),
+            score_grads_kernel::ScoreGradsKernel::<Runtime>::new(
+                settings(UNITS),
+                client.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                args(),
+                dtypes,
+            ),
+        ));
+    }
+    variants
+}

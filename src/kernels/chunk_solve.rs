@@ -117,3 +117,24 @@ impl<B: FusionBackend + ChunkSolveKernel> ChunkSolveKernel for Fusion<B> {
         inverse
     }
 }
+
+/// The launches CUDA makes (`cuda_source`): the DeltaNet's chunks of 64 and the tiny models' smaller ones.
+#[cfg(all(test, feature = "vulkan"))]
+pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::cuda_source::Variant> {
+    use super::cuda_source::{Runtime, Variant, settings, tensor};
+    [64, 16]
+        .map(|size| {
+            Variant::new(
+                format!("chunk solve {size}×{size}"),
+                unit_lower_inverse_kernel::UnitLowerInverseKernel::<Runtime>::new(
+                    settings(size as u32),
+                    client.clone(),
+                    tensor(),
+                    tensor(),
+                    (),
+                    size,
+                ),
+            )
+        })
+        .into()
+}

@@ -386,3 +386,51 @@ impl<B: FusionBackend + ConvKernels> ConvKernels for Fusion<B> {
         outputs(register_custom::<B, _>("kiln_causal_conv_grads", inputs, &shapes, FusedConv::<B>::maker(seq, true)))
     }
 }
+
+/// The launches CUDA makes (`cuda_source`): inputs in f32 and bf16 with kernels in their dtype or f32, LFM2's
+/// three taps and Qwen3.5's four, over narrow and wide channels.
+#[cfg(all(test, feature = "vulkan"))]
+pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::cuda_source::Variant> {
+    use super::cuda_source::{Runtime, Variant, settings, tensor};
+    let args = || ConvArgsCompilationArg { tokens: (), seq: (), channels: (), groups: (), tokens_per_cube: () };
+    let mut variants = Vec::new();
+    for (x, kernel) in [(DType::F32, DType::F32), (DType::BF16, DType::BF16), (DType::BF16, DType::F32)] {
+        let dtypes = [x.into(), kernel.into()];
+        for (taps, channels) in [(3, 1024), (4, 6144), (3, 48)] {
+            let units = units_for(channels);
+            let name = format!("causal conv {x:?}/{kernel:?} {taps} taps, {channels} channels");
+            variants.push(Variant::new(
+                format!("{name} forward"),
+                causal_conv_kernel::CausalConvKernel::<Runtime>::new(
+                    settings(units as u32),
+                    client.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    args(),
+                    taps,
+                    dtypes,
+                ),
+            ));
+            variants.push(Variant::new(
+                format!("{name} backward"),
+                causal_conv_grads_kernel::CausalConvGradsKernel::<Runtime>::new(
+                    settings(units as u32),
+                    client.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    args(),
+                    taps,
+                    units,
+                    dtypes,
+                ),
+            ));
+        }
+    }
+    variants
+}

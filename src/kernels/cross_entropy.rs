@@ -192,3 +192,32 @@ impl<B: FusionBackend + CrossEntropyRowsKernel> CrossEntropyRowsKernel for Fusio
         ))
     }
 }
+
+/// The launches CUDA makes (`cuda_source`): logits in f32 and bf16, targets in i32, with and without
+/// gradients.
+#[cfg(all(test, feature = "vulkan"))]
+pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::cuda_source::Variant> {
+    use super::cuda_source::{Runtime, Variant, settings, tensor};
+    let mut variants = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        for with_grads in [true, false] {
+            variants.push(Variant::new(
+                format!("cross-entropy rows {dtype:?}, gradients {with_grads}"),
+                cross_entropy_rows_kernel::CrossEntropyRowsKernel::<Runtime>::new(
+                    settings(UNITS),
+                    client.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    (),
+                    (),
+                    with_grads,
+                    [dtype.into(), DType::I32.into()],
+                ),
+            ));
+        }
+    }
+    variants
+}

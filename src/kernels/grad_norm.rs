@@ -158,3 +158,29 @@ impl<B: FusionBackend + SquaredSumsKernel> SquaredSumsKernel for Fusion<B> {
         partials
     }
 }
+
+/// The launches CUDA makes (`cuda_source`): gradients in f32 and bf16, a full launch of tensors and a short
+/// last one.
+#[cfg(all(test, feature = "vulkan"))]
+pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::cuda_source::Variant> {
+    use super::cuda_source::{Runtime, Variant, scalars, settings, tensor, tensors};
+    let mut variants = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        for count in [MAX_TENSORS, 3] {
+            variants.push(Variant::new(
+                format!("squared sums {dtype:?}, {count} tensors"),
+                squared_sums_kernel::SquaredSumsKernel::<Runtime>::new(
+                    settings(UNITS as u32),
+                    client.clone(),
+                    tensors(count),
+                    scalars(count + 1),
+                    tensor(),
+                    (),
+                    (),
+                    dtype.into(),
+                ),
+            ));
+        }
+    }
+    variants
+}

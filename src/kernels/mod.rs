@@ -5,6 +5,7 @@
 //! (`scan`) and chunk solve (`chunk_solve`), the attention's softmax rows (`attention`), the cross-entropy's
 //! rows (`cross_entropy`), the RMSNorms (`norm`), the causal depthwise convolution (`conv`), the gradients'
 //! squared norm (`grad_norm`) and AdamW's update (`adamw`).
+//! `cuda_source` (a test) writes every one's CUDA launches as CUDA C++ and compiles them with NVRTC, no GPU needed.
 //! `backend` wires them into `ModelBackend`, `train::linear_ce::CrossEntropyRows` and
 //! `train::optim::OptimizerOps`, each behind an environment switch.
 
@@ -13,6 +14,8 @@ pub mod attention;
 pub mod chunk_solve;
 pub mod conv;
 pub mod cross_entropy;
+#[cfg(all(test, feature = "vulkan"))]
+mod cuda_source;
 pub mod grad_norm;
 pub mod norm;
 pub mod scan;

@@ -347,3 +347,54 @@ impl<B: FusionBackend + NormKernels> NormKernels for Fusion<B> {
         }))
     }
 }
+
+/// The launches CUDA makes (`cuda_source`): both norm kinds over inputs and weights in f32 and bf16, rows as
+/// narrow as the q/k norms' and as wide as LFM2.5-1.2B's.
+#[cfg(all(test, feature = "vulkan"))]
+pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::cuda_source::Variant> {
+    use super::cuda_source::{Runtime, Variant, settings, tensor};
+    let mut variants = Vec::new();
+    for kind in [NormKind::Plain, NormKind::ZeroCentered] {
+        for (x, weight) in [(DType::F32, DType::F32), (DType::BF16, DType::BF16), (DType::BF16, DType::F32)] {
+            let dtypes: [StorageType; 3] = [x, weight, kind.output_dtype(x, weight)].map(Into::into);
+            let zero_centered = kind == NormKind::ZeroCentered;
+            for width in [64, 2048] {
+                let units = units_for(width);
+                let args = || NormArgsCompilationArg { rows: (), width: (), eps: () };
+                let name = format!("rms_norm {kind:?} {x:?}/{weight:?} width {width}");
+                variants.push(Variant::new(
+                    format!("{name} forward"),
+                    rms_norm_kernel::RmsNormKernel::<Runtime>::new(
+                        settings(units as u32),
+                        client.clone(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        args(),
+                        zero_centered,
+                        units,
+                        dtypes,
+                    ),
+                ));
+                variants.push(Variant::new(
+                    format!("{name} backward"),
+                    rms_norm_grads_kernel::RmsNormGradsKernel::<Runtime>::new(
+                        settings(units as u32),
+                        client.clone(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        args(),
+                        zero_centered,
+                        units,
+                        width,
+                        dtypes,
+                    ),
+                ));
+            }
+        }
+    }
+    variants
+}

@@ -275,3 +275,40 @@ impl<B: FusionBackend + ChunkScanKernel> ChunkScanKernel for Fusion<B> {
         }))
     }
 }
+
+/// The launches CUDA makes (`cuda_source`): Qwen3.5's key width 128 and the tiny model's 16 in chunks of 64,
+/// both directions, with and without the extra term.
+#[cfg(all(test, feature = "vulkan"))]
+pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::cuda_source::Variant> {
+    use super::cuda_source::{Runtime, Variant, settings, tensor};
+    let mut variants = Vec::new();
+    for dk in [128, 16] {
+        for backward in [false, true] {
+            for has_extra in [false, true] {
+                variants.push(Variant::new(
+                    format!("chunk recurrence dk {dk}, backward {backward}, extra {has_extra}"),
+                    chunk_recurrence_kernel::ChunkRecurrenceKernel::<Runtime>::new(
+                        settings(UNITS),
+                        client.clone(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        tensor(),
+                        (),
+                        (),
+                        dk,
+                        64,
+                        backward,
+                        has_extra,
+                    ),
+                ));
+            }
+        }
+    }
+    variants
+}
