@@ -4,7 +4,8 @@
 # Two parts of kiln's CUDA step have never run on a GPU: burn's fusion (it panicked in every step of the first
 # GPU session, tracel-ai/burn#5292; fixed since and checked on lavapipe) and kiln's own CubeCL kernels (the
 # attention's and the loss's softmax rows, the DeltaNet scan and chunk solve, the RMSNorms, the causal conv,
-# the optimizer's gradient norm and AdamW update: checked on lavapipe, never compiled by NVRTC).
+# the optimizer's gradient norm and AdamW update: checked on lavapipe, and compiled by NVRTC 13.0 for sm_90a
+# without a GPU (src/kernels/cuda_source.rs), but never launched on one).
 # Each has a switch that runs the same binary without it. A device session is minutes long, so a failure in
 # one must not cost the figures of the rest: the run is tried again with the switches below, in order, and
 # the first set that works is marked for the runs after it.
