@@ -8,8 +8,8 @@
 //! (lavapipe): the definitions are CubeCL's IR, the same for every runtime, so the test builds them on it.
 //! NVRTC is loaded from `KILN_NVRTC` (the library's path) with CUDA's headers from `KILN_CUDA_INCLUDE`
 //! (directories joined by `:`), and its `libnvrtc-builtins` from the loader's path (`LD_LIBRARY_PATH`);
-//! .ci/run installs them from NVIDIA's pip wheels (CUDA 13.0, the GPU machines' version) and sets all three. Without them the kernels'
-//! CUDA C++ is still written and checked, and the test says that NVRTC did not run.
+//! .ci/run installs them from NVIDIA's pip wheels (CUDA 13.0, the GPU machines' version) and sets all three.
+//! Without them the kernels' CUDA C++ is still written and checked, and the test says that NVRTC did not run.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 
@@ -41,7 +41,7 @@ pub(super) fn scalars<C: LaunchArg<CompilationArg = ()>>(count: usize) -> Sequen
     SequenceCompilationArg { values: (0..count).map(|_| ()).collect() }
 }
 
-/// One launch configuration of a kernel: a name for the report and its definition.
+/// One launch configuration of a kernel: a name for the report, its definition and its address type.
 pub(super) struct Variant {
     pub(super) name: String,
     pub(super) definition: KernelDefinition,
@@ -54,7 +54,8 @@ impl Variant {
     }
 }
 
-/// The settings a kernel's generated `launch` starts from, with its cube of `units` units.
+/// The settings a kernel's generated `launch` starts from (32-bit addresses, the macro's default), with its
+/// cube of `units` units.
 pub(super) fn settings(units: u32) -> KernelSettings {
     KernelSettings::default().cube_dim(CubeDim::new_1d(units)).address_type(AddressType::U32)
 }
