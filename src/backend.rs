@@ -180,6 +180,16 @@ pub fn conv_kernel() -> Result<bool, String> {
     switch(CONV_KERNEL_ENV)
 }
 
+/// The switch of the MoE's experts batched into one matmul over padded groups (`models::experts`) on the
+/// CubeCL backends; off runs a matmul per expert.
+pub const EXPERTS_BATCHED_ENV: &str = "KILN_EXPERTS_BATCHED";
+
+/// Whether the CubeCL backends batch the MoE's experts, from `KILN_EXPERTS_BATCHED`; malformed values are
+/// an error (`main` checks before any command runs).
+pub fn experts_batched() -> Result<bool, String> {
+    switch(EXPERTS_BATCHED_ENV)
+}
+
 /// An on/off switch from the environment: on when unset.
 fn switch(name: &str) -> Result<bool, String> {
     std::env::var_os(name).map_or(Ok(true), |value| parse_switch(name, &value.to_string_lossy()))
@@ -282,7 +292,8 @@ cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused
 // (`kernels::attention`) unless `KILN_ATTENTION_KERNEL=off`, the cross-entropy's rows as one
 // (`kernels::cross_entropy`) unless `KILN_LOSS_KERNEL=off`, the RMSNorms as kernels (`kernels::norm`)
 // unless `KILN_NORM_KERNEL=off`, the causal depthwise convolution as kernels (`kernels::conv`) unless
-// `KILN_CONV_KERNEL=off`, and the optimizer's gradient norm and AdamW update as kernels over many
+// `KILN_CONV_KERNEL=off`, the MoE's experts as one batched matmul over padded groups (`models::experts`)
+// unless `KILN_EXPERTS_BATCHED=off`, and the optimizer's gradient norm and AdamW update as kernels over many
 // tensors at once (`kernels::grad_norm`, `kernels::adamw`) unless `KILN_OPTIM_KERNEL=off`.
 impl CrossEntropyRows for Flex {
     fn cross_entropy_rows(
@@ -588,6 +599,19 @@ macro_rules! cubecl_model_backend {
                 }
             }
 
+            fn grouped_matmul(x: Tensor<Self, 2>, weights: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
+                crate::models::experts::grouped_matmul(x, weights, counts, experts_batched_enabled())
+            }
+
+            fn grouped_matmul_grads(
+                x: Tensor<Self, 2>,
+                weights: Tensor<Self, 3>,
+                counts: &[usize],
+                grad: Tensor<Self, 2>,
+            ) -> (Tensor<Self, 2>, Tensor<Self, 3>) {
+                crate::models::experts::grouped_matmul_grads(x, weights, counts, grad, experts_batched_enabled())
+            }
+
             fn unit_lower_inverse(
                 lower: Tensor<Self, 5>,
                 plan: &crate::models::deltanet::ChunkPlan<Self>,
@@ -650,6 +674,12 @@ pub fn conv_kernel_enabled() -> bool {
 pub fn optim_kernel_enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     switch_once(&ENABLED, OPTIM_KERNEL_ENV)
+}
+
+/// `experts_batched()` read once, for the models (the CLI has rejected a malformed value before they run).
+pub fn experts_batched_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    switch_once(&ENABLED, EXPERTS_BATCHED_ENV)
 }
 
 fn switch_once(cell: &std::sync::OnceLock<bool>, name: &str) -> bool {

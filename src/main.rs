@@ -579,6 +579,7 @@ fn run(cli: Cli, host_allocator: Option<&str>) -> Result<()> {
         kiln::backend::norm_kernel().map_err(anyhow::Error::msg)?;
         kiln::backend::conv_kernel().map_err(anyhow::Error::msg)?;
         kiln::backend::optim_kernel().map_err(anyhow::Error::msg)?;
+        kiln::backend::experts_batched().map_err(anyhow::Error::msg)?;
     }
     match cli.command {
         Command::Pull(args) => pull(args, &cli.datasets_dir, cli.quiet),
@@ -825,6 +826,8 @@ fn info(host_allocator: Option<&str>) -> Result<()> {
         "norm_kernel": kiln::backend::norm_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "conv_kernel": kiln::backend::conv_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "optim_kernel": kiln::backend::optim_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
+        "experts_batched": kiln::backend::experts_batched()
+            .map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "hub": {
             "endpoint": config.endpoint,
             "cache_dir": config.cache_dir,

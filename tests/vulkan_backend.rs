@@ -488,3 +488,51 @@ fn the_kernel_profile_tabulates_a_training_step() {
     assert_eq!(result["device"], "vulkan");
     assert!(prefix.with_extension("log.gz").exists());
 }
+
+/// The MoE's experts batched into one matmul over padded groups (`models::experts`, what the CubeCL backends
+/// run) against a matmul per expert on the CPU, fused and unfused: outputs and both gradients, with short
+/// groups padded, long groups split into overflow matmuls (their weight gradients added into the batch's
+/// with `slice_assign`), and an expert without rows.
+#[test]
+fn the_batched_experts_equal_a_matmul_per_expert_on_the_device() {
+    use kiln::models::experts::{ExpertBatch, batched_backward, batched_forward};
+    use kiln::models::experts::{grouped_matmul_backward, grouped_matmul_forward};
+
+    fn tensor<B: burn::tensor::backend::Backend, const D: usize>(shape: [usize; D], seed: u64) -> Tensor<B, D> {
+        let len = shape.iter().product();
+        kiln::backend::host_tensor::<B, 1>(spread(len, seed, -1.0, 1.0), [len], FloatDType::F32, &Default::default())
+            .reshape(shape)
+    }
+    fn batched<B: burn::tensor::backend::Backend>(
+        counts: &[usize],
+        capacity: usize,
+        dims: [usize; 2],
+    ) -> Vec<Vec<f32>> {
+        let n = counts.iter().sum();
+        let [width, out] = dims;
+        let (x, weights, grad) =
+            (tensor::<B, 2>([n, width], 1), tensor([counts.len(), width, out], 2), tensor([n, out], 3));
+        let batch = ExpertBatch::with_capacity(counts, capacity);
+        let (grad_x, grad_w) = batched_backward(x.clone(), weights.clone(), &batch, grad);
+        vec![values(batched_forward(x, weights, &batch)), values(grad_x), values(grad_w)]
+    }
+
+    let counts = [9usize, 0, 33, 4, 17, 1];
+    let dims = [40, 24];
+    let n = counts.iter().sum();
+    let (x, weights, grad) =
+        (tensor::<Cpu, 2>([n, dims[0]], 1), tensor([counts.len(), dims[0], dims[1]], 2), tensor([n, dims[1]], 3));
+    let (grad_x, grad_w) = grouped_matmul_backward(x.clone(), weights.clone(), &counts, grad);
+    let want = [values(grouped_matmul_forward(x, weights, &counts)), values(grad_x), values(grad_w)];
+    for capacity in [16, 48] {
+        for (backend, got) in [
+            ("fused", batched::<Vk>(&counts, capacity, dims)),
+            ("unfused", batched::<VkUnfused>(&counts, capacity, dims)),
+        ] {
+            for ((name, want), got) in ["output", "d x", "d weights"].iter().zip(&want).zip(&got) {
+                let diff = max_abs_diff(got, want);
+                assert!(diff < 1e-4, "{backend}, capacity {capacity}: {name} differs by {diff}");
+            }
+        }
+    }
+}

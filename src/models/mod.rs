@@ -14,6 +14,7 @@ pub mod cpu_deltanet;
 pub mod cpu_elementwise;
 pub mod decode;
 pub mod deltanet;
+pub mod experts;
 pub mod hf;
 mod host_slices;
 pub mod layers;

@@ -38,6 +38,7 @@ use super::attention::{
 use super::deltanet::{
     self, ChunkPlan, ChunkRecurrence, ChunkedScan, RecurrenceOut, ScanInputs, tracked_gated_delta_rule,
 };
+use super::experts::{grouped_matmul_backward, grouped_matmul_forward};
 use super::layers::{
     ConvShifts, RopeTables, apply_rope, apply_rope_backward, causal_depthwise_conv, causal_depthwise_conv_backward,
     l2_normalize, l2_normalize_backward,
@@ -202,9 +203,22 @@ pub trait ModelBackend: Backend {
     }
 
     /// Rows grouped by expert times each group's weights: `x` `[n, in]` holds `counts[e]` consecutive rows
-    /// for expert `e`, `weights` is `[experts, in, out]`; returns `[n, out]` (the MoE's grouped matmul).
+    /// for expert `e`, `weights` is `[experts, in, out]`; returns `[n, out]` (the MoE's grouped matmul: a
+    /// matmul per expert, `experts::grouped_matmul_forward`; the CubeCL backends batch the experts,
+    /// `experts::batched_forward`).
     fn grouped_matmul(x: Tensor<Self, 2>, weights: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
         grouped_matmul_forward(x, weights, counts)
+    }
+
+    /// The gradients `(d x, d weights)` of `grouped_matmul` for the output gradient `grad`
+    /// (`experts::grouped_matmul_backward`; the CubeCL backends batch the experts, `experts::batched_backward`).
+    fn grouped_matmul_grads(
+        x: Tensor<Self, 2>,
+        weights: Tensor<Self, 3>,
+        counts: &[usize],
+        grad: Tensor<Self, 2>,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 3>) {
+        grouped_matmul_backward(x, weights, counts, grad)
     }
 
     /// The gated delta rule from an empty state over whole sequences (Qwen3.5's DeltaNet core in training
@@ -495,7 +509,7 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             return grouped_matmul_forward(x, weights, counts);
         }
         record_binary(GroupedMatmulBackward, x, weights, counts.to_vec(), |x, weights| {
-            grouped_matmul_forward(x, weights, counts)
+            B::grouped_matmul(x, weights, counts)
         })
     }
 
@@ -614,53 +628,6 @@ fn backward_binary<B: Backend, E, const DA: usize, const DB: usize, const DO: us
     }
 }
 
-/// The grouped matmul as burn composes it: one slice of rows and one expert's weights per group.
-pub fn grouped_matmul_forward<B: Backend>(x: Tensor<B, 2>, weights: Tensor<B, 3>, counts: &[usize]) -> Tensor<B, 2> {
-    let [experts, width, out] = weights.dims();
-    assert_eq!(counts.len(), experts, "one row count per expert");
-    assert_eq!(counts.iter().sum::<usize>(), x.dims()[0], "the counts cover every row");
-    let mut start = 0;
-    let mut groups = Vec::new();
-    for (e, &n) in counts.iter().enumerate().filter(|(_, n)| **n > 0) {
-        let expert = weights.clone().narrow(0, e, 1).reshape([width, out]);
-        groups.push(x.clone().narrow(0, start, n).matmul(expert));
-        start += n;
-    }
-    if groups.is_empty() {
-        return zeros_in([0, out], x.dtype().into(), &x.device());
-    }
-    Tensor::cat(groups, 0)
-}
-
-/// Gradients of `grouped_matmul_forward` for the output gradient `grad` `[n, out]`: per group
-/// `d x_e = grad_e W_eᵀ`, `d W_e = x_eᵀ grad_e` (zero for experts without rows), written once as the whole
-/// `[experts, in, out]` gradient instead of one full-size gradient per expert slice.
-pub fn grouped_matmul_backward<B: Backend>(
-    x: Tensor<B, 2>,
-    weights: Tensor<B, 3>,
-    counts: &[usize],
-    grad: Tensor<B, 2>,
-) -> (Tensor<B, 2>, Tensor<B, 3>) {
-    let [_, width, out] = weights.dims();
-    let device = x.device();
-    let mut start = 0;
-    let (mut grad_x, mut grad_w) = (Vec::new(), Vec::with_capacity(counts.len()));
-    for (e, &n) in counts.iter().enumerate() {
-        if n == 0 {
-            grad_w.push(zeros_in([width, out], weights.dtype().into(), &device));
-            continue;
-        }
-        let rows = x.clone().narrow(0, start, n);
-        let grad_rows = grad.clone().narrow(0, start, n);
-        let expert = weights.clone().narrow(0, e, 1).reshape([width, out]);
-        grad_x.push(grad_rows.clone().matmul(expert.transpose()));
-        grad_w.push(rows.transpose().matmul(grad_rows));
-        start += n;
-    }
-    let grad_x = if grad_x.is_empty() { x.zeros_like() } else { Tensor::cat(grad_x, 0) };
-    (grad_x, Tensor::stack(grad_w, 0))
-}
-
 #[derive(Debug)]
 struct L2NormBackward<const D: usize>;
 
@@ -715,13 +682,13 @@ impl<B: ModelBackend> Backward<B, 2> for CausalConvBackward {
 #[derive(Debug)]
 struct GroupedMatmulBackward;
 
-impl<B: Backend> Backward<B, 2> for GroupedMatmulBackward {
+impl<B: ModelBackend> Backward<B, 2> for GroupedMatmulBackward {
     /// The rows and the weights through the checkpointer, the rows per expert.
     type State = (NodeId, NodeId, Vec<usize>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
         backward_binary(ops, grads, checkpointer, |x, weights, counts, grad: Tensor<B, 2>| {
-            grouped_matmul_backward(x, weights, &counts, grad)
+            B::grouped_matmul_grads(x, weights, &counts, grad)
         });
     }
 }

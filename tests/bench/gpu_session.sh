@@ -42,7 +42,8 @@
 #            table-moments.md: the peak memory beside the table's f32-moment row and PyTorch's;
 #   fit      FIT_SHAPE (LFM2.5-8B-A1B) as its recipe trains it: sequence FIT_SEQ (8192), two micro-batches
 #            accumulated (the f32 gradient sum the recipe's global batch needs), 8-bit moments, two steps,
-#            without and with activation checkpointing, into table-fit.md: does it fit one GPU, how fast.
+#            without and with activation checkpointing, and once with a matmul per expert instead of the
+#            padded batch (KILN_OPS=noexperts), into table-fit.md: does it fit one GPU, how fast.
 #
 # A kiln run that fails on CUDA is run again without what has never run on a GPU before (tests/bench/
 # fallback.sh: kiln's own CubeCL kernels, burn's fusion, both), so the session still brings back kiln's
@@ -250,8 +251,8 @@ stage_moments() {
 }
 
 stage_fit() {
-    step "fit: $FIT_SHAPE at $FIT_SEQ, 2 micro-batches, 8-bit moments, without and with checkpointing"
-    DEVICE=$DEVICE KILN=$KILN KILN_OPS="ops checkpointed" MOMENTS=q8 REFERENCE=none SEQ=$FIT_SEQ ACC=2 STEPS=2 \
+    step "fit: $FIT_SHAPE at $FIT_SEQ, 2 micro-batches, 8-bit moments, without and with checkpointing, per expert"
+    DEVICE=$DEVICE KILN=$KILN KILN_OPS="ops checkpointed noexperts" MOMENTS=q8 REFERENCE=none SEQ=$FIT_SEQ ACC=2 STEPS=2 \
         WARMUP=1 OUT=$OUT/bench-fit tests/bench/train.sh "$FIT_SHAPE" >"$OUT/table-fit.md"
     local status=$?
     cat "$OUT/table-fit.md"

@@ -17,8 +17,10 @@
 #               attention's softmax rows, KILN_ATTENTION_KERNEL=off), "noloss" (the cross-entropy's rows,
 #               KILN_LOSS_KERNEL=off), "nonorm" (the RMSNorms, KILN_NORM_KERNEL=off), "noconv" (the causal
 #               conv, KILN_CONV_KERNEL=off), "nooptim" (the optimizer's
-#               gradient norm and AdamW update, KILN_OPTIM_KERNEL=off); "checkpointed" (the ops with --activation-checkpointing);
-#               or several: "ops reference unfused noscan noattn noloss nonorm noconv nooptim checkpointed"
+#               gradient norm and AdamW update, KILN_OPTIM_KERNEL=off); "noexperts" (the MoE's experts as a
+#               matmul each instead of one batched matmul over padded groups, KILN_EXPERTS_BATCHED=off);
+#               "checkpointed" (the ops with --activation-checkpointing); or several:
+#               "ops reference unfused noscan noattn noloss nonorm noconv nooptim noexperts checkpointed"
 #   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py), or none
 #   PYTHON      a python with torch and transformers (python3); without them the reference is skipped
 #   FALLBACK    1: after a kiln row of a shape fails on CUDA, it runs again without kiln's own kernels, then
@@ -67,7 +69,8 @@ results=()
 kiln_row() {
     # shellcheck disable=SC2086  # $1 is a list of NAME=off assignments
     env KILN_CUDA_FUSION=$fusion KILN_SCAN_KERNEL=$scan KILN_ATTENTION_KERNEL=$attn KILN_LOSS_KERNEL=$loss \
-        KILN_NORM_KERNEL=$norm KILN_CONV_KERNEL=$conv KILN_OPTIM_KERNEL=$optim $1 \
+        KILN_NORM_KERNEL=$norm KILN_CONV_KERNEL=$conv KILN_OPTIM_KERNEL=$optim \
+        KILN_EXPERTS_BATCHED=$experts $1 \
         "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" \
         --precision "$PRECISION" --moments "$MOMENTS" "${switch[@]}" "${common[@]}" --out "$out" >/dev/null \
         && python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['shape']=sys.argv[2]; json.dump(r, open(sys.argv[1],'w'))" \
@@ -81,7 +84,7 @@ for shape in "${shapes[@]}"; do
         exit 2
     fi
     for ops in $KILN_OPS; do
-        attn=on loss=on norm=on conv=on optim=on
+        attn=on loss=on norm=on conv=on optim=on experts=on
         case $ops in
             ops) out=$OUT/$shape-kiln.json; switch=(); fusion=on; scan=on ;;
             reference) out=$OUT/$shape-kiln-reference.json; switch=(--reference-ops); fusion=on; scan=on ;;
@@ -92,8 +95,9 @@ for shape in "${shapes[@]}"; do
             nonorm) out=$OUT/$shape-kiln-nonorm.json; switch=(); fusion=on; scan=on; norm=off ;;
             noconv) out=$OUT/$shape-kiln-noconv.json; switch=(); fusion=on; scan=on; conv=off ;;
             nooptim) out=$OUT/$shape-kiln-nooptim.json; switch=(); fusion=on; scan=on; optim=off ;;
+            noexperts) out=$OUT/$shape-kiln-noexperts.json; switch=(); fusion=on; scan=on; experts=off ;;
             checkpointed) out=$OUT/$shape-kiln-checkpointed.json; switch=(--activation-checkpointing); fusion=on; scan=on ;;
-            *) echo "KILN_OPS: unknown '$ops' (ops, reference, unfused, noscan, noattn, noloss, nonorm, noconv, nooptim or checkpointed)" >&2; exit 2 ;;
+            *) echo "KILN_OPS: unknown '$ops' (ops, reference, unfused, noscan, noattn, noloss, nonorm, noconv, nooptim, noexperts or checkpointed)" >&2; exit 2 ;;
         esac
         # What failed before (in this shape's rows, or in the parity stage's tiny runs) stays off.
         marked=$(marked_switches "$FALLBACK_MARK" "$shape")
