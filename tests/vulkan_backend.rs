@@ -5,7 +5,8 @@
 //! the architectures against transformers (logits and gradients), the trainer against PyTorch's AdamW run,
 //! resume, every tiny shape's training steps against the CPU's, kiln's own CubeCL kernels (the DeltaNet scan
 //! and chunk solve, the attention's softmax rows, the cross-entropy's rows, the RMSNorms, the causal conv,
-//! the gradients' squared norm, AdamW's update) against the tensor ops they replace, and the per-kernel profile that
+//! the gradients' squared norm, AdamW's update) against the tensor ops they replace, the MoE's experts batched
+//! into one matmul against a matmul per expert, and the per-kernel profile that
 //! tests/bench/gpu_session.sh takes on the GPU.
 //! Built with `--features vulkan` (`make test` adds it where a Vulkan driver is installed; .ci/run installs
 //! lavapipe).

@@ -96,8 +96,8 @@ pub struct BenchResult {
     /// device only: `KILN_OPTIM_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optim_kernel: Option<bool>,
-    /// Whether the MoE's experts ran as one batched matmul over padded groups (kiln on a CubeCL device only:
-    /// `KILN_EXPERTS_BATCHED`).
+    /// Whether the MoE's experts ran as one batched matmul over padded groups (kiln on a CubeCL device, a
+    /// model with experts: `KILN_EXPERTS_BATCHED`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub experts_batched: Option<bool>,
     pub tokens_per_step: u64,
@@ -204,7 +204,8 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         norm_kernel: (device_name != "cpu").then(crate::backend::norm_kernel_enabled),
         conv_kernel: (device_name != "cpu").then(crate::backend::conv_kernel_enabled),
         optim_kernel: (device_name != "cpu").then(crate::backend::optim_kernel_enabled),
-        experts_batched: (device_name != "cpu").then(crate::backend::experts_batched_enabled),
+        experts_batched: (device_name != "cpu" && matches!(config, ModelConfig::Lfm2(c) if c.moe.is_some()))
+            .then(crate::backend::experts_batched_enabled),
         moments: Some(cfg.moments),
         activation_checkpointing: cfg.activation_checkpointing,
         state_memory_bytes: Some(state_memory_bytes),
