@@ -55,8 +55,8 @@ impl PanicLog {
              Device-…) is a burn or CubeCL failure, not bad input: on CUDA, KILN_CUDA_FUSION=off runs without \
              burn's fusion, KILN_SCAN_KERNEL=off without kiln's DeltaNet kernels, KILN_ATTENTION_KERNEL=off, \
              KILN_LOSS_KERNEL=off, KILN_NORM_KERNEL=off, KILN_CONV_KERNEL=off and KILN_OPTIM_KERNEL=off without \
-             its attention, loss, norm, conv and optimizer kernels, and --reference-ops on burn's plain \
-             compositions instead of kiln's ops"
+             its attention, loss, norm, conv and optimizer kernels, KILN_EXPERTS_BATCHED=off with a matmul per \
+             MoE expert, and --reference-ops on burn's plain compositions instead of kiln's ops"
         )
     }
 }

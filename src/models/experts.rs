@@ -112,8 +112,9 @@ impl ExpertBatch {
         (batched(best) < per_expert).then(|| Self::with_capacity(counts, best))
     }
 
-    /// The batch of `counts` with `capacity` rows an expert.
+    /// The batch of `counts` with `capacity` (≥ 1) rows an expert.
     pub fn with_capacity(counts: &[usize], capacity: usize) -> Self {
+        assert!(capacity > 0, "a batch holds at least one row an expert");
         let mut start = 0;
         let mut overflow = Vec::new();
         for (e, &n) in counts.iter().enumerate() {
