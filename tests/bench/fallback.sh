@@ -20,8 +20,9 @@ KILN_KERNELS_OFF+=" KILN_OPTIM_KERNEL=off KILN_SCAN_KERNEL=off KILN_CONV_KERNEL=
 FALLBACK_VARIANTS=("$KILN_KERNELS_OFF" "KILN_CUDA_FUSION=off" "KILN_CUDA_FUSION=off $KILN_KERNELS_OFF")
 # For finding which part failed (gpu_session.sh's parity stage, on tiny shapes where a run takes seconds):
 # each kernel alone first.
+# The MoE's batched experts (burn's gathers and a batched matmul, new on a GPU too) are tried alone as well.
 FALLBACK_DIAGNOSIS=("KILN_ATTENTION_KERNEL=off" "KILN_LOSS_KERNEL=off" "KILN_NORM_KERNEL=off" "KILN_OPTIM_KERNEL=off"
-    "KILN_SCAN_KERNEL=off" "KILN_CONV_KERNEL=off" "${FALLBACK_VARIANTS[@]}")
+    "KILN_SCAN_KERNEL=off" "KILN_CONV_KERNEL=off" "KILN_EXPERTS_BATCHED=off" "${FALLBACK_VARIANTS[@]}")
 
 # The switches marked in file $1 for scope $2 ("*" lines apply to every scope; no $2: every line), on one
 # line, without repeats.
@@ -53,6 +54,7 @@ switches_label() {
             [[ " $1 " == *" KILN_${kernel%%:*}_KERNEL=off "* ]] && label+="-${kernel#*:}"
         done
     fi
+    [[ " $1 " == *" KILN_EXPERTS_BATCHED=off "* ]] && label+="-noexperts"
     echo "${label#-}"
 }
 

@@ -21,10 +21,12 @@ TOLERANCE = {"f32": 1e-4, "bf16": 1e-2, "f16": 1e-2}
 def label(run: dict) -> str:
     fusion = {True: ", fused", False: ", unfused"}.get(run.get("fusion"), "")
     # kiln's CubeCL kernels switched off (tests/bench/fallback.sh); absent on the CPU, which has none.
-    names = {"attention": "attention", "loss": "loss", "norm": "norm", "optim": "optimizer", "scan": "scan"}
+    names = {"attention": "attention", "loss": "loss", "norm": "norm", "optim": "optimizer", "scan": "scan",
+             "conv": "conv"}
     off = [name for key, name in names.items() if run.get(f"{key}_kernel") is False]
     kernels = f", without the {'/'.join(off)} kernel{'s' if len(off) > 1 else ''}" if off else ""
-    return f"{run['device']} {run['precision']}{fusion}{kernels}"
+    experts = ", a matmul per expert" if run.get("experts_batched") is False else ""
+    return f"{run['device']} {run['precision']}{fusion}{kernels}{experts}"
 
 
 def main(paths: list[str]) -> int:
