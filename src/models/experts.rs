@@ -21,14 +21,13 @@ use crate::backend::zeros_in;
 
 /// The grouped matmul as burn composes it: one slice of rows and one expert's weights per group.
 pub fn grouped_matmul_forward<B: Backend>(x: Tensor<B, 2>, weights: Tensor<B, 3>, counts: &[usize]) -> Tensor<B, 2> {
-    let [experts, width, out] = weights.dims();
+    let [experts, _, out] = weights.dims();
     assert_eq!(counts.len(), experts, "one row count per expert");
     assert_eq!(counts.iter().sum::<usize>(), x.dims()[0], "the counts cover every row");
     let mut start = 0;
     let mut groups = Vec::new();
     for (e, &n) in counts.iter().enumerate().filter(|(_, n)| **n > 0) {
-        let expert = weights.clone().narrow(0, e, 1).reshape([width, out]);
-        groups.push(x.clone().narrow(0, start, n).matmul(expert));
+        groups.push(x.clone().narrow(0, start, n).matmul(expert_weights(&weights, e)));
         start += n;
     }
     if groups.is_empty() {
