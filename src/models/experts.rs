@@ -231,6 +231,12 @@ pub fn batched_backward<B: Backend>(
     (grad_x, grad_w)
 }
 
+/// The padded batch both passes of `grouped_matmul` run, where `batched` allows one and it pays.
+fn batch_for<B: Backend>(counts: &[usize], weights: &Tensor<B, 3>, batched: bool) -> Option<ExpertBatch> {
+    let [_, width, out] = weights.dims();
+    batched.then(|| ExpertBatch::plan(counts, width, out)).flatten()
+}
+
 /// The grouped matmul in the form `batched` asks for, where a padded batch pays (`ExpertBatch::plan`).
 pub fn grouped_matmul<B: Backend>(
     x: Tensor<B, 2>,
@@ -238,8 +244,7 @@ pub fn grouped_matmul<B: Backend>(
     counts: &[usize],
     batched: bool,
 ) -> Tensor<B, 2> {
-    let [_, width, out] = weights.dims();
-    match ExpertBatch::plan(counts, width, out).filter(|_| batched) {
+    match batch_for(counts, &weights, batched) {
         Some(batch) => batched_forward(x, weights, &batch),
         None => grouped_matmul_forward(x, weights, counts),
     }
@@ -253,8 +258,7 @@ pub fn grouped_matmul_grads<B: Backend>(
     grad: Tensor<B, 2>,
     batched: bool,
 ) -> (Tensor<B, 2>, Tensor<B, 3>) {
-    let [_, width, out] = weights.dims();
-    match ExpertBatch::plan(counts, width, out).filter(|_| batched) {
+    match batch_for(counts, &weights, batched) {
         Some(batch) => batched_backward(x, weights, &batch, grad),
         None => grouped_matmul_backward(x, weights, counts, grad),
     }
@@ -268,14 +272,7 @@ mod tests {
     use super::*;
 
     fn spread<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<Flex, D> {
-        let count: usize = shape.iter().product();
-        let values = (0..count)
-            .map(|i| {
-                let h = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(seed.wrapping_mul(0xBF58_476D));
-                ((h >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect::<Vec<_>>();
-        Tensor::from_data(TensorData::new(values, shape), &Default::default())
+        crate::testing::normal(shape, 0.0, 0.5, seed, &Default::default())
     }
 
     #[test]
