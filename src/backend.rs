@@ -12,7 +12,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 
 use crate::models::attention::{
-    AttentionForward, DocumentAttention, chunked_attention, chunked_attention_backward, softmax_attention,
+    AttentionForward, DocumentAttention, chunked_attention, chunked_attention_backward, scaled_softmax_attention,
 };
 use crate::models::deltanet::{self, ChunkPlan, ChunkedScan, ScanInputs};
 use crate::models::layers::{RopeTables, apply_rope, apply_rope_backward};
@@ -427,11 +427,12 @@ impl ModelBackend for Flex {
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
         mask: &Tensor<Self, 4>,
+        scale: f64,
     ) -> Tensor<Self, 4> {
         if cpu_attention::takes([&q, &k, &v]) {
-            cpu_attention::masked_on_host(q, k, v, mask)
+            cpu_attention::masked_on_host(q, k, v, mask, scale)
         } else {
-            softmax_attention(q, k, v, mask)
+            scaled_softmax_attention(q, k, v, mask, scale)
         }
     }
 

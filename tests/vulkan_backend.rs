@@ -342,17 +342,22 @@ fn chunk_rows_inputs<B: ModelBackend>(
 
 /// kiln's attention kernels (`kernels::attention`, what `attention_probs` and `attention_score_grads`
 /// run on the device) against the tensor ops they replace, in f32 and f16: packed documents with padding,
-/// chunks that start mid-sequence and skip keys before `first`, rows longer than a cube's units, and more
-/// rows than one grid dimension holds (they wrap onto a second).
+/// chunks that start mid-sequence and skip keys before `first`, rows longer than a cube's units, more
+/// rows than one grid dimension holds (they wrap onto a second), and sliding windows (Gemma 4) shorter than
+/// the documents.
 #[test]
 fn the_attention_kernels_equal_the_tensor_op_softmax_rows() {
     // Document lengths per batch row, sequence, [batch, kv heads, group], the chunk.
     type Case<'a> = (&'a [Vec<u32>], usize, [usize; 3], ChunkRows);
-    let cases: [Case; 4] = [
-        (&[vec![3, 5, 2], vec![9, 3]], 12, [2, 2, 2], ChunkRows { start: 0, len: 12, first: 0, scale: 0.35 }),
-        (&[vec![3, 5, 2], vec![9, 3]], 12, [2, 2, 2], ChunkRows { start: 9, len: 3, first: 8, scale: 0.35 }),
-        (&[vec![150, 200]], 350, [1, 2, 3], ChunkRows { start: 200, len: 150, first: 150, scale: 0.125 }),
-        (&[vec![40, 30]], 70, [1, 1, 1024], ChunkRows { start: 0, len: 70, first: 0, scale: 0.25 }),
+    let chunk = |start, len, first, window, scale| ChunkRows { start, len, first, window, scale };
+    let cases: [Case; 7] = [
+        (&[vec![3, 5, 2], vec![9, 3]], 12, [2, 2, 2], chunk(0, 12, 0, None, 0.35)),
+        (&[vec![3, 5, 2], vec![9, 3]], 12, [2, 2, 2], chunk(9, 3, 8, None, 0.35)),
+        (&[vec![150, 200]], 350, [1, 2, 3], chunk(200, 150, 150, None, 0.125)),
+        (&[vec![40, 30]], 70, [1, 1, 1024], chunk(0, 70, 0, None, 0.25)),
+        (&[vec![3, 5, 2], vec![9, 3]], 12, [2, 2, 2], chunk(0, 12, 0, Some(3), 1.0)),
+        (&[vec![3, 5, 2], vec![9, 3]], 12, [2, 2, 2], chunk(6, 6, 4, Some(3), 1.0)),
+        (&[vec![150, 200]], 350, [1, 2, 3], chunk(200, 150, 150, Some(130), 0.5)),
     ];
     let device = Default::default();
     for (docs, seq, heads, rows) in cases {
@@ -361,6 +366,10 @@ fn the_attention_kernels_equal_the_tensor_op_softmax_rows() {
             // f16 results are rounded to f16 (2⁻¹¹ relative) on both sides, at different points.
             let tolerance = if dtype == FloatDType::F32 { 2e-6 } else { 2e-3 };
             let attention = DocumentAttention::<Vk>::new(&layout, &device);
+            let attention = match rows.window {
+                Some(window) => attention.with_window(window).with_scale(rows.scale),
+                None => attention,
+            };
             let [scores, grad_probs, lse, delta] = chunk_rows_inputs::<Vk>(heads, rows, dtype, &device);
             let kernel = attention_kernel::attention_probs(scores.clone(), &attention, rows);
             let [probs, log_sum] = softmax_rows(scores.clone(), &attention, rows);

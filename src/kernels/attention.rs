@@ -7,7 +7,8 @@
 //! intermediate is written out). At sequence 4096 that is a gigabyte per attention layer and pass. Here the
 //! forward reads each row of `q kᵀ` once in the inputs' dtype and writes its probabilities and log-sum-exp;
 //! the backward reads `q kᵀ` and `dO Vᵀ` once and writes the probabilities and the scores' gradient. The mask
-//! is not a tensor: a key is seen when it is not in the query's future and carries the query's document id.
+//! is not a tensor: a key is seen when it is not in the query's future, lies within its window (sliding-window
+//! layers) and carries the query's document id.
 //!
 //! One cube per score row; its units stride over the keys. `attention::softmax_rows` and
 //! `attention::score_grads` are the references they are tested against (tests/vulkan_backend.rs).
@@ -37,7 +38,7 @@ const UNITS: u32 = 128;
 
 /// What both kernels know of their chunk: `rows` score rows of `keys` keys, `len` queries from `start`
 /// (each batch row holds `rows_per_batch` = kv heads × group × len rows, of sequences of `seq` tokens), keys
-/// from `first`, and the scores' scale `1/√d`.
+/// from `first`, the most keys a query sees (`u32::MAX`: no window), and the scores' scale.
 #[derive(CubeLaunch, CubeType)]
 struct ChunkArgs {
     rows: u32,
@@ -47,6 +48,7 @@ struct ChunkArgs {
     seq: u32,
     start: u32,
     first: u32,
+    window: u32,
     scale: f32,
 }
 
@@ -75,10 +77,11 @@ fn row_place(args: &ChunkArgs) -> RowPlace {
 }
 
 /// Whether key index `key` (position `first + key`) is one the row's query sees: not in its future (the
-/// caller's bound) and of the query's document.
+/// caller's bound, `key <= last_key`), within its window and of the query's document.
 #[cube]
-fn same_document<I: Numeric>(docs: &Tensor<I>, place: &RowPlace, first: u32, key: usize) -> bool {
-    docs[place.batch_offset + first as usize + key] == docs[place.batch_offset + place.query]
+fn sees<I: Numeric>(docs: &Tensor<I>, place: &RowPlace, args: &ChunkArgs, key: usize) -> bool {
+    place.last_key - key < args.window as usize
+        && docs[place.batch_offset + args.first as usize + key] == docs[place.batch_offset + place.query]
 }
 
 /// Forward: `probs[row, j] = exp(S[row, j]·scale − lse[row])` over the keys the row's query sees (0
@@ -106,7 +109,7 @@ fn softmax_rows_kernel<F: Float, I: Numeric>(
     let mut sum = 0.0f32;
     let mut key = unit;
     while key <= place.last_key {
-        if same_document::<I>(docs, &place, args.first, key) {
+        if sees::<I>(docs, &place, &args, key) {
             exp_sum_add(&mut max, &mut sum, f32::cast_from(scores[base + key]) * args.scale);
         }
         key += units;
@@ -120,7 +123,7 @@ fn softmax_rows_kernel<F: Float, I: Numeric>(
     while key < args.keys as usize {
         let mut p = 0.0f32;
         // `key < keys` keeps the document id read in bounds whether or not `&&` short-circuits here.
-        if key <= place.last_key && same_document::<I>(docs, &place, args.first, key) {
+        if key <= place.last_key && sees::<I>(docs, &place, &args, key) {
             p = (f32::cast_from(scores[base + key]) * args.scale - log_sum).exp();
         }
         probs[base + key] = F::cast_from(p);
@@ -154,7 +157,7 @@ fn score_grads_kernel<F: Float, I: Numeric>(
         let at = base + key;
         let mut p = 0.0f32;
         // `key < keys` keeps the document id read in bounds whether or not `&&` short-circuits here.
-        if key <= place.last_key && same_document::<I>(docs, &place, args.first, key) {
+        if key <= place.last_key && sees::<I>(docs, &place, &args, key) {
             p = (f32::cast_from(scores[at]) * args.scale - log_sum).exp();
         }
         probs[at] = F::cast_from(p);
@@ -228,6 +231,7 @@ fn chunk_launch<R: Runtime>(scores: &Shape, docs: &Shape, chunk: ChunkRows) -> (
         narrow(seq),
         narrow(chunk.start),
         narrow(chunk.first),
+        chunk.window.map_or(u32::MAX, narrow),
         chunk.scale as f32,
     );
     (row_grid(rows), args)
@@ -366,6 +370,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
         seq: (),
         start: (),
         first: (),
+        window: (),
         scale: (),
     };
     let mut variants = Vec::new();

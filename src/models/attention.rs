@@ -57,16 +57,21 @@ pub(super) fn tracked_document_attention<B: ModelBackend, C: CheckpointStrategy>
     Tensor::from_primitive(TensorPrimitive::Float(output))
 }
 
-/// What attention may see in one forward pass: the `[batch, seq]` document ids on the device, and per
-/// query the first key it may attend to (its document's first token), from which each chunk's keys are
-/// bounded (`first_key`).
+/// What attention may see in one forward pass and how it weighs it: the `[batch, seq]` document ids on the
+/// device, and per query the first key it may attend to (its document's first token, or the first of the
+/// last `window` tokens for a sliding-window layer), from which each chunk's keys are bounded
+/// (`first_key`); and the scale of the scores (`1/√d` unless the architecture sets its own).
 #[derive(Debug, Clone)]
 pub struct DocumentAttention<B: Backend> {
     docs: Tensor<B, 2, Int>,
-    /// `[batch * seq]`: the first key each query may attend to (its document's first token).
+    /// `[batch * seq]`: the first key each query may attend to.
     starts: Vec<usize>,
     /// Queries per chunk; `None`: as many as keep a chunk's f32 scores within `CHUNK_SCORE_BYTES`.
     chunk_rows: Option<usize>,
+    /// A query sees at most this many keys, itself included (Gemma's sliding-window layers).
+    window: Option<usize>,
+    /// The scores' scale; `None`: `1/√d`.
+    scale: Option<f64>,
 }
 
 impl<B: Backend> DocumentAttention<B> {
@@ -79,7 +84,36 @@ impl<B: Backend> DocumentAttention<B> {
             docs: Tensor::from_data(TensorData::new(ids, [batch, seq]), device),
             starts,
             chunk_rows: None,
+            window: None,
+            scale: None,
         }
+    }
+
+    /// The same documents seen through a sliding window: a query attends to at most the last `window`
+    /// tokens of its document, itself included (at least one).
+    pub fn with_window(mut self, window: usize) -> Self {
+        let window = window.max(1);
+        let [_, seq] = self.docs.dims();
+        for (at, start) in self.starts.iter_mut().enumerate() {
+            *start = (*start).max((at % seq + 1).saturating_sub(window));
+        }
+        self.window = Some(window);
+        self
+    }
+
+    /// The same documents with the scores scaled by `scale` instead of `1/√d`.
+    pub fn with_scale(mut self, scale: f64) -> Self {
+        self.scale = Some(scale);
+        self
+    }
+
+    pub fn window(&self) -> Option<usize> {
+        self.window
+    }
+
+    /// The scores' scale for heads of `d` dims.
+    pub fn scale(&self, d: usize) -> f64 {
+        self.scale.unwrap_or_else(|| 1.0 / (d as f64).sqrt())
     }
 
     /// The `[batch, seq]` document ids on the device: a query sees the keys of its own document up to itself.
@@ -114,7 +148,7 @@ impl<B: Backend> DocumentAttention<B> {
     }
 
     /// The additive mask `[batch, len, keys]` (0 allowed, -inf blocked) of queries `start..start + len`
-    /// against keys `first..first + keys`: same document and not in the future. In f32.
+    /// against keys `first..first + keys`: same document, not in the future, and within the window. In f32.
     fn chunk_mask(&self, start: usize, len: usize, first: usize, keys: usize) -> Tensor<B, 3> {
         let [batch, _] = self.docs.dims();
         let device = self.docs.device();
@@ -123,10 +157,14 @@ impl<B: Backend> DocumentAttention<B> {
         let other_doc = query_docs.not_equal(key_docs);
         // `tril_mask(offset)` is true where key − query > offset: with the chunk's origins, the future keys.
         let offset = start as i64 - first as i64;
-        let future =
-            Tensor::<B, 2, Bool>::tril_mask([len, keys], offset, &device).unsqueeze::<3>().expand([batch, len, keys]);
+        let mut blocked = Tensor::<B, 2, Bool>::tril_mask([len, keys], offset, &device);
+        if let Some(window) = self.window {
+            // `triu_mask(offset)` is true where key − query < offset: the keys `window` or more behind.
+            blocked = blocked.bool_or(Tensor::triu_mask([len, keys], offset - window as i64 + 1, &device));
+        }
+        let blocked = blocked.unsqueeze::<3>().expand([batch, len, keys]);
         zeros_in::<B, 3>([batch, len, keys], FloatDType::F32, &device)
-            .mask_fill(other_doc.bool_or(future), f32::NEG_INFINITY)
+            .mask_fill(other_doc.bool_or(blocked), f32::NEG_INFINITY)
     }
 
     /// The whole `[batch, 1, seq, seq]` additive mask in `dtype` (for the single-softmax reference path).
@@ -139,7 +177,13 @@ impl<B: Backend> DocumentAttention<B> {
 impl<B: AutodiffBackend> DocumentAttention<B> {
     /// The same layout on the inner backend (the document ids carry no gradient).
     fn inner(&self) -> DocumentAttention<B::InnerBackend> {
-        DocumentAttention { docs: self.docs.clone().inner(), starts: self.starts.clone(), chunk_rows: self.chunk_rows }
+        DocumentAttention {
+            docs: self.docs.clone().inner(),
+            starts: self.starts.clone(),
+            chunk_rows: self.chunk_rows,
+            window: self.window,
+            scale: self.scale,
+        }
     }
 }
 
@@ -167,18 +211,20 @@ fn grouped_queries<B: Backend>(q: Tensor<B, 4>, kv_heads: usize) -> Tensor<B, 5>
 }
 
 /// Which queries and keys one chunk's score rows cover: queries `start..start + len` (of each batch row, kv
-/// head and query head of its group), keys `first..start + len`, and the scale `1/√d` of their scores.
+/// head and query head of its group), keys `first..start + len`, the window bounding what a query sees
+/// (`DocumentAttention::with_window`), and the scale of their scores.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ChunkRows {
     pub start: usize,
     pub len: usize,
     pub first: usize,
+    pub window: Option<usize>,
     pub scale: f64,
 }
 
 impl ChunkRows {
-    fn new((start, len, first): (usize, usize, usize), d: usize) -> Self {
-        ChunkRows { start, len, first, scale: 1.0 / (d as f64).sqrt() }
+    fn new<B: Backend>((start, len, first): (usize, usize, usize), docs: &DocumentAttention<B>, d: usize) -> Self {
+        ChunkRows { start, len, first, window: docs.window(), scale: docs.scale(d) }
     }
 
     /// Keys per score row.
@@ -211,7 +257,7 @@ impl<B: Backend> Chunk<B> {
 /// A chunk's scaled, masked scores in f32 `[batch, kv_heads, group, len, keys]` from its unscaled ones.
 fn masked_scores<B: Backend>(scores: Tensor<B, 4>, docs: &DocumentAttention<B>, rows: ChunkRows) -> Tensor<B, 5> {
     let [batch, kv_heads, group_len, keys] = scores.dims();
-    let ChunkRows { start, len, first, scale } = rows;
+    let ChunkRows { start, len, first, scale, .. } = rows;
     let mask = docs.chunk_mask(start, len, first, keys).reshape([batch, 1, 1, len, keys]);
     (scores.cast(FloatDType::F32) * scale).reshape([batch, kv_heads, group_len / len, len, keys]) + mask
 }
@@ -270,7 +316,7 @@ pub fn chunked_attention<B: ModelBackend>(
     let mut outs = Vec::new();
     let mut lses = Vec::new();
     for chunk in docs.chunks(heads) {
-        let rows = ChunkRows::new(chunk, d);
+        let rows = ChunkRows::new(chunk, docs, d);
         let Chunk { v, scores, .. } = Chunk::new(&q5, &k, &v, rows);
         let [probs, lse] = B::attention_probs(scores, docs, rows);
         outs.push(probs.matmul(v).reshape([batch, kv_heads, group, rows.len, d]));
@@ -304,7 +350,7 @@ pub fn chunked_attention_backward<B: ModelBackend>(
     let (mut grad_k, mut grad_v) = (zeros(), zeros());
     let mut grad_q = Vec::new();
     for chunk in docs.chunks(heads) {
-        let rows = ChunkRows::new(chunk, d);
+        let rows = ChunkRows::new(chunk, docs, d);
         let ChunkRows { start, len, first, .. } = rows;
         let Chunk { q, k, v, scores } = Chunk::new(&q5, &k, &v, rows);
         let per_row = |t: &Tensor<B, 5>| t.clone().narrow(3, start, len).reshape([batch, kv_heads, group * len, 1]);
@@ -376,24 +422,38 @@ pub fn softmax_attention<B: Backend>(
     v: Tensor<B, 4>,
     mask: &Tensor<B, 4>,
 ) -> Tensor<B, 4> {
+    let scale = 1.0 / (q.dims()[3] as f64).sqrt();
+    scaled_softmax_attention(q, k, v, mask, scale)
+}
+
+/// `softmax_attention` with the scores scaled by `scale` instead of `1/√d`.
+pub fn scaled_softmax_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: &Tensor<B, 4>,
+    scale: f64,
+) -> Tensor<B, 4> {
     let [batch, nh, _, hd] = q.dims();
     let [_, nkv, total, _] = k.dims();
     let repeat = |t: Tensor<B, 4>| {
         if nh == nkv { t } else { t.unsqueeze_dim::<5>(2).repeat_dim(2, nh / nkv).reshape([batch, nh, total, hd]) }
     };
-    let scores = q.matmul(repeat(k).swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()) + mask.clone();
+    let scores = q.matmul(repeat(k).swap_dims(2, 3)) * scale + mask.clone();
     let dtype = scores.dtype();
     softmax(scores.cast(FloatDType::F32), 3).cast(dtype).matmul(repeat(v))
 }
 
-/// The backend's `masked_attention` (`softmax_attention`) with the heads merged: `[batch, seq, heads * d]`.
+/// The backend's `masked_attention` (`softmax_attention`, scores scaled by `1/√d`) with the heads merged:
+/// `[batch, seq, heads * d]`.
 pub fn grouped_attention<B: ModelBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     mask: &Tensor<B, 4>,
 ) -> Tensor<B, 3> {
-    merge_heads(B::masked_attention(q, k, v, mask))
+    let scale = 1.0 / (q.dims()[3] as f64).sqrt();
+    merge_heads(B::masked_attention(q, k, v, mask, scale))
 }
 
 /// `[batch, heads, seq, d]` heads side by side: `[batch, seq, heads · d]`.
@@ -418,10 +478,28 @@ mod tests {
     fn the_mask_is_causal_within_each_document_and_chunks_skip_only_blocked_keys() {
         let l = layout();
         let docs = DocumentAttention::<Cpu>::new(&l, &Default::default());
+        // Row 1's first document spans 0..9, so no query before 9 may skip a key; from 9 on, row 0's
+        // documents (starting at 8, then padding at 10, 11) bound what both rows need.
+        assert_eq!((0..12).map(|i| docs.first_key(i)).collect::<Vec<_>>(), [0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 9, 9]);
+        assert_masks_allow(&l, docs.clone(), None);
+        for window in [1, 2, 4] {
+            assert_masks_allow(&l, docs.clone().with_window(window), Some(window));
+        }
+        // A window of 4: row 1's first document bounds the first keys from query 3 on (its queries see 4 keys).
+        let windowed = docs.with_window(4);
+        assert_eq!((0..12).map(|i| windowed.first_key(i)).collect::<Vec<_>>(), [0, 0, 0, 0, 1, 2, 3, 4, 5, 8, 9, 9]);
+        assert_eq!(&windowed.query_starts()[12..], [0, 0, 0, 0, 1, 2, 3, 4, 5, 9, 9, 9]);
+    }
+
+    /// The full mask and every chunking's masks of `docs` allow exactly the keys of a query's document up to
+    /// itself and, with a window, no more than `window` of them.
+    fn assert_masks_allow(l: &SequenceLayout, docs: DocumentAttention<Cpu>, window: Option<usize>) {
         let full = docs.full_mask(FloatDType::F32);
         assert_eq!(full.dims(), [2, 1, 12, 12]);
         let got = values(full);
-        let allowed = |row: usize, q: usize, k: usize| k <= q && l.doc_ids[row * 12 + k] == l.doc_ids[row * 12 + q];
+        let allowed = |row: usize, q: usize, k: usize| {
+            k <= q && window.is_none_or(|w| q - k < w) && l.doc_ids[row * 12 + k] == l.doc_ids[row * 12 + q]
+        };
         for row in 0..2 {
             for q in 0..12 {
                 for k in 0..12 {
@@ -431,9 +509,6 @@ mod tests {
                 }
             }
         }
-        // Row 1's first document spans 0..9, so no query before 9 may skip a key; from 9 on, row 0's
-        // documents (starting at 8, then padding at 10, 11) bound what both rows need.
-        assert_eq!((0..12).map(|i| docs.first_key(i)).collect::<Vec<_>>(), [0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 9, 9]);
         for rows in [1, 3, 5] {
             let chunked = docs.clone().with_chunk_rows(rows);
             let chunks = chunked.chunks(4);
@@ -447,7 +522,11 @@ mod tests {
                         // … and inside it the chunk's mask is the full mask.
                         for k in first..start + len {
                             let value = mask[(row * len + q - start) * (start + len - first) + k - first];
-                            assert_eq!(value == 0.0, allowed(row, q, k), "chunk at {start}: row {row} q {q} k {k}");
+                            assert_eq!(
+                                value == 0.0,
+                                allowed(row, q, k),
+                                "window {window:?}, chunk at {start}: row {row} q {q} k {k}"
+                            );
                         }
                     }
                 }
@@ -460,6 +539,7 @@ mod tests {
     fn both<B: ModelBackend + burn::tensor::backend::AutodiffBackend>(
         dtype: FloatDType,
         chunk_rows: usize,
+        form: Form,
     ) -> ([Vec<f32>; 4], [Vec<f32>; 4]) {
         let device = Default::default();
         let l = layout();
@@ -470,41 +550,63 @@ mod tests {
         let k = leaf([batch, kv_heads, seq, d], 2);
         let v = leaf([batch, kv_heads, seq, d], 3);
         let weights = normal::<B, 3>([batch, seq, heads * d], 0.0, 1.0, 4, &device).cast(dtype);
-        let docs = DocumentAttention::<B>::new(&l, &device).with_chunk_rows(chunk_rows);
+        let docs = form.apply(DocumentAttention::<B>::new(&l, &device).with_chunk_rows(chunk_rows));
         let run = |out: Tensor<B, 3>| {
             let grads = (out.clone() * weights.clone()).sum().backward();
             let grad = |t: &Tensor<B, 4>| values(t.grad(&grads).expect("a gradient"));
             [values(out), grad(&q), grad(&k), grad(&v)]
         };
         let chunked = run(merge_heads(B::document_attention(q.clone(), k.clone(), v.clone(), &docs)));
-        let plain = run(grouped_attention(q.clone(), k.clone(), v.clone(), &docs.full_mask(dtype)));
+        let mask = docs.full_mask(dtype);
+        let plain = run(merge_heads(scaled_softmax_attention(q.clone(), k.clone(), v.clone(), &mask, docs.scale(d))));
         (chunked, plain)
+    }
+
+    /// How attention weighs and bounds what it sees: `1/√d` and whole documents, or Gemma 4's sliding
+    /// window layers (scale 1, a window shorter than the documents).
+    #[derive(Debug, Clone, Copy)]
+    enum Form {
+        Documents,
+        Window(usize),
+    }
+
+    impl Form {
+        fn apply<B: Backend>(self, docs: DocumentAttention<B>) -> DocumentAttention<B> {
+            match self {
+                Form::Documents => docs,
+                Form::Window(w) => docs.with_window(w).with_scale(1.0),
+            }
+        }
     }
 
     const NAMES: [&str; 4] = ["output", "dq", "dk", "dv"];
 
     #[test]
     fn chunked_attention_and_its_backward_equal_the_single_softmax_in_f32() {
-        for rows in [1, 3, 5, 12] {
-            let (chunked, plain) = both::<CpuTrain>(FloatDType::F32, rows);
-            for (name, (a, b)) in NAMES.iter().zip(chunked.iter().zip(&plain)) {
-                assert_close(&format!("{name}, chunks of {rows}"), a, b, 2e-6);
+        for form in [Form::Documents, Form::Window(3)] {
+            for rows in [1, 3, 5, 12] {
+                let (chunked, plain) = both::<CpuTrain>(FloatDType::F32, rows, form);
+                for (name, (a, b)) in NAMES.iter().zip(chunked.iter().zip(&plain)) {
+                    assert_close(&format!("{name}, {form:?}, chunks of {rows}"), a, b, 2e-6);
+                }
             }
-        }
-        let (chunked, plain) = both::<CpuTrainCheckpointed>(FloatDType::F32, 5);
-        for (name, (a, b)) in NAMES.iter().zip(chunked.iter().zip(&plain)) {
-            assert_close(&format!("{name}, checkpointed"), a, b, 2e-6);
+            let (chunked, plain) = both::<CpuTrainCheckpointed>(FloatDType::F32, 5, form);
+            for (name, (a, b)) in NAMES.iter().zip(chunked.iter().zip(&plain)) {
+                assert_close(&format!("{name}, {form:?}, checkpointed"), a, b, 2e-6);
+            }
         }
     }
 
     #[test]
     fn chunked_attention_in_bf16_stays_within_bf16_rounding_of_the_single_softmax() {
-        let (chunked, plain) = both::<CpuTrain>(FloatDType::BF16, 5);
-        // The reference scales the bf16 scores before its f32 softmax, the chunked op after the cast, and
-        // rounds probabilities and gradients at other points: agreement to two bf16 ulps (2⁻⁷ each) of the
-        // largest value (seen: one ulp, 0.6 % of it).
-        for (name, (a, b)) in NAMES.iter().zip(chunked.iter().zip(&plain)) {
-            assert_close(name, a, b, 1.0 / 64.0);
+        for form in [Form::Documents, Form::Window(3)] {
+            let (chunked, plain) = both::<CpuTrain>(FloatDType::BF16, 5, form);
+            // The reference scales the bf16 scores before its f32 softmax, the chunked op after the cast, and
+            // rounds probabilities and gradients at other points: agreement to two bf16 ulps (2⁻⁷ each) of
+            // the largest value (seen: one ulp, 0.6 % of it).
+            for (name, (a, b)) in NAMES.iter().zip(chunked.iter().zip(&plain)) {
+                assert_close(&format!("{name}, {form:?}"), a, b, 1.0 / 64.0);
+            }
         }
     }
 

@@ -350,6 +350,233 @@ pub fn outside_text_tower(text_prefix: &str, key: &str) -> bool {
     !(key.starts_with(text_prefix) || key == "lm_head.weight")
 }
 
+/// Gemma 4's attention layer kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Gemma4LayerKind {
+    /// Attention over the last `sliding_window` tokens, `head_dim` wide, default RoPE.
+    SlidingAttention,
+    /// Attention over the whole document, `global_head_dim` wide, proportional RoPE.
+    FullAttention,
+}
+
+/// One Gemma 4 attention layer's shape: its kind, head width, kv heads, and the earlier layer whose keys and
+/// values it reuses (`None`: it computes its own).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Gemma4Layer {
+    pub kind: Gemma4LayerKind,
+    pub head_dim: usize,
+    pub num_key_value_heads: usize,
+    pub kv_source: Option<usize>,
+    /// The MLP's width (twice `intermediate_size` on KV-sharing layers when `use_double_wide_mlp`).
+    pub intermediate_size: usize,
+}
+
+/// RoPE of one layer kind: `rotary_pairs` of the `head_dim / 2` frequency slots rotate with
+/// `θ^(−2j/head_dim)`; the rest are 0 (proportional RoPE; default RoPE rotates all of them).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Gemma4Rope {
+    pub theta: f64,
+    pub partial_rotary_factor: f64,
+    pub proportional: bool,
+}
+
+/// Gemma 4's text tower (transformers `Gemma4TextConfig`), read from `text_config` of a `gemma4`
+/// (multimodal) checkpoint or from the top level of a text-only `gemma4_text` one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Gemma4Config {
+    pub model_type: String,
+    /// `model.language_model.` (multimodal) or `model.` (text-only).
+    pub text_prefix: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub layers: Vec<Gemma4Layer>,
+    pub sliding_window: usize,
+    pub sliding_rope: Gemma4Rope,
+    pub full_rope: Gemma4Rope,
+    /// Per-layer embeddings' width (0: none).
+    pub hidden_size_per_layer_input: usize,
+    pub vocab_size_per_layer_input: usize,
+    pub final_logit_softcapping: Option<f64>,
+    pub rms_norm_eps: f64,
+    pub tie_word_embeddings: bool,
+    pub max_position_embeddings: usize,
+    pub eos_token_id: Option<u32>,
+    pub initializer_range: f64,
+}
+
+impl Gemma4Config {
+    pub fn from_json(v: &Value) -> Result<Self, String> {
+        let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or_default().to_string();
+        let (text, text_prefix) = match model_type.as_str() {
+            "gemma4" => (v.get("text_config").ok_or("a gemma4 config without `text_config`")?, "model.language_model."),
+            "gemma4_text" => (v, "model."),
+            other => return Err(unsupported(other)),
+        };
+        let need = |keys: &[&str]| usize_of(text, keys).ok_or_else(|| format!("text_config: missing `{}`", keys[0]));
+        let refuse = |what: &str| Err(format!("Gemma 4 with {what} is not supported (the E-series text towers are)"));
+        if bool_of(text, &["enable_moe_block"]) == Some(true) {
+            return refuse("`enable_moe_block` (the 26B-A4B MoE)");
+        }
+        if bool_of(text, &["attention_k_eq_v"]) == Some(true) {
+            return refuse("`attention_k_eq_v`");
+        }
+        if bool_of(text, &["attention_bias"]) == Some(true) {
+            return refuse("`attention_bias`");
+        }
+        if text.get("use_bidirectional_attention").and_then(Value::as_str) == Some("all") {
+            return refuse("`use_bidirectional_attention = \"all\"`");
+        }
+        match text.get("hidden_activation").and_then(Value::as_str) {
+            None | Some("gelu_pytorch_tanh") => {}
+            Some(other) => {
+                return Err(format!("Gemma 4 hidden_activation '{other}' is not supported (gelu_pytorch_tanh is)"));
+            }
+        }
+        let num_hidden_layers = need(&["num_hidden_layers"])?;
+        let num_attention_heads = need(&["num_attention_heads"])?;
+        let num_key_value_heads = usize_of(text, &["num_key_value_heads"]).unwrap_or(num_attention_heads);
+        let mut kinds =
+            match text.get("layer_types").and_then(Value::as_array) {
+                Some(list) => list
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        Some("sliding_attention") => Ok(Gemma4LayerKind::SlidingAttention),
+                        Some("full_attention") => Ok(Gemma4LayerKind::FullAttention),
+                        other => Err(format!("unknown layer type {other:?} in layer_types")),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+                // transformers' default: every sixth layer full.
+                None => (0..num_hidden_layers)
+                    .map(|i| {
+                        if (i + 1) % 6 == 0 {
+                            Gemma4LayerKind::FullAttention
+                        } else {
+                            Gemma4LayerKind::SlidingAttention
+                        }
+                    })
+                    .collect(),
+            };
+        if kinds.len() != num_hidden_layers {
+            return Err(format!("layer_types has {} entries for {num_hidden_layers} layers", kinds.len()));
+        }
+        // transformers forces the last layer to full attention.
+        if let Some(last) = kinds.last_mut() {
+            *last = Gemma4LayerKind::FullAttention;
+        }
+        let head_dim = usize_of(text, &["head_dim"]).unwrap_or(256);
+        let global_head_dim = usize_of(text, &["global_head_dim"]).unwrap_or(512);
+        let per_layer = text.get("per_layer_config").filter(|p| !p.is_null());
+        let shared = usize_of(text, &["num_kv_shared_layers"]).unwrap_or(0);
+        if shared >= num_hidden_layers && shared > 0 {
+            return Err(format!(
+                "num_kv_shared_layers {shared} leaves none of {num_hidden_layers} layers to compute K/V"
+            ));
+        }
+        let first_shared = num_hidden_layers - shared;
+        let intermediate_size = need(&["intermediate_size"])?;
+        let double_wide = bool_of(text, &["use_double_wide_mlp"]).unwrap_or(false);
+        let mut layers = Vec::with_capacity(num_hidden_layers);
+        for (i, &kind) in kinds.iter().enumerate() {
+            let overrides = per_layer.and_then(|p| p.get(i.to_string()));
+            let full = kind == Gemma4LayerKind::FullAttention;
+            let head = overrides.and_then(|o| usize_of(o, &["head_dim"])).unwrap_or(if full && per_layer.is_none() {
+                global_head_dim
+            } else {
+                head_dim
+            });
+            let kv = overrides.and_then(|o| usize_of(o, &["num_key_value_heads"])).unwrap_or(num_key_value_heads);
+            if head == 0 || !head.is_multiple_of(2) || kv == 0 || !num_attention_heads.is_multiple_of(kv) {
+                return Err(format!("layer {i}: head_dim {head} with {kv} kv heads for {num_attention_heads} heads"));
+            }
+            let kv_source = if i < first_shared {
+                None
+            } else {
+                let source = (0..first_shared).rev().find(|&j| kinds[j] == kind);
+                Some(source.ok_or_else(|| format!("layer {i} shares K/V but no earlier layer has its kind {kind:?}"))?)
+            };
+            let wide = double_wide && kv_source.is_some();
+            layers.push(Gemma4Layer {
+                kind,
+                head_dim: head,
+                num_key_value_heads: kv,
+                kv_source,
+                intermediate_size: intermediate_size * if wide { 2 } else { 1 },
+            });
+        }
+        let rope = |kind: &str, theta: f64, proportional: bool| -> Result<Gemma4Rope, String> {
+            let p = text.get("rope_parameters").and_then(|r| r.get(kind)).filter(|p| !p.is_null());
+            let rope_type = p.and_then(|p| p.get("rope_type")).and_then(Value::as_str);
+            let proportional = match rope_type {
+                None => proportional,
+                Some("default") => false,
+                Some("proportional") => true,
+                Some(other) => return Err(format!("{kind}: rope_type '{other}' is not supported")),
+            };
+            if p.and_then(|p| p.get("factor")).and_then(Value::as_f64).is_some_and(|f| f != 1.0) {
+                return Err(format!("{kind}: a RoPE `factor` is not supported"));
+            }
+            Ok(Gemma4Rope {
+                theta: p.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64).unwrap_or(theta),
+                partial_rotary_factor: p
+                    .and_then(|p| p.get("partial_rotary_factor"))
+                    .and_then(Value::as_f64)
+                    .unwrap_or(if proportional { 0.25 } else { 1.0 }),
+                proportional,
+            })
+        };
+        let ple = usize_of(text, &["hidden_size_per_layer_input"]).unwrap_or(0);
+        let vocab_size = need(&["vocab_size"])?;
+        Ok(Gemma4Config {
+            model_type,
+            text_prefix: text_prefix.to_string(),
+            vocab_size,
+            hidden_size: need(&["hidden_size"])?,
+            num_hidden_layers,
+            num_attention_heads,
+            layers,
+            sliding_window: usize_of(text, &["sliding_window"]).unwrap_or(512),
+            sliding_rope: rope("sliding_attention", 1e4, false)?,
+            full_rope: rope("full_attention", 1e6, true)?,
+            hidden_size_per_layer_input: ple,
+            vocab_size_per_layer_input: usize_of(text, &["vocab_size_per_layer_input"]).unwrap_or(vocab_size),
+            final_logit_softcapping: f64_of(text, &["final_logit_softcapping"]),
+            rms_norm_eps: f64_of(text, &["rms_norm_eps"]).unwrap_or(1e-6),
+            tie_word_embeddings: bool_of(v, &["tie_word_embeddings"])
+                .or_else(|| bool_of(text, &["tie_word_embeddings"]))
+                .unwrap_or(true),
+            max_position_embeddings: usize_of(text, &["max_position_embeddings"]).unwrap_or(131_072),
+            eos_token_id: token_id(text, "eos_token_id").or_else(|| token_id(v, "eos_token_id")),
+            initializer_range: f64_of(text, &["initializer_range"]).unwrap_or(0.02),
+        })
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self, ModelError> {
+        Self::from_json(&read_config_json(path)?)
+            .map_err(|message| ModelError::Config { path: path.to_path_buf(), message })
+    }
+
+    /// Whether `key` is a checkpoint tensor outside the text tower (vision and audio towers and their
+    /// embedders), which kiln neither loads nor trains.
+    pub fn is_other_tower(&self, key: &str) -> bool {
+        outside_text_tower(&self.text_prefix, key)
+    }
+
+    /// Whether `key` is a K/V weight of a KV-sharing layer, which such a layer never reads (a checkpoint may
+    /// still hold them; transformers ignores them on load).
+    pub fn is_unused_kv(&self, key: &str) -> bool {
+        let Some(rest) = key.strip_prefix(&self.text_prefix).and_then(|k| k.strip_prefix("layers.")) else {
+            return false;
+        };
+        let Some((layer, name)) = rest.split_once('.') else { return false };
+        let shares =
+            layer.parse::<usize>().ok().and_then(|i| self.layers.get(i)).is_some_and(|l| l.kv_source.is_some());
+        shares && ["k_proj", "v_proj", "k_norm", "v_norm"].iter().any(|n| name.starts_with(&format!("self_attn.{n}.")))
+    }
+}
+
 /// The architecture of a checkpoint, picked by its `model_type`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ModelConfig {
@@ -366,6 +593,11 @@ impl ModelConfig {
     pub fn from_json(v: &Value) -> Result<Self, String> {
         match v.get("model_type").and_then(Value::as_str).unwrap_or_default() {
             t if LFM2_TYPES.contains(&t) => Lfm2Config::from_json(v).map(ModelConfig::Lfm2),
+            t @ ("gemma4" | "gemma4_text") => Err(format!(
+                "model_type '{t}': kiln has Gemma 4's text tower (models::gemma4: forward pass and gradients, \
+                 exact against transformers) but not yet its training loss (the logit softcap), cached decoding \
+                 or export, so the pipeline cannot run it"
+            )),
             _ => Qwen35Config::from_json(v).map(ModelConfig::Qwen35),
         }
     }
@@ -461,5 +693,58 @@ mod tests {
         assert_eq!(ModelConfig::Qwen35(c).attention_width(), 6 * 8 * 256);
         let err = ModelConfig::from_json(&json!({"model_type": "qwen3_5"})).unwrap_err();
         assert!(err.contains("text_config"), "{err}");
+    }
+
+    /// Gemma 4 E4B's text config as the Hub serializes it (`global_head_dim`, no `per_layer_config`).
+    fn gemma4_e4b() -> Value {
+        json!({"model_type": "gemma4", "text_config": {
+            "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 2560, "num_hidden_layers": 42,
+            "intermediate_size": 10240, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+            "global_head_dim": 512, "sliding_window": 512, "num_kv_shared_layers": 18,
+            "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144, "final_logit_softcapping": 30.0,
+            "hidden_activation": "gelu_pytorch_tanh", "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}}})
+    }
+
+    #[test]
+    fn gemma4_reads_its_text_config_and_refuses_what_it_lacks() {
+        let c = Gemma4Config::from_json(&gemma4_e4b()).unwrap();
+        let full: Vec<usize> = (0..42).filter(|&i| c.layers[i].kind == Gemma4LayerKind::FullAttention).collect();
+        assert_eq!(full, [5, 11, 17, 23, 29, 35, 41]);
+        assert!(
+            c.layers.iter().all(|l| l.head_dim == if l.kind == Gemma4LayerKind::FullAttention { 512 } else { 256 })
+        );
+        // Layers 24.. reuse the last earlier layer of their kind: 22 (sliding) and 23 (full).
+        assert!(c.layers[..24].iter().all(|l| l.kv_source.is_none()));
+        assert!(
+            c.layers[24..]
+                .iter()
+                .all(|l| l.kv_source == Some(if l.kind == Gemma4LayerKind::FullAttention { 23 } else { 22 }))
+        );
+        assert!(c.layers.iter().all(|l| l.intermediate_size == 10240), "E4B's MLPs are not double-wide");
+        assert!(c.is_unused_kv("model.language_model.layers.30.self_attn.k_proj.weight"));
+        assert!(!c.is_unused_kv("model.language_model.layers.3.self_attn.k_proj.weight"));
+        assert!(!c.is_unused_kv("model.language_model.layers.30.self_attn.q_proj.weight"));
+        assert!(c.is_other_tower("model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"));
+        assert!(c.is_other_tower("model.embed_audio.embedding_projection.weight"));
+        assert_eq!((c.tie_word_embeddings, c.final_logit_softcapping), (true, Some(30.0)));
+
+        for (key, value, what) in [
+            ("enable_moe_block", json!(true), "enable_moe_block"),
+            ("attention_k_eq_v", json!(true), "attention_k_eq_v"),
+            ("hidden_activation", json!("silu"), "hidden_activation"),
+            ("num_kv_shared_layers", json!(42), "num_kv_shared_layers"),
+        ] {
+            let mut v = gemma4_e4b();
+            v["text_config"][key] = value;
+            let err = Gemma4Config::from_json(&v).unwrap_err();
+            assert!(err.contains(what), "{key}: {err}");
+        }
+        let mut v = gemma4_e4b();
+        v["text_config"]["rope_parameters"]["full_attention"]["rope_type"] = json!("yarn");
+        assert!(Gemma4Config::from_json(&v).unwrap_err().contains("yarn"));
+        let err = ModelConfig::from_json(&gemma4_e4b()).unwrap_err();
+        assert!(err.contains("Gemma 4") && err.contains("cannot run"), "{err}");
     }
 }

@@ -20,39 +20,38 @@ use super::host_slices::{FlexValues, HeadRows, MatRef, dot, exp, host, matmul, r
 use crate::backend::host_tensor;
 
 /// The sizes of one attention call: queries `[batch, heads, seq, d]`, keys and values
-/// `[batch, kv_heads, seq, d]`, each kv head serving `heads / kv_heads` consecutive query heads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// `[batch, kv_heads, seq, d]`, each kv head serving `heads / kv_heads` consecutive query heads; and the
+/// scores' scale (`1/√d` unless the architecture sets its own).
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionDims {
     pub batch: usize,
     pub heads: usize,
     pub kv_heads: usize,
     pub seq: usize,
     pub d: usize,
+    pub scale: f32,
 }
 
 impl AttentionDims {
     fn group(&self) -> usize {
         self.heads / self.kv_heads
     }
-
-    fn scale(&self) -> f32 {
-        (1.0 / (self.d as f64).sqrt()) as f32
-    }
 }
 
 /// Queries per block: a block's scores `[queries, keys]` are one matrix product and its rows one softmax.
 const BLOCK: usize = 64;
 
-/// A batch row's queries cut into blocks of at most `BLOCK` consecutive queries of one document, each with
-/// its document's first key: block `(start, i0..i1)` scores keys `start..i1`, query `i` the first
-/// `i − start + 1` of them.
+/// A batch row's queries cut into blocks of at most `BLOCK` consecutive queries whose first keys stay or
+/// advance one at a time (one document; a sliding window moves by one), each block with its first query's
+/// first key: block `(start, i0..i1)` scores keys `start..i1`, query `i` those of `seen(starts, start, i)`.
+/// A document's first token, whose first key jumps ahead, starts a new block.
 fn query_blocks(starts: &[usize]) -> Vec<(usize, std::ops::Range<usize>)> {
     let mut blocks = Vec::new();
     let mut i0 = 0;
     while i0 < starts.len() {
         let start = starts[i0];
         let mut i1 = i0 + 1;
-        while i1 < starts.len() && i1 - i0 < BLOCK && starts[i1] == start {
+        while i1 < starts.len() && i1 - i0 < BLOCK && starts[i1] <= starts[i1 - 1] + 1 && starts[i1] < i1 {
             i1 += 1;
         }
         blocks.push((start, i0..i1));
@@ -61,17 +60,23 @@ fn query_blocks(starts: &[usize]) -> Vec<(usize, std::ops::Range<usize>)> {
     blocks
 }
 
+/// The keys query `i` sees among its block's, which start at key `start`: from its own first key through
+/// itself.
+fn seen(starts: &[usize], start: usize, i: usize) -> std::ops::Range<usize> {
+    starts[i] - start..i - start + 1
+}
+
 /// Rows `range` of a `[rows, d]` slice as a matrix.
 fn rows_of(x: &[f32], range: std::ops::Range<usize>, d: usize) -> MatRef<'_> {
     MatRef::rows(&x[range.start * d..range.end * d], range.len(), d)
 }
 
-/// The output `[batch, heads, seq, d]` and log-sum-exp `[batch, heads, seq]` of `softmax(q kᵀ / √d) v`
+/// The output `[batch, heads, seq, d]` and log-sum-exp `[batch, heads, seq]` of `softmax(q kᵀ · scale) v`
 /// where query `i` of batch row `b` sees keys `starts[b · seq + i] ..= i`: per block of queries, the scores
 /// and the output are matrix products (`host_slices::matmul`) and each row's softmax one vectorized pass.
 pub fn forward(q: &[f32], k: &[f32], v: &[f32], starts: &[usize], dims: AttentionDims) -> (Vec<f32>, Vec<f32>) {
     let AttentionDims { heads, seq, d, .. } = dims;
-    let (group, scale) = (dims.group(), dims.scale());
+    let (group, scale) = (dims.group(), dims.scale);
     let mut out = vec![0.0f32; q.len()];
     let mut lse = vec![0.0f32; q.len() / d];
     let blocks: Vec<_> = (0..dims.batch).map(|b| query_blocks(&starts[b * seq..(b + 1) * seq])).collect();
@@ -87,7 +92,10 @@ pub fn forward(q: &[f32], k: &[f32], v: &[f32], starts: &[usize], dims: Attentio
             probs.resize(queries.len() * keys, 0.0);
             matmul(&mut probs, rows_of(q, queries.clone(), d), rows_of(k, start..queries.end, d).t(), scale, false);
             for (i, scores) in queries.clone().zip(probs.chunks_exact_mut(keys)) {
-                let (seen, unseen) = scores.split_at_mut(i - start + 1);
+                let range = seen(&starts[b * seq..(b + 1) * seq], start, i);
+                let (before, rest) = scores.split_at_mut(range.start);
+                let (seen, unseen) = rest.split_at_mut(range.len());
+                before.fill(0.0);
                 let max = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0.0f32;
                 for p in seen.iter_mut() {
@@ -139,7 +147,7 @@ fn masked_blocks(group: usize, seq: usize) -> Vec<std::ops::Range<usize>> {
 /// zeros.
 pub fn masked_forward(q: &[f32], k: HeadRows, v: HeadRows, mask: &[f32], dims: AttentionDims, keys: usize) -> Vec<f32> {
     let AttentionDims { batch, kv_heads, seq, d, .. } = dims;
-    let (group, scale) = (dims.group(), dims.scale());
+    let (group, scale) = (dims.group(), dims.scale);
     let visible: Vec<_> = (0..batch * seq).map(|r| visible_keys(row(mask, r, keys))).collect();
     let blocks = masked_blocks(group, seq);
     let mut out = vec![0.0f32; q.len()];
@@ -220,7 +228,7 @@ pub fn backward(
     dims: AttentionDims,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let AttentionDims { kv_heads, seq, d, .. } = dims;
-    let (group, scale) = (dims.group(), dims.scale());
+    let (group, scale) = (dims.group(), dims.scale);
     let head = seq * d;
     let blocks: Vec<_> = (0..dims.batch).map(|b| query_blocks(&starts[b * seq..(b + 1) * seq])).collect();
     let (mut dq, mut dk, mut dv) = (vec![0.0f32; q.len()], vec![0.0f32; k.len()], vec![0.0f32; v.len()]);
@@ -245,16 +253,18 @@ pub fn backward(
                 matmul(&mut grads, do_rows, v_rows.t(), 1.0, false);
                 for (i, (p, ds)) in queries.clone().zip(probs.chunks_exact_mut(keys).zip(grads.chunks_exact_mut(keys)))
                 {
-                    let (seen, lse_i) = (i - start + 1, lse[bh * seq + i]);
+                    let (seen, lse_i) = (seen(&starts[b * seq..(b + 1) * seq], start, i), lse[bh * seq + i]);
                     let delta = dot(row(grad_out, i, d), row(out, i, d));
-                    for p in &mut p[..seen] {
+                    for p in &mut p[seen.clone()] {
                         *p = exp(*p - lse_i);
                     }
-                    for (ds, &p) in ds[..seen].iter_mut().zip(&p[..seen]) {
+                    for (ds, &p) in ds[seen.clone()].iter_mut().zip(&p[seen.clone()]) {
                         *ds = p * (*ds - delta) * scale;
                     }
-                    p[seen..].fill(0.0);
-                    ds[seen..].fill(0.0);
+                    for unseen in [0..seen.start, seen.end..keys] {
+                        p[unseen.clone()].fill(0.0);
+                        ds[unseen].fill(0.0);
+                    }
                 }
                 let (p_rows, ds_rows) = (MatRef::rows(&probs, n, keys), MatRef::rows(&grads, n, keys));
                 matmul(&mut dv[start * d..queries.end * d], p_rows.t(), do_rows, 1.0, true);
@@ -266,9 +276,11 @@ pub fn backward(
     (dq, dk, dv)
 }
 
-fn dims_of<B: Backend>(q: &Tensor<B, 4>, k: &Tensor<B, 4>) -> AttentionDims {
+/// The dims of `q` and `k` with the scores' scale (`None`: `1/√d`).
+fn dims_of<B: Backend>(q: &Tensor<B, 4>, k: &Tensor<B, 4>, scale: Option<f64>) -> AttentionDims {
     let [batch, heads, seq, d] = q.dims();
-    AttentionDims { batch, heads, kv_heads: k.dims()[1], seq, d }
+    let scale = scale.unwrap_or_else(|| 1.0 / (d as f64).sqrt()) as f32;
+    AttentionDims { batch, heads, kv_heads: k.dims()[1], seq, d, scale }
 }
 
 /// Whether the host paths here take these inputs (all f32); the callers keep the tensor ops otherwise.
@@ -284,25 +296,26 @@ pub fn forward_on_host<B: Backend>(
     v: Tensor<B, 4>,
     docs: &DocumentAttention<B>,
 ) -> AttentionForward<B> {
-    let dims = dims_of(&q, &k);
+    let dims = dims_of(&q, &k, Some(docs.scale(q.dims()[3])));
     let device = q.device();
     let (out, lse) = forward(&host(q), &host(k), &host(v), docs.query_starts(), dims);
-    let AttentionDims { batch, heads, kv_heads, seq, d } = dims;
+    let AttentionDims { batch, heads, kv_heads, seq, d, .. } = dims;
     AttentionForward {
         out: host_tensor(out, [batch, heads, seq, d], FloatDType::F32, &device),
         lse: host_tensor(lse, [batch, kv_heads, dims.group(), seq, 1], FloatDType::F32, &device),
     }
 }
 
-/// `attention::softmax_attention` through `masked_forward`, in f32, reading the queries, the cached keys
-/// and values and the mask (`[batch, 1, seq, keys]`) where the CPU backend holds them.
+/// `attention::scaled_softmax_attention` through `masked_forward`, in f32, reading the queries, the cached
+/// keys and values and the mask (`[batch, 1, seq, keys]`) where the CPU backend holds them.
 pub fn masked_on_host(
     q: Tensor<Flex, 4>,
     k: Tensor<Flex, 4>,
     v: Tensor<Flex, 4>,
     mask: &Tensor<Flex, 4>,
+    scale: f64,
 ) -> Tensor<Flex, 4> {
-    let dims = dims_of(&q, &k);
+    let dims = dims_of(&q, &k, Some(scale));
     let (shape, keys) = (q.dims(), k.dims()[2]);
     let device = q.device();
     let (mut q, mut k, mut v) = (FlexValues::new(q), FlexValues::new(k), FlexValues::new(v));
@@ -320,7 +333,7 @@ pub fn backward_on_host<B: Backend>(
     forward: AttentionForward<B>,
     grad_out: Tensor<B, 4>,
 ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
-    let dims = dims_of(&q, &k);
+    let dims = dims_of(&q, &k, Some(docs.scale(q.dims()[3])));
     let device = q.device();
     let (q_shape, kv_shape) = (q.dims(), k.dims());
     let grad_out = grad_out.cast(FloatDType::F32);
@@ -410,8 +423,9 @@ mod tests {
                 normal::<Cpu, 4>([2, kv_heads, keys, d], 0.0, 1.0, 2, &device),
                 normal::<Cpu, 4>([2, kv_heads, keys, d], 0.0, 1.0, 3, &device),
             );
-            let reference = crate::models::attention::softmax_attention(q.clone(), k.clone(), v.clone(), &mask);
-            let host = masked_on_host(q, k, v, &mask);
+            let reference =
+                crate::models::attention::scaled_softmax_attention(q.clone(), k.clone(), v.clone(), &mask, 0.3);
+            let host = masked_on_host(q, k, v, &mask, 0.3);
             let case = format!("heads {heads}, kv heads {kv_heads}, d {d}");
             assert_close(&format!("masked attention, {case}"), &values(host), &values(reference), 2e-6);
         }
@@ -444,8 +458,9 @@ mod tests {
                 let q = normal::<Cpu, 4>([2, heads, seq, d], 0.0, 1.0, 1, &device);
                 let cache = |seed| normal::<Cpu, 4>([2, kv_heads, capacity, d], 0.0, 1.0, seed, &device);
                 let (k, v) = (cache(2).narrow(2, 0, past + seq), cache(3).narrow(2, 0, past + seq));
-                let reference = crate::models::attention::softmax_attention(q.clone(), k.clone(), v.clone(), &mask);
-                let host = masked_on_host(q, k, v, &mask);
+                let reference =
+                    crate::models::attention::scaled_softmax_attention(q.clone(), k.clone(), v.clone(), &mask, 0.3);
+                let host = masked_on_host(q, k, v, &mask, 0.3);
                 let case = format!("{seq} queries after {past}, heads {heads}, kv heads {kv_heads}, d {d}");
                 assert_close(&format!("masked attention, {case}"), &values(host), &values(reference), 2e-6);
             }
@@ -491,7 +506,7 @@ mod tests {
         // Changing a key or value outside a query's allowed range leaves its output alone; changing one inside
         // moves it.
         let l = SequenceLayout::from_doc_lengths(&[vec![3, 4]], 8);
-        let dims = AttentionDims { batch: 1, heads: 1, kv_heads: 1, seq: 8, d: 4 };
+        let dims = AttentionDims { batch: 1, heads: 1, kv_heads: 1, seq: 8, d: 4, scale: 0.5 };
         let docs = DocumentAttention::<Cpu>::new(&l, &Default::default());
         let starts = docs.query_starts().to_vec();
         assert_eq!(starts, [0, 0, 0, 3, 3, 3, 3, 7]);
@@ -516,7 +531,7 @@ mod tests {
     #[test]
     fn results_do_not_depend_on_the_thread_count() {
         let l = layout();
-        let dims = AttentionDims { batch: 3, heads: 4, kv_heads: 2, seq: 40, d: 12 };
+        let dims = AttentionDims { batch: 3, heads: 4, kv_heads: 2, seq: 40, d: 12, scale: 0.3 };
         let docs = DocumentAttention::<Cpu>::new(&l, &Default::default());
         let starts = docs.query_starts().to_vec();
         let data = |n: usize, f: f32| (0..n).map(|i| (i as f32 * f).sin()).collect::<Vec<f32>>();

@@ -12,6 +12,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use safetensors::Dtype;
 
 use super::ModelError;
+use super::gemma4::Gemma4Model;
 use super::lfm2::{FeedForward, Lfm2Model, Mixer};
 use super::qwen3_5::{Qwen35Mixer, Qwen35Model};
 use super::weights::HostTensor;
@@ -145,6 +146,65 @@ impl<B: Backend> HfNamed for Qwen35Model<B> {
             for (name, lin) in [("gate_proj", &layer.mlp.w1), ("up_proj", &layer.mlp.w3), ("down_proj", &layer.mlp.w2)]
             {
                 out.push(entry(format!("{p}.mlp.{name}.weight"), &lin.weight, HfView::Transpose));
+            }
+        }
+        out.push(entry(format!("{pre}norm.weight"), &self.norm.weight, HfView::Same));
+        if let Some(head) = &self.lm_head {
+            out.push(entry("lm_head.weight".into(), head, HfView::Same));
+        }
+        out
+    }
+}
+
+impl<B: Backend> HfNamed for Gemma4Model<B> {
+    /// The text tower's parameters (`layer_scalar` is a buffer, not a parameter, and the K/V weights of
+    /// KV-sharing layers do not exist here).
+    fn hf_entries(&self) -> Vec<HfEntry> {
+        let pre = &self.text_prefix;
+        let linear = |out: &mut Vec<HfEntry>, key: String, lin: &burn::nn::Linear<B>| {
+            out.push(entry(format!("{key}.weight"), &lin.weight, HfView::Transpose))
+        };
+        let mut out = vec![entry(format!("{pre}embed_tokens.weight"), &self.embed_tokens, HfView::Same)];
+        if let Some(table) = &self.embed_tokens_per_layer {
+            out.push(entry(format!("{pre}embed_tokens_per_layer.weight"), table, HfView::Same));
+        }
+        if let Some(projection) = &self.per_layer_model_projection {
+            linear(&mut out, format!("{pre}per_layer_model_projection"), projection);
+        }
+        if let Some(norm) = &self.per_layer_projection_norm {
+            out.push(entry(format!("{pre}per_layer_projection_norm.weight"), &norm.weight, HfView::Same));
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
+            let p = format!("{pre}layers.{i}");
+            for (name, norm) in [
+                ("input_layernorm", &layer.input_layernorm),
+                ("post_attention_layernorm", &layer.post_attention_layernorm),
+                ("pre_feedforward_layernorm", &layer.pre_feedforward_layernorm),
+                ("post_feedforward_layernorm", &layer.post_feedforward_layernorm),
+            ] {
+                out.push(entry(format!("{p}.{name}.weight"), &norm.weight, HfView::Same));
+            }
+            let (a, attn) = (format!("{p}.self_attn"), &layer.self_attn);
+            linear(&mut out, format!("{a}.q_proj"), &attn.q_proj);
+            out.push(entry(format!("{a}.q_norm.weight"), &attn.q_norm.weight, HfView::Same));
+            if let Some(kv) = &attn.kv {
+                linear(&mut out, format!("{a}.k_proj"), &kv.k_proj);
+                linear(&mut out, format!("{a}.v_proj"), &kv.v_proj);
+                out.push(entry(format!("{a}.k_norm.weight"), &kv.k_norm.weight, HfView::Same));
+            }
+            linear(&mut out, format!("{a}.o_proj"), &attn.o_proj);
+            for (name, lin) in [
+                ("gate_proj", &layer.mlp.gate_proj),
+                ("up_proj", &layer.mlp.up_proj),
+                ("down_proj", &layer.mlp.down_proj),
+            ] {
+                linear(&mut out, format!("{p}.mlp.{name}"), lin);
+            }
+            if let Some(branch) = &layer.per_layer {
+                linear(&mut out, format!("{p}.per_layer_input_gate"), &branch.per_layer_input_gate);
+                linear(&mut out, format!("{p}.per_layer_projection"), &branch.per_layer_projection);
+                let norm = &branch.post_per_layer_input_norm.weight;
+                out.push(entry(format!("{p}.post_per_layer_input_norm.weight"), norm, HfView::Same));
             }
         }
         out.push(entry(format!("{pre}norm.weight"), &self.norm.weight, HfView::Same));

@@ -40,6 +40,15 @@ impl<B: ModelBackend> ZeroCenteredRmsNorm<B> {
     }
 }
 
+/// `cap · tanh(logits / cap)` (Gemma's final logit soft-cap), in the logits' dtype; the logits as they are
+/// without a cap.
+pub fn soft_cap<B: Backend, const D: usize>(logits: Tensor<B, D>, cap: Option<f64>) -> Tensor<B, D> {
+    match cap {
+        Some(cap) => burn::tensor::activation::tanh(logits / cap) * cap,
+        None => logits,
+    }
+}
+
 /// `x / sqrt(Σx² + eps)` over the last dimension, in f32 (the L2 norm of the FLA kernels transformers
 /// mirrors, eps 1e-6).
 pub fn l2_normalize<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
@@ -330,6 +339,21 @@ impl<B: Backend> RopeTables<B> {
         let half = rotary_dim / 2;
         let inv_freq: Vec<f32> =
             (0..half).map(|i| (1.0 / theta.powf((2 * i) as f64 / rotary_dim as f64)) as f32).collect();
+        Self::from_inv_freq(layout, head_dim, inv_freq, dtype, device)
+    }
+
+    /// The tables for explicit inverse frequencies, one per rotated pair: dim `i < n` pairs with `i + n`
+    /// (`n = inv_freq.len()`), dims from `2n` on pass unchanged. A frequency of 0 leaves its pair unchanged
+    /// too (Gemma 4's proportional RoPE pads its frequencies with zeros).
+    pub fn from_inv_freq(
+        layout: &SequenceLayout,
+        head_dim: usize,
+        inv_freq: Vec<f32>,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> Self {
+        let half = inv_freq.len();
+        assert!(2 * half <= head_dim, "{half} rotary pairs fit heads of {head_dim}");
         let n = layout.positions.len();
         let (mut cos, mut sin) = (Vec::with_capacity(n * head_dim), Vec::with_capacity(n * head_dim));
         for &p in &layout.positions {

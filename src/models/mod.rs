@@ -16,6 +16,7 @@ pub mod cpu_elementwise;
 pub mod decode;
 pub mod deltanet;
 pub mod experts;
+pub mod gemma4;
 pub mod hf;
 mod host_slices;
 pub mod layers;
@@ -30,7 +31,8 @@ use burn::tensor::backend::Backend;
 
 pub use attention::DocumentAttention;
 pub use causal_lm::{CausalLm, load_model, random_model};
-pub use config::{LayerKind, Lfm2Config, ModelConfig, Qwen35Config, Qwen35LayerKind};
+pub use config::{Gemma4Config, LayerKind, Lfm2Config, ModelConfig, Qwen35Config, Qwen35LayerKind};
+pub use gemma4::Gemma4Model;
 pub use layers::SequenceLayout;
 pub use lfm2::Lfm2Model;
 pub use ops::{ModelBackend, set_reference_ops};

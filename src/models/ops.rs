@@ -32,8 +32,8 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 
 use super::attention::{
-    AttentionForward, ChunkRows, DocumentAttention, chunked_attention, chunked_attention_backward, score_grads,
-    softmax_attention, softmax_rows, tracked_document_attention,
+    AttentionForward, ChunkRows, DocumentAttention, chunked_attention, chunked_attention_backward,
+    scaled_softmax_attention, score_grads, softmax_rows, tracked_document_attention,
 };
 use super::deltanet::{
     self, ChunkPlan, ChunkRecurrence, ChunkedScan, RecurrenceOut, ScanInputs, tracked_gated_delta_rule,
@@ -74,15 +74,16 @@ pub trait ModelBackend: Backend {
         Self::attention_forward(q, k, v, docs).out
     }
 
-    /// `softmax(q kᵀ / √d + mask) v` over an additive mask `[batch, 1, seq, keys]` (cached decoding's
-    /// attention over its cache; `attention::softmax_attention`, on the CPU in f32 `cpu_attention`).
+    /// `softmax(q kᵀ · scale + mask) v` over an additive mask `[batch, 1, seq, keys]` (cached decoding's
+    /// attention over its cache; `attention::scaled_softmax_attention`, on the CPU in f32 `cpu_attention`).
     fn masked_attention(
         q: Tensor<Self, 4>,
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
         mask: &Tensor<Self, 4>,
+        scale: f64,
     ) -> Tensor<Self, 4> {
-        softmax_attention(q, k, v, mask)
+        scaled_softmax_attention(q, k, v, mask, scale)
     }
 
     /// Writes `rows [batch, heads, n, d]` into positions `at..at + n` of a decoding cache `[batch, heads,
@@ -444,7 +445,8 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
     ) -> Tensor<Self, 4> {
         if reference_ops() {
             let mask = docs.full_mask(FloatDType::from(q.dtype()));
-            return softmax_attention(q, k, v, &mask);
+            let scale = docs.scale(q.dims()[3]);
+            return scaled_softmax_attention(q, k, v, &mask, scale);
         }
         tracked_document_attention(q, k, v, docs)
     }
