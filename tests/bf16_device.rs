@@ -4,7 +4,7 @@
 //! Flex device defaults to bf16, and training, resuming, loading and decoding must behave exactly as the
 //! CPU's own bf16 precision (an f32-default process: `kiln train --precision bf16`) does.
 //! Its own test binary, because a device's default dtype is set once per process; its tests take turns
-//! (`serial`), because one of them flips the process-wide reference-ops switch.
+//! (`serial`): the bf16 default is set under the same lock.
 
 mod common;
 
@@ -189,7 +189,9 @@ fn checkpoints_load_and_decode_in_the_devices_dtype_keeping_f32_tensors() {
             kept += usize::from(want == DType::F32);
             assert_eq!(dtype, want, "{shape}: {key}");
         }
-        assert_eq!(kept > 0, shape != "configs/models/tiny", "{shape}: {kept} f32 tensors");
+        // Qwen3.5's A_log and DeltaNet norm, LFM2-MoE's expert bias; LFM2 and Gemma 4 keep none.
+        let keeps_f32 = !["configs/models/tiny", "configs/models/tiny-gemma4"].contains(&shape);
+        assert_eq!(kept > 0, keeps_f32, "{shape}: {kept} f32 tensors");
 
         let prompt: Vec<u32> = (1..9).map(|i| (i * 37 % config.vocab_size()) as u32).collect();
         let ids = Tensor::<Cpu, 2, Int>::from_data(
@@ -211,5 +213,5 @@ fn checkpoints_load_and_decode_in_the_devices_dtype_keeping_f32_tensors() {
 #[test]
 fn the_reference_compositions_train_on_a_bf16_default_device() {
     let _turn = serial();
-    common::assert_reference_ops_agree(Precision::Bf16, 2, 2e-3);
+    common::assert_reference_ops_agree(Precision::Bf16, 2, |_| 2e-3);
 }

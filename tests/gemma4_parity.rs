@@ -3,7 +3,9 @@
 //! over rows of 24 tokens, full-attention layers with wider heads and proportional RoPE, three layers that
 //! reuse earlier layers' keys and values (with double-wide MLPs), layer scalars and the logit softcap. f32
 //! logits within 1e-4 of the exact (f64) answer, a row packed with two documents equal to each run alone,
-//! and the gradients of a masked cross-entropy, the shared K/V weights' included.
+//! the gradients of a masked cross-entropy (the shared K/V weights' included) through the composition and
+//! through the trainer's fused loss with the soft-cap, cached decoding equal to the full forward, and
+//! export carrying the vision tower byte for byte (and transformers reloading it: export_check.json).
 
 mod common;
 
@@ -12,8 +14,11 @@ use std::path::{Path, PathBuf};
 use burn::backend::{Autodiff, Flex};
 use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
 use kiln::models::config::Gemma4LayerKind;
+use kiln::models::decode::{CachedDecoding, generate_greedy};
+use kiln::models::hf::ExportDtype;
 use kiln::models::hf::{hf_gradients, hf_tensors};
-use kiln::models::{Gemma4Config, Gemma4Model, SequenceLayout, WeightStore};
+use kiln::models::{CausalLm, Gemma4Config, Gemma4Model, ModelConfig, SequenceLayout, WeightStore, load_model};
+use kiln::train::step::supervised_loss;
 
 type Cpu = Flex<f32>;
 type Train = Autodiff<Cpu>;
@@ -26,10 +31,10 @@ fn fixture_dir() -> PathBuf {
 }
 
 fn load<B: burn::tensor::backend::Backend>(dir: &Path) -> (Gemma4Config, Gemma4Model<B>) {
-    let config = Gemma4Config::from_file(&dir.join("config.json")).expect("the fixture's config");
-    let store = WeightStore::open(dir).expect("the fixture's weights");
-    let model = Gemma4Model::from_source(&config, &store, &Default::default()).expect("the text tower loads");
-    (config, model)
+    match load_model::<B>(dir, &Default::default()).expect("the fixture loads") {
+        (ModelConfig::Gemma4(c), CausalLm::Gemma4(m)) => (c, m),
+        _ => panic!("the Gemma 4 fixture loaded as another architecture"),
+    }
 }
 
 #[test]
@@ -96,4 +101,102 @@ fn gradients_match_transformers() {
     assert!((value - f.loss).abs() <= 1e-4, "loss {value} vs {}", f.loss);
     let grads = loss.backward();
     parity::check_gradients(NAME, &f, &hf_gradients(&model, &grads), 1e-4);
+}
+
+#[test]
+fn cached_decoding_equals_full_forward() {
+    let device = Default::default();
+    let (_, model) = load::<Cpu>(&fixture_dir());
+    let f = parity::fixture(&fixture_dir());
+    let row: Vec<i64> = f.ids.0[..f.shape()[1]].to_vec();
+    let n = row.len();
+    let full = values(model.forward(ids_tensor::<Cpu>(&row, [1, n], &device), &SequenceLayout::single(1, n)));
+    // Prefill 7 tokens (past the window of 5), then one at a time: the sliding layers' window moves along
+    // the cache, and the KV-sharing layers read their sources' caches.
+    parity::assert_cached_decoding_follows(&model, &row, 7, &full, 1e-4, &device);
+
+    // Left-padded prompts of different lengths, both longer than the window: each row's last logits equal
+    // that prompt alone (padding is never inside a window), and greedy generation of the batch equals
+    // generating each prompt alone.
+    let prompts: Vec<Vec<u32>> =
+        vec![row[..9].iter().map(|&x| x as u32).collect(), row[3..20].iter().map(|&x| x as u32).collect()];
+    let mut cache = model.new_cache(2, &device);
+    let mut ids = vec![0i64; 8];
+    ids.extend(prompts[0].iter().map(|&x| x as i64));
+    ids.extend(prompts[1].iter().map(|&x| x as i64));
+    let valid = vec![[vec![false; 8], vec![true; 9]].concat(), vec![true; 17]];
+    let batched = values(model.forward_cached(ids_tensor::<Cpu>(&ids, [2, 17], &device), &valid, &mut cache));
+    for (r, p) in prompts.iter().enumerate() {
+        let alone_ids: Vec<i64> = p.iter().map(|&x| x as i64).collect();
+        let alone = values(
+            model.forward(ids_tensor::<Cpu>(&alone_ids, [1, p.len()], &device), &SequenceLayout::single(1, p.len())),
+        );
+        let err = max_abs_diff(&alone[(p.len() - 1) * VOCAB..], &batched[(r * 17 + 16) * VOCAB..(r * 17 + 17) * VOCAB]);
+        assert!(err <= 1e-4, "row {r} of a padded batch differs by {err}");
+    }
+    let together = generate_greedy(&model, &prompts, 5, &[], &device);
+    for (r, p) in prompts.iter().enumerate() {
+        assert_eq!(together[r], generate_greedy(&model, std::slice::from_ref(p), 5, &[], &device)[0], "row {r}");
+        assert_eq!(together[r].len(), 5);
+    }
+}
+
+/// The trainer's loss (`supervised_loss`: the fused projection and cross-entropy with the soft-cap inside,
+/// next-token targets, weights from the mask) gives transformers' loss and gradients.
+#[test]
+fn the_trainers_fused_loss_matches_transformers() {
+    let f = parity::fixture(&fixture_dir());
+    let device = Default::default();
+    let (_, model) = load_model::<Train>(&fixture_dir(), &device).unwrap();
+    let [b, s] = f.shape();
+    // Position t of row r predicts token t + 1, weighted by its mask; the last position predicts nothing.
+    let (mut targets, mut weights) = (vec![0i64; b * s], vec![0f32; b * s]);
+    for at in (0..b * s).filter(|at| at % s + 1 < s) {
+        (targets[at], weights[at]) = (f.ids.0[at + 1], f.mask[at + 1] as f32);
+    }
+    let count: f32 = weights.iter().sum();
+    let hidden = model.forward_hidden(ids_tensor::<Train>(&f.ids.0, [b, s], &device), &SequenceLayout::single(b, s));
+    assert_eq!(model.logit_softcap(), Some(30.0));
+    let loss = supervised_loss(hidden, model.head_weight(), model.logit_softcap(), &targets, &weights, count)
+        .expect("supervised targets");
+    let value = values(loss.clone())[0];
+    assert!((value - f.loss).abs() <= 1e-4, "loss {value} vs {}", f.loss);
+    parity::check_gradients(NAME, &f, &hf_gradients(&model, &loss.backward()), 1e-4);
+}
+
+#[test]
+fn export_carries_the_other_towers_and_reloads() {
+    let device = Default::default();
+    let (_, model) = load_model::<Cpu>(&fixture_dir(), &device).unwrap();
+    let source = WeightStore::open(&fixture_dir()).unwrap();
+    for dtype in [ExportDtype::F32, ExportDtype::Bf16] {
+        let out = tempfile::tempdir().unwrap();
+        model.export(&fixture_dir(), out.path(), dtype, kiln::models::hf::SHARD_BYTES).unwrap();
+        let exported = WeightStore::open(out.path()).unwrap();
+        assert_eq!(
+            exported.keys().collect::<Vec<_>>(),
+            source.keys().collect::<Vec<_>>(),
+            "{dtype:?}: the same tensors"
+        );
+        for key in source.keys().filter(|k| model.is_carried(k)) {
+            assert_eq!(exported.raw(key).unwrap(), source.raw(key).unwrap(), "{dtype:?}: {key} changed");
+        }
+        if dtype == ExportDtype::F32 {
+            // Parameters and layer scalars come back exactly.
+            let (_, again) = load_model::<Cpu>(out.path(), &device).unwrap();
+            let (a, b) = (hf_tensors(&model), hf_tensors(&again));
+            assert!(a.iter().all(|(k, t)| b[k].data == t.data), "f32 export → reload is exact");
+            assert_eq!(model.buffers().len(), 6);
+            assert!(model.buffers().iter().all(|(k, t)| again.buffers()[k].data == t.data));
+        }
+    }
+    // transformers reloaded kiln's exports (make_fixtures.py, committed).
+    let text = std::fs::read_to_string(fixture_dir().parent().unwrap().join("export_check.json")).unwrap();
+    let check: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for dtype in ["f32", "bf16"] {
+        let r = &check["results"][format!("{NAME}/{dtype}")];
+        assert_eq!(r["architecture"], "Gemma4ForConditionalGeneration", "{dtype}");
+        assert!(r["max_abs_logits_error"].as_f64().unwrap() <= 1e-5, "{dtype}: {r}");
+        assert_eq!(r["carried_identical"].as_bool(), Some(true), "{dtype}");
+    }
 }

@@ -32,7 +32,7 @@ fn fixture_dir() -> PathBuf {
 fn qwen<B: burn::tensor::backend::Backend>(model: CausalLm<B>) -> Qwen35Model<B> {
     match model {
         CausalLm::Qwen35(m) => m,
-        CausalLm::Lfm2(_) => panic!("loaded as LFM2"),
+        CausalLm::Lfm2(_) | CausalLm::Gemma4(_) => panic!("loaded as another architecture"),
     }
 }
 

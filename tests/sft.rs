@@ -48,19 +48,32 @@ fn setup_model(dir: &Path, model: &str, name: &str) -> (PathBuf, PathBuf) {
 /// as a Qwen3.5 checkpoint each epoch, evaluated and carded.
 #[test]
 fn a_qwen3_5_model_runs_the_whole_pipeline() {
+    assert_the_architecture_runs_the_whole_pipeline("tiny-qwen3.5", "fastqwen", "qwen3_5_text", "qwen3_5");
+}
+
+/// The same for Gemma 4 (tiny-gemma4: sliding-window layers, per-layer embeddings, shared keys and values,
+/// the logit soft-cap in the training loss and in decoding).
+#[test]
+fn a_gemma4_model_runs_the_whole_pipeline() {
+    assert_the_architecture_runs_the_whole_pipeline("tiny-gemma4", "fastgemma", "gemma4_text", "gemma4");
+}
+
+/// A CI-sized `model` (as `name`) is initialized, trained with a falling loss, exported as a `model_type`
+/// checkpoint each epoch, evaluated and carded with the `architecture` tag.
+fn assert_the_architecture_runs_the_whole_pipeline(model: &str, name: &str, model_type: &str, architecture: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let (pipeline, configs) = setup_model(dir.path(), "tiny-qwen3.5", "fastqwen");
+    let (pipeline, configs) = setup_model(dir.path(), model, name);
     let (p, c) = (pipeline.to_str().unwrap(), configs.to_str().unwrap());
-    let args = ["--quiet", "sft", "--model", "fastqwen", "--device", "cpu", "--pipeline", p, "--configs-dir", c];
+    let args = ["--quiet", "sft", "--model", name, "--device", "cpu", "--pipeline", p, "--configs-dir", c];
     let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
     assert!(ok, "{stderr}");
-    let run = dir.path().join("runs/fastqwen");
+    let run = dir.path().join("runs").join(name);
     for stage in STAGES {
         assert!(run.join(format!("manifests/{stage}.json")).is_file(), "{stage}");
     }
     for epoch in ["epoch-1", "epoch-2"] {
         let config = json(&run.join(format!("checkpoints/{epoch}/config.json")));
-        assert_eq!(config["model_type"], "qwen3_5_text", "{epoch}");
+        assert_eq!(config["model_type"], model_type, "{epoch}");
         let result = json(&run.join(format!("eval/{epoch}.json")));
         assert_eq!(result["aggregate"]["steps"], 3, "{epoch}");
     }
@@ -72,7 +85,7 @@ fn a_qwen3_5_model_runs_the_whole_pipeline() {
     let last = losses[losses.len() - 2..].iter().sum::<f64>() / 2.0;
     assert!(last < first, "training does not lower the loss: {first} → {last}");
     let md = std::fs::read_to_string(run.join("README.md")).unwrap();
-    assert!(md.contains("- qwen3_5\n"), "{md}");
+    assert!(md.contains(&format!("- {architecture}\n")), "{md}");
 }
 
 /// A checkpoint served from a loopback Hub: `hubtiny.toml` is fast.toml with `hub = "kiln-test/tiny-lfm2"`.
@@ -277,7 +290,7 @@ fn unknown_models_and_missing_gpus_fail_at_once() {
     assert!(
         !ok && stderr.contains("unknown model 'gpt-17'")
             && stderr.contains("lfm2.5-8b, qwen3.5-0.8b")
-            && stderr.contains("tiny, tiny-qwen3.5"),
+            && stderr.contains("tiny, tiny-gemma4, tiny-qwen3.5"),
         "{stderr}"
     );
 

@@ -335,8 +335,9 @@ fn supervised_only_logits_give_the_full_logits_loss_and_gradients() {
     let layout = SequenceLayout::from_doc_lengths(&[vec![7, 5], vec![12]], s);
     let input = || Tensor::<CpuTrain, 2, Int>::from_data(TensorData::new(ids.clone(), [b, s]), &device);
     let full = masked_loss(model.forward(input(), &layout), &targets, &weights, 9.0);
-    let picked = supervised_loss(model.forward_hidden(input(), &layout), model.head_weight(), &targets, &weights, 9.0)
-        .expect("something is supervised");
+    let picked =
+        supervised_loss(model.forward_hidden(input(), &layout), model.head_weight(), None, &targets, &weights, 9.0)
+            .expect("something is supervised");
     let value = |t: &Tensor<CpuTrain, 1>| t.clone().into_data().convert::<f32>().to_vec::<f32>().unwrap()[0];
     let (a, p) = (value(&full), value(&picked));
     assert!((a - p).abs() <= 1e-6 * a.abs(), "full {a} vs supervised-only {p}");
@@ -354,7 +355,7 @@ fn supervised_only_logits_give_the_full_logits_loss_and_gradients() {
     }
     assert!(compared > 10, "gradients compared for {compared} parameters");
     assert!(
-        supervised_loss(model.forward_hidden(input(), &layout), model.head_weight(), &targets, &[0.0; 24], 1.0)
+        supervised_loss(model.forward_hidden(input(), &layout), model.head_weight(), None, &targets, &[0.0; 24], 1.0)
             .is_none()
     );
 }

@@ -33,10 +33,14 @@ fn the_device_is_claimed_in_f16_and_refuses_f32_after() {
 
 /// Every tiny shape trains three steps with kiln's ops, with activation checkpointing and with burn's plain
 /// compositions, each loss within 1e-3 relative of the CPU's f32 one (f16 rounding; seen within 2e-4).
+/// Gemma 4 within 2e-3: its first losses agree as the others' do (within 4e-5), and its updated ones move
+/// further (seen 9e-4 with kiln's ops, 1.5e-3 with the compositions after two updates), as they do in f32
+/// between kiln's ops and the compositions (tests/reference_ops.rs: its unscaled attention scores).
 #[test]
 fn the_tiny_shapes_train_in_half_precision_on_the_fused_backend() {
     claim_f16();
-    common::training::assert_tiny_shapes_train_as_on_the_cpu(Precision::F16, 2, 1e-3);
+    let tolerance = |shape: &str| if shape.ends_with("tiny-gemma4") { 2e-3 } else { 1e-3 };
+    common::training::assert_tiny_shapes_train_as_on_the_cpu(Precision::F16, 2, tolerance);
 }
 
 /// The half-precision graph on burn's unfused backend (`KILN_CUDA_FUSION=off`'s path on CUDA).
@@ -58,9 +62,12 @@ fn the_norm_kernels_equal_the_tensor_op_norms_in_half_precision() {
     claim_f16();
     let (f16, f32) = (FloatDType::F16, FloatDType::F32);
     for dims in [[3, 5, 64], [2, 9, 96], [1, 40, 1024]] {
-        for (kind, dtypes) in
-            [(NormKind::Plain, [f16, f16]), (NormKind::ZeroCentered, [f16, f16]), (NormKind::Plain, [f16, f32])]
-        {
+        for (kind, dtypes) in [
+            (NormKind::Plain, [f16, f16]),
+            (NormKind::ZeroCentered, [f16, f16]),
+            (NormKind::Plain, [f16, f32]),
+            (NormKind::ScaledInF32, [f16, f16]),
+        ] {
             let fused = norm_parts::<VkHalf>(dims, kind, dtypes);
             let unfused = norm_parts::<kiln::backend::VkHalfUnfused>(dims, kind, dtypes);
             let device_ops = norm_parts_by_tensor_ops::<VkHalf>(dims, kind, dtypes);
@@ -140,7 +147,7 @@ fn a_half_precision_run_on_the_fused_backend_resumes_and_exports() {
 #[test]
 fn cached_decoding_runs_in_half_precision_on_the_fused_backend() {
     claim_f16();
-    for (name, prefill) in [("lfm2/lfm2-tiny", 5), ("qwen3_5/qwen3_5-tiny", 66)] {
+    for (name, prefill) in [("lfm2/lfm2-tiny", 5), ("qwen3_5/qwen3_5-tiny", 66), ("gemma4/gemma4-tiny", 7)] {
         let dir = common::project_dir().join("tests/fixtures").join(name);
         let f = parity::fixture(&dir);
         let row = &f.ids.0[..f.shape()[1]];
@@ -152,6 +159,7 @@ fn cached_decoding_runs_in_half_precision_on_the_fused_backend() {
         match model {
             CausalLm::Lfm2(m) => parity::assert_cached_decoding_follows(&m, row, prefill, &full, tolerance, &device),
             CausalLm::Qwen35(m) => parity::assert_cached_decoding_follows(&m, row, prefill, &full, tolerance, &device),
+            CausalLm::Gemma4(m) => parity::assert_cached_decoding_follows(&m, row, prefill, &full, tolerance, &device),
         }
     }
 }

@@ -1,5 +1,5 @@
-//! The RMSNorms (`ops::rms_norm_forward`, `ops::rms_norm_backward`: LFM2's plain and Qwen3.5's
-//! zero-centered form, every layer's two norms and the attention's q/k norms) as CubeCL kernels, for burn's
+//! The RMSNorms (`ops::rms_norm_forward`, `ops::rms_norm_backward`: LFM2's plain, Qwen3.5's zero-centered
+//! and Gemma 4's f32-scaled form, every layer's norms and the attention's q/k norms) as CubeCL kernels, for burn's
 //! CubeCL backends (CUDA, Vulkan) with and without burn-fusion.
 //!
 //! As tensor ops the forward pass is a reduction and an element-wise kernel, the backward pass three
@@ -42,22 +42,22 @@ fn units_for(width: usize) -> usize {
     width.next_power_of_two().clamp(32, 256)
 }
 
-/// The norm's scale of a column in f32: `w`, or `1 + w` (zero-centered).
+/// The norm's scale of a column in f32: `w`, or `1 + w` (zero-centered: `adds_one`).
 #[cube]
-fn scale_of<W: Float>(weight: &Tensor<W>, column: usize, #[comptime] zero_centered: bool) -> f32 {
+fn scale_of<W: Float>(weight: &Tensor<W>, column: usize, #[comptime] adds_one: bool) -> f32 {
     let mut scale = f32::cast_from(weight[column]);
-    if zero_centered {
+    if adds_one {
         scale += 1.0;
     }
     scale
 }
 
-/// What the scale multiplies, from `x̂` in f32: `cast(x̂)` in the input's dtype `F` (plain, as transformers
-/// rounds before the weight), or `x̂` (zero-centered, scaled in f32).
+/// What the scale multiplies, from `x̂` in f32: `cast(x̂)` in the input's dtype `F` (plain: `rounds_first`,
+/// as transformers rounds before LFM2's weight), or `x̂` (scaled in f32: zero-centered, Gemma's).
 #[cube]
-fn scaled_value<F: Float>(normed: f32, #[comptime] zero_centered: bool) -> f32 {
+fn scaled_value<F: Float>(normed: f32, #[comptime] rounds_first: bool) -> f32 {
     let mut value = normed;
-    if !zero_centered {
+    if rounds_first {
         value = f32::cast_from(F::cast_from(normed));
     }
     value
@@ -71,7 +71,8 @@ fn rms_norm_kernel<F: Float, W: Float, O: Float>(
     weight: &Tensor<W>,
     out: &mut Tensor<O>,
     args: NormArgs,
-    #[comptime] zero_centered: bool,
+    #[comptime] adds_one: bool,
+    #[comptime] rounds_first: bool,
     #[comptime] units: usize,
     #[define(F, W, O)] _dtypes: [StorageType; 3],
 ) {
@@ -93,7 +94,7 @@ fn rms_norm_kernel<F: Float, W: Float, O: Float>(
     let mut column = UNIT_POS_X as usize;
     while column < width {
         let normed = f32::cast_from(x[base + column]) * inverse;
-        let value = scaled_value::<F>(normed, zero_centered) * scale_of::<W>(weight, column, zero_centered);
+        let value = scaled_value::<F>(normed, rounds_first) * scale_of::<W>(weight, column, adds_one);
         out[base + column] = O::cast_from(value);
         column += units;
     }
@@ -111,7 +112,8 @@ fn rms_norm_grads_kernel<F: Float, W: Float, O: Float>(
     grad_x: &mut Tensor<F>,
     weight_shares: &mut Tensor<f32>,
     args: NormArgs,
-    #[comptime] zero_centered: bool,
+    #[comptime] adds_one: bool,
+    #[comptime] rounds_first: bool,
     #[comptime] units: usize,
     #[comptime] width: usize,
     #[define(F, W, O)] _dtypes: [StorageType; 3],
@@ -140,7 +142,7 @@ fn rms_norm_grads_kernel<F: Float, W: Float, O: Float>(
             while column < width {
                 let v = f32::cast_from(x[base + column]);
                 squares += v * v;
-                dot += scale_of::<W>(weight, column, zero_centered) * f32::cast_from(grad[base + column]) * v;
+                dot += scale_of::<W>(weight, column, adds_one) * f32::cast_from(grad[base + column]) * v;
                 column += units;
             }
             let inverse = 1.0 / (cube_sum(squares, units) / width as f32 + args.eps).sqrt();
@@ -149,9 +151,9 @@ fn rms_norm_grads_kernel<F: Float, W: Float, O: Float>(
             while column < width {
                 let normed = f32::cast_from(x[base + column]) * inverse;
                 let g = f32::cast_from(grad[base + column]);
-                let scaled_grad = g * scale_of::<W>(weight, column, zero_centered);
+                let scaled_grad = g * scale_of::<W>(weight, column, adds_one);
                 grad_x[base + column] = F::cast_from((scaled_grad - normed * projection) * inverse);
-                share[column] += g * scaled_value::<F>(normed, zero_centered);
+                share[column] += g * scaled_value::<F>(normed, rounds_first);
                 column += units;
             }
         }
@@ -243,7 +245,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> NormKernel
                 into_contiguous(weight).into_tensor_arg(),
                 out.clone().into_tensor_arg(),
                 args,
-                kind == NormKind::ZeroCentered,
+                kind.adds_one(),
+                kind.rounds_first(),
                 units,
                 dtypes.map(Into::into),
             );
@@ -281,7 +284,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> NormKernel
                 grad_x.clone().into_tensor_arg(),
                 shares.clone().into_tensor_arg(),
                 args,
-                kind == NormKind::ZeroCentered,
+                kind.adds_one(),
+                kind.rounds_first(),
                 units,
                 width,
                 dtypes.map(Into::into),
@@ -348,16 +352,15 @@ impl<B: FusionBackend + NormKernels> NormKernels for Fusion<B> {
     }
 }
 
-/// The launches CUDA makes (`cuda_source`): both norm kinds over inputs and weights in f32 and bf16, rows as
+/// The launches CUDA makes (`cuda_source`): the three norm kinds over inputs and weights in f32 and bf16, rows as
 /// narrow as the q/k norms' and as wide as LFM2.5-1.2B's.
 #[cfg(all(test, feature = "vulkan"))]
 pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::cuda_source::Variant> {
     use super::cuda_source::{Runtime, Variant, settings, tensor};
     let mut variants = Vec::new();
-    for kind in [NormKind::Plain, NormKind::ZeroCentered] {
+    for kind in [NormKind::Plain, NormKind::ZeroCentered, NormKind::ScaledInF32] {
         for (x, weight) in [(DType::F32, DType::F32), (DType::BF16, DType::BF16), (DType::BF16, DType::F32)] {
             let dtypes: [StorageType; 3] = [x, weight, kind.output_dtype(x, weight)].map(Into::into);
-            let zero_centered = kind == NormKind::ZeroCentered;
             for width in [64, 2048] {
                 let units = units_for(width);
                 let args = || NormArgsCompilationArg { rows: (), width: (), eps: () };
@@ -371,7 +374,8 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                         tensor(),
                         tensor(),
                         args(),
-                        zero_centered,
+                        kind.adds_one(),
+                        kind.rounds_first(),
                         units,
                         dtypes,
                     ),
@@ -387,7 +391,8 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                         tensor(),
                         tensor(),
                         args(),
-                        zero_centered,
+                        kind.adds_one(),
+                        kind.rounds_first(),
                         units,
                         width,
                         dtypes,

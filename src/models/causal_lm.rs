@@ -13,11 +13,14 @@ use burn::tensor::{FloatDType, Int, Tensor};
 
 use super::config::{ModelConfig, outside_text_tower};
 use super::decode::generate_greedy;
+use super::gemma4::Gemma4Model;
 use super::hf::{ExportDtype, HfEntry, HfNamed, RawTensor, export_dir, hf_tensors};
-use super::layers::head_logits;
+use super::layers::{head_logits, soft_cap};
 use super::lfm2::Lfm2Model;
 use super::qwen3_5::Qwen35Model;
-use super::weights::{Init, RandomInit, TensorSource, WeightStore, kept_in_f32, lfm2_init, qwen3_5_init};
+use super::weights::{
+    HostTensor, Init, RandomInit, TensorSource, WeightStore, gemma4_init, kept_in_f32, lfm2_init, qwen3_5_init,
+};
 use super::{ModelBackend, ModelError, SequenceLayout};
 
 #[derive(Module, Debug)]
@@ -25,6 +28,7 @@ use super::{ModelBackend, ModelError, SequenceLayout};
 pub enum CausalLm<B: Backend> {
     Lfm2(Lfm2Model<B>),
     Qwen35(Qwen35Model<B>),
+    Gemma4(Gemma4Model<B>),
 }
 
 impl<B: Backend> CausalLm<B> {
@@ -32,6 +36,7 @@ impl<B: Backend> CausalLm<B> {
         Ok(match config {
             ModelConfig::Lfm2(c) => CausalLm::Lfm2(Lfm2Model::from_source(c, store, device)?),
             ModelConfig::Qwen35(c) => CausalLm::Qwen35(Qwen35Model::from_source(c, store, device)?),
+            ModelConfig::Gemma4(c) => CausalLm::Gemma4(Gemma4Model::from_source(c, store, device)?),
         })
     }
 
@@ -40,6 +45,25 @@ impl<B: Backend> CausalLm<B> {
         match self {
             CausalLm::Lfm2(m) => m.head_weight(),
             CausalLm::Qwen35(m) => m.head_weight(),
+            CausalLm::Gemma4(m) => m.head_weight(),
+        }
+    }
+
+    /// The cap `c` of the logits' soft-cap `c·tanh(logits/c)` (Gemma 4), applied wherever logits are made:
+    /// the forward pass, decoding and the training loss.
+    pub fn logit_softcap(&self) -> Option<f64> {
+        match self {
+            CausalLm::Lfm2(_) | CausalLm::Qwen35(_) => None,
+            CausalLm::Gemma4(m) => m.final_logit_softcapping,
+        }
+    }
+
+    /// Checkpoint tensors that are not parameters but belong to the model (Gemma 4's `layer_scalar`
+    /// buffers), with their values: exports write them beside the parameters.
+    pub fn buffers(&self) -> BTreeMap<String, HostTensor> {
+        match self {
+            CausalLm::Lfm2(_) | CausalLm::Qwen35(_) => BTreeMap::new(),
+            CausalLm::Gemma4(m) => m.buffers(),
         }
     }
 
@@ -53,11 +77,13 @@ impl<B: Backend> CausalLm<B> {
     }
 
     /// Whether a checkpoint tensor belongs to a tower this model does not hold (Qwen3.5's vision tower and
-    /// multi-token-prediction head): exports carry such tensors from the source unchanged.
+    /// multi-token-prediction head, Gemma 4's vision and audio towers) or is one it never reads (the K/V
+    /// weights of Gemma 4's KV-sharing layers): exports carry such tensors from the source unchanged.
     pub fn is_carried(&self, key: &str) -> bool {
         match self {
             CausalLm::Lfm2(_) => false,
             CausalLm::Qwen35(m) => outside_text_tower(&m.text_prefix, key),
+            CausalLm::Gemma4(m) => outside_text_tower(&m.text_prefix, key) || m.is_unused_kv(key),
         }
     }
 
@@ -84,7 +110,9 @@ impl<B: Backend> CausalLm<B> {
         shard_bytes: usize,
     ) -> Result<Vec<PathBuf>, ModelError> {
         let carried = self.carried_tensors(source_dir)?;
-        export_dir(&hf_tensors(self), &carried, source_dir, out_dir, dtype, &kept_in_f32, shard_bytes)
+        let mut tensors = hf_tensors(self);
+        tensors.extend(self.buffers());
+        export_dir(&tensors, &carried, source_dir, out_dir, dtype, &kept_in_f32, shard_bytes)
     }
 }
 
@@ -100,6 +128,7 @@ impl<B: ModelBackend> CausalLm<B> {
         match self {
             CausalLm::Lfm2(m) => generate_greedy(m, prompts, max_tokens, stop, device),
             CausalLm::Qwen35(m) => generate_greedy(m, prompts, max_tokens, stop, device),
+            CausalLm::Gemma4(m) => generate_greedy(m, prompts, max_tokens, stop, device),
         }
     }
 
@@ -108,12 +137,13 @@ impl<B: ModelBackend> CausalLm<B> {
         match self {
             CausalLm::Lfm2(m) => m.forward_hidden(ids, layout),
             CausalLm::Qwen35(m) => m.forward_hidden(ids, layout),
+            CausalLm::Gemma4(m) => m.forward_hidden(ids, layout),
         }
     }
 
-    /// Logits `[batch, seq, vocab]`.
+    /// Logits `[batch, seq, vocab]` (soft-capped where the architecture caps them).
     pub fn forward(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
-        head_logits(self.forward_hidden(ids, layout), self.head_weight())
+        soft_cap(head_logits(self.forward_hidden(ids, layout), self.head_weight()), self.logit_softcap())
     }
 }
 
@@ -122,6 +152,7 @@ impl<B: Backend> HfNamed for CausalLm<B> {
         match self {
             CausalLm::Lfm2(m) => m.hf_entries(),
             CausalLm::Qwen35(m) => m.hf_entries(),
+            CausalLm::Gemma4(m) => m.hf_entries(),
         }
     }
 }
@@ -164,6 +195,7 @@ pub fn random_model<B: Backend>(
     let rule: fn(&str) -> Init = match config {
         ModelConfig::Lfm2(_) => lfm2_init,
         ModelConfig::Qwen35(_) => qwen3_5_init,
+        ModelConfig::Gemma4(_) => gemma4_init,
     };
     CausalLm::from_source(config, &RandomInit { seed, std, rule }, device)
 }

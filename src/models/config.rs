@@ -11,7 +11,7 @@ use serde_json::Value;
 use super::ModelError;
 
 /// The `model_type`s kiln loads.
-pub const SUPPORTED: &[&str] = &["lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_text"];
+pub const SUPPORTED: &[&str] = &["lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_text", "gemma4", "gemma4_text"];
 const LFM2_TYPES: &[&str] = &["lfm2", "lfm2_moe"];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -345,6 +345,17 @@ impl Qwen35Config {
     }
 }
 
+/// Whether `key` (under `text_prefix`) is a K/V weight (`k_proj`, `v_proj`, `k_norm`, `v_norm`) of a layer
+/// that `shares` says reuses another's keys and values.
+pub fn shared_kv_key(text_prefix: &str, key: &str, shares: impl Fn(usize) -> bool) -> bool {
+    let Some(rest) = key.strip_prefix(text_prefix).and_then(|k| k.strip_prefix("layers.")) else {
+        return false;
+    };
+    let Some((layer, name)) = rest.split_once('.') else { return false };
+    layer.parse::<usize>().is_ok_and(shares)
+        && ["k_proj", "v_proj", "k_norm", "v_norm"].iter().any(|n| name.starts_with(&format!("self_attn.{n}.")))
+}
+
 /// Whether checkpoint tensor `key` lies outside a text tower whose tensors start with `text_prefix`.
 pub fn outside_text_tower(text_prefix: &str, key: &str) -> bool {
     !(key.starts_with(text_prefix) || key == "lm_head.weight")
@@ -564,16 +575,15 @@ impl Gemma4Config {
         outside_text_tower(&self.text_prefix, key)
     }
 
+    /// Σ over the layers of `kind` of heads × head_dim (`ModelConfig::attention_width`).
+    pub fn attention_width(&self, kind: Gemma4LayerKind) -> usize {
+        self.layers.iter().filter(|l| l.kind == kind).map(|l| self.num_attention_heads * l.head_dim).sum()
+    }
+
     /// Whether `key` is a K/V weight of a KV-sharing layer, which such a layer never reads (a checkpoint may
     /// still hold them; transformers ignores them on load).
     pub fn is_unused_kv(&self, key: &str) -> bool {
-        let Some(rest) = key.strip_prefix(&self.text_prefix).and_then(|k| k.strip_prefix("layers.")) else {
-            return false;
-        };
-        let Some((layer, name)) = rest.split_once('.') else { return false };
-        let shares =
-            layer.parse::<usize>().ok().and_then(|i| self.layers.get(i)).is_some_and(|l| l.kv_source.is_some());
-        shares && ["k_proj", "v_proj", "k_norm", "v_norm"].iter().any(|n| name.starts_with(&format!("self_attn.{n}.")))
+        shared_kv_key(&self.text_prefix, key, |i| self.layers.get(i).is_some_and(|l| l.kv_source.is_some()))
     }
 }
 
@@ -582,6 +592,7 @@ impl Gemma4Config {
 pub enum ModelConfig {
     Lfm2(Lfm2Config),
     Qwen35(Qwen35Config),
+    Gemma4(Gemma4Config),
 }
 
 impl ModelConfig {
@@ -593,11 +604,7 @@ impl ModelConfig {
     pub fn from_json(v: &Value) -> Result<Self, String> {
         match v.get("model_type").and_then(Value::as_str).unwrap_or_default() {
             t if LFM2_TYPES.contains(&t) => Lfm2Config::from_json(v).map(ModelConfig::Lfm2),
-            t @ ("gemma4" | "gemma4_text") => Err(format!(
-                "model_type '{t}': kiln has Gemma 4's text tower (models::gemma4: forward pass and gradients, \
-                 exact against transformers) but not yet its training loss (the logit softcap), cached decoding \
-                 or export, so the pipeline cannot run it"
-            )),
+            "gemma4" | "gemma4_text" => Gemma4Config::from_json(v).map(ModelConfig::Gemma4),
             _ => Qwen35Config::from_json(v).map(ModelConfig::Qwen35),
         }
     }
@@ -606,6 +613,7 @@ impl ModelConfig {
         match self {
             ModelConfig::Lfm2(c) => &c.model_type,
             ModelConfig::Qwen35(c) => &c.model_type,
+            ModelConfig::Gemma4(c) => &c.model_type,
         }
     }
 
@@ -613,6 +621,7 @@ impl ModelConfig {
         match self {
             ModelConfig::Lfm2(c) => c.vocab_size,
             ModelConfig::Qwen35(c) => c.vocab_size,
+            ModelConfig::Gemma4(c) => c.vocab_size,
         }
     }
 
@@ -620,6 +629,7 @@ impl ModelConfig {
         match self {
             ModelConfig::Lfm2(c) => c.max_position_embeddings,
             ModelConfig::Qwen35(c) => c.max_position_embeddings,
+            ModelConfig::Gemma4(c) => c.max_position_embeddings,
         }
     }
 
@@ -627,12 +637,14 @@ impl ModelConfig {
         match self {
             ModelConfig::Lfm2(c) => c.eos_token_id,
             ModelConfig::Qwen35(c) => c.eos_token_id,
+            ModelConfig::Gemma4(c) => c.eos_token_id,
         }
     }
 
     /// Σ over softmax-attention layers of heads × head_dim: the width in the attention term of the MFU
     /// formula (`12 · width · seq` FLOPs per token). Conv and DeltaNet layers are linear in the sequence and
-    /// counted by `6 · params` alone.
+    /// counted by `6 · params` alone; Gemma 4's sliding-window layers see at most `sliding_window` keys and
+    /// are counted in `sliding_attention_width`.
     pub fn attention_width(&self) -> usize {
         match self {
             ModelConfig::Lfm2(c) => {
@@ -643,6 +655,16 @@ impl ModelConfig {
                 let layers = c.layer_types.iter().filter(|k| matches!(k, Qwen35LayerKind::FullAttention)).count();
                 layers * c.num_attention_heads * c.head_dim
             }
+            ModelConfig::Gemma4(c) => c.attention_width(Gemma4LayerKind::FullAttention),
+        }
+    }
+
+    /// Σ over sliding-window attention layers of heads × head_dim, and their window: their attention term is
+    /// `12 · width · min(seq, window)` FLOPs per token.
+    pub fn sliding_attention_width(&self) -> Option<(usize, usize)> {
+        match self {
+            ModelConfig::Gemma4(c) => Some((c.attention_width(Gemma4LayerKind::SlidingAttention), c.sliding_window)),
+            ModelConfig::Lfm2(_) | ModelConfig::Qwen35(_) => None,
         }
     }
 }
@@ -704,7 +726,8 @@ mod tests {
             "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144, "final_logit_softcapping": 30.0,
             "hidden_activation": "gelu_pytorch_tanh", "rope_parameters": {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}}})
+                "full_attention": {
+                    "rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}}})
     }
 
     #[test]
@@ -744,7 +767,8 @@ mod tests {
         let mut v = gemma4_e4b();
         v["text_config"]["rope_parameters"]["full_attention"]["rope_type"] = json!("yarn");
         assert!(Gemma4Config::from_json(&v).unwrap_err().contains("yarn"));
-        let err = ModelConfig::from_json(&gemma4_e4b()).unwrap_err();
-        assert!(err.contains("Gemma 4") && err.contains("cannot run"), "{err}");
+        let config = ModelConfig::from_json(&gemma4_e4b()).unwrap();
+        assert_eq!(config.attention_width(), 7 * 8 * 512);
+        assert_eq!(config.sliding_attention_width(), Some((35 * 8 * 256, 512)));
     }
 }

@@ -84,10 +84,7 @@ pub fn swiglu_grads<const D: usize>(
 
 /// What multiplies the normalized rows: the weight, or `1 + w` (`NormKind`).
 fn norm_scale(weight: &[f32], kind: NormKind) -> Vec<f32> {
-    match kind {
-        NormKind::Plain => weight.to_vec(),
-        NormKind::ZeroCentered => weight.iter().map(|w| w + 1.0).collect(),
-    }
+    if kind.adds_one() { weight.iter().map(|w| w + 1.0).collect() } else { weight.to_vec() }
 }
 
 /// `1 / sqrt(mean(x²) + eps)` of a row.
@@ -387,7 +384,7 @@ mod tests {
         let width = 48;
         let x = normal::<Flex, 3>([2, PIECE / width + 5, width], 0.3, 2.0, 21, &device);
         let grad = normal::<Flex, 3>(x.dims(), 0.0, 1.0, 22, &device);
-        for (kind, centre) in [(NormKind::Plain, 1.0), (NormKind::ZeroCentered, 0.0)] {
+        for (kind, centre) in [(NormKind::Plain, 1.0), (NormKind::ZeroCentered, 0.0), (NormKind::ScaledInF32, 1.0)] {
             let weight = normal::<Flex, 1>([width], centre, 0.3, 23, &device);
             let got = values(rms_norm(x.clone(), weight.clone(), 1e-6, kind));
             let want = values(rms_norm_forward(x.clone(), weight.clone(), 1e-6, kind));

@@ -1,14 +1,15 @@
-//! Cached decoding: per layer a KV cache (attention), the last `L-1` conv inputs (LFM2 conv, DeltaNet conv)
-//! and the `[dk × dv]` state per head (DeltaNet); batched prompts of different lengths (left-padded;
-//! padding is masked out and never enters an attention cache) and greedy generation. Incremental logits
-//! equal the full forward's.
+//! Cached decoding: per layer a KV cache (attention; Gemma 4's KV-sharing layers read their source's), the
+//! last `L-1` conv inputs (LFM2 conv, DeltaNet conv) and the `[dk × dv]` state per head (DeltaNet); batched
+//! prompts of different lengths (left-padded; padding is masked out and never enters an attention cache)
+//! and greedy generation. Incremental logits equal the full forward's.
 
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::deltanet::{self, ChunkPlan, DocSegments};
-use super::layers::{RopeTables, SequenceLayout, causal_depthwise_conv_cached, head_logits};
+use super::gemma4::Gemma4Model;
+use super::layers::{RopeTables, SequenceLayout, causal_depthwise_conv_cached, head_logits, soft_cap};
 use super::lfm2::{Attention, FeedForward, Lfm2Model, Mixer, ShortConv};
 use super::ops::ModelBackend;
 use super::qwen3_5::{GatedAttention, GatedDeltaNet, Qwen35Mixer, Qwen35Model, SCAN_CHUNK};
@@ -50,25 +51,51 @@ impl History {
             }
         }
         let layout = SequenceLayout { batch, seq, doc_ids: vec![0; batch * seq], positions };
+        let valid_f: Vec<f32> = valid.iter().flatten().map(|&v| if v { 1.0 } else { 0.0 }).collect();
+        Step {
+            layout,
+            mask: self.mask(valid, None, dtype, device),
+            valid: host_tensor(valid_f, [batch, seq, 1], dtype, device),
+        }
+    }
+
+    /// The additive mask `[batch, 1, seq, cached + seq]` of the next tokens: a new token sees earlier real
+    /// tokens and itself; with a `window`, only those fewer than `window` real tokens behind it (a sliding-
+    /// window layer, as in training, where padding is never in the window).
+    fn mask<B: Backend>(
+        &self,
+        valid: &[Vec<bool>],
+        window: Option<usize>,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> Tensor<B, 4> {
+        let batch = valid.len();
+        let seq = valid.first().map_or(0, Vec::len);
         let past = self.valid.first().map_or(0, Vec::len);
         let total = past + seq;
         let mut mask = vec![f32::NEG_INFINITY; batch * seq * total];
         for row in 0..batch {
             let seen: Vec<bool> = self.valid[row].iter().chain(&valid[row]).copied().collect();
+            // Each cached position's real-token index (padding shares the next real token's).
+            let position: Vec<usize> = seen
+                .iter()
+                .scan(0, |n, &ok| {
+                    let at = *n;
+                    *n += usize::from(ok);
+                    Some(at)
+                })
+                .collect();
             for i in 0..seq {
-                for j in 0..=past + i {
-                    if seen[j] || j == past + i {
+                let query = past + i;
+                for j in 0..=query {
+                    let near = window.is_none_or(|w| position[query] - position[j] < w);
+                    if (seen[j] || j == query) && near {
                         mask[(row * seq + i) * total + j] = 0.0;
                     }
                 }
             }
         }
-        let valid_f: Vec<f32> = valid.iter().flatten().map(|&v| if v { 1.0 } else { 0.0 }).collect();
-        Step {
-            layout,
-            mask: host_tensor(mask, [batch, 1, seq, total], dtype, device),
-            valid: host_tensor(valid_f, [batch, seq, 1], dtype, device),
-        }
+        host_tensor(mask, [batch, 1, seq, total], dtype, device)
     }
 
     fn push(&mut self, valid: &[Vec<bool>]) {
@@ -104,6 +131,14 @@ impl<B: ModelBackend> KvCache<B> {
         let filled = (keys.clone().narrow(2, 0, len), values.clone().narrow(2, 0, len));
         (self.keys, self.values) = (Some(keys), Some(values));
         filled
+    }
+}
+
+impl<B: Backend> KvCache<B> {
+    /// Every cached key and value (views of the filled positions).
+    fn filled(&self) -> Option<(Tensor<B, 4>, Tensor<B, 4>)> {
+        let (keys, values) = (self.keys.as_ref()?, self.values.as_ref()?);
+        Some((keys.clone().narrow(2, 0, self.len), values.clone().narrow(2, 0, self.len)))
     }
 }
 
@@ -365,6 +400,59 @@ impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
         }
         cache.history.push(valid);
         head_logits(self.norm.forward(h), self.head_weight())
+    }
+}
+
+// ---- Gemma 4 --------------------------------------------------------------------------------------
+
+/// The decoding state of a batch of sequences on a Gemma 4 model: a KV cache per layer that computes its
+/// keys and values (KV-sharing layers read their source's).
+pub struct Gemma4DecodeCache<B: Backend> {
+    layers: Vec<Option<KvCache<B>>>,
+    history: History,
+}
+
+impl<B: ModelBackend> CachedDecoding<B> for Gemma4Model<B> {
+    type Cache = Gemma4DecodeCache<B>;
+
+    fn new_cache(&self, batch: usize, _device: &B::Device) -> Gemma4DecodeCache<B> {
+        let layers = self.layers.iter().map(|l| l.self_attn.kv_source.is_none().then(KvCache::new)).collect();
+        Gemma4DecodeCache { layers, history: History::new(batch) }
+    }
+
+    fn forward_cached(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        valid: &[Vec<bool>],
+        cache: &mut Gemma4DecodeCache<B>,
+    ) -> Tensor<B, 3> {
+        let device = ids.device();
+        let dtype = FloatDType::from(self.head_weight().dtype());
+        let step = cache.history.step::<B>(valid, dtype, &device);
+        let sliding_mask = cache.history.mask::<B>(valid, Some(self.sliding_window), dtype, &device);
+        let ropes = self.rope_set(&step.layout, dtype, &device);
+        let (mut h, per_layer) = self.embed(ids);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let attn = &layer.self_attn;
+            let rope = ropes.get(attn);
+            let mask = if attn.sliding { &sliding_mask } else { &step.mask };
+            let layers = &mut cache.layers;
+            let attend = |x: Tensor<B, 3>| {
+                let q = attn.queries(x.clone(), rope);
+                let (k, v) = match (attn.kv_source, &mut layers[i]) {
+                    (None, Some(kv)) => {
+                        let (k, v) = attn.keys_values(x, rope);
+                        kv.append(k, v)
+                    }
+                    (Some(j), _) => layers[j].as_ref().and_then(KvCache::filled).expect("a KV source runs first"),
+                    (None, None) => unreachable!("the cache is built from this model's layers"),
+                };
+                attn.output(B::masked_attention(q, k, v, mask, 1.0))
+            };
+            h = layer.forward(h, attend, Self::per_layer_input(&per_layer, i));
+        }
+        cache.history.push(valid);
+        soft_cap(head_logits(self.norm.forward(h), self.head_weight()), self.final_logit_softcapping)
     }
 }
 

@@ -5,7 +5,8 @@
 //! window layers (`head_dim`, default RoPE) and full-attention layers (`global_head_dim`, proportional RoPE),
 //! both with q/k norms, a weightless v norm and unscaled scores; the last `num_kv_shared_layers` layers reuse
 //! the keys and values of the last earlier layer of their kind; final norm, tied head, `c·tanh(logits/c)`.
-//! Module and weight names mirror the checkpoint's. Norms are `w·x̂` (no `1 +` offset).
+//! Module and weight names mirror the checkpoint's. Norms are `w·x̂` (no `1 +` offset), scaled in f32 and
+//! then cast, as transformers computes them.
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
@@ -14,10 +15,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Int, Tensor};
 
 use super::attention::{DocumentAttention, merge_heads};
-use super::config::{Gemma4Config, Gemma4LayerKind, Gemma4Rope};
-use super::layers::{RmsNorm, RopeTables, SequenceLayout, head_logits, soft_cap};
+use super::config::{Gemma4Config, Gemma4LayerKind, Gemma4Rope, shared_kv_key};
+use super::layers::{F32ScaledRmsNorm, RopeTables, SequenceLayout, head_logits, soft_cap};
 use super::ops::{ModelBackend, NormKind};
-use super::weights::{TensorSource, load_linear, load_param};
+use super::weights::{HostTensor, TensorSource, load_linear, load_param};
 
 /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` (`gelu_pytorch_tanh`), in the input's dtype.
 pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
@@ -53,13 +54,13 @@ impl<B: Backend> GeGlu<B> {
 pub struct Gemma4Kv<B: Backend> {
     pub k_proj: Linear<B>,
     pub v_proj: Linear<B>,
-    pub k_norm: RmsNorm<B>,
+    pub k_norm: F32ScaledRmsNorm<B>,
 }
 
 #[derive(Module, Debug)]
 pub struct Gemma4Attention<B: Backend> {
     pub q_proj: Linear<B>,
-    pub q_norm: RmsNorm<B>,
+    pub q_norm: F32ScaledRmsNorm<B>,
     pub kv: Option<Gemma4Kv<B>>,
     pub o_proj: Linear<B>,
     pub num_heads: usize,
@@ -88,7 +89,7 @@ impl<B: ModelBackend> Gemma4Attention<B> {
         let k = kv.k_norm.forward(kv.k_proj.forward(x.clone()).reshape([batch, seq, nkv, hd])).swap_dims(1, 2);
         let v = kv.v_proj.forward(x).reshape([batch, seq, nkv, hd]);
         let unit = Tensor::<B, 1>::ones([hd], &v.device()).cast(FloatDType::from(v.dtype()));
-        let v = B::rms_norm(v, unit, self.eps, NormKind::Plain).swap_dims(1, 2);
+        let v = B::rms_norm(v, unit, self.eps, NormKind::ScaledInF32).swap_dims(1, 2);
         (B::rope(k, rope), v)
     }
 
@@ -103,17 +104,17 @@ impl<B: ModelBackend> Gemma4Attention<B> {
 pub struct Gemma4PerLayer<B: Backend> {
     pub per_layer_input_gate: Linear<B>,
     pub per_layer_projection: Linear<B>,
-    pub post_per_layer_input_norm: RmsNorm<B>,
+    pub post_per_layer_input_norm: F32ScaledRmsNorm<B>,
 }
 
 #[derive(Module, Debug)]
 pub struct Gemma4Layer<B: Backend> {
-    pub input_layernorm: RmsNorm<B>,
+    pub input_layernorm: F32ScaledRmsNorm<B>,
     pub self_attn: Gemma4Attention<B>,
-    pub post_attention_layernorm: RmsNorm<B>,
-    pub pre_feedforward_layernorm: RmsNorm<B>,
+    pub post_attention_layernorm: F32ScaledRmsNorm<B>,
+    pub pre_feedforward_layernorm: F32ScaledRmsNorm<B>,
     pub mlp: GeGlu<B>,
-    pub post_feedforward_layernorm: RmsNorm<B>,
+    pub post_feedforward_layernorm: F32ScaledRmsNorm<B>,
     pub per_layer: Option<Gemma4PerLayer<B>>,
     /// The checkpoint's `layer_scalar` buffer (not trained, as in transformers).
     pub layer_scalar: f64,
@@ -145,9 +146,9 @@ pub struct Gemma4Model<B: Backend> {
     /// `[vocab_per_layer, layers · ple]` (none without PLE).
     pub embed_tokens_per_layer: Option<Param<Tensor<B, 2>>>,
     pub per_layer_model_projection: Option<Linear<B>>,
-    pub per_layer_projection_norm: Option<RmsNorm<B>>,
+    pub per_layer_projection_norm: Option<F32ScaledRmsNorm<B>>,
     pub layers: Vec<Gemma4Layer<B>>,
-    pub norm: RmsNorm<B>,
+    pub norm: F32ScaledRmsNorm<B>,
     /// `None` when the head is tied to `embed_tokens`.
     pub lm_head: Option<Param<Tensor<B, 2>>>,
     pub ple_dim: usize,
@@ -189,6 +190,22 @@ impl<B: Backend> RopeSet<B> {
 }
 
 impl<B: Backend> Gemma4Model<B> {
+    /// The `layer_scalar` buffers as checkpoint tensors `[1]`.
+    pub fn buffers(&self) -> std::collections::BTreeMap<String, HostTensor> {
+        let pre = &self.text_prefix;
+        let scalar = |s: f64| HostTensor { shape: vec![1], data: vec![s as f32] };
+        self.layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (format!("{pre}layers.{i}.layer_scalar"), scalar(l.layer_scalar)))
+            .collect()
+    }
+
+    /// Whether `key` is a K/V weight of a KV-sharing layer, which such a layer never reads.
+    pub fn is_unused_kv(&self, key: &str) -> bool {
+        shared_kv_key(&self.text_prefix, key, |i| self.layers.get(i).is_some_and(|l| l.self_attn.kv_source.is_some()))
+    }
+
     /// The output projection `[vocab, hidden]` (the embedding when tied).
     pub fn head_weight(&self) -> Tensor<B, 2> {
         match &self.lm_head {
@@ -305,8 +322,14 @@ impl<B: ModelBackend> Gemma4Model<B> {
 
 // ---- construction from a checkpoint ----------------------------------------------------------------
 
-fn norm<B: Backend>(store: &dyn TensorSource, key: &str, dim: usize, eps: f64, device: &B::Device) -> RmsNorm<B> {
-    RmsNorm { weight: load_param(store, &format!("{key}.weight"), [dim], device), eps }
+fn norm<B: Backend>(
+    store: &dyn TensorSource,
+    key: &str,
+    dim: usize,
+    eps: f64,
+    device: &B::Device,
+) -> F32ScaledRmsNorm<B> {
+    F32ScaledRmsNorm { weight: load_param(store, &format!("{key}.weight"), [dim], device), eps }
 }
 
 impl<B: Backend> Gemma4Model<B> {

@@ -26,6 +26,20 @@ impl<B: ModelBackend> RmsNorm<B> {
     }
 }
 
+/// `x / sqrt(mean(x²) + eps) * weight`, normalized and scaled in f32, then cast back (Gemma 4's form, as
+/// transformers computes it; an absent weight is ones: the weightless v norm).
+#[derive(Module, Debug)]
+pub struct F32ScaledRmsNorm<B: Backend> {
+    pub weight: Param<Tensor<B, 1>>,
+    pub eps: f64,
+}
+
+impl<B: ModelBackend> F32ScaledRmsNorm<B> {
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        B::rms_norm(x, self.weight.val(), self.eps, NormKind::ScaledInF32)
+    }
+}
+
 /// `x / sqrt(mean(x²) + eps) * (1 + weight)` (Qwen3.5's form: the weight is stored as an offset from 1 and
 /// initialized at 0), normalized and scaled in f32, then cast back, as transformers does.
 #[derive(Module, Debug)]

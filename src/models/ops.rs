@@ -11,8 +11,9 @@
 //! inputs and chunk states kept, the chunk solve recomputed) and the split of a fused projection into its
 //! parts (`split_last`: one gradient for the whole projection, each part written into it, instead of one
 //! zero-filled full-size gradient per part, summed). Plain backends run the same forward without a
-//! graph. `set_reference_ops` switches autodiff backends back to burn's compositions, process-wide: the A/B
-//! switch for measuring what the ops buy, or for ruling them out when a run misbehaves.
+//! graph. `set_reference_ops` switches autodiff backends back to burn's compositions on the thread that
+//! records the graph: the A/B switch for measuring what the ops buy, or for ruling them out when a run
+//! misbehaves.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -45,18 +46,23 @@ use super::layers::{
 };
 use crate::backend::zeros_in;
 
-static REFERENCE_OPS: AtomicBool = AtomicBool::new(false);
-
-/// With `true`, autodiff backends record burn's plain compositions instead of the hand-written ops: one
-/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, the composed RMSNorms, L2 norms, RoPE and convolution, one matmul per expert
-/// slice, the chunked delta rule as tensor ops, `narrow` per part of a fused projection, and the cross-entropy of full logits (`train::linear_ce`). Same results to rounding; more memory. Process-wide; off by default.
-pub fn set_reference_ops(on: bool) {
-    REFERENCE_OPS.store(on, Ordering::Relaxed);
+thread_local! {
+    static REFERENCE_OPS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Whether `set_reference_ops(true)` is in force.
+/// With `true`, autodiff backends record burn's plain compositions instead of the hand-written ops: one
+/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, the composed RMSNorms, L2 norms, RoPE and
+/// convolution, one matmul per expert slice, the chunked delta rule as tensor ops, `narrow` per part of a
+/// fused projection, and the cross-entropy of full logits (`train::linear_ce`). Same results to rounding;
+/// more memory. Off by default. Per thread: the ops are chosen where the graph is recorded (the trainer's
+/// thread), and a process that trains on several threads at once (the test harness) switches one run only.
+pub fn set_reference_ops(on: bool) {
+    REFERENCE_OPS.with(|flag| flag.set(on));
+}
+
+/// Whether `set_reference_ops(true)` is in force on this thread.
 pub fn reference_ops() -> bool {
-    REFERENCE_OPS.load(Ordering::Relaxed)
+    REFERENCE_OPS.with(std::cell::Cell::get)
 }
 
 /// A backend the models run on.
@@ -333,7 +339,7 @@ fn part_ranges<const N: usize>(widths: [usize; N], total: usize) -> [std::ops::R
     })
 }
 
-/// The two HF RMSNorms. Both normalize in f32: `x̂ = x / sqrt(mean(x²) + eps)`.
+/// The three HF RMSNorms. All normalize in f32: `x̂ = x / sqrt(mean(x²) + eps)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NormKind {
     /// LFM2's `cast(x̂) · w` (the product in the weight's dtype when it is the input's, else in f32, as
@@ -341,6 +347,8 @@ pub enum NormKind {
     Plain,
     /// Qwen3.5's zero-centered `cast(x̂ · (1 + w))`, scaled in f32.
     ZeroCentered,
+    /// Gemma 4's `cast(x̂ · w)`, scaled in f32.
+    ScaledInF32,
 }
 
 impl NormKind {
@@ -348,6 +356,16 @@ impl NormKind {
     /// plain norm's f32 weight promotes a half-precision input (as `rms_norm_forward` computes it).
     pub fn output_dtype(self, x: DType, weight: DType) -> DType {
         if self == NormKind::Plain && weight != x { DType::F32 } else { x }
+    }
+
+    /// Whether the weight is stored as an offset from 1 (`1 + w` scales).
+    pub fn adds_one(self) -> bool {
+        self == NormKind::ZeroCentered
+    }
+
+    /// Whether `x̂` is rounded to the input's dtype before the scale multiplies it (else the product is in f32).
+    pub fn rounds_first(self) -> bool {
+        self == NormKind::Plain
     }
 }
 
@@ -366,6 +384,7 @@ pub fn rms_norm_forward<B: Backend, const D: usize>(
         NormKind::Plain if weight.dtype() == dtype => normed.cast(dtype) * weight.unsqueeze::<D>(),
         NormKind::Plain => normed.cast(dtype).cast(FloatDType::F32) * weight.cast(FloatDType::F32).unsqueeze::<D>(),
         NormKind::ZeroCentered => (normed * (weight.cast(FloatDType::F32) + 1.0).unsqueeze::<D>()).cast(dtype),
+        NormKind::ScaledInF32 => (normed * weight.cast(FloatDType::F32).unsqueeze::<D>()).cast(dtype),
     }
 }
 
@@ -386,16 +405,9 @@ pub fn rms_norm_backward<B: Backend, const D: usize>(
     let inv = (f32_of(&x).powf_scalar(2.0).mean_dim(D - 1) + eps).sqrt().recip();
     let normed = || f32_of(&x) * inv.clone();
     let weight = weight.cast(FloatDType::F32);
-    let scale = match kind {
-        NormKind::Plain => weight,
-        NormKind::ZeroCentered => weight + 1.0,
-    }
-    .unsqueeze::<D>();
-    let multiplied = match kind {
-        // The plain form multiplies the weight with x̂ rounded to the input's dtype.
-        NormKind::Plain => normed().cast(x_dtype).cast(FloatDType::F32),
-        NormKind::ZeroCentered => normed(),
-    };
+    let scale = if kind.adds_one() { weight + 1.0 } else { weight }.unsqueeze::<D>();
+    // The plain form multiplies the weight with x̂ rounded to the input's dtype.
+    let multiplied = if kind.rounds_first() { normed().cast(x_dtype).cast(FloatDType::F32) } else { normed() };
     let grad_weight = column_sums((f32_of(&grad) * multiplied).reshape([-1, width as i64]));
     let grad_normed = || f32_of(&grad) * scale.clone();
     let projection = (grad_normed() * normed()).mean_dim(D - 1);
@@ -855,7 +867,7 @@ mod tests {
     ) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
         let device = Default::default();
         let x = normal::<B, 3>([2, 5, 16], 0.5, 2.0, 7, &device).cast(x_dtype).require_grad();
-        let centre = if kind == NormKind::Plain { 1.0 } else { 0.0 };
+        let centre = if kind.adds_one() { 0.0 } else { 1.0 };
         let weight = normal::<B, 1>([16], centre, 0.3, 8, &device).cast(weight_dtype).require_grad();
         let weights = normal::<B, 3>([2, 5, 16], 0.0, 1.0, 9, &device);
         let run = |out: Tensor<B, 3>| {
@@ -882,6 +894,8 @@ mod tests {
             (NormKind::Plain, BF16, BF16, 1.0 / 128.0),
             (NormKind::ZeroCentered, BF16, BF16, 1.0 / 128.0),
             (NormKind::Plain, BF16, F32, 1.0 / 128.0),
+            (NormKind::ScaledInF32, F32, F32, 1e-6),
+            (NormKind::ScaledInF32, BF16, BF16, 1.0 / 128.0),
         ];
         for (kind, x_dtype, weight_dtype, tolerance) in cases {
             let (op, composed) = norms::<CpuTrain>(kind, x_dtype, weight_dtype);

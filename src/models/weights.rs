@@ -65,6 +65,15 @@ pub fn qwen3_5_init(key: &str) -> Init {
     }
 }
 
+/// transformers' Gemma 4 init: norms and layer scalars at 1, normal otherwise.
+pub fn gemma4_init(key: &str) -> Init {
+    if key.ends_with("norm.weight") || key.ends_with("layernorm.weight") || key.ends_with("layer_scalar") {
+        Init::Constant(1.0)
+    } else {
+        Init::Normal
+    }
+}
+
 /// A seeded random initialization following an architecture's init rule. Each tensor's values depend on
 /// the seed and its name only.
 pub struct RandomInit {

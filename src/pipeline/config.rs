@@ -147,7 +147,7 @@ pub struct ModelConfig {
     pub train: TrainConfig,
 }
 
-const ARCHITECTURES: &[&str] = &["lfm2", "lfm2_moe", "qwen3_5"];
+const ARCHITECTURES: &[&str] = &["lfm2", "lfm2_moe", "qwen3_5", "gemma4"];
 
 impl ModelConfig {
     /// `name` in `configs_dir` (`<name>.toml`), or a path to a TOML file.
@@ -258,8 +258,9 @@ impl PipelineDef {
 mod tests {
     use super::*;
 
-    /// Every model config the project ships parses and validates; the 8–9B ones keep 8-bit moments, without
-    /// which they do not train on one H200 (docs/TRAINING.md, Precision).
+    /// Every model config the project ships parses and validates; the 8–9B ones (Gemma 4 E4B: 8 B with its
+    /// embeddings) keep 8-bit moments, without which they do not train on one H200 (docs/TRAINING.md,
+    /// Precision).
     #[test]
     fn every_shipped_model_config_loads() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models");
@@ -268,7 +269,7 @@ mod tests {
         for name in &names {
             let config = ModelConfig::find(name, &dir).unwrap_or_else(|e| panic!("{name}: {e}"));
             let q8 = config.train.adamw.moments == crate::train::optim::MomentDtype::Q8;
-            assert_eq!(q8, ["lfm2.5-8b", "qwen3.5-9b"].contains(&name.as_str()), "{name}: moments");
+            assert_eq!(q8, ["lfm2.5-8b", "qwen3.5-9b", "gemma-4-e4b"].contains(&name.as_str()), "{name}: moments");
         }
     }
 }

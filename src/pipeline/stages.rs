@@ -26,8 +26,10 @@ const OPTIONAL_MODEL_FILES: &[&str] = &[
     "special_tokens_map.json",
     "chat_template.jinja",
     "model.safetensors.index.json",
-    // Vision-language checkpoints (Qwen3.5): the processors vLLM and transformers need to load the export.
+    // Vision-language checkpoints (Qwen3.5, Gemma 4): the processors vLLM and transformers need to load the
+    // export.
     "preprocessor_config.json",
+    "processor_config.json",
     "video_preprocessor_config.json",
     "README.md",
     "LICENSE",

@@ -16,6 +16,7 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary};
+use burn::tensor::activation::tanh;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
@@ -24,6 +25,7 @@ use super::optim::OptimizerOps;
 use super::step::masked_loss;
 use crate::backend::host_tensor;
 use crate::models::ModelBackend;
+use crate::models::layers::soft_cap;
 use crate::models::ops::reference_ops;
 
 /// The f32 logits one chunk may hold (256 MiB: 1024 rows of a 65k vocabulary, 264 of Qwen3.5's 248k).
@@ -37,11 +39,13 @@ pub fn chunk_rows_for(vocab: usize) -> usize {
 /// A training backend: the models' attention with its hand-written backward (`ModelBackend`), the fused
 /// projection + cross-entropy, and the gradient norm's sum of squares on the backend under it (`OptimizerOps`).
 pub trait LinearCrossEntropy: AutodiffBackend<InnerBackend: OptimizerOps> + ModelBackend {
-    /// `Σᵢ weightsᵢ · CE(hiddenᵢ · headᵀ, targetsᵢ) / normalizer` as a `[1]` f32 tensor, differentiable in
-    /// `hidden` (`[rows, width]`) and `head` (`[vocab, width]`), with `chunk_rows` rows of logits at a time.
+    /// `Σᵢ weightsᵢ · CE(cap(hiddenᵢ · headᵀ), targetsᵢ) / normalizer` as a `[1]` f32 tensor, differentiable
+    /// in `hidden` (`[rows, width]`) and `head` (`[vocab, width]`), with `chunk_rows` rows of logits at a time;
+    /// `cap` is the logits' soft-cap `c·tanh(x/c)` where `softcap` gives `c` (Gemma 4), else none.
     fn linear_cross_entropy(
         hidden: Tensor<Self, 2>,
         head: Tensor<Self, 2>,
+        softcap: Option<f64>,
         targets: &[i64],
         weights: &[f32],
         normalizer: f32,
@@ -58,13 +62,15 @@ pub struct ChunkedCrossEntropy<B: Backend> {
 }
 
 /// The op's forward pass on a plain backend: the weighted cross-entropy of `hidden · headᵀ` chunk by chunk
-/// (logits cast to f32, max-shifted log-sum-exp), and, when asked, its gradients
-/// `dlogits = coef · (softmax − onehot(target))` with `coef = weight / normalizer`, carried back through the
+/// (soft-capped as `c·tanh(x/c)` in the compute dtype where `softcap` gives `c`, then cast to f32,
+/// max-shifted log-sum-exp), and, when asked, its gradients `dlogits = coef · (softmax − onehot(target))`
+/// with `coef = weight / normalizer` (times the cap's slope `1 − tanh²`), carried back through the
 /// projection per chunk (`dlogits · head` for the rows, `Σ dlogitsᵀ · rows` in f32 for the head).
 #[allow(clippy::too_many_arguments)]
 pub fn chunked_cross_entropy<B: CrossEntropyRows>(
     hidden: Tensor<B, 2>,
     head: Tensor<B, 2>,
+    softcap: Option<f64>,
     targets: &[i64],
     weights: &[f32],
     normalizer: f32,
@@ -85,6 +91,13 @@ pub fn chunked_cross_entropy<B: CrossEntropyRows>(
         let len = chunk.min(rows - start);
         let rows_in = hidden.clone().narrow(0, start, len);
         let logits = rows_in.clone().matmul(head_t.clone());
+        let (logits, cap_slope) = match softcap {
+            Some(cap) => {
+                let t = tanh(logits / cap);
+                (t.clone() * cap, Some(t.clone().mul(t).neg() + 1.0))
+            }
+            None => (logits, None),
+        };
         let target =
             Tensor::<B, 2, Int>::from_data(TensorData::new(targets[start..start + len].to_vec(), [len, 1]), &device);
         let weight = f32_column::<B>(&weights[start..start + len], &device);
@@ -93,6 +106,10 @@ pub fn chunked_cross_entropy<B: CrossEntropyRows>(
         loss = loss + (nll * weight).sum();
         let Some(dlogits) = dlogits else {
             continue;
+        };
+        let dlogits = match cap_slope {
+            Some(slope) => dlogits * slope,
+            None => dlogits,
         };
         if want_hidden {
             grad_rows.push(dlogits.clone().matmul(head.clone()));
@@ -189,13 +206,14 @@ impl<B: ModelBackend + CrossEntropyRows + OptimizerOps, C: CheckpointStrategy> L
     fn linear_cross_entropy(
         hidden: Tensor<Self, 2>,
         head: Tensor<Self, 2>,
+        softcap: Option<f64>,
         targets: &[i64],
         weights: &[f32],
         normalizer: f32,
         chunk_rows: usize,
     ) -> Tensor<Self, 1> {
         if reference_ops() {
-            let logits = hidden.matmul(head.transpose()).unsqueeze::<3>();
+            let logits = soft_cap(hidden.matmul(head.transpose()), softcap).unsqueeze::<3>();
             return masked_loss(logits, targets, weights, normalizer);
         }
         let hidden = hidden.into_primitive().tensor();
@@ -204,6 +222,7 @@ impl<B: ModelBackend + CrossEntropyRows + OptimizerOps, C: CheckpointStrategy> L
         let out = chunked_cross_entropy(
             inner(hidden.primitive.clone()),
             inner(head.primitive.clone()),
+            softcap,
             targets,
             weights,
             normalizer,
@@ -255,14 +274,15 @@ mod tests {
     fn both<B: LinearCrossEntropy>(
         dtype: FloatDType,
         chunk: usize,
+        softcap: Option<f64>,
     ) -> ((f32, Vec<f32>, Vec<f32>), (f32, Vec<f32>, Vec<f32>)) {
         let device = Default::default();
         let leaf =
             |dims: [usize; 2], seed: u64| normal::<B, 2>(dims, 0.0, 1.0, seed, &device).cast(dtype).require_grad();
         let (hidden, head) = (leaf([ROWS, WIDTH], 1), leaf([VOCAB, WIDTH], 2));
         let (t, w) = (targets(), weights());
-        let fused = B::linear_cross_entropy(hidden.clone(), head.clone(), &t, &w, 7.0, chunk);
-        let logits = hidden.clone().matmul(head.clone().transpose()).unsqueeze::<3>();
+        let fused = B::linear_cross_entropy(hidden.clone(), head.clone(), softcap, &t, &w, 7.0, chunk);
+        let logits = soft_cap(hidden.clone().matmul(head.clone().transpose()), softcap).unsqueeze::<3>();
         let plain = masked_loss(logits, &t, &w, 7.0);
         let measure = |loss: Tensor<B, 1>| {
             let grads = loss.backward();
@@ -274,19 +294,25 @@ mod tests {
 
     #[test]
     fn the_fused_op_equals_the_plain_composition_in_f32_for_any_chunking() {
-        for chunk in [1, 3, ROWS, 64] {
-            let ((fl, fh, fw), (pl, ph, pw)) = both::<CpuTrain>(FloatDType::F32, chunk);
-            assert!((fl - pl).abs() <= 1e-6 * pl.abs(), "chunk {chunk}: loss {fl} vs {pl}");
-            assert_close(&format!("chunk {chunk} hidden grad"), &fh, &ph, 1e-6);
-            assert_close(&format!("chunk {chunk} head grad"), &fw, &pw, 1e-6);
+        // Without a cap, and with Gemma's soft-cap tight enough (2 against logits of a few units) to bend them.
+        for softcap in [None, Some(2.0)] {
+            for chunk in [1, 3, ROWS, 64] {
+                let ((fl, fh, fw), (pl, ph, pw)) = both::<CpuTrain>(FloatDType::F32, chunk, softcap);
+                assert!((fl - pl).abs() <= 1e-6 * pl.abs(), "cap {softcap:?}, chunk {chunk}: loss {fl} vs {pl}");
+                assert_close(&format!("cap {softcap:?}, chunk {chunk} hidden grad"), &fh, &ph, 1e-6);
+                assert_close(&format!("cap {softcap:?}, chunk {chunk} head grad"), &fw, &pw, 1e-6);
+            }
         }
-        let ((fl, ..), (pl, ..)) = both::<CpuTrainCheckpointed>(FloatDType::F32, 4);
+        let ((capped, ..), (uncapped, ..)) =
+            (both::<CpuTrain>(FloatDType::F32, 3, Some(2.0)), both::<CpuTrain>(FloatDType::F32, 3, None));
+        assert!((capped.0 - uncapped.0).abs() > 1e-2, "the cap changes the loss: {} vs {}", capped.0, uncapped.0);
+        let ((fl, ..), (pl, ..)) = both::<CpuTrainCheckpointed>(FloatDType::F32, 4, None);
         assert!((fl - pl).abs() <= 1e-6 * pl.abs(), "checkpointed: loss {fl} vs {pl}");
     }
 
     #[test]
     fn the_fused_op_keeps_bf16_gradients_in_bf16_and_its_loss_in_f32() {
-        let ((fl, fh, fw), (pl, ph, pw)) = both::<CpuTrain>(FloatDType::BF16, 3);
+        let ((fl, fh, fw), (pl, ph, pw)) = both::<CpuTrain>(FloatDType::BF16, 3, None);
         // The same bf16 logits go into the same f32 softmax: the losses agree to f32 rounding.
         assert!((fl - pl).abs() <= 1e-6 * pl.abs(), "loss {fl} vs {pl}");
         // Both round dlogits to bf16 before the projection's backward; the fused op sums the head's
@@ -304,11 +330,11 @@ mod tests {
         let (t, w) = (targets(), weights());
         let plain =
             values(masked_loss(hidden.clone().matmul(head.clone().transpose()).unsqueeze::<3>(), &t, &w, 7.0))[0];
-        let untracked = values(CpuTrain::linear_cross_entropy(hidden.clone(), head.clone(), &t, &w, 7.0, 4))[0];
+        let untracked = values(CpuTrain::linear_cross_entropy(hidden.clone(), head.clone(), None, &t, &w, 7.0, 4))[0];
         assert!((untracked - plain).abs() <= 1e-6 * plain.abs(), "{untracked} vs {plain}");
 
         let head = head.require_grad();
-        let loss = CpuTrain::linear_cross_entropy(hidden.clone(), head.clone(), &t, &w, 7.0, 4);
+        let loss = CpuTrain::linear_cross_entropy(hidden.clone(), head.clone(), None, &t, &w, 7.0, 4);
         let grads = loss.backward();
         assert!(hidden.grad(&grads).is_none());
         let fused = values(head.grad(&grads).expect("the head's gradient"));
@@ -323,9 +349,9 @@ mod tests {
         let hidden = normal::<CpuTrain, 2>([ROWS, WIDTH], 0.0, 1.0, 4, &device).require_grad();
         let head = normal::<CpuTrain, 2>([VOCAB, WIDTH], 0.0, 1.0, 14, &device);
         let (t, w) = (targets(), weights());
-        let once = CpuTrain::linear_cross_entropy(hidden.clone(), head.clone(), &t, &w, 7.0, 4);
+        let once = CpuTrain::linear_cross_entropy(hidden.clone(), head.clone(), None, &t, &w, 7.0, 4);
         let grad = values(hidden.grad(&once.backward()).expect("a gradient"));
-        let thrice = CpuTrain::linear_cross_entropy(hidden.clone(), head, &t, &w, 7.0, 4) * 3.0;
+        let thrice = CpuTrain::linear_cross_entropy(hidden.clone(), head, None, &t, &w, 7.0, 4) * 3.0;
         let grad3 = values(hidden.grad(&thrice.backward()).expect("a gradient"));
         let tripled: Vec<f32> = grad.iter().map(|g| g * 3.0).collect();
         assert_close("3 × loss", &grad3, &tripled, 1e-6);

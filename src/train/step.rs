@@ -31,13 +31,15 @@ pub fn masked_loss<B: Backend>(
     (nll * w).sum() / normalizer
 }
 
-/// `masked_loss` without the full logits: the output projection and the cross-entropy run only on the
+/// `masked_loss` without the full logits (of `hidden · headᵀ`, soft-capped where `softcap` says): the
+/// output projection and the cross-entropy run only on the
 /// positions with a non-zero weight (the supervised targets, 30–40 % of tokens in chat SFT), and there as
 /// the fused chunked op of `linear_ce`, so at most one chunk of `[rows, vocab]` logits is ever alive. `None`
 /// when nothing in `weights` is supervised.
 pub fn supervised_loss<B: LinearCrossEntropy>(
     hidden: Tensor<B, 3>,
     head: Tensor<B, 2>,
+    softcap: Option<f64>,
     targets: &[i64],
     weights: &[f32],
     normalizer: f32,
@@ -54,7 +56,7 @@ pub fn supervised_loss<B: LinearCrossEntropy>(
     let index = Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [n]), &device);
     let rows = hidden.reshape([b * s, h]).select(0, index);
     let chunk = chunk_rows_for(head.dims()[0]);
-    Some(B::linear_cross_entropy(rows, head, &picked_targets, &picked_weights, normalizer, chunk))
+    Some(B::linear_cross_entropy(rows, head, softcap, &picked_targets, &picked_weights, normalizer, chunk))
 }
 
 /// The packed rows of one forward pass, flattened for the model.
@@ -158,7 +160,9 @@ pub fn optimizer_step<B: LinearCrossEntropy>(
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(batch.ids.clone(), [batch.rows, batch.seq]), device);
         let hidden = model.forward_hidden(input, &layout);
         // A micro-batch with nothing supervised adds nothing to the step's loss or gradients.
-        let Some(loss) = supervised_loss(hidden, model.head_weight(), &batch.targets, &batch.weights, supervised)
+        let head = model.head_weight();
+        let Some(loss) =
+            supervised_loss(hidden, head, model.logit_softcap(), &batch.targets, &batch.weights, supervised)
         else {
             continue;
         };

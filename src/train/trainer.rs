@@ -457,7 +457,11 @@ impl StepFlops {
     pub fn of<B: Backend>(model: &CausalLm<B>, config: &ModelConfig, seq: usize) -> Self {
         // Counted on the module, not by copying every weight to the host.
         let params = burn::module::Module::num_params(model) as f64;
-        StepFlops { params, attention_width: config.attention_width() as f64, seq: seq as f64 }
+        // A sliding-window layer's queries see at most `window` keys: its width counts in that proportion.
+        let sliding = config
+            .sliding_attention_width()
+            .map_or(0.0, |(width, window)| width as f64 * window.min(seq) as f64 / seq.max(1) as f64);
+        StepFlops { params, attention_width: config.attention_width() as f64 + sliding, seq: seq as f64 }
     }
 
     pub fn step_flops(&self, tokens: f64) -> f64 {
