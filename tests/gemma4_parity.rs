@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 use burn::backend::{Autodiff, Flex};
 use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
 use kiln::models::config::Gemma4LayerKind;
-use kiln::models::decode::{CachedDecoding, generate_greedy};
 use kiln::models::hf::ExportDtype;
 use kiln::models::hf::{hf_gradients, hf_tensors};
 use kiln::models::{CausalLm, Gemma4Config, Gemma4Model, ModelConfig, SequenceLayout, WeightStore, load_model};
@@ -115,30 +114,8 @@ fn cached_decoding_equals_full_forward() {
     // the cache, and the KV-sharing layers read their sources' caches.
     parity::assert_cached_decoding_follows(&model, &row, 7, &full, 1e-4, &device);
 
-    // Left-padded prompts of different lengths, both longer than the window: each row's last logits equal
-    // that prompt alone (padding is never inside a window), and greedy generation of the batch equals
-    // generating each prompt alone.
-    let prompts: Vec<Vec<u32>> =
-        vec![row[..9].iter().map(|&x| x as u32).collect(), row[3..20].iter().map(|&x| x as u32).collect()];
-    let mut cache = model.new_cache(2, &device);
-    let mut ids = vec![0i64; 8];
-    ids.extend(prompts[0].iter().map(|&x| x as i64));
-    ids.extend(prompts[1].iter().map(|&x| x as i64));
-    let valid = vec![[vec![false; 8], vec![true; 9]].concat(), vec![true; 17]];
-    let batched = values(model.forward_cached(ids_tensor::<Cpu>(&ids, [2, 17], &device), &valid, &mut cache));
-    for (r, p) in prompts.iter().enumerate() {
-        let alone_ids: Vec<i64> = p.iter().map(|&x| x as i64).collect();
-        let alone = values(
-            model.forward(ids_tensor::<Cpu>(&alone_ids, [1, p.len()], &device), &SequenceLayout::single(1, p.len())),
-        );
-        let err = max_abs_diff(&alone[(p.len() - 1) * VOCAB..], &batched[(r * 17 + 16) * VOCAB..(r * 17 + 17) * VOCAB]);
-        assert!(err <= 1e-4, "row {r} of a padded batch differs by {err}");
-    }
-    let together = generate_greedy(&model, &prompts, 5, &[], &device);
-    for (r, p) in prompts.iter().enumerate() {
-        assert_eq!(together[r], generate_greedy(&model, std::slice::from_ref(p), 5, &[], &device)[0], "row {r}");
-        assert_eq!(together[r].len(), 5);
-    }
+    // Left-padded prompts of different lengths, both longer than the window (padding is never inside one).
+    parity::assert_padded_batches_follow(&model, &row, |ids, layout| model.forward(ids, layout), &device);
 }
 
 /// The trainer's loss (`supervised_loss`: the fused projection and cross-entropy with the soft-cap inside,

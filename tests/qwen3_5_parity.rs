@@ -13,7 +13,6 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::Distribution;
 use burn::tensor::Tensor;
 use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
-use kiln::models::decode::{CachedDecoding, generate_greedy};
 use kiln::models::deltanet::{self, ChunkPlan, DocSegments, ScanInputs};
 use kiln::models::hf::{ExportDtype, hf_gradients, hf_tensors};
 use kiln::models::weights::kept_in_f32;
@@ -109,29 +108,8 @@ fn cached_decoding_equals_full_forward() {
     // Prefill 66 tokens (a chunk and a bit), then one token at a time through the recurrent form.
     parity::assert_cached_decoding_follows(&model, &row, 66, &full, 1e-4, &device);
 
-    // Left-padded prompts of different lengths: each row's last logits equal that prompt alone, and greedy
-    // generation of the batch equals generating each prompt alone.
-    let prompts: Vec<Vec<u32>> =
-        vec![row[..9].iter().map(|&x| x as u32).collect(), row[3..20].iter().map(|&x| x as u32).collect()];
-    let mut cache = model.new_cache(2, &device);
-    let mut ids = vec![0i64; 8];
-    ids.extend(prompts[0].iter().map(|&x| x as i64));
-    ids.extend(prompts[1].iter().map(|&x| x as i64));
-    let valid = vec![[vec![false; 8], vec![true; 9]].concat(), vec![true; 17]];
-    let batched = values(model.forward_cached(ids_tensor::<Cpu>(&ids, [2, 17], &device), &valid, &mut cache));
-    for (r, p) in prompts.iter().enumerate() {
-        let alone_ids: Vec<i64> = p.iter().map(|&x| x as i64).collect();
-        let alone = values(
-            model.forward(ids_tensor::<Cpu>(&alone_ids, [1, p.len()], &device), &SequenceLayout::single(1, p.len())),
-        );
-        let err = max_abs_diff(&alone[(p.len() - 1) * VOCAB..], &batched[(r * 17 + 16) * VOCAB..(r * 17 + 17) * VOCAB]);
-        assert!(err <= 1e-4, "row {r} of a padded batch differs by {err}");
-    }
-    let together = generate_greedy(&model, &prompts, 5, &[], &device);
-    for (r, p) in prompts.iter().enumerate() {
-        assert_eq!(together[r], generate_greedy(&model, std::slice::from_ref(p), 5, &[], &device)[0], "row {r}");
-        assert_eq!(together[r].len(), 5);
-    }
+    // Left-padded prompts of different lengths.
+    parity::assert_padded_batches_follow(&model, &row, |ids, layout| model.forward(ids, layout), &device);
 }
 
 #[test]

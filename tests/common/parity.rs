@@ -7,6 +7,7 @@ use std::path::Path;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
+use kiln::models::SequenceLayout;
 use kiln::models::weights::HostTensor;
 use safetensors::SafeTensors;
 
@@ -154,6 +155,37 @@ pub fn assert_cached_decoding_follows<B: Backend, M: kiln::models::decode::Cache
             values(model.forward_cached(ids_tensor::<B>(&row[t..=t], [1, 1], device), &[vec![true]], &mut cache));
         let err = max_abs_diff(&step, &full[t * vocab..(t + 1) * vocab]);
         assert!(err <= tolerance, "step {t} differs by {err}");
+    }
+}
+
+/// Two left-padded prompts of different lengths cut from `row` (9 and 17 tokens) through `model`'s cache at
+/// once: each row's last logits equal that prompt alone through `forward` (the full forward pass), and
+/// greedy generation of the batch equals generating each prompt alone.
+pub fn assert_padded_batches_follow<B: Backend, M: kiln::models::decode::CachedDecoding<B>>(
+    model: &M,
+    row: &[i64],
+    forward: impl Fn(Tensor<B, 2, Int>, &SequenceLayout) -> Tensor<B, 3>,
+    device: &B::Device,
+) {
+    use kiln::models::decode::generate_greedy;
+    let prompts: Vec<Vec<u32>> = [&row[..9], &row[3..20]].map(|p| p.iter().map(|&x| x as u32).collect()).to_vec();
+    let mut cache = model.new_cache(2, device);
+    let mut ids = vec![0i64; 8];
+    ids.extend(row[..9].iter().chain(&row[3..20]));
+    let valid = vec![[vec![false; 8], vec![true; 9]].concat(), vec![true; 17]];
+    let batched = values(model.forward_cached(ids_tensor::<B>(&ids, [2, 17], device), &valid, &mut cache));
+    let vocab = batched.len() / 34;
+    for (r, p) in prompts.iter().enumerate() {
+        let alone_ids: Vec<i64> = p.iter().map(|&x| i64::from(x)).collect();
+        let alone =
+            values(forward(ids_tensor::<B>(&alone_ids, [1, p.len()], device), &SequenceLayout::single(1, p.len())));
+        let err = max_abs_diff(&alone[(p.len() - 1) * vocab..], &batched[(r * 17 + 16) * vocab..(r * 17 + 17) * vocab]);
+        assert!(err <= 1e-4, "row {r} of a padded batch differs by {err}");
+    }
+    let together = generate_greedy(model, &prompts, 5, &[], device);
+    for (r, p) in prompts.iter().enumerate() {
+        assert_eq!(together[r], generate_greedy(model, std::slice::from_ref(p), 5, &[], device)[0], "row {r}");
+        assert_eq!(together[r].len(), 5);
     }
 }
 
