@@ -12,7 +12,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use burn::backend::{Autodiff, Flex};
-use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
+use common::parity::{self, ids_tensor, values};
 use kiln::models::config::Gemma4LayerKind;
 use kiln::models::hf::ExportDtype;
 use kiln::models::hf::{hf_gradients, hf_tensors};
@@ -61,45 +61,13 @@ fn config_and_weights_load_the_text_tower_only() {
 
 #[test]
 fn logits_match_transformers() {
-    let f = parity::fixture(&fixture_dir());
-    let device = Default::default();
-    let (_, model) = load::<Cpu>(&fixture_dir());
-    let shape = f.shape();
-    assert_eq!(f.logits.1, [shape[0], shape[1], VOCAB]);
-    let got =
-        values(model.forward(ids_tensor::<Cpu>(&f.ids.0, shape, &device), &SequenceLayout::single(shape[0], shape[1])));
-    let exact = parity::tensor_f32(&fixture_dir(), "logits_f64");
-    let (err, err_exact, reference_err) =
-        (max_abs_diff(&got, &f.logits.0), max_abs_diff(&got, &exact), max_abs_diff(&f.logits.0, &exact));
-    let peak = f.logits.0.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    eprintln!(
-        "{NAME}: logits max-abs error {err:.2e} vs transformers f32, {err_exact:.2e} vs exact (transformers f32: \
-         {reference_err:.2e}); logits up to {peak:.2}"
-    );
-    assert!(err_exact <= 1e-4, "logits max-abs error {err_exact} from the exact answer");
-    assert!(err <= 1e-4 + reference_err, "logits max-abs error {err} from transformers");
-
     // Two documents in one row: attention (windowed and full) restarts at the second, RoPE too.
-    let seq = shape[1];
-    let packed = SequenceLayout::from_doc_lengths(&[vec![14, 10]], seq);
-    let got = values(model.forward(ids_tensor::<Cpu>(&f.packed_ids, [1, seq], &device), &packed));
-    let err = max_abs_diff(&got, &f.packed_logits);
-    assert!(err <= 1e-4, "packed documents leak into each other (max-abs {err})");
+    parity::assert_logits_match_transformers(NAME, &fixture_dir(), VOCAB, &[14, 10]);
 }
 
 #[test]
 fn gradients_match_transformers() {
-    let f = parity::fixture(&fixture_dir());
-    let device = Default::default();
-    let (_, model) = load::<Train>(&fixture_dir());
-    let shape = f.shape();
-    let logits =
-        model.forward(ids_tensor::<Train>(&f.ids.0, shape, &device), &SequenceLayout::single(shape[0], shape[1]));
-    let loss = masked_ce(logits, &f.ids.0, &f.mask, shape);
-    let value = values(loss.clone())[0];
-    assert!((value - f.loss).abs() <= 1e-4, "loss {value} vs {}", f.loss);
-    let grads = loss.backward();
-    parity::check_gradients(NAME, &f, &hf_gradients(&model, &grads), 1e-4);
+    parity::assert_gradients_match_transformers(NAME, &fixture_dir());
 }
 
 #[test]

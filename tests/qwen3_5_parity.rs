@@ -12,9 +12,9 @@ use std::path::PathBuf;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::Distribution;
 use burn::tensor::Tensor;
-use common::parity::{self, ids_tensor, masked_ce, max_abs_diff, values};
+use common::parity::{self, ids_tensor, max_abs_diff, values};
 use kiln::models::deltanet::{self, ChunkPlan, DocSegments, ScanInputs};
-use kiln::models::hf::{ExportDtype, hf_gradients, hf_tensors};
+use kiln::models::hf::{ExportDtype, hf_tensors};
 use kiln::models::weights::kept_in_f32;
 use kiln::models::{CausalLm, ModelBackend, ModelConfig, Qwen35Model, SequenceLayout, WeightStore, load_model};
 
@@ -53,47 +53,14 @@ fn config_and_weights_load_the_text_tower_only() {
 
 #[test]
 fn logits_match_transformers() {
-    let f = parity::fixture(&fixture_dir());
-    let device = Default::default();
-    let (_, model) = load_model::<Cpu>(&fixture_dir(), &device).unwrap();
-    let shape = f.shape();
-    assert_eq!(f.logits.1, [shape[0], shape[1], VOCAB]);
-    let got =
-        values(model.forward(ids_tensor::<Cpu>(&f.ids.0, shape, &device), &SequenceLayout::single(shape[0], shape[1])));
-    // transformers' f32 run is itself ~1e-4 from the exact (f64) logits at this depth of decays: kiln must
-    // be within 1e-4 of the exact answer, and within the reference's own error of the reference.
-    let exact = parity::tensor_f32(&fixture_dir(), "logits_f64");
-    let (err, err_exact, reference_err) =
-        (max_abs_diff(&got, &f.logits.0), max_abs_diff(&got, &exact), max_abs_diff(&f.logits.0, &exact));
-    let peak = f.logits.0.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    eprintln!(
-        "{NAME}: logits max-abs error {err:.2e} vs transformers f32, {err_exact:.2e} vs exact (transformers f32: \
-         {reference_err:.2e}); logits up to {peak:.2}"
-    );
-    assert!(err_exact <= 1e-4, "logits max-abs error {err_exact} from the exact answer");
-    assert!(err <= 1e-4 + reference_err, "logits max-abs error {err} from transformers");
-
-    // Two documents in one row: conv history, DeltaNet state and attention all restart at the second.
-    let seq = shape[1];
-    let packed = SequenceLayout::from_doc_lengths(&[vec![40, 30]], seq);
-    let got = values(model.forward(ids_tensor::<Cpu>(&f.packed_ids, [1, seq], &device), &packed));
-    let err = max_abs_diff(&got, &f.packed_logits);
-    assert!(err <= 1e-4, "packed documents leak into each other (max-abs {err})");
+    // transformers' f32 run is itself ~1e-4 from the exact (f64) logits at this depth of decays. Two
+    // documents in one row: conv history, DeltaNet state and attention all restart at the second.
+    parity::assert_logits_match_transformers(NAME, &fixture_dir(), VOCAB, &[40, 30]);
 }
 
 #[test]
 fn gradients_match_transformers() {
-    let f = parity::fixture(&fixture_dir());
-    let device = Default::default();
-    let (_, model) = load_model::<Train>(&fixture_dir(), &device).unwrap();
-    let shape = f.shape();
-    let logits =
-        model.forward(ids_tensor::<Train>(&f.ids.0, shape, &device), &SequenceLayout::single(shape[0], shape[1]));
-    let loss = masked_ce(logits, &f.ids.0, &f.mask, shape);
-    let value = values(loss.clone())[0];
-    assert!((value - f.loss).abs() <= 1e-4, "loss {value} vs {}", f.loss);
-    let grads = loss.backward();
-    parity::check_gradients(NAME, &f, &hf_gradients(&model, &grads), 1e-4);
+    parity::assert_gradients_match_transformers(NAME, &fixture_dir());
 }
 
 #[test]

@@ -294,6 +294,7 @@ impl<B: ModelBackend> Gemma4Model<B> {
         let full_docs = DocumentAttention::<B>::new(layout, &device).with_scale(1.0);
         let sliding_docs = full_docs.clone().with_window(self.sliding_window);
         let mut kv_states: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>> = vec![None; self.layers.len()];
+        let sources: Vec<usize> = self.layers.iter().filter_map(|l| l.self_attn.kv_source).collect();
         for (i, layer) in self.layers.iter().enumerate() {
             let attn = &layer.self_attn;
             let rope = ropes.get(attn);
@@ -304,7 +305,7 @@ impl<B: ModelBackend> Gemma4Model<B> {
                     Some(j) => kv_states[j].clone().expect("a KV source comes before the layers that share it"),
                     None => attn.keys_values(x, rope),
                 };
-                if self.layers.iter().any(|l| l.self_attn.kv_source == Some(i)) {
+                if sources.contains(&i) {
                     kv_states[i] = Some((k.clone(), v.clone()));
                 }
                 attn.output(B::document_attention(q, k, v, docs))

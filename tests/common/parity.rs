@@ -158,6 +158,54 @@ pub fn assert_cached_decoding_follows<B: Backend, M: kiln::models::decode::Cache
     }
 }
 
+/// The f32 logits of the fixture in `dir` (architecture from its config.json, plain rows) within 1e-4 of the
+/// exact (f64) logits, and within transformers' own f32 error plus 1e-4 of transformers' f32 ones (a deep
+/// model's f32 run is itself ~1e-4 from the exact answer); and its packed row, documents of `docs` tokens,
+/// equal to each document run alone.
+pub fn assert_logits_match_transformers(name: &str, dir: &Path, vocab: usize, docs: &[u32]) {
+    type Cpu = burn::backend::Flex<f32>;
+    let f = fixture(dir);
+    let device = Default::default();
+    let (_, model) = kiln::models::load_model::<Cpu>(dir, &device).unwrap();
+    let shape = f.shape();
+    assert_eq!(f.logits.1, [shape[0], shape[1], vocab]);
+    let got =
+        values(model.forward(ids_tensor::<Cpu>(&f.ids.0, shape, &device), &SequenceLayout::single(shape[0], shape[1])));
+    let exact = tensor_f32(dir, "logits_f64");
+    let (err, err_exact, reference_err) =
+        (max_abs_diff(&got, &f.logits.0), max_abs_diff(&got, &exact), max_abs_diff(&f.logits.0, &exact));
+    let peak = f.logits.0.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    eprintln!(
+        "{name}: logits max-abs error {err:.2e} vs transformers f32, {err_exact:.2e} vs exact (transformers f32: \
+         {reference_err:.2e}); logits up to {peak:.2}"
+    );
+    assert!(err_exact <= 1e-4, "logits max-abs error {err_exact} from the exact answer");
+    assert!(err <= 1e-4 + reference_err, "logits max-abs error {err} from transformers");
+
+    let seq = shape[1];
+    let packed = SequenceLayout::from_doc_lengths(&[docs.to_vec()], seq);
+    let got = values(model.forward(ids_tensor::<Cpu>(&f.packed_ids, [1, seq], &device), &packed));
+    let err = max_abs_diff(&got, &f.packed_logits);
+    assert!(err <= 1e-4, "packed documents leak into each other (max-abs {err})");
+}
+
+/// The masked cross-entropy of the fixture in `dir` through the model's forward pass: the loss within 1e-4
+/// of transformers' and every fixture gradient within 1e-4 relative.
+pub fn assert_gradients_match_transformers(name: &str, dir: &Path) {
+    type Train = burn::backend::Autodiff<burn::backend::Flex<f32>>;
+    let f = fixture(dir);
+    let device = Default::default();
+    let (_, model) = kiln::models::load_model::<Train>(dir, &device).unwrap();
+    let shape = f.shape();
+    let logits =
+        model.forward(ids_tensor::<Train>(&f.ids.0, shape, &device), &SequenceLayout::single(shape[0], shape[1]));
+    let loss = masked_ce(logits, &f.ids.0, &f.mask, shape);
+    let value = values(loss.clone())[0];
+    assert!((value - f.loss).abs() <= 1e-4, "loss {value} vs {}", f.loss);
+    let grads = loss.backward();
+    check_gradients(name, &f, &kiln::models::hf::hf_gradients(&model, &grads), 1e-4);
+}
+
 /// Two left-padded prompts of different lengths cut from `row` (9 and 17 tokens) through `model`'s cache at
 /// once: each row's last logits equal that prompt alone through `forward` (the full forward pass), and
 /// greedy generation of the batch equals generating each prompt alone.
