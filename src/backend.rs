@@ -17,8 +17,8 @@ use crate::models::attention::{
 use crate::models::deltanet::{self, ChunkPlan, ChunkedScan, ScanInputs};
 use crate::models::layers::{RopeTables, apply_rope, apply_rope_backward};
 use crate::models::ops::{
-    NormKind, add_part_composed, narrow_last, rms_norm_backward, rms_norm_forward, swiglu_backward, swiglu_forward,
-    write_cache_rows_composed,
+    GateActivation, NormKind, add_part_composed, glu_backward, glu_forward, narrow_last, rms_norm_backward,
+    rms_norm_forward, write_cache_rows_composed,
 };
 use crate::models::{ModelBackend, cpu_attention, cpu_deltanet, cpu_elementwise};
 use crate::train::linear_ce::CrossEntropyRows;
@@ -313,23 +313,24 @@ impl CrossEntropyRows for Flex {
 impl OptimizerOps for Flex {}
 
 impl ModelBackend for Flex {
-    fn swiglu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>) -> Tensor<Self, D> {
+    fn glu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>, act: GateActivation) -> Tensor<Self, D> {
         if cpu_elementwise::takes([gate.dtype(), up.dtype()]) {
-            cpu_elementwise::swiglu(gate, up)
+            cpu_elementwise::glu(gate, up, act)
         } else {
-            swiglu_forward(gate, up)
+            glu_forward(gate, up, act)
         }
     }
 
-    fn swiglu_grads<const D: usize>(
+    fn glu_grads<const D: usize>(
         gate: Tensor<Self, D>,
         up: Tensor<Self, D>,
         grad: Tensor<Self, D>,
+        act: GateActivation,
     ) -> (Tensor<Self, D>, Tensor<Self, D>) {
         if cpu_elementwise::takes([gate.dtype(), up.dtype(), grad.dtype()]) {
-            cpu_elementwise::swiglu_grads(gate, up, grad)
+            cpu_elementwise::glu_grads(gate, up, grad, act)
         } else {
-            swiglu_backward(gate, up, grad)
+            glu_backward(gate, up, grad, act)
         }
     }
 

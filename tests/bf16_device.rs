@@ -209,9 +209,14 @@ fn checkpoints_load_and_decode_in_the_devices_dtype_keeping_f32_tensors() {
 }
 
 /// burn's plain compositions (`--reference-ops`, the A/B switch for a misbehaving GPU run) train on the
-/// bf16-default device too, to the hand-written ops' losses within bf16 rounding.
+/// bf16-default device too, to the hand-written ops' losses within bf16 rounding (seen within 1.9e-4).
+/// Gemma 4 within 1e-2: the first losses agree (the same forward), and the two paths' GeGLU gradients
+/// differ by a bf16 rounding (the op rounds `grad · up · gelu'` once; the composition rounds `grad · up`
+/// first: 1.7e-3 and 2.3e-3 RMS from the exact gradients). Adam's first steps and the unscaled attention
+/// (tests/reference_ops.rs) carry that to 8e-4 after one update and 4.3e-3 after two.
 #[test]
 fn the_reference_compositions_train_on_a_bf16_default_device() {
     let _turn = serial();
-    common::assert_reference_ops_agree(Precision::Bf16, 2, |_| 2e-3);
+    let tolerance = |shape: &str| if shape.ends_with("tiny-gemma4") { 1e-2 } else { 2e-3 };
+    common::assert_reference_ops_agree(Precision::Bf16, 2, tolerance);
 }

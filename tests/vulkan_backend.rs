@@ -117,7 +117,7 @@ fn a_resumed_run_on_the_fused_backend_equals_the_uninterrupted_one() {
 fn the_tiny_shapes_train_on_the_unfused_backend_as_on_the_cpu() {
     common::training::assert_tiny_shapes_train_on::<burn::backend::Autodiff<kiln::backend::VkUnfused>>(
         Precision::F32,
-        1e-4,
+        |_| 1e-4,
     );
 }
 

@@ -31,16 +31,24 @@ fn the_device_is_claimed_in_f16_and_refuses_f32_after() {
     assert!(err.contains("already computes in F16") && err.contains("process of its own"), "{err}");
 }
 
+/// How far a tiny shape's half-precision losses may be from the CPU's f32 ones after an update (the first
+/// loss, before any, within a tenth: `common::assert_losses_agree`): 1e-3 relative (f16 rounding; seen within
+/// 2e-4). Gemma 4 within 5e-3 (seen 1.8e-3 after one update, 3.0e-3 after two; its first losses within
+/// 4e-5, as the others'): Adam's first steps move every parameter by about the learning rate whatever its
+/// gradient's size, so rounding flips the direction of the ones with small gradients, and Gemma's unscaled
+/// attention (scores of tens: tests/reference_ops.rs) turns that into loss differences of the order of a
+/// step's own change. bf16 on the CPU against f32, 8 seeds, shows the same spread with its GeGLU as one op
+/// (up to 4.1e-3 after one update) and as burn's composition (3.5e-3), while the op's forward is the nearer.
+fn half_precision_tolerance(shape: &str) -> f64 {
+    if shape.ends_with("tiny-gemma4") { 5e-3 } else { 1e-3 }
+}
+
 /// Every tiny shape trains three steps with kiln's ops, with activation checkpointing and with burn's plain
-/// compositions, each loss within 1e-3 relative of the CPU's f32 one (f16 rounding; seen within 2e-4).
-/// Gemma 4 within 2e-3: its first losses agree as the others' do (within 4e-5), and its updated ones move
-/// further (seen 9e-4 with kiln's ops, 1.5e-3 with the compositions after two updates), as they do in f32
-/// between kiln's ops and the compositions (tests/reference_ops.rs: its unscaled attention scores).
+/// compositions, each loss within `half_precision_tolerance` of the CPU's f32 one.
 #[test]
 fn the_tiny_shapes_train_in_half_precision_on_the_fused_backend() {
     claim_f16();
-    let tolerance = |shape: &str| if shape.ends_with("tiny-gemma4") { 2e-3 } else { 1e-3 };
-    common::training::assert_tiny_shapes_train_as_on_the_cpu(Precision::F16, 2, tolerance);
+    common::training::assert_tiny_shapes_train_as_on_the_cpu(Precision::F16, 2, half_precision_tolerance);
 }
 
 /// The half-precision graph on burn's unfused backend (`KILN_CUDA_FUSION=off`'s path on CUDA).
@@ -49,7 +57,7 @@ fn the_tiny_shapes_train_in_half_precision_on_the_unfused_backend() {
     claim_f16();
     common::training::assert_tiny_shapes_train_on::<burn::backend::Autodiff<kiln::backend::VkHalfUnfused>>(
         Precision::F16,
-        1e-3,
+        half_precision_tolerance,
     );
 }
 

@@ -1,9 +1,9 @@
-//! The CPU backend's (Flex, f32) element-wise ops as single passes over contiguous slices: SwiGLU's gate
-//! `silu(gate) · up`, the RMSNorms and RoPE, each with its gradients, and the parts of a fused projection
-//! made contiguous. burn's compositions take a pass and a new tensor per op, evaluate σ with a libm call per
-//! element, and walk a strided or broadcast view (a part of a split projection, q and k after the head swap,
-//! the RoPE tables shared by the heads) one computed index at a time: together over a third of a tiny
-//! model's training step. Work is split into fixed pieces over rayon; each element
+//! The CPU backend's (Flex, f32) element-wise ops as single passes over contiguous slices: a gated MLP's
+//! gate `act(gate) · up` (SwiGLU, GeGLU), the RMSNorms and RoPE, each with its gradients, and the parts of a
+//! fused projection made contiguous. burn's compositions take a pass and a new tensor per op, evaluate σ
+//! with a libm call per element, and walk a strided or broadcast view (a part of a split projection, q and
+//! k after the head swap, the RoPE tables shared by the heads) one computed index at a time: together over
+//! a third of a tiny model's training step. Work is split into fixed pieces over rayon; each element
 //! (and each piece's share of a weight gradient, summed in piece order) is computed alone, so the results do
 //! not depend on the number of threads. Other dtypes keep burn's compositions (`backend.rs`).
 
@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::host_slices::{axpy, dot, exp};
 use super::layers::RopeTables;
-use super::ops::NormKind;
+use super::ops::{GELU_TANH_CUBIC, GELU_TANH_SCALE, GateActivation, NormKind};
 use crate::backend::host_tensor;
 
 /// Elements per rayon task: large enough to amortize the task, small enough to share out a layer's work.
@@ -44,26 +44,67 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp(-x))
 }
 
-/// `silu(gate) · up = gate · σ(gate) · up`.
-pub fn swiglu<const D: usize>(gate: Tensor<Flex, D>, up: Tensor<Flex, D>) -> Tensor<Flex, D> {
+/// `gelu_tanh(g)` and its derivative, in f32 (`ops::GateActivation::GeluTanh`).
+#[inline(always)]
+fn gelu_tanh_and_slope(g: f32) -> (f32, f32) {
+    let (scale, cubic) = (GELU_TANH_SCALE as f32, GELU_TANH_CUBIC as f32);
+    let square = g * g;
+    let t = (scale * (g + cubic * square * g)).tanh();
+    let half_one_plus_t = 0.5 * (1.0 + t);
+    (g * half_one_plus_t, half_one_plus_t + 0.5 * g * (1.0 - t * t) * scale * (1.0 + 3.0 * cubic * square))
+}
+
+/// `act(gate) · up` (`ops::glu_forward`).
+pub fn glu<const D: usize>(gate: Tensor<Flex, D>, up: Tensor<Flex, D>, act: GateActivation) -> Tensor<Flex, D> {
+    match act {
+        GateActivation::Silu => gate_pass(gate, up, |g| g * sigmoid(g)),
+        GateActivation::GeluTanh => gate_pass(gate, up, |g| gelu_tanh_and_slope(g).0),
+    }
+}
+
+fn gate_pass<const D: usize>(
+    gate: Tensor<Flex, D>,
+    up: Tensor<Flex, D>,
+    act: impl Fn(f32) -> f32 + Sync,
+) -> Tensor<Flex, D> {
     let shape = gate.dims();
     let (gate, up) = (storage(gate), storage(up));
     let (gate, up) = (slice(&gate), slice(&up));
     let mut out = vec![0.0f32; gate.len()];
     out.par_chunks_mut(PIECE).zip(gate.par_chunks(PIECE).zip(up.par_chunks(PIECE))).for_each(|(out, (gate, up))| {
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            *o = g * sigmoid(g) * u;
+            *o = act(g) * u;
         }
     });
     host_tensor(out, shape, FloatDType::F32, &Default::default())
 }
 
-/// The gradients `(d gate, d up)` of `swiglu` for the output gradient `grad` (`ops::swiglu_backward`):
-/// `d up = grad · silu(gate)`, `d gate = grad · up · σ(gate) · (1 + gate · (1 − σ(gate)))`.
-pub fn swiglu_grads<const D: usize>(
+/// The gradients `(d gate, d up)` of `glu` for the output gradient `grad` (`ops::glu_backward`):
+/// `d up = grad · act(gate)`, `d gate = grad · up · act'(gate)`.
+pub fn glu_grads<const D: usize>(
     gate: Tensor<Flex, D>,
     up: Tensor<Flex, D>,
     grad: Tensor<Flex, D>,
+    act: GateActivation,
+) -> (Tensor<Flex, D>, Tensor<Flex, D>) {
+    match act {
+        GateActivation::Silu => gate_grads_pass(gate, up, grad, |g, u, d| {
+            let s = sigmoid(g);
+            (d * u * s * (g * (1.0 - s) + 1.0), d * g * s)
+        }),
+        GateActivation::GeluTanh => gate_grads_pass(gate, up, grad, |g, u, d| {
+            let (value, slope) = gelu_tanh_and_slope(g);
+            (d * u * slope, d * value)
+        }),
+    }
+}
+
+/// `(d gate, d up)` from `grads(gate, up, grad)` element by element.
+fn gate_grads_pass<const D: usize>(
+    gate: Tensor<Flex, D>,
+    up: Tensor<Flex, D>,
+    grad: Tensor<Flex, D>,
+    grads: impl Fn(f32, f32, f32) -> (f32, f32) + Sync,
 ) -> (Tensor<Flex, D>, Tensor<Flex, D>) {
     let shape = gate.dims();
     let (gate, up, grad) = (storage(gate), storage(up), storage(grad));
@@ -73,9 +114,7 @@ pub fn swiglu_grads<const D: usize>(
     let ins = gate.par_chunks(PIECE).zip(up.par_chunks(PIECE)).zip(grad.par_chunks(PIECE));
     outs.zip(ins).for_each(|((d_gate, d_up), ((gate, up), grad))| {
         for (((dg, du), &g), (&u, &d)) in d_gate.iter_mut().zip(d_up.iter_mut()).zip(gate).zip(up.iter().zip(grad)) {
-            let s = sigmoid(g);
-            *du = d * g * s;
-            *dg = d * u * s * (g * (1.0 - s) + 1.0);
+            (*dg, *du) = grads(g, u, d);
         }
     });
     let device = Default::default();
@@ -357,23 +396,28 @@ mod tests {
     use burn::tensor::activation::silu;
 
     use super::*;
-    use crate::models::ops::{rms_norm_backward, rms_norm_forward, swiglu_backward};
+    use crate::models::ops::{gelu_tanh, glu_backward, rms_norm_backward, rms_norm_forward};
     use crate::testing::{assert_close, normal, values};
 
     /// The slice forms against burn's compositions on a strided input (a part of a split projection),
-    /// across several pieces and a ragged end, with gates large enough to saturate σ.
+    /// across several pieces and a ragged end, with gates large enough to saturate σ and tanh.
     #[test]
-    fn swiglu_and_its_gradients_equal_the_compositions() {
+    fn gated_activations_and_their_gradients_equal_the_compositions() {
         let device = Default::default();
         let fused = normal::<Flex, 3>([3, 2 * PIECE / 3 + 7, 6], 0.0, 6.0, 11, &device);
         let [gate, up] = [0, 3].map(|at| fused.clone().narrow(2, at, 3));
         let grad = normal::<Flex, 3>(gate.dims(), 0.0, 1.0, 12, &device);
-        let want = values(silu(gate.clone()) * up.clone());
-        assert_close("output", &values(swiglu(gate.clone(), up.clone())), &want, 1e-6);
-        let (d_gate, d_up) = swiglu_grads(gate.clone(), up.clone(), grad.clone());
-        let (want_gate, want_up) = swiglu_backward(gate, up, grad);
-        assert_close("d gate", &values(d_gate), &values(want_gate), 1e-6);
-        assert_close("d up", &values(d_up), &values(want_up), 1e-6);
+        for (act, composed) in [
+            (GateActivation::Silu, silu(gate.clone()) * up.clone()),
+            (GateActivation::GeluTanh, gelu_tanh(gate.clone()) * up.clone()),
+        ] {
+            let got = glu(gate.clone(), up.clone(), act);
+            assert_close(&format!("{act:?} output"), &values(got), &values(composed), 1e-6);
+            let (d_gate, d_up) = glu_grads(gate.clone(), up.clone(), grad.clone(), act);
+            let (want_gate, want_up) = glu_backward(gate.clone(), up.clone(), grad.clone(), act);
+            assert_close(&format!("{act:?} d gate"), &values(d_gate), &values(want_gate), 1e-6);
+            assert_close(&format!("{act:?} d up"), &values(d_up), &values(want_up), 1e-6);
+        }
     }
 
     /// Both forms of the norm against the compositions, over several pieces of rows (the weight's gradient

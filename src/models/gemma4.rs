@@ -10,21 +10,14 @@
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
-use burn::tensor::activation::tanh;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Int, Tensor};
 
 use super::attention::{DocumentAttention, merge_heads};
 use super::config::{Gemma4Config, Gemma4LayerKind, Gemma4Rope, shared_kv_key};
 use super::layers::{F32ScaledRmsNorm, RopeTables, SequenceLayout, head_logits, soft_cap};
-use super::ops::{ModelBackend, NormKind};
+use super::ops::{GateActivation, ModelBackend, NormKind};
 use super::weights::{HostTensor, TensorSource, load_linear, load_param};
-
-/// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` (`gelu_pytorch_tanh`), in the input's dtype.
-pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    let inner = (x.clone() + x.clone().powi_scalar(3) * 0.044715) * (2.0 / std::f64::consts::PI).sqrt();
-    x * (tanh(inner) + 1.0) * 0.5
-}
 
 /// A scale rounded to the weights' dtype, as transformers multiplies embeddings by `scale.to(weight.dtype)`.
 fn in_dtype(scale: f64, dtype: DType) -> f64 {
@@ -43,9 +36,10 @@ pub struct GeGlu<B: Backend> {
     pub down_proj: Linear<B>,
 }
 
-impl<B: Backend> GeGlu<B> {
+impl<B: ModelBackend> GeGlu<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        self.down_proj.forward(gelu_tanh(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+        let gated = B::glu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x), GateActivation::GeluTanh);
+        self.down_proj.forward(gated)
     }
 }
 
@@ -133,7 +127,7 @@ impl<B: ModelBackend> Gemma4Layer<B> {
         let y = self.mlp.forward(self.pre_feedforward_layernorm.forward(h.clone()));
         let mut h = h + self.post_feedforward_layernorm.forward(y);
         if let (Some(branch), Some(input)) = (&self.per_layer, per_layer_input) {
-            let gated = gelu_tanh(branch.per_layer_input_gate.forward(h.clone())) * input;
+            let gated = B::glu(branch.per_layer_input_gate.forward(h.clone()), input, GateActivation::GeluTanh);
             h = h.clone() + branch.post_per_layer_input_norm.forward(branch.per_layer_projection.forward(gated));
         }
         h * self.layer_scalar

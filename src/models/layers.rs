@@ -8,7 +8,7 @@ use burn::nn::Linear;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
-use super::ops::{ModelBackend, NormKind, f32_of};
+use super::ops::{GateActivation, ModelBackend, NormKind, f32_of};
 use crate::backend::host_tensor;
 
 /// `weight * x / sqrt(mean(x²) + eps)` over the last dimension (LFM2's form: no `1 +` offset), normalized
@@ -268,7 +268,7 @@ pub struct SwiGlu<B: Backend> {
 
 impl<B: ModelBackend> SwiGlu<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        self.w2.forward(B::swiglu(self.w1.forward(x.clone()), self.w3.forward(x)))
+        self.w2.forward(B::glu(self.w1.forward(x.clone()), self.w3.forward(x), GateActivation::Silu))
     }
 }
 

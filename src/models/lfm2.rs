@@ -12,7 +12,7 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{LayerKind, Lfm2Config};
 use super::layers::{ConvShifts, RmsNorm, RopeTables, SequenceLayout, SwiGlu, head_logits};
-use super::ops::ModelBackend;
+use super::ops::{GateActivation, ModelBackend};
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 use crate::backend::zeros_in;
 
@@ -138,7 +138,7 @@ impl<B: ModelBackend> MoeBlock<B> {
         let (token, slot) = (index(rows), index(slots));
         let h = B::grouped_matmul(x.select(0, token.clone()), self.gate_up.val(), &counts);
         let [gate, up] = B::split_last(h, [ff, ff]);
-        let act = B::swiglu(gate, up);
+        let act = B::glu(gate, up, GateActivation::Silu);
         let weighted = B::grouped_matmul(act, self.down.val(), &counts) * flat_weights.select(0, slot).reshape([n, 1]);
         zeros.select_assign(0, token, weighted, IndexingUpdateOp::Add).reshape([batch, seq, hidden])
     }

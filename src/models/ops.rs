@@ -1,7 +1,8 @@
 //! The model ops that go through the backend (`ModelBackend`), so that autodiff backends record each as one
 //! op with a backward pass written by hand instead of burn's composition, which keeps every intermediate:
-//! full-sequence attention (`attention`: no `[heads, seq, seq]` scores kept), the SwiGLU gate
-//! `silu(gate) · up` (keeps its two inputs instead of also `σ(gate)` and `silu(gate)`), the RMSNorms
+//! full-sequence attention (`attention`: no `[heads, seq, seq]` scores kept), a gated MLP's gate
+//! `act(gate) · up`, SwiGLU's or GeGLU's (keeps its two inputs instead of also every intermediate of the
+//! activation: `σ(gate)` and `silu(gate)`, or GELU's cube, tanh and sums), the RMSNorms
 //! (keep the input and weight instead of an f32 copy of the input and the normalized rows; the statistics
 //! are recomputed in the backward pass), the causal depthwise convolution (keeps its input instead of each
 //! lag's shifted and masked copies; the CubeCL backends run it as kernels, `kernels::conv`), the L2 norm of
@@ -27,7 +28,7 @@ use burn::backend::autodiff::checkpoint::state::BackwardStates;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn::tensor::activation::{sigmoid, silu};
+use burn::tensor::activation::{sigmoid, silu, tanh};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
@@ -51,7 +52,7 @@ thread_local! {
 }
 
 /// With `true`, autodiff backends record burn's plain compositions instead of the hand-written ops: one
-/// softmax over the full `[seq, seq]` mask, `silu(gate) · up`, the composed RMSNorms, L2 norms, RoPE and
+/// softmax over the full `[seq, seq]` mask, `act(gate) · up`, the composed RMSNorms, L2 norms, RoPE and
 /// convolution, one matmul per expert slice, the chunked delta rule as tensor ops, `narrow` per part of a
 /// fused projection, and the cross-entropy of full logits (`train::linear_ce`). Same results to rounding;
 /// more memory. Off by default. Per thread: the ops are chosen where the graph is recorded (the trainer's
@@ -148,19 +149,20 @@ pub trait ModelBackend: Backend {
         score_grads(scores, grad_probs, lse, delta, docs, rows)
     }
 
-    /// SwiGLU's gate `silu(gate) · up`, in the inputs' dtype (the CPU backend in f32: one pass,
-    /// `cpu_elementwise`).
-    fn swiglu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>) -> Tensor<Self, D> {
-        swiglu_forward(gate, up)
+    /// A gated MLP's gate `act(gate) · up` (SwiGLU, GeGLU), in the inputs' dtype (`glu_forward`; the CPU
+    /// backend in f32: one pass, `cpu_elementwise`).
+    fn glu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>, act: GateActivation) -> Tensor<Self, D> {
+        glu_forward(gate, up, act)
     }
 
-    /// The gradients `(d gate, d up)` of `swiglu` for the output gradient `grad` (`swiglu_backward`).
-    fn swiglu_grads<const D: usize>(
+    /// The gradients `(d gate, d up)` of `glu` for the output gradient `grad` (`glu_backward`).
+    fn glu_grads<const D: usize>(
         gate: Tensor<Self, D>,
         up: Tensor<Self, D>,
         grad: Tensor<Self, D>,
+        act: GateActivation,
     ) -> (Tensor<Self, D>, Tensor<Self, D>) {
-        swiglu_backward(gate, up, grad)
+        glu_backward(gate, up, grad, act)
     }
 
     /// RMSNorm over the last dimension as transformers computes it (`NormKind` says which form). The
@@ -463,11 +465,11 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         tracked_document_attention(q, k, v, docs)
     }
 
-    fn swiglu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>) -> Tensor<Self, D> {
+    fn glu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>, act: GateActivation) -> Tensor<Self, D> {
         if reference_ops() {
-            return swiglu_forward(gate, up);
+            return glu_forward(gate, up, act);
         }
-        record_binary(SwigluBackward::<D>, gate, up, (), |gate, up| B::swiglu(gate, up))
+        record_binary(GluBackward::<D>, gate, up, act, |gate, up| B::glu(gate, up, act))
     }
 
     fn rms_norm<const D: usize>(
@@ -763,36 +765,84 @@ impl<B: Backend, const D: usize> RetroForward for RetroNarrow<B, D> {
     }
 }
 
-/// SwiGLU's gate `silu(gate) · up` as burn composes it.
-pub fn swiglu_forward<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
-    silu(gate) * up
+/// The activation of a gated MLP's gate, `act(gate) · up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GateActivation {
+    /// SwiGLU (LFM2, Qwen3.5): `silu(gate) = gate · σ(gate)`, composed in the inputs' dtype as burn does.
+    Silu,
+    /// GeGLU (Gemma 4's `gelu_pytorch_tanh`): `0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³)))`, computed in f32
+    /// and rounded once to the gate's dtype, as torch's kernel computes it in half precision.
+    GeluTanh,
 }
 
-/// Gradients of `silu(gate) · up` for the output gradient `grad`, in f32 and returned in the inputs'
-/// dtypes: `d up = grad · silu(gate)`, `d gate = grad · up · σ(gate) · (1 + gate · (1 − σ(gate)))`.
-pub fn swiglu_backward<B: Backend, const D: usize>(
+/// `√(2/π)`, the tanh approximation of GELU's scale.
+pub const GELU_TANH_SCALE: f64 = 0.797_884_560_802_865_4;
+/// The cubic term's coefficient in the tanh approximation of GELU.
+pub const GELU_TANH_CUBIC: f64 = 0.044715;
+
+/// `gelu_tanh(x)` composed in the input's dtype.
+pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let inner = (x.clone() + x.clone().powi_scalar(3) * GELU_TANH_CUBIC) * GELU_TANH_SCALE;
+    x * (tanh(inner) + 1.0) * 0.5
+}
+
+/// The gate `act(gate) · up` as burn composes it.
+pub fn glu_forward<B: Backend, const D: usize>(
+    gate: Tensor<B, D>,
+    up: Tensor<B, D>,
+    act: GateActivation,
+) -> Tensor<B, D> {
+    match act {
+        GateActivation::Silu => silu(gate) * up,
+        GateActivation::GeluTanh => {
+            let dtype = FloatDType::from(gate.dtype());
+            gelu_tanh(gate.cast(FloatDType::F32)).cast(dtype) * up
+        }
+    }
+}
+
+/// Gradients of `act(gate) · up` for the output gradient `grad`, in f32 and returned in the inputs' dtypes:
+/// `d up = grad · act(gate)`, `d gate = grad · up · act'(gate)`, where `silu' = σ · (1 + gate · (1 − σ))` and
+/// `gelu_tanh' = ½(1 + t) + ½·gate·(1 − t²)·√(2/π)·(1 + 3·0.044715·gate²)` with `t` the tanh.
+pub fn glu_backward<B: Backend, const D: usize>(
     gate: Tensor<B, D>,
     up: Tensor<B, D>,
     grad: Tensor<B, D>,
+    act: GateActivation,
 ) -> (Tensor<B, D>, Tensor<B, D>) {
     let (gate_dtype, up_dtype) = (FloatDType::from(gate.dtype()), FloatDType::from(up.dtype()));
     let gate = gate.cast(FloatDType::F32);
     let grad = grad.cast(FloatDType::F32);
-    let sig = sigmoid(gate.clone());
-    let grad_up = grad.clone() * gate.clone() * sig.clone();
-    let grad_gate = grad * up.cast(FloatDType::F32) * sig.clone() * ((gate * (sig.neg() + 1.0)) + 1.0);
+    let up = up.cast(FloatDType::F32);
+    let (grad_up, grad_gate) = match act {
+        GateActivation::Silu => {
+            let sig = sigmoid(gate.clone());
+            let grad_up = grad.clone() * gate.clone() * sig.clone();
+            (grad_up, grad * up * sig.clone() * ((gate * (sig.neg() + 1.0)) + 1.0))
+        }
+        GateActivation::GeluTanh => {
+            let square = gate.clone().powi_scalar(2);
+            let t = tanh((gate.clone() + gate.clone() * square.clone() * GELU_TANH_CUBIC) * GELU_TANH_SCALE);
+            let half_one_plus_t = (t.clone() + 1.0) * 0.5;
+            let slope = (t.powi_scalar(2).neg() + 1.0) * (square * (3.0 * GELU_TANH_CUBIC) + 1.0) * GELU_TANH_SCALE;
+            let derivative = half_one_plus_t.clone() + gate.clone() * slope * 0.5;
+            (grad.clone() * gate * half_one_plus_t, grad * up * derivative)
+        }
+    };
     (grad_gate.cast(gate_dtype), grad_up.cast(up_dtype))
 }
 
 #[derive(Debug)]
-struct SwigluBackward<const D: usize>;
+struct GluBackward<const D: usize>;
 
-impl<B: ModelBackend, const D: usize> Backward<B, 2> for SwigluBackward<D> {
-    /// The gate and up inputs, through the checkpointer.
-    type State = (NodeId, NodeId, ());
+impl<B: ModelBackend, const D: usize> Backward<B, 2> for GluBackward<D> {
+    /// The gate and up inputs, through the checkpointer, and the activation.
+    type State = (NodeId, NodeId, GateActivation);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
-        backward_binary(ops, grads, checkpointer, |gate, up, (), grad: Tensor<B, D>| B::swiglu_grads(gate, up, grad));
+        backward_binary(ops, grads, checkpointer, |gate, up, act, grad: Tensor<B, D>| {
+            B::glu_grads(gate, up, grad, act)
+        });
     }
 }
 
@@ -818,9 +868,12 @@ mod tests {
     use crate::backend::{Cpu, CpuTrain, CpuTrainCheckpointed};
     use crate::testing::{assert_close, normal, values};
 
-    /// Output and input gradients of `Σ swiglu(gate, up) ⊙ R` through the op and through burn's
-    /// composition `silu(gate) * up`, on the same leaves.
-    fn both<B: ModelBackend + AutodiffBackend>(dtype: FloatDType) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
+    /// Output and input gradients of `Σ glu(gate, up, act) ⊙ R` through the op and through burn's
+    /// composition of the activation in the inputs' dtype, `act(gate) * up`, on the same leaves.
+    fn both<B: ModelBackend + AutodiffBackend>(
+        dtype: FloatDType,
+        act: GateActivation,
+    ) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
         let device = Default::default();
         let leaf = |seed: u64| normal::<B, 3>([2, 5, 7], 0.0, 2.0, seed, &device).cast(dtype).require_grad();
         let (gate, up, weights) = (leaf(1), leaf(2), leaf(3).detach());
@@ -829,32 +882,67 @@ mod tests {
             let grad = |t: &Tensor<B, 3>| values(t.grad(&grads).expect("a gradient"));
             [values(out), grad(&gate), grad(&up)]
         };
-        (run(B::swiglu(gate.clone(), up.clone())), run(silu(gate.clone()) * up.clone()))
+        let composed = match act {
+            GateActivation::Silu => silu(gate.clone()),
+            GateActivation::GeluTanh => gelu_tanh(gate.clone()),
+        };
+        (run(B::glu(gate.clone(), up.clone(), act)), run(composed * up.clone()))
     }
 
     const NAMES: [&str; 3] = ["output", "d gate", "d up"];
 
     #[test]
-    fn swiglu_and_its_backward_equal_the_composition() {
-        let (op, composed) = both::<CpuTrain>(FloatDType::F32);
-        for (name, (a, b)) in NAMES.iter().zip(op.iter().zip(&composed)) {
-            assert_close(name, a, b, 1e-6);
-        }
-        let (op, composed) = both::<CpuTrainCheckpointed>(FloatDType::F32);
-        for (name, (a, b)) in NAMES.iter().zip(op.iter().zip(&composed)) {
-            assert_close(&format!("{name}, checkpointed"), a, b, 1e-6);
+    fn gated_activations_and_their_backward_equal_the_composition() {
+        for act in [GateActivation::Silu, GateActivation::GeluTanh] {
+            let (op, composed) = both::<CpuTrain>(FloatDType::F32, act);
+            for (name, (a, b)) in NAMES.iter().zip(op.iter().zip(&composed)) {
+                assert_close(&format!("{act:?} {name}"), a, b, 1e-6);
+            }
+            let (op, composed) = both::<CpuTrainCheckpointed>(FloatDType::F32, act);
+            for (name, (a, b)) in NAMES.iter().zip(op.iter().zip(&composed)) {
+                assert_close(&format!("{act:?} {name}, checkpointed"), a, b, 1e-6);
+            }
         }
     }
 
     #[test]
-    fn swiglu_in_bf16_keeps_the_forward_and_rounds_the_gradients_once() {
-        let (op, composed) = both::<CpuTrain>(FloatDType::BF16);
-        assert_eq!(op[0], composed[0]);
+    fn gated_activations_in_bf16_round_the_gradients_once() {
+        let (op, composed) = both::<CpuTrain>(FloatDType::BF16, GateActivation::Silu);
+        assert_eq!(op[0], composed[0], "SwiGLU's forward is the composition");
         // The op computes the gradients in f32 and rounds once; the composition rounds after every product,
         // so the two differ by up to a few bf16 ulps (2⁻⁸ relative each).
         for (name, (a, b)) in NAMES.iter().zip(op.iter().zip(&composed)).skip(1) {
             assert_close(name, a, b, 1.0 / 64.0);
         }
+        // GeGLU's forward rounds the f32 GELU once where the composition rounds each of its eight ops: they
+        // differ by a bf16 ulp here and there (measured: 1/370 of the largest output, 1/225 of the largest
+        // gate gradient).
+        let (op, composed) = both::<CpuTrain>(FloatDType::BF16, GateActivation::GeluTanh);
+        for (name, (a, b)) in NAMES.iter().zip(op.iter().zip(&composed)) {
+            assert_close(&format!("GeGLU {name}"), a, b, 1.0 / 128.0);
+        }
+    }
+
+    /// GeGLU's forward in bf16 is torch's: the GELU in f32, rounded once, times `up` rounded once.
+    #[test]
+    fn geglu_in_bf16_rounds_the_f32_gelu_once() {
+        let device = Default::default();
+        let tensor = |seed: u64| normal::<Cpu, 2>([3, 8], 0.0, 3.0, seed, &device);
+        let (gate, up) = (tensor(4).cast(FloatDType::BF16), tensor(5).cast(FloatDType::BF16));
+        let got = values(CpuTrain::glu(
+            Tensor::from_inner(gate.clone()).require_grad(),
+            Tensor::from_inner(up.clone()),
+            GateActivation::GeluTanh,
+        ));
+        let want: Vec<f32> = values(gate)
+            .iter()
+            .zip(values(up))
+            .map(|(&g, u)| {
+                let gelu = 0.5 * g * (1.0 + (0.797_884_6 * (g + 0.044715 * g * g * g)).tanh());
+                half::bf16::from_f32(half::bf16::from_f32(gelu).to_f32() * u).to_f32()
+            })
+            .collect();
+        assert_eq!(got, want);
     }
 
     /// Output and gradients (x, weight) of `Σ rms_norm(x, w) ⊙ R` through the op and through the
@@ -1099,9 +1187,12 @@ mod tests {
         let device = Default::default();
         let tensor = |seed: u64| normal::<Cpu, 2>([4, 6], 0.0, 2.0, seed, &device);
         let (gate, up) = (tensor(1), tensor(2));
-        let plain = values(Cpu::swiglu(gate.clone(), up.clone()));
-        let tracked = CpuTrain::swiglu(Tensor::from_inner(gate.clone()).require_grad(), Tensor::from_inner(up.clone()));
-        assert_eq!(plain, values(tracked));
-        assert_close("the composition", &plain, &values(silu(gate) * up), 1e-6);
+        for act in [GateActivation::Silu, GateActivation::GeluTanh] {
+            let plain = values(Cpu::glu(gate.clone(), up.clone(), act));
+            let tracked =
+                CpuTrain::glu(Tensor::from_inner(gate.clone()).require_grad(), Tensor::from_inner(up.clone()), act);
+            assert_eq!(plain, values(tracked), "{act:?}");
+            assert_close("the composition", &plain, &values(glu_forward(gate.clone(), up.clone(), act)), 1e-6);
+        }
     }
 }

@@ -15,7 +15,7 @@ use super::deltanet::{ChunkPlan, DocSegments, ScanInputs};
 use super::layers::{
     ConvShifts, RmsNorm, RopeTables, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, head_logits, softplus,
 };
-use super::ops::ModelBackend;
+use super::ops::{GateActivation, ModelBackend};
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 
 /// Tokens per chunk of the DeltaNet scan (transformers' and FLA's training path).
@@ -82,8 +82,8 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
     pub fn output(&self, core: Tensor<B, 4>, z: Tensor<B, 4>, dtype: FloatDType) -> Tensor<B, 3> {
         let [batch, nv, seq, dv] = core.dims();
         let normed = self.norm.forward(core.swap_dims(1, 2).cast(dtype));
-        // In f32 as transformers gates; through the SwiGLU op, which keeps the two f32 inputs only.
-        let gated = B::swiglu(z.cast(FloatDType::F32), normed.cast(FloatDType::F32)).cast(dtype);
+        // In f32 as transformers gates; through the gate op, which keeps the two f32 inputs only.
+        let gated = B::glu(z.cast(FloatDType::F32), normed.cast(FloatDType::F32), GateActivation::Silu).cast(dtype);
         self.out_proj.forward(gated.reshape([batch, seq, nv * dv]))
     }
 

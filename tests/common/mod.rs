@@ -270,8 +270,10 @@ pub fn tiny_shapes() -> impl Iterator<Item = (&'static str, kiln::models::ModelC
     })
 }
 
-/// The three losses of benchmark run `a` against run `b`'s (`what` names both), each within `tolerance`
-/// relative.
+/// The three losses of benchmark run `a` against run `b`'s (`what` names both): the two after an update
+/// within `tolerance` relative, and the first, a forward pass of the same parameters, within a tenth of it
+/// (seen within 4e-5 of f32 in half precision), so that a tolerance wide enough for the updates' spread still
+/// holds the forward pass tight.
 pub fn assert_losses_agree(
     what: &str,
     a: &kiln::train::bench::BenchResult,
@@ -281,7 +283,8 @@ pub fn assert_losses_agree(
     assert_eq!(a.losses.len(), 3, "{what}");
     for (step, (x, y)) in a.losses.iter().zip(&b.losses).enumerate() {
         eprintln!("{what} step {step}: {x} vs {y}");
-        assert!((x - y).abs() <= tolerance * y.abs(), "{what} step {step}: {x} vs {y}");
+        let tolerance = if step == 0 { tolerance / 10.0 } else { tolerance };
+        assert!((x - y).abs() <= tolerance * y.abs(), "{what} step {step}: {x} vs {y} (tolerance {tolerance:e})");
     }
 }
 
