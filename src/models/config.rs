@@ -771,4 +771,31 @@ mod tests {
         assert_eq!(config.attention_width(), 7 * 8 * 512);
         assert_eq!(config.sliding_attention_width(), Some((35 * 8 * 256, 512)));
     }
+
+    /// The GPU benchmark's shapes (tests/bench/shapes/) are read on a machine that costs by the minute: each
+    /// must parse here, and the Gemma 4 one must be E4B's text tower as the Hub's config describes it.
+    #[test]
+    fn every_benchmark_shape_parses_and_gemma_4_e4b_is_the_hubs() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/bench/shapes");
+        let mut shapes: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+        shapes.sort();
+        let names: Vec<String> = shapes.iter().map(|p| p.file_stem().unwrap().to_string_lossy().into()).collect();
+        assert_eq!(names, ["gemma-4-e4b", "lfm2-350m", "lfm2.5-1.2b", "lfm2.5-8b-a1b", "qwen3.5-0.8b"]);
+        for path in &shapes {
+            ModelConfig::from_file(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        }
+        let ModelConfig::Gemma4(shape) = ModelConfig::from_file(&dir.join("gemma-4-e4b.json")).unwrap() else {
+            panic!("gemma-4-e4b.json is not a Gemma 4 config")
+        };
+        let hub = Gemma4Config::from_json(&gemma4_e4b()).unwrap();
+        // The shape is the bare text model (`gemma4_text`, no `model.language_model.` prefix) with its token ids.
+        assert_eq!((shape.text_prefix.as_str(), shape.eos_token_id), ("model.", Some(1)));
+        let text_model = Gemma4Config {
+            model_type: shape.model_type.clone(),
+            text_prefix: shape.text_prefix.clone(),
+            eos_token_id: shape.eos_token_id,
+            ..hub
+        };
+        assert_eq!(shape, text_model);
+    }
 }

@@ -7,7 +7,7 @@
 #   warm     one step of every parity and table run at once, in parallel processes, into the kernel cache
 #            (below): NVRTC compiles a process's kernels one after another at ~1 s each, so the stages after
 #            it load them instead of spending their limits compiling;
-#   parity   correctness first: three training steps of each tiny shape (LFM2, LFM2-MoE, Qwen3.5) with
+#   parity   correctness first: three training steps of each tiny shape (LFM2, LFM2-MoE, Qwen3.5, Gemma 4) with
 #            `kiln bench-train` on the CPU in f32 and on DEVICE in f32 and bf16, losses side by side
 #            (tests/bench/parity.py: f32 within 1e-4 relative of the CPU, bf16 within 1e-2) — the fused
 #            backend's kernels and layouts checked against the reference before any speed is measured;
@@ -40,9 +40,10 @@
 #            (KILN_OPS=nooptim: KILN_OPTIM_KERNEL=off), into table-nooptim.md;
 #   moments  for each of MOMENTS_SHAPES, kiln's row again with bf16 and with 8-bit AdamW moments, into
 #            table-moments.md: the peak memory beside the table's f32-moment row and PyTorch's;
-#   fit      FIT_SHAPE (LFM2.5-8B-A1B) as its recipe trains it: sequence FIT_SEQ (8192), two micro-batches
-#            accumulated (the f32 gradient sum the recipe's global batch needs), 8-bit moments, two steps,
-#            without and with activation checkpointing, and once with a matmul per expert instead of the
+#   fit      each of FIT_SHAPES (LFM2.5-8B-A1B; gemma-4-e4b, Gemma 4 E4B's 7.5 B-parameter text tower, on
+#            request) as its recipe trains it: sequence FIT_SEQ (8192), two micro-batches accumulated (the
+#            f32 gradient sum the recipe's global batch needs), 8-bit moments, two steps, without and with
+#            activation checkpointing, and for a MoE shape once with a matmul per expert instead of the
 #            padded batch (KILN_OPS=noexperts), into table-fit.md: does it fit one GPU, how fast.
 #
 # A kiln run that fails on CUDA is run again without what has never run on a GPU before (tests/bench/
@@ -69,14 +70,14 @@
 #
 # Settings (environment): DEVICE (cuda); STAGES ("warm parity table train pipeline profile noscan"); STAGE_TIMEOUT
 # (600), and STAGE_TIMEOUTS for stages that need another limit ("table=220 train=100"); PARITY_CONFIGS (the
-# tiny LFM2, Qwen3.5 and LFM2-MoE) and PARITY_PRECISIONS ("f32 bf16") for the parity and warm stages;
+# tiny LFM2, Qwen3.5, Gemma 4 and LFM2-MoE) and PARITY_PRECISIONS ("f32 bf16") for the parity and warm stages;
 # KERNEL_CACHE, KERNEL_CACHE_IN and KERNEL_CACHE_OUT (above);
 # SHAPES ("lfm2-350m lfm2.5-1.2b qwen3.5-0.8b") and KILN_OPS ("ops reference") for the table, where
 # train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION, MOMENTS and REFERENCE pass through; TRAIN_SHAPE
 # (lfm2-350m), EPOCHS (2), TRAIN_MICRO (4), TRAIN_BATCH (8 sequences a step), TRAIN_LR (2e-5); PROFILE_SHAPES
 # ("lfm2.5-1.2b qwen3.5-0.8b", at SEQ or 4096); SCAN_AB and OPTIM_AB (qwen3.5-0.8b); ATTN_AB, LOSS_AB,
 # NORM_AB, CONV_AB and MOMENTS_SHAPES (lfm2.5-1.2b);
-# FIT_SHAPE (lfm2.5-8b-a1b), FIT_SEQ (8192); OUT (runs/gpu-session), where
+# FIT_SHAPES (lfm2.5-8b-a1b), FIT_SEQ (8192); OUT (runs/gpu-session), where
 # everything worth keeping is copied; PACK, a .tgz path to pack OUT into at the end (the device tool brings
 # back at most 8 files).
 set -uo pipefail
@@ -86,11 +87,11 @@ cd "$(dirname "$0")/../.."
 : "${SHAPES=lfm2-350m lfm2.5-1.2b qwen3.5-0.8b}" "${KILN_OPS:=ops reference}"
 : "${TRAIN_SHAPE:=lfm2-350m}" "${EPOCHS:=2}" "${TRAIN_MICRO:=4}" "${TRAIN_BATCH:=8}" "${TRAIN_LR:=2e-5}"
 : "${PROFILE_SHAPES=lfm2.5-1.2b qwen3.5-0.8b}" "${OUT:=runs/gpu-session}" "${PACK:=}"
-: "${PARITY_CONFIGS=configs/models/tiny configs/models/tiny-qwen3.5 tests/fixtures/lfm2/lfm2-moe-tiny}"
+: "${PARITY_CONFIGS=configs/models/tiny configs/models/tiny-qwen3.5 configs/models/tiny-gemma4 tests/fixtures/lfm2/lfm2-moe-tiny}"
 : "${PARITY_PRECISIONS=f32 bf16}"
 [[ " $SHAPES " == *" qwen3.5-0.8b "* ]] && : "${SCAN_AB=qwen3.5-0.8b}" || : "${SCAN_AB=}"
 : "${ATTN_AB=lfm2.5-1.2b}" "${LOSS_AB=lfm2.5-1.2b}" "${NORM_AB=lfm2.5-1.2b}" "${OPTIM_AB=qwen3.5-0.8b}"
-: "${CONV_AB=lfm2.5-1.2b}" "${MOMENTS_SHAPES=lfm2.5-1.2b}" "${FIT_SHAPE:=lfm2.5-8b-a1b}" "${FIT_SEQ:=8192}"
+: "${CONV_AB=lfm2.5-1.2b}" "${MOMENTS_SHAPES=lfm2.5-1.2b}" "${FIT_SHAPES=lfm2.5-8b-a1b}" "${FIT_SEQ:=8192}"
 run=gpu-session
 step() { echo "== $*" >&2; }
 
@@ -251,10 +252,17 @@ stage_moments() {
 }
 
 stage_fit() {
-    step "fit: $FIT_SHAPE at $FIT_SEQ, 2 micro-batches, 8-bit moments, without and with checkpointing, per expert"
-    DEVICE=$DEVICE KILN=$KILN KILN_OPS="ops checkpointed noexperts" MOMENTS=q8 REFERENCE=none SEQ=$FIT_SEQ ACC=2 STEPS=2 \
-        WARMUP=1 OUT=$OUT/bench-fit tests/bench/train.sh "$FIT_SHAPE" >"$OUT/table-fit.md"
-    local status=$?
+    local shape config ops status=0
+    : >"$OUT/table-fit.md"
+    for shape in $FIT_SHAPES; do
+        config=tests/bench/shapes/$shape.json
+        [[ -f $config ]] || config=configs/models/$shape/config.json
+        ops="ops checkpointed"
+        grep -q '"num_experts"' "$config" 2>/dev/null && ops+=" noexperts"
+        step "fit: $shape at $FIT_SEQ, 2 micro-batches, 8-bit moments: $ops"
+        DEVICE=$DEVICE KILN=$KILN KILN_OPS=$ops MOMENTS=q8 REFERENCE=none SEQ=$FIT_SEQ ACC=2 STEPS=2 WARMUP=1 \
+            OUT=$OUT/bench-fit tests/bench/train.sh "$shape" >>"$OUT/table-fit.md" || status=1
+    done
     cat "$OUT/table-fit.md"
     return $status
 }
@@ -411,7 +419,7 @@ pack_kernel_cache() {
 # train.sh's FALLBACK_MARK): the later runs take them.
 : "${FALLBACK_MARK:=$OUT/fallback}"
 export DEVICE STAGES SHAPES KILN_OPS TRAIN_SHAPE EPOCHS TRAIN_MICRO TRAIN_BATCH TRAIN_LR PROFILE_SHAPES SCAN_AB \
-    MOMENTS_SHAPES FIT_SHAPE FIT_SEQ OUT KILN LD_LIBRARY_PATH FALLBACK_MARK
+    MOMENTS_SHAPES FIT_SHAPES FIT_SEQ OUT KILN LD_LIBRARY_PATH FALLBACK_MARK
 
 step "machine"
 {
