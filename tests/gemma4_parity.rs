@@ -72,18 +72,11 @@ fn gradients_match_transformers() {
 
 #[test]
 fn cached_decoding_equals_full_forward() {
-    let device = Default::default();
     let (_, model) = load::<Cpu>(&fixture_dir());
-    let f = parity::fixture(&fixture_dir());
-    let row: Vec<i64> = f.ids.0[..f.shape()[1]].to_vec();
-    let n = row.len();
-    let full = values(model.forward(ids_tensor::<Cpu>(&row, [1, n], &device), &SequenceLayout::single(1, n)));
     // Prefill 7 tokens (past the window of 5), then one at a time: the sliding layers' window moves along
-    // the cache, and the KV-sharing layers read their sources' caches.
-    parity::assert_cached_decoding_follows(&model, &row, 7, &full, 1e-4, &device);
-
-    // Left-padded prompts of different lengths, both longer than the window (padding is never inside one).
-    parity::assert_padded_batches_follow(&model, &row, |ids, layout| model.forward(ids, layout), &device);
+    // the cache, and the KV-sharing layers read their sources' caches. The padded prompts are both longer
+    // than the window (padding is never inside one).
+    parity::assert_decoding_follows_the_forward(&model, |ids, layout| model.forward(ids, layout), &fixture_dir(), 7);
 }
 
 /// The trainer's loss (`supervised_loss`: the fused projection and cross-entropy with the soft-cap inside,
@@ -111,37 +104,19 @@ fn the_trainers_fused_loss_matches_transformers() {
 
 #[test]
 fn export_carries_the_other_towers_and_reloads() {
-    let device = Default::default();
-    let (_, model) = load_model::<Cpu>(&fixture_dir(), &device).unwrap();
-    let source = WeightStore::open(&fixture_dir()).unwrap();
-    for dtype in [ExportDtype::F32, ExportDtype::Bf16] {
-        let out = tempfile::tempdir().unwrap();
-        model.export(&fixture_dir(), out.path(), dtype, kiln::models::hf::SHARD_BYTES).unwrap();
-        let exported = WeightStore::open(out.path()).unwrap();
-        assert_eq!(
-            exported.keys().collect::<Vec<_>>(),
-            source.keys().collect::<Vec<_>>(),
-            "{dtype:?}: the same tensors"
-        );
-        for key in source.keys().filter(|k| model.is_carried(k)) {
-            assert_eq!(exported.raw(key).unwrap(), source.raw(key).unwrap(), "{dtype:?}: {key} changed");
-        }
-        if dtype == ExportDtype::F32 {
-            // Parameters and layer scalars come back exactly.
-            let (_, again) = load_model::<Cpu>(out.path(), &device).unwrap();
-            let (a, b) = (hf_tensors(&model), hf_tensors(&again));
-            assert!(a.iter().all(|(k, t)| b[k].data == t.data), "f32 export → reload is exact");
-            assert_eq!(model.buffers().len(), 6);
-            assert!(model.buffers().iter().all(|(k, t)| again.buffers()[k].data == t.data));
-        }
-    }
-    // transformers reloaded kiln's exports (make_fixtures.py, committed).
-    let text = std::fs::read_to_string(fixture_dir().parent().unwrap().join("export_check.json")).unwrap();
-    let check: serde_json::Value = serde_json::from_str(&text).unwrap();
-    for dtype in ["f32", "bf16"] {
-        let r = &check["results"][format!("{NAME}/{dtype}")];
-        assert_eq!(r["architecture"], "Gemma4ForConditionalGeneration", "{dtype}");
-        assert!(r["max_abs_logits_error"].as_f64().unwrap() <= 1e-5, "{dtype}: {r}");
-        assert_eq!(r["carried_identical"].as_bool(), Some(true), "{dtype}");
-    }
+    let architecture = "Gemma4ForConditionalGeneration";
+    parity::assert_export_carries_the_other_towers(
+        NAME,
+        &fixture_dir(),
+        architecture,
+        &["carried_identical"],
+        |dtype, model, out| {
+            if dtype == ExportDtype::F32 {
+                // The layer scalars (buffers) come back exactly too.
+                let (_, again) = load::<Cpu>(out);
+                assert_eq!(model.buffers().len(), 6);
+                assert!(model.buffers().iter().all(|(k, t)| again.buffers()[k].data == t.data));
+            }
+        },
+    );
 }

@@ -7,9 +7,13 @@ use std::path::Path;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use kiln::models::SequenceLayout;
+use kiln::models::hf::{ExportDtype, hf_tensors};
 use kiln::models::weights::HostTensor;
+use kiln::models::{CausalLm, SequenceLayout, WeightStore, load_model};
 use safetensors::SafeTensors;
+
+/// The CPU backend the parity tests compare in f32.
+pub type Cpu = burn::backend::Flex<f32>;
 
 pub struct Fixture {
     pub ids: (Vec<i64>, Vec<usize>),
@@ -163,10 +167,9 @@ pub fn assert_cached_decoding_follows<B: Backend, M: kiln::models::decode::Cache
 /// model's f32 run is itself ~1e-4 from the exact answer); and its packed row, documents of `docs` tokens,
 /// equal to each document run alone.
 pub fn assert_logits_match_transformers(name: &str, dir: &Path, vocab: usize, docs: &[u32]) {
-    type Cpu = burn::backend::Flex<f32>;
     let f = fixture(dir);
     let device = Default::default();
-    let (_, model) = kiln::models::load_model::<Cpu>(dir, &device).unwrap();
+    let (_, model) = load_model::<Cpu>(dir, &device).unwrap();
     let shape = f.shape();
     assert_eq!(f.logits.1, [shape[0], shape[1], vocab]);
     let got =
@@ -195,7 +198,7 @@ pub fn assert_gradients_match_transformers(name: &str, dir: &Path) {
     type Train = burn::backend::Autodiff<burn::backend::Flex<f32>>;
     let f = fixture(dir);
     let device = Default::default();
-    let (_, model) = kiln::models::load_model::<Train>(dir, &device).unwrap();
+    let (_, model) = load_model::<Train>(dir, &device).unwrap();
     let shape = f.shape();
     let logits =
         model.forward(ids_tensor::<Train>(&f.ids.0, shape, &device), &SequenceLayout::single(shape[0], shape[1]));
@@ -234,6 +237,71 @@ pub fn assert_padded_batches_follow<B: Backend, M: kiln::models::decode::CachedD
     for (r, p) in prompts.iter().enumerate() {
         assert_eq!(together[r], generate_greedy(model, std::slice::from_ref(p), 5, &[], device)[0], "row {r}");
         assert_eq!(together[r].len(), 5);
+    }
+}
+
+/// The fixture model in `dir` (`model`, with its full forward pass `forward`) through its KV cache: the
+/// first row's `prefill` tokens, then the rest one at a time, every position within 1e-4 of the full forward
+/// pass; and two left-padded prompts at once (`assert_padded_batches_follow`).
+pub fn assert_decoding_follows_the_forward<M: kiln::models::decode::CachedDecoding<Cpu>>(
+    model: &M,
+    forward: impl Fn(Tensor<Cpu, 2, Int>, &SequenceLayout) -> Tensor<Cpu, 3>,
+    dir: &Path,
+    prefill: usize,
+) {
+    let device = Default::default();
+    let f = fixture(dir);
+    let row: Vec<i64> = f.ids.0[..f.shape()[1]].to_vec();
+    let n = row.len();
+    let full = values(forward(ids_tensor::<Cpu>(&row, [1, n], &device), &SequenceLayout::single(1, n)));
+    assert_cached_decoding_follows(model, &row, prefill, &full, 1e-4, &device);
+    assert_padded_batches_follow(model, &row, forward, &device);
+}
+
+/// kiln's export of the fixture model in `dir`, in f32 and in bf16: the source's tensors, the towers kiln does
+/// not train byte-identical, the f32 export reloading to the same parameters bit for bit, and `check(dtype,
+/// model, exported dir)` for what an architecture adds. Then transformers' reload of kiln's exports (the
+/// fixture script's export_check.json, committed): the class `architecture`, logits within 1e-5 of the
+/// source's, and each of `flags` (the script's own checks) true.
+pub fn assert_export_carries_the_other_towers(
+    name: &str,
+    dir: &Path,
+    architecture: &str,
+    flags: &[&str],
+    check: impl Fn(ExportDtype, &CausalLm<Cpu>, &Path),
+) {
+    let device = Default::default();
+    let (_, model) = load_model::<Cpu>(dir, &device).unwrap();
+    let source = WeightStore::open(dir).unwrap();
+    for dtype in [ExportDtype::F32, ExportDtype::Bf16] {
+        let out = tempfile::tempdir().unwrap();
+        model.export(dir, out.path(), dtype, kiln::models::hf::SHARD_BYTES).unwrap();
+        let exported = WeightStore::open(out.path()).unwrap();
+        assert_eq!(
+            exported.keys().collect::<Vec<_>>(),
+            source.keys().collect::<Vec<_>>(),
+            "{dtype:?}: the same tensors"
+        );
+        for key in source.keys().filter(|k| model.is_carried(k)) {
+            assert_eq!(exported.raw(key).unwrap(), source.raw(key).unwrap(), "{dtype:?}: {key} changed");
+        }
+        if dtype == ExportDtype::F32 {
+            let (_, again) = load_model::<Cpu>(out.path(), &device).unwrap();
+            let (a, b) = (hf_tensors(&model), hf_tensors(&again));
+            assert!(a.iter().all(|(k, t)| b[k].data == t.data), "f32 export → reload is exact");
+        }
+        check(dtype, &model, out.path());
+    }
+    let path = dir.parent().unwrap().join("export_check.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let results: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for dtype in ["f32", "bf16"] {
+        let r = &results["results"][format!("{name}/{dtype}")];
+        assert_eq!(r["architecture"], architecture, "{dtype}");
+        assert!(r["max_abs_logits_error"].as_f64().unwrap() <= 1e-5, "{dtype}: {r}");
+        for flag in flags {
+            assert_eq!(r[flag].as_bool(), Some(true), "{dtype}: {flag} in {r}");
+        }
     }
 }
 
