@@ -231,13 +231,18 @@ pub trait DeviceMemory: Backend {
         None
     }
 
-    /// The device's whole memory in bytes, where the backend knows it (CUDA); `None` elsewhere.
+    /// The device's whole memory in bytes, where the backend knows it (CUDA, and the host's for the CPU);
+    /// `None` elsewhere.
     fn total_bytes(_device: &Self::Device) -> Option<u64> {
         None
     }
 }
 
-impl DeviceMemory for Flex {}
+impl DeviceMemory for Flex {
+    fn total_bytes(_device: &Self::Device) -> Option<u64> {
+        crate::data::readers::host_memory_bytes()
+    }
+}
 
 impl<B: DeviceMemory, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy> DeviceMemory
     for Autodiff<B, C>

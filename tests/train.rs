@@ -185,6 +185,50 @@ fn a_non_finite_loss_stops_the_run_and_names_the_step() {
     assert_eq!(position["epoch"], 2);
 }
 
+/// A model whose weights, gradients and AdamW state outgrow the host is refused by its checkpoint's headers,
+/// before loading it takes the memory: a sparse checkpoint (nothing written) whose embedding declares 2³⁴
+/// bf16 values: 320 GiB of f32 training state with the gradient sum of two micro-batches, 224 GiB with 8-bit
+/// moments.
+#[test]
+fn a_model_larger_than_the_host_is_refused_before_loading() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixture_shards(dir.path(), 1);
+    let model = dir.path().join("huge");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::copy(fixture_dir().join("lfm2-tiny/config.json"), model.join("config.json")).unwrap();
+    let (rows, cols) = (1u64 << 24, 1u64 << 10);
+    let bytes = rows * cols * 2;
+    let mut header = format!(
+        r#"{{"model.embed_tokens.weight":{{"dtype":"BF16","shape":[{rows},{cols}],"data_offsets":[0,{bytes}]}}}}"#
+    );
+    while header.len() % 8 != 0 {
+        header.push(' ');
+    }
+    let mut file = std::fs::File::create(model.join("model.safetensors")).unwrap();
+    file.write_all(&(header.len() as u64).to_le_bytes()).unwrap();
+    file.write_all(header.as_bytes()).unwrap();
+    file.set_len(8 + header.len() as u64 + bytes).unwrap();
+    drop(file);
+
+    let err = train::<CpuTrain>(
+        &parity_config(),
+        &model,
+        &data,
+        &dir.path().join("run"),
+        false,
+        &AtomicBool::new(false),
+        None,
+        false,
+        &Default::default(),
+    )
+    .expect_err("refused")
+    .to_string();
+    assert!(err.contains("of 17179.9 M parameters need 320.0 GiB before any activation"), "{err}");
+    assert!(err.contains("the device has") && err.ends_with("this model needs a device with more memory"), "{err}");
+    assert!(!dir.path().join("run/checkpoints").exists());
+}
+
 #[test]
 fn kiln_train_lowers_the_loss_on_the_synthetic_sample() {
     let dir = tempfile::tempdir().unwrap();

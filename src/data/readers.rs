@@ -443,11 +443,21 @@ fn glob_files(pattern: &str) -> Result<Vec<PathBuf>, DataError> {
 
 /// Peak resident memory of this process in bytes (Linux `VmHWM`), for memory-bound checks and reports.
 pub fn peak_rss_bytes() -> Option<u64> {
-    let mut status = String::new();
-    File::open("/proc/self/status").ok()?.read_to_string(&mut status).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    proc_kib_field("/proc/self/status", "VmHWM:")
+}
+
+/// The host's memory in bytes (Linux `MemTotal`): the CPU backend's device memory.
+pub fn host_memory_bytes() -> Option<u64> {
+    proc_kib_field("/proc/meminfo", "MemTotal:")
+}
+
+/// A `<field> <n> kB` line of a Linux /proc file, in bytes.
+fn proc_kib_field(path: &str, field: &str) -> Option<u64> {
+    let mut text = String::new();
+    File::open(path).ok()?.read_to_string(&mut text).ok()?;
+    let line = text.lines().find(|l| l.starts_with(field))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 #[cfg(test)]

@@ -185,6 +185,16 @@ pub fn load_model<B: Backend>(dir: &Path, device: &B::Device) -> Result<(ModelCo
     Ok((config, model))
 }
 
+/// The tensors loading the checkpoint in `dir` holds (its config's text tower: `ModelConfig::is_carried` left
+/// out), as (name, number of values), from the safetensors headers alone: what a memory check needs before
+/// the loading takes the memory.
+pub fn checkpoint_tensor_sizes(dir: &Path) -> Result<Vec<(String, usize)>, ModelError> {
+    let config = ModelConfig::from_file(&dir.join("config.json"))?;
+    let store = WeightStore::open(dir)?;
+    let loaded = store.keys().filter(|k| !config.is_carried(k));
+    Ok(loaded.map(|k| (k.clone(), store.shape(k).map_or(0, |s| s.iter().product()))).collect())
+}
+
 /// A seeded random-init model for `config` with the architecture's init rule (normal(0, `std`) weights).
 pub fn random_model<B: Backend>(
     config: &ModelConfig,
@@ -198,4 +208,31 @@ pub fn random_model<B: Backend>(
         ModelConfig::Gemma4(_) => gemma4_init,
     };
     CausalLm::from_source(config, &RandomInit { seed, std, rule }, device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Cpu;
+
+    /// The headers' sizes are the loaded model's tensors (parameters and buffers), the towers it does not load
+    /// left out: the Qwen3.5 fixture's vision tower and mtp head, Gemma 4's vision tower.
+    #[test]
+    fn checkpoint_sizes_are_the_loaded_models_tensors() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        for (dir, carried) in [("lfm2/lfm2-moe-tiny", 0), ("qwen3_5/qwen3_5-tiny", 22), ("gemma4/gemma4-tiny", 16)] {
+            let dir = fixtures.join(dir);
+            let sizes = checkpoint_tensor_sizes(&dir).unwrap();
+            let (_, model) = load_model::<Cpu>(&dir, &Default::default()).unwrap();
+            let mut loaded: Vec<(String, usize)> = hf_tensors(&model)
+                .into_iter()
+                .chain(model.buffers())
+                .map(|(key, t)| (key, t.shape.iter().product()))
+                .collect();
+            loaded.sort();
+            assert_eq!(sizes, loaded, "{}", dir.display());
+            let store = WeightStore::open(&dir).unwrap();
+            assert_eq!(store.keys().count() - sizes.len(), carried, "{}", dir.display());
+        }
+    }
 }

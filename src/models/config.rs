@@ -641,6 +641,17 @@ impl ModelConfig {
         }
     }
 
+    /// Whether a checkpoint tensor is one the model does not load: another tower's (Qwen3.5's vision tower and
+    /// mtp head, Gemma 4's vision and audio towers) or the unread K/V weights of Gemma 4's KV-sharing layers
+    /// (`CausalLm::is_carried` of the loaded model).
+    pub fn is_carried(&self, key: &str) -> bool {
+        match self {
+            ModelConfig::Lfm2(_) => false,
+            ModelConfig::Qwen35(c) => c.is_other_tower(key),
+            ModelConfig::Gemma4(c) => c.is_other_tower(key) || c.is_unused_kv(key),
+        }
+    }
+
     /// Σ over softmax-attention layers of heads × head_dim: the width in the attention term of the MFU
     /// formula (`12 · width · seq` FLOPs per token). Conv and DeltaNet layers are linear in the sequence and
     /// counted by `6 · params` alone; Gemma 4's sliding-window layers see at most `sliding_window` keys and

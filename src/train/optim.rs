@@ -261,29 +261,35 @@ impl StateMemory {
     }
 }
 
-/// `StateMemory` of `model` as AdamW with `config` trains it, accumulating micro-batches or not.
-pub fn state_memory<B: Backend, M: Module<B>>(model: &M, config: &AdamWConfig, accumulating: bool) -> StateMemory {
-    let tensors: Vec<(usize, usize)> = float_params(model).into_iter().map(|(_, n, bytes)| (n, bytes)).collect();
-    state_memory_of(&tensors, config.moments, accumulating)
-}
-
-/// `state_memory` of `model`, or an error where it alone (before any activation) exceeds `device_bytes`, the
-/// device's memory: an 8B model's f32 AdamW state does not fit an 80 GB GPU, and saying so before the first
-/// step beats an allocation failure on the device's thread after minutes of loading. The error names the moment
-/// storage that would fit, if one does.
+/// `StateMemory` of `model` as AdamW with `config` trains it, accumulating micro-batches or not; or an error
+/// where it alone (before any activation) exceeds `device_bytes`, the device's memory: an 8B model's f32 AdamW
+/// state does not fit an 80 GB GPU, and saying so before the first step beats an allocation failure on the
+/// device's thread after minutes of loading. The error names the moment storage that would fit, if one does.
 pub fn state_memory_on_device<B: Backend, M: Module<B>>(
     model: &M,
     config: &AdamWConfig,
     accumulating: bool,
     device_bytes: Option<u64>,
 ) -> Result<StateMemory, String> {
-    let memory = state_memory(model, config, accumulating);
+    let tensors: Vec<(usize, usize)> = float_params(model).into_iter().map(|(_, n, bytes)| (n, bytes)).collect();
+    tensors_fit_device(&tensors, config, accumulating, device_bytes)
+}
+
+/// `state_memory_on_device` for tensors of `(values, bytes a value)`: a model known by its checkpoint's
+/// headers before it is loaded (`models::checkpoint_tensor_sizes`).
+pub fn tensors_fit_device(
+    tensors: &[(usize, usize)],
+    config: &AdamWConfig,
+    accumulating: bool,
+    device_bytes: Option<u64>,
+) -> Result<StateMemory, String> {
+    let memory = state_memory_of(tensors, config.moments, accumulating);
     let Some(device_bytes) = device_bytes.filter(|&d| memory.total() > d) else { return Ok(memory) };
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let smaller = [MomentDtype::Bf16, MomentDtype::Q8]
         .into_iter()
         .filter(|&moments| moments != config.moments)
-        .map(|moments| (moments, state_memory(model, &AdamWConfig { moments, ..*config }, accumulating).total()))
+        .map(|moments| (moments, state_memory_of(tensors, moments, accumulating).total()))
         .find(|&(_, total)| total <= device_bytes);
     let hint = match smaller {
         Some((m, total)) => {
@@ -317,7 +323,7 @@ fn float_params<B: Backend, M: Module<B>>(model: &M) -> Vec<(ParamId, usize, usi
     tally.0
 }
 
-/// `state_memory` for tensors of `(values, bytes a value)`.
+/// `StateMemory` of tensors of `(values, bytes a value)`.
 fn state_memory_of(tensors: &[(usize, usize)], moments: MomentDtype, accumulating: bool) -> StateMemory {
     let mut m = StateMemory::default();
     for &(n, bytes) in tensors {

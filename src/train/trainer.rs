@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use burn::module::ParamId;
-use burn::tensor::FloatDType;
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, FloatDType};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
@@ -23,8 +23,8 @@ use super::schedule::{Decay, Schedule};
 use super::step::{MicroBatch, optimizer_step};
 use crate::backend::DeviceMemory;
 use crate::models::hf::{ExportDtype, HfNamed, RawTensor, write_safetensors};
-use crate::models::weights::HostTensor;
-use crate::models::{CausalLm, ModelConfig, load_model};
+use crate::models::weights::{HostTensor, kept_in_f32};
+use crate::models::{CausalLm, ModelConfig, checkpoint_tensor_sizes, load_model};
 use crate::tokens::shards::Row;
 
 /// The dtype parameters, activations and gradients are stored in. The optimizer's master weights and moments
@@ -304,19 +304,28 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             model_dir.to_path_buf(),
         )
     };
+    let accumulating = global_batch > cfg.micro_batch;
+    // A model whose state cannot fit is refused by its checkpoint's headers, before loading takes the memory
+    // (an 8B model in f32 on the CPU outgrows most hosts in the loading alone).
+    if let Some(device_bytes) = B::total_bytes(device) {
+        let bytes = |key: &str| match cfg.precision.dtype() {
+            _ if kept_in_f32(key) => 4,
+            Some(dtype) => DType::from(dtype).size(),
+            None => size_of::<B::FloatElem>(),
+        };
+        let sizes = checkpoint_tensor_sizes(&load_dir)?;
+        let tensors: Vec<(usize, usize)> = sizes.iter().map(|(key, n)| (*n, bytes(key))).collect();
+        super::optim::tensors_fit_device(&tensors, &cfg.adamw, accumulating, Some(device_bytes))
+            .map_err(TrainError::Device)?;
+    }
     let (config, mut model) = load_model::<B>(&load_dir, device)?;
     data.check_vocabulary(data_dir, config.vocab_size())?;
     if let Some(dtype) = cfg.precision.dtype() {
         model = model.cast_params(dtype);
     }
-    // Before any optimizer state is allocated or read back.
-    let state_memory = super::optim::state_memory_on_device(
-        &model,
-        &cfg.adamw,
-        global_batch > cfg.micro_batch,
-        B::total_bytes(device),
-    )
-    .map_err(TrainError::Device)?;
+    // Before any optimizer state is allocated or read back: the loaded model's own tensors.
+    let state_memory = super::optim::state_memory_on_device(&model, &cfg.adamw, accumulating, B::total_bytes(device))
+        .map_err(TrainError::Device)?;
     let mut opt = AdamW::<B::InnerBackend>::new(cfg.adamw);
     if load_dir == state_dir {
         opt.steps = position.optimizer_steps;
