@@ -12,7 +12,7 @@ use std::sync::atomic::AtomicBool;
 use burn::tensor::{Int, Tensor, TensorData};
 use common::parity::error_relative_to_largest;
 use common::training::{
-    assert_resume_is_exact, assert_three_steps_match_pytorch, f32s, fixture_dir, fixture_shards, metrics,
+    assert_resume_is_exact, assert_three_steps_match_pytorch, f32s, failed_run, fixture_dir, fixture_shards, metrics,
     parity_config, run, run_model,
 };
 use kiln::backend::{Cpu, CpuTrain};
@@ -162,20 +162,7 @@ fn a_non_finite_loss_stops_the_run_and_names_the_step() {
     let dir = tempfile::tempdir().unwrap();
     let data = fixture_shards(dir.path(), 1);
     let cfg = TrainConfig { epochs: 3, lr: 1e30, max_grad_norm: None, ..parity_config() };
-    let device = Default::default();
-    let err = train::<CpuTrain>(
-        &cfg,
-        &fixture_dir().join("lfm2-tiny"),
-        &data,
-        &dir.path().join("run"),
-        false,
-        &AtomicBool::new(false),
-        None,
-        false,
-        &device,
-    )
-    .expect_err("the run must stop")
-    .to_string();
+    let err = failed_run::<CpuTrain>(&fixture_dir().join("lfm2-tiny"), &cfg, &data, &dir.path().join("run"));
     assert!(err.contains("non-finite loss") && err.contains("at step 2") && err.contains("samples row"), "{err}");
     // The blown-up step exported nothing; the state on disk is the last good one (after epoch 2).
     assert!(!dir.path().join("run/checkpoints/epoch-3").exists());
@@ -211,19 +198,7 @@ fn a_model_larger_than_the_host_is_refused_before_loading() {
     file.set_len(8 + header.len() as u64 + bytes).unwrap();
     drop(file);
 
-    let err = train::<CpuTrain>(
-        &parity_config(),
-        &model,
-        &data,
-        &dir.path().join("run"),
-        false,
-        &AtomicBool::new(false),
-        None,
-        false,
-        &Default::default(),
-    )
-    .expect_err("refused")
-    .to_string();
+    let err = failed_run::<CpuTrain>(&model, &parity_config(), &data, &dir.path().join("run"));
     assert!(err.contains("of 17179.9 M parameters need 320.0 GiB before any activation"), "{err}");
     assert!(err.contains("the device has") && err.ends_with("this model needs a device with more memory"), "{err}");
     assert!(!dir.path().join("run/checkpoints").exists());

@@ -97,6 +97,19 @@ pub fn run_model<B: LinearCrossEntropy + DeviceMemory>(
         .unwrap()
 }
 
+/// The error of a `kiln train` run of `model_dir` that must fail.
+pub fn failed_run<B: LinearCrossEntropy + DeviceMemory>(
+    model_dir: &Path,
+    cfg: &TrainConfig,
+    data: &Path,
+    run_dir: &Path,
+) -> String {
+    match train::<B>(cfg, model_dir, data, run_dir, false, &AtomicBool::new(false), None, false, &Default::default()) {
+        Ok(_) => panic!("the run of {} must fail", model_dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
 pub fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run_dir.join("train/metrics.jsonl"))
         .unwrap()
