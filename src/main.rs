@@ -807,6 +807,8 @@ fn info(host_allocator: Option<&str>) -> Result<()> {
         "cpu_smoke_test": "ok",
         "cpu_matmul_simd": kiln::backend::cpu_matmul_simd(),
         "host_allocator": host_allocator.unwrap_or("the platform's defaults"),
+        // The CPU trainer's device memory (its check of the training state against it).
+        "host_memory_gib": kiln::data::readers::host_memory_bytes().map(|b| (b as f64 / (1u64 << 30) as f64 * 10.0).round() / 10.0),
         "cuda_smoke_test": if cfg!(feature = "cuda") {
             kiln::backend::cuda_ready(true).map_or_else(|why| why, |()| "ok".into())
         } else {

@@ -147,6 +147,7 @@ fn info_reports_the_backends_and_the_switches() {
     // The CPU's matmul width, and the malloc thresholds the CPU backend's allocations want (glibc), unless
     // the environment sets malloc's own.
     assert!(["avx512", "avx2", "baseline"].contains(&info["cpu_matmul_simd"].as_str().unwrap()), "{info}");
+    assert!(info["host_memory_gib"].as_f64().is_some_and(|gib| gib > 0.5), "{info}");
     let tuned = "glibc malloc: mmap threshold 32 MiB, trim threshold 256 MiB";
     if cfg!(all(target_os = "linux", target_env = "gnu")) && std::env::var_os("GLIBC_TUNABLES").is_none() {
         assert_eq!(info["host_allocator"], tuned);
