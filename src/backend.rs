@@ -240,7 +240,7 @@ pub trait DeviceMemory: Backend {
 
 impl DeviceMemory for Flex {
     fn total_bytes(_device: &Self::Device) -> Option<u64> {
-        crate::data::readers::host_memory_bytes()
+        crate::host::host_memory_bytes()
     }
 }
 

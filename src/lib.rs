@@ -12,6 +12,7 @@ pub mod data;
 pub mod device_panics;
 pub mod eval;
 pub mod files;
+pub mod host;
 pub mod hub;
 #[cfg(any(feature = "cuda", feature = "vulkan"))]
 pub mod kernels;

@@ -801,14 +801,16 @@ fn synth(args: SynthArgs) -> Result<()> {
 fn info(host_allocator: Option<&str>) -> Result<()> {
     let config = HubConfig::from_env();
     kiln::backend::smoke_test::<kiln::backend::Cpu>(&Default::default()).map_err(anyhow::Error::msg)?;
+    // The CPU trainer's device memory (what it checks the training state against), to a tenth of a GiB.
+    let host_memory_gib =
+        kiln::host::host_memory_bytes().map(|b| (b as f64 / (1u64 << 30) as f64 * 10.0).round() / 10.0);
     let report = serde_json::json!({
         "kiln": env!("CARGO_PKG_VERSION"),
         "backends": kiln::backend::compiled(),
         "cpu_smoke_test": "ok",
         "cpu_matmul_simd": kiln::backend::cpu_matmul_simd(),
         "host_allocator": host_allocator.unwrap_or("the platform's defaults"),
-        // The CPU trainer's device memory (its check of the training state against it).
-        "host_memory_gib": kiln::data::readers::host_memory_bytes().map(|b| (b as f64 / (1u64 << 30) as f64 * 10.0).round() / 10.0),
+        "host_memory_gib": host_memory_gib,
         "cuda_smoke_test": if cfg!(feature = "cuda") {
             kiln::backend::cuda_ready(true).map_or_else(|why| why, |()| "ok".into())
         } else {

@@ -6,9 +6,9 @@ use std::io::{BufWriter, Write};
 
 use indicatif::ProgressBar;
 use kiln::data::ingest::ingest_source;
-use kiln::data::readers::peak_rss_bytes;
 use kiln::data::recipe::SourceSpec;
 use kiln::data::{Format, SchemaMapping};
+use kiln::host::peak_rss_bytes;
 
 const TARGET_BYTES: u64 = 300 << 20;
 const GROWTH_BOUND: u64 = 64 << 20;

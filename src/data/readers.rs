@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
@@ -439,25 +439,6 @@ fn glob_files(pattern: &str) -> Result<Vec<PathBuf>, DataError> {
         .collect();
     files.sort();
     Ok(files)
-}
-
-/// Peak resident memory of this process in bytes (Linux `VmHWM`), for memory-bound checks and reports.
-pub fn peak_rss_bytes() -> Option<u64> {
-    proc_kib_field("/proc/self/status", "VmHWM:")
-}
-
-/// The host's memory in bytes (Linux `MemTotal`): the CPU backend's device memory.
-pub fn host_memory_bytes() -> Option<u64> {
-    proc_kib_field("/proc/meminfo", "MemTotal:")
-}
-
-/// A `<field> <n> kB` line of a Linux /proc file, in bytes.
-fn proc_kib_field(path: &str, field: &str) -> Option<u64> {
-    let mut text = String::new();
-    File::open(path).ok()?.read_to_string(&mut text).ok()?;
-    let line = text.lines().find(|l| l.starts_with(field))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }
 
 #[cfg(test)]

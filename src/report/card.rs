@@ -101,11 +101,8 @@ fn hardware(device: &str) -> String {
         let unfused = if crate::backend::cuda_fusion() == Ok(false) { ", burn's fusion off" } else { "" };
         return gpu.map_or_else(|| format!("an NVIDIA GPU (CUDA{unfused})"), |g| format!("1 × {g} (CUDA{unfused})"));
     }
-    let model = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|t| {
-        t.lines().find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string()))
-    });
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    format!("CPU: {} ({cores} cores)", model.unwrap_or_else(|| std::env::consts::ARCH.into()))
+    format!("CPU: {} ({cores} cores)", crate::host::cpu_model().unwrap_or_else(|| std::env::consts::ARCH.into()))
 }
 
 /// The card's optimizer row: AdamW's settings and how its moments were kept (8-bit moments change the run).

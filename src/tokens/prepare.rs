@@ -226,7 +226,7 @@ pub fn prepare(
     stats.padding_tokens = shard_stats.padding_tokens;
     stats.shards = shard_stats.files;
     stats.wall_seconds = started.elapsed().as_secs_f64();
-    stats.peak_rss_bytes = crate::data::readers::peak_rss_bytes();
+    stats.peak_rss_bytes = crate::host::peak_rss_bytes();
     let stats_path = out_dir.join("stats.json");
     let text = serde_json::to_string_pretty(&stats)
         .map_err(|e| TokenError::Shard { path: stats_path.clone(), message: e.to_string() })?;

@@ -493,7 +493,7 @@ impl PeakMemory {
                 self.device_bytes = Some(peak);
                 Some(peak)
             }
-            None => crate::data::readers::peak_rss_bytes(),
+            None => crate::host::peak_rss_bytes(),
         }
     }
 }
