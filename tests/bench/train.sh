@@ -17,8 +17,8 @@
 #               attention's softmax rows, KILN_ATTENTION_KERNEL=off), "noloss" (the cross-entropy's rows,
 #               KILN_LOSS_KERNEL=off), "nonorm" (the RMSNorms, KILN_NORM_KERNEL=off), "noconv" (the causal
 #               conv, KILN_CONV_KERNEL=off), "nooptim" (the optimizer's
-#               gradient norm and AdamW update, KILN_OPTIM_KERNEL=off); "noexperts" (the MoE's experts as a
-#               matmul each instead of one batched matmul over padded groups, KILN_EXPERTS_BATCHED=off);
+#               gradient norm and AdamW update, KILN_OPTIM_KERNEL=off); "noexperts" (MoE shapes only: the
+#               experts as a matmul each instead of one batched matmul over padded groups, KILN_EXPERTS_BATCHED=off);
 #               "checkpointed" (the ops with --activation-checkpointing); or several:
 #               "ops reference unfused noscan noattn noloss nonorm noconv nooptim noexperts checkpointed"
 #   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py), or none
@@ -84,6 +84,11 @@ for shape in "${shapes[@]}"; do
         exit 2
     fi
     for ops in $KILN_OPS; do
+        # A matmul per expert is another row only for a MoE shape.
+        if [[ $ops == noexperts ]] && ! grep -q '"num_experts"' "$config"; then
+            echo "== $shape: no experts, so no noexperts row" >&2
+            continue
+        fi
         attn=on loss=on norm=on conv=on optim=on experts=on
         case $ops in
             ops) out=$OUT/$shape-kiln.json; switch=(); fusion=on; scan=on ;;
