@@ -1165,9 +1165,14 @@ fn bench_train_cmd(args: BenchTrainArgs) -> Result<()> {
     }
     println!("{}", serde_json::to_string(&result)?);
     eprintln!(
-        "bench-train: {} ({:.1} M params, {}) on {}: {:.0} tokens/s, median step {:.3} s{}{}",
+        "bench-train: {} ({:.1} M params{}, {}) on {}: {:.0} tokens/s, median step {:.3} s{}{}",
         result.model_type,
         result.params as f64 / 1e6,
+        result
+            .flops_params
+            .filter(|&n| n != result.params)
+            .map(|n| format!(", {:.1} M in MFU", n as f64 / 1e6))
+            .unwrap_or_default(),
         result.precision,
         result.device,
         result.tokens_per_s,

@@ -493,10 +493,12 @@ fn bf16_training_tracks_the_pytorch_f32_run() {
     assert!(count(".master") > 0 && count(".master") == count(".m"), "{state:?}");
 }
 
-/// The training benchmark runs LFM2 and Qwen3.5 (packed documents, bf16 with f32 A_log) through the
-/// trainer's step and reports what the PyTorch script reports.
+/// The training benchmark runs LFM2, Qwen3.5 (packed documents, bf16 with f32 A_log), an LFM2 MoE and
+/// Gemma 4 through the trainer's step and reports what the PyTorch script reports. MFU's parameter count is
+/// what a token multiplies through: the MoE's experts at top_k / num_experts, Gemma's per-layer embedding
+/// table (a lookup) left out.
 #[test]
-fn the_training_benchmark_measures_both_architectures() {
+fn the_training_benchmark_measures_every_architecture() {
     use kiln::models::ModelConfig;
     use kiln::train::bench::{BenchConfig, bench_on_device};
     let root = common::project_dir();
@@ -515,16 +517,38 @@ fn the_training_benchmark_measures_both_architectures() {
         moments: kiln::train::optim::MomentDtype::F32,
         reference_ops: false,
     };
-    for (shape, precision) in [("tiny", Precision::Auto), ("tiny-qwen3.5", Precision::Bf16)] {
-        let config = ModelConfig::from_file(&root.join("configs/models").join(shape).join("config.json")).unwrap();
+    let shapes = [
+        ("configs/models/tiny", Precision::Auto),
+        ("configs/models/tiny-qwen3.5", Precision::Bf16),
+        ("tests/fixtures/lfm2/lfm2-moe-tiny", Precision::Auto),
+        ("configs/models/tiny-gemma4", Precision::Auto),
+    ];
+    for (shape, precision) in shapes {
+        let config = ModelConfig::from_file(&root.join(shape).join("config.json")).unwrap();
         let r = bench_on_device(&config, &BenchConfig { precision, ..cfg.clone() }, "cpu").unwrap();
+        // The values a token does not multiply through, from the config's dimensions.
+        let skipped = match &config {
+            ModelConfig::Lfm2(c) => c.moe.as_ref().map_or(0, |moe| {
+                let experts = moe.num_experts * 3 * c.hidden_size * moe.moe_intermediate_size;
+                let idle = experts * (moe.num_experts - moe.num_experts_per_tok) / moe.num_experts;
+                let expert_bias = if moe.use_expert_bias { moe.num_experts } else { 0 };
+                (c.num_hidden_layers - moe.num_dense_layers) * (idle + expert_bias)
+            }),
+            ModelConfig::Qwen35(_) => 0,
+            ModelConfig::Gemma4(c) => {
+                c.vocab_size_per_layer_input * c.num_hidden_layers * c.hidden_size_per_layer_input
+            }
+        };
+        assert_eq!(r.flops_params, Some(r.params - skipped as u64), "{shape}");
         assert_eq!(r.tokens_per_step, 2 * 2 * 32, "{shape}");
         assert_eq!((r.step_seconds.len(), r.losses.len()), (2, 3), "{shape}");
         assert_eq!(r.precision, if precision == Precision::Bf16 { "bf16" } else { "f32" });
         let uniform = (config.vocab_size() as f64).ln();
         assert!(r.losses.iter().all(|l| (l - uniform).abs() < 0.5), "{shape}: {:?} vs ln V {uniform}", r.losses);
         assert!(r.tokens_per_s > 0.0 && r.median_step_seconds > 0.0, "{shape}");
-        let flops = 6.0 * r.params as f64 * 128.0 + 12.0 * config.attention_width() as f64 * 32.0 * 128.0;
+        let sliding = config.sliding_attention_width().map_or(0, |(width, window)| width * window.min(32) / 32);
+        let width = (config.attention_width() + sliding) as f64;
+        let flops = 6.0 * (r.params - skipped as u64) as f64 * 128.0 + 12.0 * width * 32.0 * 128.0;
         let mfu = r.mfu.unwrap();
         assert!((mfu - flops / (r.median_step_seconds * 1e12)).abs() <= 1e-9 * mfu.max(1.0), "{shape}: MFU {mfu}");
         assert!(r.peak_memory_bytes.is_some_and(|b| b > 0));

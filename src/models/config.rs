@@ -652,6 +652,31 @@ impl ModelConfig {
         }
     }
 
+    /// The share of a parameter's values that each token multiplies through, for P in the MFU formula's
+    /// `6 · P · T`: a routed expert counts `top_k / num_experts` (a token runs through that many of them);
+    /// an input embedding table is a lookup and counts 0, or 1 when it is also the tied LM head; Gemma 4's
+    /// per-layer embedding table is a lookup too (its projection is a matmul and counts), and the router's
+    /// `expert_bias` only ranks experts (transformers keeps it as a buffer, outside its parameters);
+    /// everything else counts 1. `key` is the checkpoint name, which transformers' parameter names share
+    /// (tests/bench/train_python.py applies the same rule to the PyTorch model).
+    pub fn flops_share(&self, key: &str) -> f64 {
+        let tied = match self {
+            ModelConfig::Lfm2(c) => c.tie_word_embeddings,
+            ModelConfig::Qwen35(c) => c.tie_word_embeddings,
+            ModelConfig::Gemma4(c) => c.tie_word_embeddings,
+        };
+        let lookup = key.ends_with("embed_tokens_per_layer.weight") || key.ends_with(".expert_bias");
+        if lookup || (key.ends_with("embed_tokens.weight") && !tied) {
+            return 0.0;
+        }
+        match self {
+            ModelConfig::Lfm2(Lfm2Config { moe: Some(moe), .. }) if key.contains(".experts.") => {
+                moe.num_experts_per_tok as f64 / moe.num_experts as f64
+            }
+            _ => 1.0,
+        }
+    }
+
     /// Σ over softmax-attention layers of heads × head_dim: the width in the attention term of the MFU
     /// formula (`12 · width · seq` FLOPs per token). Conv and DeltaNet layers are linear in the sequence and
     /// counted by `6 · params` alone; Gemma 4's sliding-window layers see at most `sliding_window` keys and
@@ -808,5 +833,30 @@ mod tests {
             ..hub
         };
         assert_eq!(shape, text_model);
+    }
+
+    /// MFU's parameter count by checkpoint name: LFM2.5-8B-A1B routes a token through 4 of its 32 experts;
+    /// Gemma 4's per-layer table and an untied input embedding are lookups; a tied one is also the LM head.
+    #[test]
+    fn flops_share_counts_the_active_experts_and_the_matmul_tables() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/bench/shapes");
+        let moe = ModelConfig::from_file(&dir.join("lfm2.5-8b-a1b.json")).unwrap();
+        assert_eq!(moe.flops_share("model.layers.3.feed_forward.experts.17.w1.weight"), 4.0 / 32.0);
+        for key in ["model.layers.3.feed_forward.gate.weight", "model.layers.0.feed_forward.w1.weight"] {
+            assert_eq!(moe.flops_share(key), 1.0, "{key}");
+        }
+        assert_eq!(moe.flops_share("model.embed_tokens.weight"), 1.0);
+        assert_eq!(moe.flops_share("model.layers.3.feed_forward.expert_bias"), 0.0);
+        let gemma = ModelConfig::from_file(&dir.join("gemma-4-e4b.json")).unwrap();
+        assert_eq!(gemma.flops_share("model.embed_tokens_per_layer.weight"), 0.0);
+        assert_eq!(gemma.flops_share("model.per_layer_model_projection.weight"), 1.0);
+        assert_eq!(gemma.flops_share("model.embed_tokens.weight"), 1.0);
+        let ModelConfig::Lfm2(dense) = ModelConfig::from_file(&dir.join("lfm2-350m.json")).unwrap() else {
+            panic!("lfm2-350m.json is not an LFM2 config")
+        };
+        let untied = ModelConfig::Lfm2(Lfm2Config { tie_word_embeddings: false, ..dense });
+        assert_eq!(untied.flops_share("model.embed_tokens.weight"), 0.0);
+        assert_eq!(untied.flops_share("lm_head.weight"), 1.0);
+        assert_eq!(untied.flops_share("model.layers.0.feed_forward.w1.weight"), 1.0);
     }
 }

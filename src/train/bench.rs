@@ -53,6 +53,10 @@ pub struct BenchResult {
     pub framework: String,
     pub model_type: String,
     pub params: u64,
+    /// The parameters a token multiplies through, MFU's P (`ModelConfig::flops_share`: an MoE counts its
+    /// active experts, lookup-only embedding tables are left out). Absent in results older than the field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flops_params: Option<u64>,
     pub device: String,
     pub precision: String,
     pub seq: usize,
@@ -190,6 +194,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         framework: "kiln".into(),
         model_type: config.model_type().into(),
         params: burn::module::Module::num_params(&model) as u64,
+        flops_params: Some(flops.params.round() as u64),
         device: device_name.into(),
         precision: format!("{:?}", cfg.precision).to_lowercase(),
         seq: cfg.seq,

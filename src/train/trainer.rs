@@ -453,10 +453,12 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     Ok((finish(&position, last_loss, checkpoints, false)?, model))
 }
 
-/// The FLOPs of a training step by the trainer's MFU formula: 6 · P · T for the dense forward and backward
+/// The FLOPs of a training step by the trainer's MFU formula: 6 · P · T for the forward and backward
 /// matmuls plus 12 · (attention layers · heads · head_dim) · S · T for the attention scores and values.
 #[derive(Debug, Clone, Copy)]
 pub struct StepFlops {
+    /// The parameters a token multiplies through (`ModelConfig::flops_share`): an MoE's experts at
+    /// top_k / num_experts, lookup-only embedding tables left out.
     pub params: f64,
     pub attention_width: f64,
     pub seq: f64,
@@ -464,8 +466,12 @@ pub struct StepFlops {
 
 impl StepFlops {
     pub fn of<B: Backend>(model: &CausalLm<B>, config: &ModelConfig, seq: usize) -> Self {
-        // Counted on the module, not by copying every weight to the host.
-        let params = burn::module::Module::num_params(model) as f64;
+        // Counted on the module's shapes, not by copying every weight to the host.
+        let names = param_names(model);
+        let params = super::optim::param_sizes(model)
+            .into_iter()
+            .map(|(id, n)| n as f64 * names.get(&id).map_or(1.0, |key| config.flops_share(key)))
+            .sum();
         // A sliding-window layer's queries see at most `window` keys: its width counts in that proportion.
         let sliding = config
             .sliding_attention_width()

@@ -19,16 +19,34 @@ import sys
 import time
 
 
-def attention_width(config: dict) -> int:
-    """Attention layers × heads × head_dim, as kiln's MFU formula counts them."""
+def attention_width(config: dict, seq: int) -> float:
+    """Σ over softmax-attention layers of heads × head_dim, as kiln's MFU formula counts them: Gemma 4's
+    full layers at `global_head_dim`, its sliding-window layers in the proportion min(seq, window) / seq."""
     layer_types = config.get("layer_types")
     if layer_types is None:
         layer_types = ["full_attention" if i in config.get("full_attn_idxs", []) else "conv"
                        for i in range(config["num_hidden_layers"])]
-    layers = sum(1 for t in layer_types if t == "full_attention")
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return layers * heads * head_dim
+    full = sum(1 for t in layer_types if t == "full_attention") * heads * (config.get("global_head_dim") or head_dim)
+    sliding = sum(1 for t in layer_types if t == "sliding_attention") * heads * head_dim
+    return full + sliding * min(seq, config.get("sliding_window") or seq) / seq
+
+
+def flops_params(named_parameters, config: dict) -> int:
+    """The parameters a token multiplies through, as kiln's `ModelConfig::flops_share` counts them: an MoE's
+    experts at num_experts_per_tok / num_experts; an input embedding table (a lookup) only when it is also
+    the tied LM head (named_parameters lists a tied head once, as the embedding); Gemma 4's per-layer
+    embedding table not at all."""
+    named = list(named_parameters)
+    untied = any(name == "lm_head.weight" for name, _ in named)
+    total = 0.0
+    for name, p in named:
+        if name.endswith("embed_tokens_per_layer.weight") or (untied and name.endswith("embed_tokens.weight")):
+            continue
+        share = config["num_experts_per_tok"] / config["num_experts"] if ".experts." in name else 1.0
+        total += p.numel() * share
+    return round(total)
 
 
 def peak_rss_bytes() -> int:
@@ -87,11 +105,13 @@ def bench(args) -> dict:
         if step >= args.warmup:
             step_seconds.append(seconds)
     median = statistics.median(step_seconds)
-    flops = 6 * n_params * tokens_per_step + 12 * attention_width(raw) * args.seq * tokens_per_step
+    n_flops = flops_params(model.named_parameters(), raw)
+    flops = 6 * n_flops * tokens_per_step + 12 * attention_width(raw, args.seq) * args.seq * tokens_per_step
     return {
         "framework": "pytorch",
         "model_type": raw["model_type"],
         "params": n_params,
+        "flops_params": n_flops,
         "device": device.type,
         "precision": args.precision,
         "seq": args.seq,
@@ -143,7 +163,10 @@ def table(files) -> str:
             + (" (a matmul per expert)" if r.get("experts_batched") is False else "") \
             + (" (checkpointed)" if r.get("activation_checkpointing") else "") \
             + (f" ({r['moments']} moments)" if r.get("moments", "f32") != "f32" else "")
-        lines.append(f"| {shape} | {framework} | {r['precision']} | {r['params'] / 1e6:.1f} | "
+        params = f"{r['params'] / 1e6:.1f}"
+        if r.get("flops_params") not in (None, r["params"]):
+            params += f" ({r['flops_params'] / 1e6:.1f} in MFU)"
+        lines.append(f"| {shape} | {framework} | {r['precision']} | {params} | "
                      f"{r['seq']} × {r['micro_batch']} × {r['accumulation']} | {r['tokens_per_s']:,.0f} | {mfu} | "
                      f"{mem} | {state} | {ratio} | {mem_ratio} |")
     return "\n".join(lines)
