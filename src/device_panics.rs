@@ -41,7 +41,7 @@ impl PanicLog {
             0 => String::new(),
             n => format!(" (then {n} more from places already printed)"),
         };
-        if OUT_OF_MEMORY.iter().any(|m| first.contains(m)) {
+        if is_allocation_failure(first) {
             return format!(
                 "kiln stopped: the device could not allocate memory (it is full, or the buffer is larger than its \
                  driver allows): {first}{repeats}. `kiln train` prints what the weights, gradients and optimizer \
@@ -68,6 +68,23 @@ static LOG: Mutex<PanicLog> = Mutex::new(PanicLog::new());
 /// `LaunchError::OutOfMemory`) and how the driver does.
 const OUT_OF_MEMORY: [&str; 4] =
     ["can't allocate buffer of size", "out-of-memory error", "CUDA_ERROR_OUT_OF_MEMORY", "BufferTooBig"];
+
+fn is_allocation_failure(text: &str) -> bool {
+    OUT_OF_MEMORY.iter().any(|m| text.contains(m))
+}
+
+/// Whether any thread has panicked. A command whose device thread panicked may still end in an error rather
+/// than a panic (burn returns the poisoned stream's failure from a sync or a read), and that error is the
+/// panic's echo: `summary` names the cause.
+pub fn panicked() -> bool {
+    LOG.lock().map_or(true, |log| log.first.is_some())
+}
+
+/// The first panic's text when it was a failed device allocation: the command ran out of device memory.
+pub fn out_of_memory() -> Option<String> {
+    let log = LOG.lock().ok()?;
+    log.first.clone().filter(|first| is_allocation_failure(first))
+}
 
 /// The message a panic carried (`panic!` with a literal or with a formatted string).
 pub fn payload_text(payload: &(dyn Any + Send)) -> String {

@@ -559,12 +559,40 @@ fn main() {
             for cause in err.chain().skip(1) {
                 eprintln!("  caused by: {cause}");
             }
-            std::process::exit(1);
+            // A device thread's panic may come back as an error (its echo, from a sync or a read): name it.
+            if kiln::device_panics::panicked() {
+                eprintln!("error: {}", kiln::device_panics::summary());
+            }
+            std::process::exit(exit_status(Some(&err)));
         }
         Err(_) => {
             eprintln!("error: {}", kiln::device_panics::summary());
-            std::process::exit(101);
+            std::process::exit(exit_status(None));
         }
+    }
+}
+
+/// The exit status of a command the device's memory could not hold (kiln's check of the weights, gradients
+/// and optimizer state, or a failed device allocation), apart from other failures (1, and 101 for a panic):
+/// a benchmark script learns that a shape does not fit, which no fallback switch mends.
+const EXIT_OUT_OF_MEMORY: i32 = 3;
+
+/// How a failed command exits: `err` is its error, `None` when it ended in a panic.
+fn exit_status(err: Option<&anyhow::Error>) -> i32 {
+    use kiln::pipeline::PipelineError;
+    use kiln::train::TrainError;
+    let refused = err.is_some_and(|err| {
+        err.chain().any(|cause| {
+            matches!(cause.downcast_ref(), Some(TrainError::OutOfMemory(_)))
+                || matches!(cause.downcast_ref(), Some(PipelineError::Train(TrainError::OutOfMemory(_))))
+        })
+    });
+    if refused || kiln::device_panics::out_of_memory().is_some() {
+        EXIT_OUT_OF_MEMORY
+    } else if err.is_none() || kiln::device_panics::panicked() {
+        101
+    } else {
+        1
     }
 }
 
@@ -1158,23 +1186,40 @@ fn bench_train_cmd(args: BenchTrainArgs) -> Result<()> {
         moments: args.moments,
         reference_ops: args.reference_ops,
     };
-    let result = kiln::train::bench::bench_on_device(&config, &cfg, &args.device)
-        .with_context(|| format!("benchmarking {} on {}", path.display(), args.device))?;
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        kiln::train::bench::bench_on_device(&config, &cfg, &args.device)
+    }));
+    // A shape the device's memory cannot hold still leaves its row: the answer a fit benchmark asks for.
+    let out_of_memory = match &outcome {
+        Ok(Err(kiln::train::TrainError::OutOfMemory(why))) => Some(why.clone()),
+        Ok(Ok(_)) => None,
+        // A failed allocation panics on the device thread, and reaches here as that panic or as an error.
+        _ => kiln::device_panics::out_of_memory(),
+    };
+    if let (Some(why), Some(out)) = (out_of_memory, &args.out) {
+        let run = kiln::train::bench::BenchRun::of(&config, &cfg, &args.device);
+        let row = kiln::train::bench::BenchOutOfMemory { run, out_of_memory: why };
+        kiln::files::write_json(out, &row).with_context(|| format!("writing {}", out.display()))?;
+    }
+    let result = match outcome {
+        Ok(result) => result.with_context(|| format!("benchmarking {} on {}", path.display(), args.device))?,
+        Err(panic) => std::panic::resume_unwind(panic),
+    };
     if let Some(out) = &args.out {
         kiln::files::write_json(out, &result).with_context(|| format!("writing {}", out.display()))?;
     }
     println!("{}", serde_json::to_string(&result)?);
     eprintln!(
         "bench-train: {} ({:.1} M params{}, {}) on {}: {:.0} tokens/s, median step {:.3} s{}{}",
-        result.model_type,
+        result.run.model_type,
         result.params as f64 / 1e6,
         result
             .flops_params
             .filter(|&n| n != result.params)
             .map(|n| format!(", {:.1} M in MFU", n as f64 / 1e6))
             .unwrap_or_default(),
-        result.precision,
-        result.device,
+        result.run.precision,
+        result.run.device,
         result.tokens_per_s,
         result.median_step_seconds,
         result.mfu.map(|m| format!(", MFU {:.1} %", m * 100.0)).unwrap_or_default(),

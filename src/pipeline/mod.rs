@@ -72,6 +72,10 @@ pub enum PipelineError {
     NeedsGpu { model: String, size: String, why: String },
     #[error("stage {stage}: {message}")]
     Stage { stage: &'static str, message: String },
+    /// The train stage's failure as the trainer said it (a caller tells a model the device's memory cannot
+    /// hold, `TrainError::OutOfMemory`, from other failures).
+    #[error("stage train: {0}")]
+    Train(crate::train::TrainError),
     #[error(
         "training stopped after step {step} with its state saved; run the same command again to resume where it stopped"
     )]

@@ -303,7 +303,6 @@ fn inspect(ctx: &Context) -> Result<StageOutcome, PipelineError> {
 }
 
 fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
-    let err = fail(Stage::Train);
     let cfg = &ctx.config.train;
     let base = require_base(ctx, Stage::Train)?;
     let saved = crate::train::trainer::saved_config(ctx.run_dir);
@@ -330,7 +329,7 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         ctx.req.halt_after,
         ctx.req.show_progress,
     )
-    .map_err(|e| err(&e))?;
+    .map_err(PipelineError::Train)?;
     if summary.interrupted {
         return Err(PipelineError::Interrupted { step: summary.steps });
     }

@@ -47,16 +47,12 @@ pub struct BenchConfig {
     pub reference_ops: bool,
 }
 
-/// One benchmark run; the PyTorch script writes the same fields.
+/// What a benchmark row ran: the model, the device and every switch that changes the step, known before
+/// it starts. The PyTorch script writes the same fields (without the kiln-only ones).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct BenchResult {
+pub struct BenchRun {
     pub framework: String,
     pub model_type: String,
-    pub params: u64,
-    /// The parameters a token multiplies through, MFU's P (`ModelConfig::flops_share`: an MoE counts its
-    /// active experts, lookup-only embedding tables are left out). Absent in results older than the field.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub flops_params: Option<u64>,
     pub device: String,
     pub precision: String,
     pub seq: usize,
@@ -75,10 +71,6 @@ pub struct BenchResult {
     /// Whether burn's activation checkpointing ran (kiln only).
     #[serde(default)]
     pub activation_checkpointing: bool,
-    /// Weights, gradients and optimizer state between steps, in bytes (kiln only; `peak_memory_bytes` adds
-    /// the activations and the step's temporaries).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub state_memory_bytes: Option<u64>,
     /// Whether the DeltaNet scan ran as kiln's kernel (kiln on a CubeCL device only: `KILN_SCAN_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scan_kernel: Option<bool>,
@@ -104,6 +96,51 @@ pub struct BenchResult {
     /// model with experts: `KILN_EXPERTS_BATCHED`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub experts_batched: Option<bool>,
+}
+
+impl BenchRun {
+    /// What `bench_on_device(config, cfg, device)` runs (the process's switches as they are now).
+    pub fn of(config: &ModelConfig, cfg: &BenchConfig, device: &str) -> Self {
+        let cubecl = device != "cpu";
+        BenchRun {
+            framework: "kiln".into(),
+            model_type: config.model_type().into(),
+            device: device.into(),
+            precision: format!("{:?}", cfg.precision.resolve(device)).to_lowercase(),
+            seq: cfg.seq,
+            micro_batch: cfg.micro_batch,
+            accumulation: cfg.accumulation,
+            docs_per_row: cfg.docs_per_row,
+            reference_ops: cfg.reference_ops,
+            fusion: (device == "cuda").then(|| crate::backend::cuda_fusion().unwrap_or(true)),
+            moments: Some(cfg.moments),
+            activation_checkpointing: cfg.activation_checkpointing,
+            scan_kernel: cubecl.then(crate::backend::scan_kernel_enabled),
+            attention_kernel: cubecl.then(crate::backend::attention_kernel_enabled),
+            loss_kernel: cubecl.then(crate::backend::loss_kernel_enabled),
+            norm_kernel: cubecl.then(crate::backend::norm_kernel_enabled),
+            conv_kernel: cubecl.then(crate::backend::conv_kernel_enabled),
+            optim_kernel: cubecl.then(crate::backend::optim_kernel_enabled),
+            experts_batched: (cubecl && matches!(config, ModelConfig::Lfm2(c) if c.moe.is_some()))
+                .then(crate::backend::experts_batched_enabled),
+        }
+    }
+}
+
+/// One benchmark run; the PyTorch script writes the same fields.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchResult {
+    #[serde(flatten)]
+    pub run: BenchRun,
+    pub params: u64,
+    /// The parameters a token multiplies through, MFU's P (`ModelConfig::flops_share`: an MoE counts its
+    /// active experts, lookup-only embedding tables are left out). Absent in results older than the field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flops_params: Option<u64>,
+    /// Weights, gradients and optimizer state between steps, in bytes (kiln only; `peak_memory_bytes` adds
+    /// the activations and the step's temporaries).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_memory_bytes: Option<u64>,
     pub tokens_per_step: u64,
     pub warmup: usize,
     /// Wall seconds of each timed step (the device synchronized at its end).
@@ -115,6 +152,18 @@ pub struct BenchResult {
     pub peak_memory_bytes: Option<u64>,
     /// Loss of every step, warmup included (random tokens: near ln(vocab) at first).
     pub losses: Vec<f64>,
+}
+
+/// A benchmark row that stopped because the device's memory could not hold it (kiln's check of the
+/// weights, gradients and optimizer state before the first step, or a failed device allocation): the answer
+/// a fit benchmark asks for, written where the result would have gone (`kiln bench-train --out`; the
+/// PyTorch script writes the same on `torch.OutOfMemoryError`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchOutOfMemory {
+    #[serde(flatten)]
+    pub run: BenchRun,
+    /// What ran out, as the check or the device said it.
+    pub out_of_memory: String,
 }
 
 /// Seeded random rows of `seq` tokens below `vocab`, every target supervised, `docs` equal documents a row.
@@ -162,7 +211,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
     let adamw = AdamWConfig { weight_decay: 0.01, moments: cfg.moments, ..AdamWConfig::default() };
     let state_memory_bytes =
         super::optim::state_memory_on_device(&model, &adamw, cfg.accumulation > 1, B::total_bytes(device))
-            .map_err(TrainError::Device)?
+            .map_err(TrainError::OutOfMemory)?
             .total();
     let mut opt = AdamW::<B::InnerBackend>::new(adamw);
     let rows_per_step = cfg.micro_batch * cfg.accumulation;
@@ -191,28 +240,9 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
     let median_step_seconds = median(&step_seconds);
     let tokens = tokens_per_step as f64;
     Ok(BenchResult {
-        framework: "kiln".into(),
-        model_type: config.model_type().into(),
+        run: BenchRun::of(config, cfg, device_name),
         params: burn::module::Module::num_params(&model) as u64,
         flops_params: Some(flops.params.round() as u64),
-        device: device_name.into(),
-        precision: format!("{:?}", cfg.precision).to_lowercase(),
-        seq: cfg.seq,
-        micro_batch: cfg.micro_batch,
-        accumulation: cfg.accumulation,
-        docs_per_row: cfg.docs_per_row,
-        reference_ops: reference_ops(),
-        fusion: (device_name == "cuda").then(|| crate::backend::cuda_fusion().unwrap_or(true)),
-        scan_kernel: (device_name != "cpu").then(crate::backend::scan_kernel_enabled),
-        attention_kernel: (device_name != "cpu").then(crate::backend::attention_kernel_enabled),
-        loss_kernel: (device_name != "cpu").then(crate::backend::loss_kernel_enabled),
-        norm_kernel: (device_name != "cpu").then(crate::backend::norm_kernel_enabled),
-        conv_kernel: (device_name != "cpu").then(crate::backend::conv_kernel_enabled),
-        optim_kernel: (device_name != "cpu").then(crate::backend::optim_kernel_enabled),
-        experts_batched: (device_name != "cpu" && matches!(config, ModelConfig::Lfm2(c) if c.moe.is_some()))
-            .then(crate::backend::experts_batched_enabled),
-        moments: Some(cfg.moments),
-        activation_checkpointing: cfg.activation_checkpointing,
         state_memory_bytes: Some(state_memory_bytes),
         tokens_per_step,
         warmup: cfg.warmup,

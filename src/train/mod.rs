@@ -31,6 +31,10 @@ pub enum TrainError {
     Config(String),
     #[error("{0}")]
     Device(String),
+    /// The weights, gradients and optimizer state alone outgrow the device's memory
+    /// (`optim::tensors_fit_device`, checked before the model loads or the first step).
+    #[error("{0}")]
+    OutOfMemory(String),
 }
 
 /// Runs `$go!(Backend)` with the autodiff backend for `$device` (`&str`), `$precision` (resolved) and

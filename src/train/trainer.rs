@@ -316,7 +316,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         let sizes = checkpoint_tensor_sizes(&load_dir)?;
         let tensors: Vec<(usize, usize)> = sizes.iter().map(|(key, n)| (*n, bytes(key))).collect();
         super::optim::tensors_fit_device(&tensors, &cfg.adamw, accumulating, Some(device_bytes))
-            .map_err(TrainError::Device)?;
+            .map_err(TrainError::OutOfMemory)?;
     }
     let (config, mut model) = load_model::<B>(&load_dir, device)?;
     data.check_vocabulary(data_dir, config.vocab_size())?;
@@ -325,7 +325,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     }
     // Before any optimizer state is allocated or read back: the loaded model's own tensors.
     let state_memory = super::optim::state_memory_on_device(&model, &cfg.adamw, accumulating, B::total_bytes(device))
-        .map_err(TrainError::Device)?;
+        .map_err(TrainError::OutOfMemory)?;
     let mut opt = AdamW::<B::InnerBackend>::new(cfg.adamw);
     if load_dir == state_dir {
         opt.steps = position.optimizer_steps;

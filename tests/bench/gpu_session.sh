@@ -44,7 +44,8 @@
 #            request) as its recipe trains it: sequence FIT_SEQ (8192), two micro-batches accumulated (the
 #            f32 gradient sum the recipe's global batch needs), 8-bit moments, two steps, without and with
 #            activation checkpointing, and for a MoE shape once with a matmul per expert instead of the
-#            padded batch (KILN_OPS=noexperts), into table-fit.md: does it fit one GPU, how fast.
+#            padded batch (KILN_OPS=noexperts), into table-fit.md: does it fit one GPU, how fast (a row the
+#            GPU's memory cannot hold reads "out of memory", and the rows after it still run).
 #
 # A kiln run that fails on CUDA is run again without what has never run on a GPU before (tests/bench/
 # fallback.sh: kiln's own CubeCL kernels, burn's fusion, both), so the session still brings back kiln's

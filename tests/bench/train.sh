@@ -65,16 +65,26 @@ if [[ -z $FALLBACK_MARK ]]; then
     trap 'rm -f "$FALLBACK_MARK"' EXIT
 fi
 results=()
-# One kiln row into $out, with the loop's settings and the switches in $1; the result is labelled with its shape.
+# kiln and the PyTorch script exit with this status when the device's memory cannot hold the run, and write a
+# row saying so (`out_of_memory`) where the result would have gone: the answer the fit stage asks for, and
+# nothing a fallback switch mends, so it is neither retried nor counted as a failure.
+OUT_OF_MEMORY=3
+# One kiln row into $out, with the loop's settings and the switches in $1; the result (or the row of a run
+# that ran out of device memory) is labelled with its shape. Returns kiln's exit status.
 kiln_row() {
+    rm -f "$out"
     # shellcheck disable=SC2086  # $1 is a list of NAME=off assignments
     env KILN_CUDA_FUSION=$fusion KILN_SCAN_KERNEL=$scan KILN_ATTENTION_KERNEL=$attn KILN_LOSS_KERNEL=$loss \
         KILN_NORM_KERNEL=$norm KILN_CONV_KERNEL=$conv KILN_OPTIM_KERNEL=$optim \
         KILN_EXPERTS_BATCHED=$experts $1 \
         "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" \
-        --precision "$PRECISION" --moments "$MOMENTS" "${switch[@]}" "${common[@]}" --out "$out" >/dev/null \
-        && python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['shape']=sys.argv[2]; json.dump(r, open(sys.argv[1],'w'))" \
-            "$out" "$shape"
+        --precision "$PRECISION" --moments "$MOMENTS" "${switch[@]}" "${common[@]}" --out "$out" >/dev/null
+    local status=$?
+    if ((status == 0 || status == OUT_OF_MEMORY)) && [[ -f $out ]]; then
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['shape']=sys.argv[2]; json.dump(r, open(sys.argv[1],'w'))" \
+            "$out" "$shape" || return 1
+    fi
+    return $status
 }
 for shape in "${shapes[@]}"; do
     config=tests/bench/shapes/$shape.json
@@ -113,8 +123,15 @@ for shape in "${shapes[@]}"; do
         else
             echo "== $shape: kiln ($DEVICE, $PRECISION, $ops)" >&2
         fi
-        if kiln_row "$marked"; then
+        kiln_row "$marked"
+        status=$?
+        if ((status == 0)); then
             results+=("$out")
+            continue
+        fi
+        if ((status == OUT_OF_MEMORY)); then
+            echo "== $shape: kiln ($ops) ran out of device memory" >&2
+            [[ -f $out ]] && results+=("$out")
             continue
         fi
         echo "kiln failed on $shape ($ops)" >&2
@@ -126,19 +143,27 @@ for shape in "${shapes[@]}"; do
             switches=$(switches_with "$marked" "$variant") || continue
             out=${row_out%.json}-$(switches_label "$switches").json
             echo "== $shape: kiln again with $switches" >&2
-            if kiln_row "$switches"; then
+            kiln_row "$switches"
+            status=$?
+            if ((status == 0)); then
                 results+=("$out")
                 echo "$shape $switches" >>"$FALLBACK_MARK"
                 break
             fi
+            # Without these parts the step may need more memory than with them: the row says so.
+            ((status == OUT_OF_MEMORY)) && [[ -f $out ]] && results+=("$out")
         done
     done
     ((have_torch)) || continue
     for precision in $REFERENCE; do
         out=$OUT/$shape-pytorch-$precision.json
         echo "== $shape: PyTorch ($DEVICE, $precision)" >&2
-        if "$PYTHON" tests/bench/train_python.py --config "$config" --device "$DEVICE" --precision "$precision" \
-            "${common[@]}" --shape "$shape" --out "$out" >/dev/null; then
+        rm -f "$out"
+        "$PYTHON" tests/bench/train_python.py --config "$config" --device "$DEVICE" --precision "$precision" \
+            "${common[@]}" --shape "$shape" --out "$out" >/dev/null
+        status=$?
+        ((status == OUT_OF_MEMORY)) && echo "== $shape: PyTorch ($precision) ran out of device memory" >&2
+        if ((status == 0 || status == OUT_OF_MEMORY)) && [[ -f $out ]]; then
             results+=("$out")
         else
             echo "PyTorch failed on $shape ($precision)" >&2

@@ -54,14 +54,33 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def read_config(config: str) -> dict:
+    path = config if config.endswith(".json") else f"{config}/config.json"
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_fields(args, model_type: str) -> dict:
+    """What a row ran, the fields kiln's `BenchRun` shares."""
+    return {
+        "framework": "pytorch",
+        "model_type": model_type,
+        "device": args.device,
+        "precision": args.precision,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "accumulation": args.accumulation,
+        "docs_per_row": 1,
+        "attn_implementation": args.attn,
+    }
+
+
 def bench(args) -> dict:
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = args.config if args.config.endswith(".json") else f"{args.config}/config.json"
-    with open(path) as f:
-        raw = json.load(f)
+    raw = read_config(args.config)
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "dtype")}
     config = AutoConfig.for_model(raw["model_type"], **fields)
     device = torch.device(args.device)
@@ -108,16 +127,10 @@ def bench(args) -> dict:
     n_flops = flops_params(model.named_parameters(), raw)
     flops = 6 * n_flops * tokens_per_step + 12 * attention_width(raw, args.seq) * args.seq * tokens_per_step
     return {
-        "framework": "pytorch",
-        "model_type": raw["model_type"],
+        **run_fields(args, raw["model_type"]),
+        "device": device.type,
         "params": n_params,
         "flops_params": n_flops,
-        "device": device.type,
-        "precision": args.precision,
-        "seq": args.seq,
-        "micro_batch": args.micro_batch,
-        "accumulation": args.accumulation,
-        "docs_per_row": 1,
         "tokens_per_step": tokens_per_step,
         "warmup": args.warmup,
         "step_seconds": step_seconds,
@@ -129,7 +142,6 @@ def bench(args) -> dict:
         "losses": losses,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "attn_implementation": args.attn,
     }
 
 
@@ -140,6 +152,7 @@ def table(files) -> str:
             results.append(json.load(f))
     lines = ["| shape | framework | precision | params M | seq × micro × acc | tokens/s | MFU % | peak GiB | state GiB | kiln / PyTorch tokens/s | kiln / PyTorch memory |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    measured = [r for r in results if "out_of_memory" not in r]
     for r in results:
         shape = r.get("shape", r["model_type"])
         mfu = f"{r['mfu'] * 100:.1f}" if r.get("mfu") is not None else "-"
@@ -147,8 +160,8 @@ def table(files) -> str:
         # kiln's weights, gradients and optimizer state between steps (the peak adds activations).
         state = f"{r['state_memory_bytes'] / 2**30:.2f}" if r.get("state_memory_bytes") else "-"
         ratio = mem_ratio = ""
-        if r["framework"] == "kiln":
-            refs = [o for o in results if o["framework"] == "pytorch" and o.get("shape", o["model_type"]) == shape]
+        if r["framework"] == "kiln" and r in measured:
+            refs = [o for o in measured if o["framework"] == "pytorch" and o.get("shape", o["model_type"]) == shape]
             ratio = " ".join(f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}× ({o['precision']})" for o in refs)
             mem_ratio = " ".join(f"{r['peak_memory_bytes'] / o['peak_memory_bytes']:.2f}× ({o['precision']})"
                                  for o in refs if o.get("peak_memory_bytes") and r.get("peak_memory_bytes"))
@@ -163,11 +176,12 @@ def table(files) -> str:
             + (" (a matmul per expert)" if r.get("experts_batched") is False else "") \
             + (" (checkpointed)" if r.get("activation_checkpointing") else "") \
             + (f" ({r['moments']} moments)" if r.get("moments", "f32") != "f32" else "")
-        params = f"{r['params'] / 1e6:.1f}"
-        if r.get("flops_params") not in (None, r["params"]):
+        params = f"{r['params'] / 1e6:.1f}" if "params" in r else "-"
+        if r.get("flops_params") not in (None, r.get("params")):
             params += f" ({r['flops_params'] / 1e6:.1f} in MFU)"
+        speed = "out of memory" if "out_of_memory" in r else f"{r['tokens_per_s']:,.0f}"
         lines.append(f"| {shape} | {framework} | {r['precision']} | {params} | "
-                     f"{r['seq']} × {r['micro_batch']} × {r['accumulation']} | {r['tokens_per_s']:,.0f} | {mfu} | "
+                     f"{r['seq']} × {r['micro_batch']} × {r['accumulation']} | {speed} | {mfu} | "
                      f"{mem} | {state} | {ratio} | {mem_ratio} |")
     return "\n".join(lines)
 
@@ -193,7 +207,14 @@ def main():
     p.add_argument("--shape", default=None, help="a name for the table (default: the model type)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    result = bench(args)
+    import torch
+    try:
+        result = bench(args)
+    except torch.OutOfMemoryError as e:
+        # A row saying so, as kiln writes one, and exit status 3 (kiln's): tests/bench/train.sh keeps the row
+        # and tries nothing else.
+        result = {**run_fields(args, read_config(args.config)["model_type"]), "out_of_memory": str(e).splitlines()[0]}
+        print(f"train_python.py: out of device memory: {result['out_of_memory']}", file=sys.stderr)
     if args.shape:
         result["shape"] = args.shape
     text = json.dumps(result)
@@ -201,6 +222,8 @@ def main():
         with open(args.out, "w") as f:
             f.write(text + "\n")
     print(text)
+    if "out_of_memory" in result:
+        sys.exit(3)
 
 
 if __name__ == "__main__":

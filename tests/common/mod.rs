@@ -200,6 +200,13 @@ fn resolve(repo: &FakeRepo, rev: &str) -> Option<String> {
 
 /// Runs the kiln binary with `args` and `envs`, returning (success, stdout, stderr).
 pub fn run_kiln(args: &[&str], envs: &[(&str, &str)], cwd: &Path) -> (bool, String, String) {
+    let (status, stdout, stderr) = run_kiln_status(args, envs, cwd);
+    (status.success(), stdout, stderr)
+}
+
+/// `run_kiln` with the exit status itself (kiln's are 1 for an error, 3 for a run the device's memory
+/// cannot hold, 101 for a panic).
+pub fn run_kiln_status(args: &[&str], envs: &[(&str, &str)], cwd: &Path) -> (std::process::ExitStatus, String, String) {
     let mut cmd = std::process::Command::new(kiln_bin());
     cmd.args(args).current_dir(cwd);
     for var in [
@@ -219,11 +226,7 @@ pub fn run_kiln(args: &[&str], envs: &[(&str, &str)], cwd: &Path) -> (bool, Stri
         cmd.env(k, v);
     }
     let out = cmd.output().expect("run kiln");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    (out.status, String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 /// Every distinct parameter of `model` by checkpoint key, with its dtype and values.
@@ -318,7 +321,7 @@ pub fn assert_reference_ops_agree(precision: kiln::train::Precision, accumulatio
     for (shape, config) in tiny_shapes() {
         let ops = bench_on_device(&config, &cfg, "cpu").unwrap();
         let reference = bench_on_device(&config, &BenchConfig { reference_ops: true, ..cfg.clone() }, "cpu").unwrap();
-        assert!(!ops.reference_ops && reference.reference_ops, "{shape}: the results say which ran");
+        assert!(!ops.run.reference_ops && reference.run.reference_ops, "{shape}: the results say which ran");
         assert!(!kiln::models::ops::reference_ops(), "{shape}: the switch is restored after the run");
         assert_losses_agree(&format!("{shape}: ops, reference ops"), &ops, &reference, tolerance(shape));
     }

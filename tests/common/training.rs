@@ -235,7 +235,7 @@ pub fn assert_tiny_shapes_train_as_on_the_cpu(precision: Precision, accumulation
             let cpu = bench_on_device(&config, cfg, "cpu").unwrap();
             let device = bench_on_device(&config, &BenchConfig { precision, ..cfg.clone() }, "vulkan")
                 .unwrap_or_else(|e| panic!("{shape} {label}: {e}"));
-            assert_eq!(device.device, "vulkan");
+            assert_eq!(device.run.device, "vulkan");
             let what = format!("{shape} {label}: vulkan {precision:?}, cpu f32");
             super::assert_losses_agree(&what, &device, &cpu, tolerance(shape));
         }
