@@ -65,12 +65,13 @@ def run_fields(args, model_type: str) -> dict:
     return {
         "framework": "pytorch",
         "model_type": model_type,
-        "device": args.device,
+        "device": args.device.split(":")[0],
         "precision": args.precision,
         "seq": args.seq,
         "micro_batch": args.micro_batch,
         "accumulation": args.accumulation,
         "docs_per_row": 1,
+        "activation_checkpointing": args.gradient_checkpointing,
         "attn_implementation": args.attn,
     }
 
@@ -128,7 +129,6 @@ def bench(args) -> dict:
     flops = 6 * n_flops * tokens_per_step + 12 * attention_width(raw, args.seq) * args.seq * tokens_per_step
     return {
         **run_fields(args, raw["model_type"]),
-        "device": device.type,
         "params": n_params,
         "flops_params": n_flops,
         "tokens_per_step": tokens_per_step,
