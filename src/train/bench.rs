@@ -68,7 +68,8 @@ pub struct BenchRun {
     /// How AdamW kept its moments (kiln only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moments: Option<MomentDtype>,
-    /// Whether burn's activation checkpointing ran (kiln only).
+    /// Whether activations were recomputed in the backward pass (burn's activation checkpointing for kiln,
+    /// transformers' gradient checkpointing for PyTorch rows).
     #[serde(default)]
     pub activation_checkpointing: bool,
     /// Whether the DeltaNet scan ran as kiln's kernel (kiln on a CubeCL device only: `KILN_SCAN_KERNEL`).
