@@ -1,7 +1,7 @@
 //! The trainer's fixture run, shared by the CPU trainer tests and the fused-backend tests: the LFM2 parity
-//! batch as a shard, the settings of tests/fixtures/lfm2/make_train_fixture.py's PyTorch run, and the checks
-//! that a backend trains to PyTorch's losses and parameters and resumes bit for bit; and the tiny shapes'
-//! benchmark steps on the vulkan device against the CPU's.
+//! batch as a shard, the settings of the PyTorch run in tests/fixtures/lfm2/make_fixtures.py (`train_fixture`),
+//! and the checks that a backend trains to PyTorch's losses and parameters and resumes bit for bit; and the
+//! tiny shapes' benchmark steps on the vulkan device against the CPU's.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
