@@ -107,6 +107,9 @@ struct SftArgs {
     /// `train.activation_checkpointing`): less memory, the same training.
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Train data-parallel on this many devices (cuda 0..N), as the model config's `train.devices`.
+    #[arg(long)]
+    devices: Option<usize>,
     #[arg(long, default_value = "pipelines/sft.toml")]
     pipeline: PathBuf,
     #[arg(long, env = "KILN_CONFIGS", default_value = "configs/models")]
@@ -450,6 +453,10 @@ struct TrainArgs {
     /// Recompute memory-bound activations in the backward pass instead of keeping them.
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Data-parallel replicas, one a device (cuda 0..N): a step's micro-batches are shared among them and their
+    /// gradients summed by burn's collective. On the CPU they share its one device (a check, not a speed-up).
+    #[arg(long)]
+    devices: Option<usize>,
     /// Parameter / activation dtype: auto is f32 on the CPU, bf16 (with f32 master weights) on CUDA.
     #[arg(long, value_enum)]
     precision: Option<kiln::train::Precision>,
@@ -726,6 +733,7 @@ fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
         until: args.until,
         device: args.device,
         activation_checkpointing: args.activation_checkpointing,
+        devices: args.devices,
         pipeline: args.pipeline,
         configs_dir: args.configs_dir,
         datasets_dir: datasets_dir.to_path_buf(),
@@ -1142,7 +1150,7 @@ fn train_config(args: &TrainArgs) -> Result<kiln::train::TrainConfig> {
     macro_rules! set {
         ($($field:ident),*) => { $(if let Some(v) = args.$field { cfg.$field = v; })* };
     }
-    set!(epochs, lr, warmup_ratio, decay, global_batch, micro_batch, pad_multiple, seed, export_dtype);
+    set!(epochs, lr, warmup_ratio, decay, global_batch, micro_batch, pad_multiple, seed, export_dtype, devices);
     if let Some(wd) = args.weight_decay {
         cfg.adamw.weight_decay = wd;
     }

@@ -3,7 +3,8 @@
 //! equals the uninterrupted one bit for bit (f32 and bf16), epoch checkpoints reload to the in-memory
 //! model's logits, a batch can be overfit, and a non-finite loss stops the run naming where. Mixed precision:
 //! the f32 master weights of bf16 parameters take exactly the f32 update, and bf16 training tracks PyTorch's
-//! f32 run. The training benchmark runs both architectures through the trainer's step.
+//! f32 run. Two data-parallel replicas train as one device and resume bit for bit. The training benchmark runs
+//! both architectures through the trainer's step.
 
 mod common;
 
@@ -90,6 +91,33 @@ fn a_resumed_run_equals_the_uninterrupted_one_bit_for_bit() {
         decay: Decay::Cosine,
         ..parity_config()
     });
+}
+
+/// Data-parallel replicas train as one device does: two replicas (sharing the CPU) each run half of every
+/// step's micro-batches and burn's collective sums their gradients, and every loss, gradient norm and
+/// parameter stays within f32 rounding of the one-device run (the sums' order differs), for the tiny LFM2 and
+/// LFM2 MoE.
+#[test]
+fn two_replicas_train_as_one_device_does() {
+    common::training::assert_replicas_train_as_one_device::<CpuTrain>(&["lfm2-tiny", "lfm2-moe-tiny"], 1e-6);
+}
+
+/// A data-parallel run resumes bit for bit (every replica reloads the saved state), and a step that cannot
+/// share its micro-batches evenly among the devices is refused before anything loads.
+#[test]
+fn a_data_parallel_run_resumes_bit_for_bit_and_uneven_shares_are_refused() {
+    assert_resume_is_exact::<CpuTrain>(&TrainConfig {
+        epochs: 2,
+        warmup_steps: Some(2),
+        decay: Decay::Cosine,
+        devices: 2,
+        ..parity_config()
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixture_shards(dir.path(), 2);
+    let cfg = TrainConfig { global_batch: 4, micro_batch: 1, devices: 3, ..parity_config() };
+    let err = failed_run::<CpuTrain>(&fixture_dir().join("lfm2-tiny"), &cfg, &data, &dir.path().join("run"));
+    assert!(err.contains("4 micro-batches") && err.contains("3 devices"), "{err}");
 }
 
 /// bf16 parameters resume exactly too: the state keeps their f32 master weights beside the moments.

@@ -3,11 +3,11 @@
 //! the same fusion and the same kernels with another compiler under them, so a model, an op, a trainer step
 //! or the kernel profiler that goes wrong on a fused CubeCL backend shows here before any GPU session:
 //! the architectures against transformers (logits and gradients), the trainer against PyTorch's AdamW run,
-//! resume, every tiny shape's training steps against the CPU's, kiln's own CubeCL kernels (the DeltaNet scan
-//! and chunk solve, the attention's softmax rows, the cross-entropy's rows, the RMSNorms, the causal conv,
-//! the gradients' squared norm, AdamW's update) against the tensor ops they replace, the MoE's experts batched
-//! into one matmul against a matmul per expert, and the per-kernel profile that
-//! tests/bench/gpu_session.sh takes on the GPU.
+//! resume, data-parallel replicas through burn's collective, every tiny shape's training steps against the
+//! CPU's, kiln's own CubeCL kernels (the DeltaNet scan and chunk solve, the attention's softmax rows, the
+//! cross-entropy's rows, the RMSNorms, the causal conv, the gradients' squared norm, AdamW's update) against
+//! the tensor ops they replace, the MoE's experts batched into one matmul against a matmul per expert, and the
+//! per-kernel profile that tests/bench/gpu_session.sh takes on the GPU.
 //! Built with `--features vulkan` (`make test` adds it where a Vulkan driver is installed; .ci/run installs
 //! lavapipe).
 #![cfg(feature = "vulkan")]
@@ -123,6 +123,13 @@ fn the_tiny_shapes_train_on_the_unfused_backend_as_on_the_cpu() {
 
 /// 8-bit moments on the device (u8 code tensors, the map looked up with gathers, the quantizer's float
 /// arithmetic in SPIR-V): bitsandbytes' codes and AdamW8bit parameters (tests/fixtures/optim).
+/// Data-parallel replicas on the fused backend (two, sharing lavapipe's one device): burn's collective sums
+/// the fusion backend's gradients, and the run follows the one-device run.
+#[test]
+fn two_replicas_train_as_one_device_on_the_fused_backend() {
+    common::training::assert_replicas_train_as_one_device::<VkTrain>(&["lfm2-tiny"], 1e-5);
+}
+
 #[test]
 fn adamw_with_8bit_moments_follows_bitsandbytes_on_the_fused_backend() {
     common::optim::assert_8bit_adamw_follows_bitsandbytes::<VkTrain>(1e-5);

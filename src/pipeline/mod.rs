@@ -151,6 +151,8 @@ pub struct SftRequest {
     pub device: String,
     /// Activation checkpointing on, whatever the model config says.
     pub activation_checkpointing: bool,
+    /// Data-parallel devices, instead of the model config's `train.devices`.
+    pub devices: Option<usize>,
     pub pipeline: PathBuf,
     pub configs_dir: PathBuf,
     pub datasets_dir: PathBuf,
@@ -194,6 +196,9 @@ pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, Pipeli
     let mut config = ModelConfig::find(&req.model, &req.configs_dir)?;
     config.train.epochs = req.epochs.unwrap_or(def.defaults.epochs);
     config.train.activation_checkpointing |= req.activation_checkpointing;
+    if let Some(devices) = req.devices {
+        config.train.devices = devices;
+    }
     if let Some(data) = &req.data {
         config.data.recipes = data.clone();
         config.data.weights.retain(|k, _| data.contains(k));

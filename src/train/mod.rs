@@ -1,12 +1,14 @@
 //! Full fine-tuning on burn: the loop (seeded epochs of shard rows, cross-entropy on supervised tokens in f32
 //! normalized by the whole optimizer step's supervised count, gradient accumulation, global-norm clipping,
-//! AdamW, warmup + decay), per-epoch HF exports, exact resume, and per-step metrics.
+//! AdamW, warmup + decay), per-epoch HF exports, exact resume, and per-step metrics; on one device or as
+//! data-parallel replicas on several (`replicas`).
 
 pub mod bench;
 pub mod data;
 pub mod linear_ce;
 pub mod optim;
 pub mod quant8;
+pub mod replicas;
 pub mod schedule;
 pub mod step;
 pub mod trainer;
@@ -112,18 +114,20 @@ pub fn train_on_device(
     let cfg = &cfg.for_device(device);
     macro_rules! go {
         ($backend:ty) => {
-            train::<$backend>(
-                cfg,
-                model_dir,
-                data_dir,
-                run_dir,
-                resume,
-                stop,
-                halt_after,
-                show_progress,
-                &Default::default(),
-            )
-            .map(|(summary, _)| summary)
+            replicas::check_gpus::<$backend>(device, cfg.devices).and_then(|()| {
+                train::<$backend>(
+                    cfg,
+                    model_dir,
+                    data_dir,
+                    run_dir,
+                    resume,
+                    stop,
+                    halt_after,
+                    show_progress,
+                    &Default::default(),
+                )
+                .map(|(summary, _)| summary)
+            })
         };
     }
     with_train_backend!(device, cfg.precision, cfg.activation_checkpointing, go)

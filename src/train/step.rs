@@ -1,15 +1,18 @@
 //! One optimizer step, shared by `kiln train` and the training benchmark: micro-batches of packed rows →
 //! forward with document boundaries → next-token cross-entropy in f32 on the supervised targets, normalized
-//! by the whole step's supervised count → backward → gradients summed in f32 → global-norm clipping → AdamW.
+//! by the whole step's supervised count → backward → gradients summed in f32 (and across data-parallel
+//! replicas) → global-norm clipping → AdamW.
 
 use burn::optim::GradientsParams;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
+use super::TrainError;
 use super::data::target_weights;
 use super::linear_ce::{LinearCrossEntropy, chunk_rows_for};
 use super::optim::{AdamW, ClipScale, F32Accumulator, read_scalars, squared_norm, step_scaled};
+use super::replicas::{GradientSync, catch};
 use crate::backend::host_tensor;
 use crate::models::{CausalLm, SequenceLayout};
 use crate::tokens::shards::Row;
@@ -60,6 +63,7 @@ pub fn supervised_loss<B: LinearCrossEntropy>(
 }
 
 /// The packed rows of one forward pass, flattened for the model.
+#[derive(Debug, Clone)]
 pub struct MicroBatch {
     pub rows: usize,
     pub seq: usize,
@@ -135,6 +139,93 @@ pub struct NonFiniteLoss {
     pub loss: f32,
 }
 
+/// What one device's share of an optimizer step did (all of it on one device; a replica's part in data-parallel
+/// training, `shard_step`).
+#[derive(Debug, Clone, Default)]
+pub struct ShardOutcome {
+    /// The loss of each of its micro-batches that had something supervised, by index in the step.
+    pub losses: Vec<(usize, f32)>,
+    /// The step's global gradient norm before clipping (the same on every replica); `None` when nothing in the
+    /// step was supervised and the model was left as it was.
+    pub grad_norm: Option<f64>,
+}
+
+impl ShardOutcome {
+    /// The step's outcome from its shares': the losses summed in micro-batch order (so the sum does not depend
+    /// on how the micro-batches were shared out), or the first non-finite one.
+    pub fn merge(shards: impl IntoIterator<Item = ShardOutcome>) -> Result<Option<StepOutcome>, NonFiniteLoss> {
+        let mut grad_norm = None;
+        let mut losses = Vec::new();
+        for shard in shards {
+            grad_norm = grad_norm.or(shard.grad_norm);
+            losses.extend(shard.losses);
+        }
+        let Some(grad_norm) = grad_norm else { return Ok(None) };
+        losses.sort_by_key(|&(micro, _)| micro);
+        if let Some(&(micro, loss)) = losses.iter().find(|(_, loss)| !loss.is_finite()) {
+            return Err(NonFiniteLoss { micro, loss });
+        }
+        Ok(Some(StepOutcome { loss: losses.iter().map(|&(_, loss)| f64::from(loss)).sum(), grad_norm }))
+    }
+}
+
+/// The losses (on the device) and the f32 gradient sum of `shard`'s micro-batches, each loss normalized by
+/// `supervised`. A micro-batch with nothing supervised adds nothing.
+#[allow(clippy::type_complexity)]
+fn accumulate<B: LinearCrossEntropy>(
+    model: &CausalLm<B>,
+    shard: &[(usize, &MicroBatch)],
+    supervised: f32,
+    device: &B::Device,
+) -> (Vec<(usize, Tensor<B::InnerBackend, 1>)>, GradientsParams) {
+    // The loss values stay on the device until the step's one read: reading each before its backward
+    // would leave the device idle while the host queues the backward pass.
+    let mut losses = Vec::new();
+    let mut accumulator = F32Accumulator::<B>::default();
+    for &(micro, batch) in shard {
+        let layout = SequenceLayout::from_doc_lengths(&batch.doc_lengths, batch.seq);
+        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(batch.ids.clone(), [batch.rows, batch.seq]), device);
+        let hidden = model.forward_hidden(input, &layout);
+        let head = model.head_weight();
+        let Some(loss) =
+            supervised_loss(hidden, head, model.logit_softcap(), &batch.targets, &batch.weights, supervised)
+        else {
+            continue;
+        };
+        losses.push((micro, loss.clone().inner()));
+        accumulator.add(model, GradientsParams::from_grads(loss.backward(), model));
+    }
+    (losses, accumulator.finish())
+}
+
+/// Clips `grads` (the whole step's) to `max_norm`, applies AdamW at `lr`, then reads the losses and the norm
+/// back in one transfer.
+fn update<B: LinearCrossEntropy>(
+    model: CausalLm<B>,
+    opt: &mut AdamW<B::InnerBackend>,
+    grads: &GradientsParams,
+    losses: Vec<(usize, Tensor<B::InnerBackend, 1>)>,
+    lr: f64,
+    max_norm: Option<f64>,
+) -> (CausalLm<B>, ShardOutcome) {
+    let squared = squared_norm::<B, _>(&model, grads);
+    // Clipped on the device and queued behind the backward pass; the one read comes after.
+    let scale = max_norm.zip(squared.clone()).map(|(max, squared)| ClipScale::new(squared, max));
+    let model = step_scaled::<B, _>(model, opt, grads, lr, scale.as_ref());
+    let (micros, mut scalars): (Vec<usize>, Vec<_>) = losses.into_iter().unzip();
+    scalars.extend(squared);
+    let values = read_scalars(scalars);
+    let (loss_values, squared) = values.split_at(micros.len().min(values.len()));
+    let grad_norm = squared.first().map_or(0.0, |&s| f64::from(s).sqrt());
+    (
+        model,
+        ShardOutcome {
+            losses: micros.into_iter().zip(loss_values.iter().copied()).collect(),
+            grad_norm: Some(grad_norm),
+        },
+    )
+}
+
 /// Runs one optimizer step over `batches` (the loss of each normalized by the supervised count of all of
 /// them) and updates `model` with AdamW at `lr` after clipping to `max_norm`. A step with nothing supervised
 /// returns the model unchanged and `None`. The device is synchronized once, after the update is queued,
@@ -151,42 +242,40 @@ pub fn optimizer_step<B: LinearCrossEntropy>(
     if supervised == 0.0 {
         return Ok((model, None));
     }
-    // The loss values stay on the device until the step's one read: reading each before its backward
-    // would leave the device idle while the host queues the backward pass.
-    let mut losses = Vec::new();
-    let mut accumulator = F32Accumulator::<B>::default();
-    for (micro, batch) in batches.iter().enumerate() {
-        let layout = SequenceLayout::from_doc_lengths(&batch.doc_lengths, batch.seq);
-        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(batch.ids.clone(), [batch.rows, batch.seq]), device);
-        let hidden = model.forward_hidden(input, &layout);
-        // A micro-batch with nothing supervised adds nothing to the step's loss or gradients.
-        let head = model.head_weight();
-        let Some(loss) =
-            supervised_loss(hidden, head, model.logit_softcap(), &batch.targets, &batch.weights, supervised)
-        else {
-            continue;
+    let shard: Vec<(usize, &MicroBatch)> = batches.iter().enumerate().collect();
+    let (losses, grads) = accumulate(&model, &shard, supervised, device);
+    let (model, outcome) = update(model, opt, &grads, losses, lr, max_norm);
+    ShardOutcome::merge([outcome]).map(|outcome| (model, outcome))
+}
+
+/// A replica's part of a data-parallel optimizer step: the forward and backward passes of its micro-batches
+/// `shard` (normalized by `supervised`, the count of the whole step), the gradient sums added across the
+/// replicas (`sync`), then the update every replica makes alike. A failure in its own passes (a panic on the
+/// device) still takes part in the sum, with no gradients, so no replica waits on it; it is returned after.
+#[allow(clippy::too_many_arguments)]
+pub fn shard_step<B: LinearCrossEntropy>(
+    model: CausalLm<B>,
+    opt: &mut AdamW<B::InnerBackend>,
+    shard: &[(usize, &MicroBatch)],
+    supervised: f32,
+    lr: f64,
+    max_norm: Option<f64>,
+    device: &B::Device,
+    sync: &GradientSync,
+) -> Result<(CausalLm<B>, ShardOutcome), TrainError> {
+    if supervised == 0.0 {
+        return Ok((model, ShardOutcome::default()));
+    }
+    let (losses, grads, failure) =
+        match catch("the forward and backward passes", || accumulate(&model, shard, supervised, device)) {
+            Ok((losses, grads)) => (losses, grads, None),
+            Err(e) => (Vec::new(), GradientsParams::new(), Some(e)),
         };
-        losses.push((micro, loss.clone().inner()));
-        accumulator.add(&model, GradientsParams::from_grads(loss.backward(), &model));
+    let grads = sync.all_reduce(&model, grads)?;
+    if let Some(e) = failure {
+        return Err(e);
     }
-    let grads = accumulator.finish();
-    let squared = squared_norm::<B, _>(&model, &grads);
-    // Clipped on the device and queued behind the backward pass; the one read comes after.
-    let scale = max_norm.zip(squared.clone()).map(|(max, squared)| ClipScale::new(squared, max));
-    let model = step_scaled::<B, _>(model, opt, &grads, lr, scale.as_ref());
-    let (micros, mut scalars): (Vec<usize>, Vec<_>) = losses.into_iter().unzip();
-    scalars.extend(squared);
-    let values = read_scalars(scalars);
-    let (loss_values, squared) = values.split_at(micros.len().min(values.len()));
-    let mut loss_sum = 0.0f64;
-    for (&micro, &value) in micros.iter().zip(loss_values) {
-        if !value.is_finite() {
-            return Err(NonFiniteLoss { micro, loss: value });
-        }
-        loss_sum += value as f64;
-    }
-    let grad_norm = squared.first().map_or(0.0, |&s| f64::from(s).sqrt());
-    Ok((model, Some(StepOutcome { loss: loss_sum, grad_norm })))
+    Ok(update(model, opt, &grads, losses, lr, max_norm))
 }
 
 #[cfg(test)]

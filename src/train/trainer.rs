@@ -19,8 +19,9 @@ use super::TrainError;
 use super::data::TrainData;
 use super::linear_ce::LinearCrossEntropy;
 use super::optim::{AdamW, AdamWConfig, CODES_SUFFIX, StateMemory};
+use super::replicas::{GradientSync, ReplicaWork, Replicas, Share, ShareOutcome};
 use super::schedule::{Decay, Schedule};
-use super::step::{MicroBatch, optimizer_step};
+use super::step::{MicroBatch, NonFiniteLoss, ShardOutcome, StepOutcome, optimizer_step, shard_step};
 use crate::backend::DeviceMemory;
 use crate::models::hf::{ExportDtype, HfNamed, RawTensor, write_safetensors};
 use crate::models::weights::{HostTensor, kept_in_f32};
@@ -94,6 +95,11 @@ pub struct TrainConfig {
     /// Recompute memory-bound activations in the backward pass instead of keeping them (burn's balanced
     /// checkpointing): less memory, the same updates, so a run may resume with it switched either way.
     pub activation_checkpointing: bool,
+    /// Data-parallel replicas, one a device (`cuda` devices 0..N; on the CPU they share its one device, which
+    /// checks the path and adds no compute): each runs its share of a step's micro-batches and burn's
+    /// collective sums their gradients, so the updates are those of one device up to the order of the f32
+    /// sums. A step's micro-batches (global batch / micro batch) must be a multiple of it.
+    pub devices: usize,
 }
 
 impl TrainConfig {
@@ -104,9 +110,15 @@ impl TrainConfig {
     }
 
     /// Whether a state saved with `saved` continues as this config would train: every setting equal but
-    /// activation checkpointing, which changes memory, not the updates.
+    /// activation checkpointing, which changes memory, not the updates, and the device count, which changes
+    /// only the order of the gradients' f32 sums (bit for bit, a resume wants the same count).
     pub fn continues(&self, saved: &TrainConfig) -> bool {
-        *self == TrainConfig { activation_checkpointing: self.activation_checkpointing, ..saved.clone() }
+        *self
+            == TrainConfig {
+                activation_checkpointing: self.activation_checkpointing,
+                devices: self.devices,
+                ..saved.clone()
+            }
     }
 }
 
@@ -131,6 +143,7 @@ impl Default for TrainConfig {
             peak_tflops: None,
             precision: Precision::Auto,
             activation_checkpointing: false,
+            devices: 1,
         }
     }
 }
@@ -251,6 +264,131 @@ fn read_moments(dir: &Path) -> Result<HashMap<String, HostTensor>, TrainError> {
     Ok(out)
 }
 
+/// Why a step stopped the run: a non-finite loss, or a failure (a replica's).
+enum StepFailure {
+    NonFinite(NonFiniteLoss),
+    Error(TrainError),
+}
+
+/// One optimizer step's micro-batches, their supervised count, rate and clipping.
+struct StepInputs {
+    batches: Vec<MicroBatch>,
+    supervised: f32,
+    lr: f64,
+    max_norm: Option<f64>,
+}
+
+/// One optimizer step on every replica: micro-batch `i` on replica `i mod N`, replica 0's share here while
+/// the others run theirs; the step's outcome from all of theirs.
+fn replicated_step<B: LinearCrossEntropy + DeviceMemory>(
+    model: CausalLm<B>,
+    opt: &mut AdamW<B::InnerBackend>,
+    replicas: &mut Replicas<B>,
+    sync: &GradientSync,
+    step: StepInputs,
+    device: &B::Device,
+) -> Result<(CausalLm<B>, Option<StepOutcome>), StepFailure> {
+    let StepInputs { batches, supervised, lr, max_norm } = step;
+    let mut shares = super::replicas::split(batches, replicas.count()).into_iter();
+    let own = shares.next().unwrap_or_default();
+    replicas.send(shares.map(|batches| Share { batches, supervised, lr }).collect()).map_err(StepFailure::Error)?;
+    let own: Vec<(usize, &MicroBatch)> = own.iter().map(|(i, b)| (*i, b)).collect();
+    let mine = shard_step(model, opt, &own, supervised, lr, max_norm, device, sync);
+    // Collected even when this replica failed: the others have finished the step too.
+    let theirs: Result<Vec<_>, _> = replicas.collect().into_iter().collect();
+    let (model, mine) = mine.map_err(StepFailure::Error)?;
+    let outcome = ShardOutcome::merge(std::iter::once(mine).chain(theirs.map_err(StepFailure::Error)?));
+    outcome.map(|outcome| (model, outcome)).map_err(StepFailure::NonFinite)
+}
+
+/// A replica's model, optimizer and what its state takes, as loaded for training.
+struct Loaded<B: AutodiffBackend> {
+    config: ModelConfig,
+    model: CausalLm<B>,
+    opt: AdamW<B::InnerBackend>,
+    state_memory: StateMemory,
+}
+
+/// Where every replica loads from: the checkpoint, or a saved state (with its optimizer step count).
+#[derive(Clone)]
+struct ReplicaSource {
+    cfg: TrainConfig,
+    load_dir: PathBuf,
+    state: Option<usize>,
+    accumulating: bool,
+}
+
+impl ReplicaSource {
+    /// The model and optimizer on `device`, after checking that they fit it.
+    fn load<B: LinearCrossEntropy + DeviceMemory>(&self, device: &B::Device) -> Result<Loaded<B>, TrainError> {
+        let (cfg, load_dir) = (&self.cfg, &self.load_dir);
+        // A model whose state cannot fit is refused by its checkpoint's headers, before loading takes the
+        // memory (an 8B model in f32 on the CPU outgrows most hosts in the loading alone).
+        if let Some(device_bytes) = B::total_bytes(device) {
+            let bytes = |key: &str| match cfg.precision.dtype() {
+                _ if kept_in_f32(key) => 4,
+                Some(dtype) => DType::from(dtype).size(),
+                None => size_of::<B::FloatElem>(),
+            };
+            let sizes = checkpoint_tensor_sizes(load_dir)?;
+            let tensors: Vec<(usize, usize)> = sizes.iter().map(|(key, n)| (*n, bytes(key))).collect();
+            super::optim::tensors_fit_device(&tensors, &cfg.adamw, self.accumulating, Some(device_bytes))
+                .map_err(TrainError::OutOfMemory)?;
+        }
+        let (config, mut model) = load_model::<B>(load_dir, device)?;
+        if let Some(dtype) = cfg.precision.dtype() {
+            model = model.cast_params(dtype);
+        }
+        // Before any optimizer state is allocated or read back: the loaded model's own tensors.
+        let state_memory =
+            super::optim::state_memory_on_device(&model, &cfg.adamw, self.accumulating, B::total_bytes(device))
+                .map_err(TrainError::OutOfMemory)?;
+        let mut opt = AdamW::<B::InnerBackend>::new(cfg.adamw);
+        if let Some(steps) = self.state {
+            opt.steps = steps;
+            let sizes = super::optim::param_sizes(&model);
+            let names =
+                param_names(&model).into_iter().map(|(id, name)| (id, (name, sizes.get(&id).copied().unwrap_or(0))));
+            opt.import_state(&names.collect(), &read_moments(&load_dir.join("optimizer"))?, device)
+                .map_err(|message| TrainError::State { path: load_dir.clone(), message })?;
+        }
+        Ok(Loaded { config, model, opt, state_memory })
+    }
+}
+
+/// A replica beyond the trainer's own: its model between steps (taken while one runs) and optimizer.
+struct ReplicaState<B: AutodiffBackend> {
+    model: Option<CausalLm<B>>,
+    opt: AdamW<B::InnerBackend>,
+    device: B::Device,
+}
+
+impl<B: LinearCrossEntropy + DeviceMemory> ReplicaWork<B> for ReplicaSource {
+    type State = ReplicaState<B>;
+
+    fn load(&self, device: &B::Device) -> Result<ReplicaState<B>, TrainError> {
+        let Loaded { model, opt, .. } = ReplicaSource::load::<B>(self, device)?;
+        Ok(ReplicaState { model: Some(model), opt, device: device.clone() })
+    }
+
+    fn run(&self, state: &mut ReplicaState<B>, share: Share, sync: &GradientSync) -> ShareOutcome {
+        let model = state.model.take().ok_or_else(|| TrainError::Device("the replica lost its model".into()))?;
+        let batches: Vec<(usize, &MicroBatch)> = share.batches.iter().map(|(i, b)| (*i, b)).collect();
+        let (model, outcome) = shard_step(
+            model,
+            &mut state.opt,
+            &batches,
+            share.supervised,
+            share.lr,
+            self.cfg.max_grad_norm,
+            &state.device,
+            sync,
+        )?;
+        state.model = Some(model);
+        Ok(outcome)
+    }
+}
+
 /// Trains the checkpoint in `model_dir` on the shards in `data_dir`, writing into `run_dir`.
 /// `resume` continues from `run_dir/train/state` exactly where it stopped. `stop` (Ctrl-C) and `halt_after`
 /// (a step count) save the state and return early. Returns the summary and the trained model.
@@ -304,37 +442,25 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             model_dir.to_path_buf(),
         )
     };
-    let accumulating = global_batch > cfg.micro_batch;
-    // A model whose state cannot fit is refused by its checkpoint's headers, before loading takes the memory
-    // (an 8B model in f32 on the CPU outgrows most hosts in the loading alone).
-    if let Some(device_bytes) = B::total_bytes(device) {
-        let bytes = |key: &str| match cfg.precision.dtype() {
-            _ if kept_in_f32(key) => 4,
-            Some(dtype) => DType::from(dtype).size(),
-            None => size_of::<B::FloatElem>(),
-        };
-        let sizes = checkpoint_tensor_sizes(&load_dir)?;
-        let tensors: Vec<(usize, usize)> = sizes.iter().map(|(key, n)| (*n, bytes(key))).collect();
-        super::optim::tensors_fit_device(&tensors, &cfg.adamw, accumulating, Some(device_bytes))
-            .map_err(TrainError::OutOfMemory)?;
+    let passes = global_batch / cfg.micro_batch;
+    if cfg.devices == 0 || !passes.is_multiple_of(cfg.devices) {
+        return Err(TrainError::Config(format!(
+            "a step of {passes} micro-batches ({global_batch} sequences in micro-batches of {}) does not share \
+             out evenly over {} devices: make global batch / micro batch a multiple of train.devices",
+            cfg.micro_batch, cfg.devices
+        )));
     }
-    let (config, mut model) = load_model::<B>(&load_dir, device)?;
+    let devices = super::replicas::replica_devices::<B>(device, cfg.devices)?;
+    let source = ReplicaSource {
+        cfg: cfg.clone(),
+        load_dir: load_dir.clone(),
+        state: (load_dir == state_dir).then_some(position.optimizer_steps),
+        accumulating: global_batch > cfg.micro_batch,
+    };
+    let Loaded { config, mut model, mut opt, state_memory } = source.load::<B>(device)?;
     data.check_vocabulary(data_dir, config.vocab_size())?;
-    if let Some(dtype) = cfg.precision.dtype() {
-        model = model.cast_params(dtype);
-    }
-    // Before any optimizer state is allocated or read back: the loaded model's own tensors.
-    let state_memory = super::optim::state_memory_on_device(&model, &cfg.adamw, accumulating, B::total_bytes(device))
-        .map_err(TrainError::OutOfMemory)?;
-    let mut opt = AdamW::<B::InnerBackend>::new(cfg.adamw);
-    if load_dir == state_dir {
-        opt.steps = position.optimizer_steps;
-        let sizes = super::optim::param_sizes(&model);
-        let names =
-            param_names(&model).into_iter().map(|(id, name)| (id, (name, sizes.get(&id).copied().unwrap_or(0))));
-        opt.import_state(&names.collect(), &read_moments(&state_dir.join("optimizer"))?, device)
-            .map_err(|message| TrainError::State { path: state_dir.clone(), message })?;
-    }
+    // The other replicas (train.devices > 1) load the same checkpoint or state on their own threads and devices.
+    let mut replicas = Replicas::<B>::start(&devices, source.clone())?;
     if !resume {
         let _ = std::fs::remove_file(train_dir.join("metrics.jsonl"));
     }
@@ -392,30 +518,40 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
                 order[start..(start + global_batch).min(order.len())].iter().map(|&r| &data.rows[r]).collect();
             let batches: Vec<MicroBatch> =
                 rows.chunks(cfg.micro_batch).map(|rows| MicroBatch::from_rows(rows, cfg.pad_multiple)).collect();
+            let tokens: u64 = batches.iter().map(|b| b.tokens).sum();
+            let supervised: f32 = batches.iter().map(MicroBatch::supervised).sum();
             let lr = schedule.lr(position.global_step);
-            let (updated, outcome) =
-                optimizer_step(model, &mut opt, &batches, lr, cfg.max_grad_norm, device).map_err(|e| {
+            let stepped = match &mut replicas {
+                None => optimizer_step(model, &mut opt, &batches, lr, cfg.max_grad_norm, device)
+                    .map_err(StepFailure::NonFinite),
+                Some((replicas, sync)) => {
+                    let step = StepInputs { batches, supervised, lr, max_norm: cfg.max_grad_norm };
+                    replicated_step(model, &mut opt, replicas, sync, step, device)
+                }
+            };
+            let (updated, outcome) = stepped.map_err(|failure| match failure {
+                StepFailure::Error(e) => e,
+                StepFailure::NonFinite(NonFiniteLoss { micro, loss }) => {
                     let samples: Vec<String> = rows
                         .chunks(cfg.micro_batch)
-                        .nth(e.micro)
+                        .nth(micro)
                         .into_iter()
                         .flatten()
                         .flat_map(|r| r.sample_ids.clone())
                         .collect();
                     TrainError::NonFinite {
-                        loss: e.loss,
+                        loss,
                         step: position.global_step,
                         epoch: position.epoch,
-                        micro: e.micro,
+                        micro,
                         samples: samples.join(", "),
                     }
-                })?;
+                }
+            })?;
             model = updated;
             if let Some(outcome) = outcome {
                 B::sync(device).map_err(|e| TrainError::Device(format!("{e:?}")))?;
                 let secs = step_started.elapsed().as_secs_f64();
-                let tokens: u64 = batches.iter().map(|b| b.tokens).sum();
-                let supervised: f32 = batches.iter().map(MicroBatch::supervised).sum();
                 let tokens_f = tokens as f64;
                 let line = StepMetrics {
                     step: position.global_step,
@@ -426,7 +562,9 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
                     tokens,
                     supervised_tokens: supervised as u64,
                     tokens_per_s: tokens_f / secs.max(1e-9),
-                    mfu: cfg.peak_tflops.map(|p| flops.step_flops(tokens_f) / (secs.max(1e-9) * p * 1e12)),
+                    mfu: cfg
+                        .peak_tflops
+                        .map(|p| flops.step_flops(tokens_f) / (secs.max(1e-9) * p * 1e12 * devices.len() as f64)),
                     peak_memory_bytes: peak.observe::<B>(device),
                 };
                 writeln!(metrics, "{}", serde_json::to_string(&line).unwrap_or_default())

@@ -157,6 +157,38 @@ pub enum Agreement {
 }
 
 /// A run on `B` halted after 4 steps and resumed writes the uninterrupted run's checkpoints and losses.
+/// Two data-parallel replicas on `B`'s device train each of the LFM2 fixtures `models` as one device does:
+/// every loss and gradient norm, and every parameter (relative to its tensor's largest entry), within
+/// `tolerance`; the token counts equal.
+pub fn assert_replicas_train_as_one_device<B: LinearCrossEntropy + DeviceMemory>(models: &[&str], tolerance: f64) {
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixture_shards(dir.path(), 2);
+    for name in models {
+        let train = |devices: usize| {
+            let run_dir = dir.path().join(format!("{name}-{devices}"));
+            let cfg = TrainConfig { epochs: 2, global_batch: 4, micro_batch: 1, devices, ..parity_config() };
+            let (summary, model) = run_model::<B>(&fixture_dir().join(name), &cfg, &data, &run_dir, false, None);
+            assert_eq!(summary.steps, 2, "{name} on {devices} devices");
+            (hf_tensors(&model), metrics(&run_dir))
+        };
+        let ((one, one_metrics), (two, two_metrics)) = (train(1), train(2));
+        for (k, t) in &one {
+            let err = super::parity::error_relative_to_largest(&t.data, &two[k].data);
+            assert!(f64::from(err) <= tolerance, "{name} {k}: {err} relative");
+        }
+        assert_eq!(one_metrics.len(), two_metrics.len());
+        for (a, b) in one_metrics.iter().zip(&two_metrics) {
+            for field in ["loss", "grad_norm"] {
+                let (a, b) = (a[field].as_f64().unwrap(), b[field].as_f64().unwrap());
+                assert!((a - b).abs() <= tolerance * a.abs(), "{name}: {field} {a} on one device, {b} on two");
+            }
+            for counted in ["tokens", "supervised_tokens"] {
+                assert_eq!(a[counted], b[counted], "{name}: {counted}");
+            }
+        }
+    }
+}
+
 pub fn assert_resume_is_exact<B: LinearCrossEntropy + DeviceMemory>(cfg: &TrainConfig) {
     assert_resume_agrees::<B>(cfg, Agreement::BitForBit);
 }
