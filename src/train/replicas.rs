@@ -57,8 +57,8 @@ pub fn check_gpus<B: Backend>(device_name: &str, count: usize) -> Result<(), Tra
 }
 
 /// Which parameters had a gradient on any replica this step: the union, taken on the host (the replicas are
-/// threads of one process), so that a parameter no replica touched (an MoE expert no token chose) stays
-/// without a gradient, and without an update, exactly as on one device.
+/// threads of one process), so that a parameter the step's passes never reached on any replica stays without
+/// a gradient, and without an update (AdamW skips it), exactly as on one device.
 struct Presence {
     union: Mutex<Vec<bool>>,
     barrier: Barrier,
