@@ -82,6 +82,12 @@ impl Presence {
     }
 }
 
+/// Unregisters `peer` from burn's collective. A replica that leaves early has already reported why, so its
+/// error here says nothing more.
+fn leave<B: Backend>(peer: PeerId) {
+    let _ = burn_collective::finish_collective::<B>(peer);
+}
+
 /// One replica's place in the collective: its peer id and the step's shared presence board.
 pub struct GradientSync {
     peer: PeerId,
@@ -102,8 +108,7 @@ impl GradientSync {
     }
 
     fn finish<B: Backend>(&self) {
-        // A replica that leaves early has already reported why; nothing more to say here.
-        let _ = burn_collective::finish_collective::<B>(self.peer);
+        leave::<B>(self.peer);
     }
 
     /// The sum over all replicas of each parameter's gradient sum `grads` (f32, from `F32Accumulator`), in
@@ -197,9 +202,10 @@ pub type ShareOutcome = Result<super::step::ShardOutcome, TrainError>;
 /// Splits a step's micro-batches among `count` replicas, round robin: micro-batch `i` goes to replica
 /// `i % count`.
 pub fn split(batches: Vec<MicroBatch>, count: usize) -> Vec<Vec<(usize, MicroBatch)>> {
-    let mut shares: Vec<Vec<(usize, MicroBatch)>> = (0..count.max(1)).map(|_| Vec::new()).collect();
+    let count = count.max(1);
+    let mut shares: Vec<Vec<(usize, MicroBatch)>> = (0..count).map(|_| Vec::new()).collect();
     for (i, batch) in batches.into_iter().enumerate() {
-        shares[i % count.max(1)].push((i, batch));
+        shares[i % count].push((i, batch));
     }
     shares
 }
@@ -337,7 +343,7 @@ impl<B: AutodiffBackend> Drop for Replicas<B> {
         // Closing the channels ends every replica's loop; a registration that is left is dropped by the next
         // run's reset.
         self.jobs.clear();
-        let _ = burn_collective::finish_collective::<B::InnerBackend>(self.own);
+        leave::<B::InnerBackend>(self.own);
         if !self.failed {
             for thread in self.threads.drain(..) {
                 let _ = thread.join();
