@@ -103,7 +103,7 @@ fn two_replicas_train_as_one_device_does() {
 }
 
 /// A data-parallel run resumes bit for bit (every replica reloads the saved state), and a step that cannot
-/// share its micro-batches evenly among the devices is refused before anything loads.
+/// share its micro-batches evenly among the devices (or has none) is refused before anything loads or is written.
 #[test]
 fn a_data_parallel_run_resumes_bit_for_bit_and_uneven_shares_are_refused() {
     assert_resume_is_exact::<CpuTrain>(&TrainConfig {
@@ -115,9 +115,14 @@ fn a_data_parallel_run_resumes_bit_for_bit_and_uneven_shares_are_refused() {
     });
     let dir = tempfile::tempdir().unwrap();
     let data = fixture_shards(dir.path(), 2);
+    let run = dir.path().join("run");
     let cfg = TrainConfig { global_batch: 4, micro_batch: 1, devices: 3, ..parity_config() };
-    let err = failed_run::<CpuTrain>(&fixture_dir().join("lfm2-tiny"), &cfg, &data, &dir.path().join("run"));
+    let err = failed_run::<CpuTrain>(&fixture_dir().join("lfm2-tiny"), &cfg, &data, &run);
     assert!(err.contains("4 micro-batches") && err.contains("3 devices"), "{err}");
+    let cfg = TrainConfig { devices: 0, ..cfg };
+    let err = failed_run::<CpuTrain>(&fixture_dir().join("lfm2-tiny"), &cfg, &data, &run);
+    assert!(err.contains("train.devices is 0: it must be at least 1"), "{err}");
+    assert!(!run.exists(), "a refused config left {}", run.display());
 }
 
 /// bf16 parameters resume exactly too: the state keeps their f32 master weights beside the moments.

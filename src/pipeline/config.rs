@@ -194,7 +194,7 @@ impl ModelConfig {
         if let Some(bad) = self.data.weights.keys().find(|k| !self.data.recipes.contains(k)) {
             return Err(format!("[data] weights names '{bad}', which is not in recipes"));
         }
-        Ok(())
+        self.train.check()
     }
 }
 
@@ -271,5 +271,17 @@ mod tests {
             let q8 = config.train.adamw.moments == crate::train::optim::MomentDtype::Q8;
             assert_eq!(q8, ["lfm2.5-8b", "qwen3.5-9b", "gemma-4-e4b"].contains(&name.as_str()), "{name}: moments");
         }
+    }
+
+    /// A [train] table that makes no run is refused when the config loads, naming the file and the key.
+    #[test]
+    fn a_config_whose_train_table_cannot_run_is_refused_on_load() {
+        let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/tiny.toml");
+        let text = std::fs::read_to_string(&shipped).unwrap().replace("lr = 4e-3", "lr = 0.0");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("zero-lr.toml");
+        std::fs::write(&path, text).unwrap();
+        let err = ModelConfig::find("zero-lr", dir.path()).unwrap_err().to_string();
+        assert!(err.contains("zero-lr.toml") && err.contains("train.lr is 0"), "{err}");
     }
 }

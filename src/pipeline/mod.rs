@@ -206,6 +206,8 @@ pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, Pipeli
     if let Some(replay) = &req.replay {
         config.eval.replay = replay.clone();
     }
+    // The flags above may have set what the config file's check passed.
+    config.train.check().map_err(|e| PipelineError::Train(crate::train::TrainError::Config(e)))?;
     let device = resolve_device(&req.device);
     if config.model.gpu && device != "cuda" {
         let why = if !cfg!(feature = "cuda") {

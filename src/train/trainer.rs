@@ -112,6 +112,55 @@ impl TrainConfig {
     /// Whether a state saved with `saved` continues as this config would train: every setting equal but
     /// activation checkpointing, which changes memory, not the updates, and the device count, which changes
     /// only the order of the gradients' f32 sums (bit for bit, a resume wants the same count).
+    /// The settings that make no run, whatever the data: checked before anything loads or is written, so a
+    /// typo in a config or a flag fails at once instead of after the pull, or as a division by zero or a NaN
+    /// loss many steps in.
+    pub fn check(&self) -> Result<(), String> {
+        let positive = |name: &str, value: f64| {
+            if value.is_finite() && value > 0.0 {
+                Ok(())
+            } else {
+                Err(format!("train.{name} is {value}: it must be a finite number above 0"))
+            }
+        };
+        let fraction = |name: &str, value: f64, upper: &str, below_one: bool| {
+            if (0.0..=1.0).contains(&value) && !(below_one && value == 1.0) {
+                Ok(())
+            } else {
+                Err(format!("train.{name} is {value}: it must be at least 0 and {upper} 1"))
+            }
+        };
+        let at_least_one = |name: &str, value: usize| {
+            if value >= 1 { Ok(()) } else { Err(format!("train.{name} is 0: it must be at least 1")) }
+        };
+        at_least_one("epochs", self.epochs)?;
+        at_least_one("micro_batch", self.micro_batch)?;
+        at_least_one("devices", self.devices)?;
+        match self.global_batch_tokens {
+            Some(tokens) => at_least_one("global_batch_tokens", tokens)?,
+            None => at_least_one("global_batch", self.global_batch)?,
+        }
+        positive("lr", self.lr)?;
+        fraction("min_lr_ratio", self.min_lr_ratio, "at most", false)?;
+        fraction("warmup_ratio", self.warmup_ratio, "at most", false)?;
+        if let Some(norm) = self.max_grad_norm {
+            positive("max_grad_norm", norm)?;
+        }
+        if let Some(peak) = self.peak_tflops {
+            positive("peak_tflops", peak)?;
+        }
+        fraction("adamw.beta1", self.adamw.beta1, "below", true)?;
+        fraction("adamw.beta2", self.adamw.beta2, "below", true)?;
+        positive("adamw.eps", self.adamw.eps)?;
+        if !(self.adamw.weight_decay.is_finite() && self.adamw.weight_decay >= 0.0) {
+            return Err(format!(
+                "train.adamw.weight_decay is {}: it must be a finite number, 0 or more",
+                self.adamw.weight_decay
+            ));
+        }
+        Ok(())
+    }
+
     pub fn continues(&self, saved: &TrainConfig) -> bool {
         *self
             == TrainConfig {
@@ -405,15 +454,24 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     device: &B::Device,
 ) -> Result<(TrainSummary, CausalLm<B>), TrainError> {
     let started = Instant::now();
+    cfg.check().map_err(TrainError::Config)?;
     let data = TrainData::load(data_dir)?;
     let global_batch = match cfg.global_batch_tokens {
         Some(tokens) => (tokens / data.seq_len.max(1)).max(1),
         None => cfg.global_batch,
     };
-    if cfg.micro_batch == 0 || !global_batch.is_multiple_of(cfg.micro_batch) {
+    if !global_batch.is_multiple_of(cfg.micro_batch) {
         return Err(TrainError::Config(format!(
             "a global batch of {global_batch} sequences is not a multiple of the micro batch {}",
             cfg.micro_batch
+        )));
+    }
+    let passes = global_batch / cfg.micro_batch;
+    if !passes.is_multiple_of(cfg.devices) {
+        return Err(TrainError::Config(format!(
+            "a step of {passes} micro-batches ({global_batch} sequences in micro-batches of {}) does not share \
+             out evenly over {} devices: make global batch / micro batch a multiple of train.devices",
+            cfg.micro_batch, cfg.devices
         )));
     }
     let train_dir = run_dir.join("train");
@@ -442,14 +500,6 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             model_dir.to_path_buf(),
         )
     };
-    let passes = global_batch / cfg.micro_batch;
-    if cfg.devices == 0 || !passes.is_multiple_of(cfg.devices) {
-        return Err(TrainError::Config(format!(
-            "a step of {passes} micro-batches ({global_batch} sequences in micro-batches of {}) does not share \
-             out evenly over {} devices: make global batch / micro batch a multiple of train.devices",
-            cfg.micro_batch, cfg.devices
-        )));
-    }
     let devices = super::replicas::replica_devices::<B>(device, cfg.devices)?;
     let source = ReplicaSource {
         cfg: cfg.clone(),
@@ -646,4 +696,47 @@ impl PeakMemory {
 fn write_summary(train_dir: &Path, summary: &TrainSummary) -> Result<(), TrainError> {
     let path = train_dir.join("summary.json");
     crate::files::write_json(&path, summary).map_err(|e| TrainError::State { path, message: e.to_string() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each setting that makes no run is refused by name; the defaults and the edges that do run pass.
+    #[test]
+    fn settings_that_make_no_run_are_refused_by_name() {
+        let ok = TrainConfig::default();
+        assert_eq!(ok.check(), Ok(()));
+        let edges = [
+            TrainConfig { warmup_ratio: 1.0, min_lr_ratio: 0.0, max_grad_norm: None, ..ok.clone() },
+            TrainConfig { global_batch: 0, global_batch_tokens: Some(4096), ..ok.clone() },
+            TrainConfig { adamw: AdamWConfig { beta1: 0.0, weight_decay: 0.0, ..ok.adamw }, ..ok.clone() },
+        ];
+        for cfg in edges {
+            assert_eq!(cfg.check(), Ok(()), "{cfg:?}");
+        }
+        let bad = [
+            (TrainConfig { epochs: 0, ..ok.clone() }, "train.epochs is 0"),
+            (TrainConfig { micro_batch: 0, ..ok.clone() }, "train.micro_batch is 0"),
+            (TrainConfig { devices: 0, ..ok.clone() }, "train.devices is 0"),
+            (TrainConfig { global_batch: 0, ..ok.clone() }, "train.global_batch is 0"),
+            (TrainConfig { global_batch_tokens: Some(0), ..ok.clone() }, "train.global_batch_tokens is 0"),
+            (TrainConfig { lr: f64::NAN, ..ok.clone() }, "train.lr is NaN"),
+            (TrainConfig { lr: -1e-5, ..ok.clone() }, "train.lr is -0.00001"),
+            (TrainConfig { warmup_ratio: 2.0, ..ok.clone() }, "train.warmup_ratio is 2"),
+            (TrainConfig { min_lr_ratio: -0.1, ..ok.clone() }, "train.min_lr_ratio is -0.1"),
+            (TrainConfig { max_grad_norm: Some(0.0), ..ok.clone() }, "train.max_grad_norm is 0"),
+            (TrainConfig { peak_tflops: Some(f64::INFINITY), ..ok.clone() }, "train.peak_tflops is inf"),
+            (TrainConfig { adamw: AdamWConfig { beta2: 1.0, ..ok.adamw }, ..ok.clone() }, "adamw.beta2 is 1"),
+            (TrainConfig { adamw: AdamWConfig { eps: 0.0, ..ok.adamw }, ..ok.clone() }, "adamw.eps is 0"),
+            (
+                TrainConfig { adamw: AdamWConfig { weight_decay: -0.01, ..ok.adamw }, ..ok.clone() },
+                "adamw.weight_decay is -0.01",
+            ),
+        ];
+        for (cfg, expected) in bad {
+            let err = cfg.check().unwrap_err();
+            assert!(err.contains(expected), "{err} (expected {expected})");
+        }
+    }
 }
