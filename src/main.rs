@@ -1095,6 +1095,11 @@ fn run_job<B: kiln::models::ModelBackend>(device: &B::Device, job: Job) -> Resul
                 args.prompt.clone()
             };
             let prompt = tokenizer.encode(&text)?.0;
+            if prompt.is_empty() {
+                bail!(
+                    "the prompt is empty: there is nothing to continue (give --prompt text, or --chat for the template)"
+                );
+            }
             let (config, model) = load_model::<B>(dir, device)?;
             let mut stop = vec![tokenizer.end_of_turn_id];
             stop.extend(config.eos_token_id());

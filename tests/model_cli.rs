@@ -97,6 +97,9 @@ fn init_model_generate_and_convert_round_trip() {
     );
     assert!(ok);
     assert_eq!(stdout, again, "greedy decoding is deterministic");
+    let (ok, _, stderr) =
+        run_kiln(&["generate", "--model-dir", a.to_str().unwrap(), "--prompt", ""], &[], &project_dir());
+    assert!(!ok && stderr.contains("the prompt is empty"), "{stderr}");
 
     let c = dir.path().join("c");
     let (ok, _, stderr) = run_kiln(
