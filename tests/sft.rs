@@ -282,7 +282,7 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
 }
 
 #[test]
-fn unknown_models_and_missing_gpus_fail_at_once() {
+fn unknown_models_missing_gpus_and_flags_that_make_no_run_fail_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let (pipeline, _) = setup(dir.path());
     let p = pipeline.to_str().unwrap();
@@ -302,4 +302,12 @@ fn unknown_models_and_missing_gpus_fail_at_once() {
     );
     assert!(!ok && stderr.contains("needs a GPU") && stderr.contains("nothing was downloaded"), "{stderr}");
     assert!(!dir.path().join("runs/lfm2.5-8b").exists());
+
+    // Flags that make no run fail before any stage, and write nothing.
+    for (flag, value, expected) in [("--epochs", "0", "train.epochs is 0"), ("--devices", "0", "train.devices is 0")] {
+        let (ok, _, stderr) =
+            run_kiln(&["sft", "--model", "tiny", "--pipeline", p, "--run", "zero", flag, value], &[], &project_dir());
+        assert!(!ok && stderr.contains("model 'tiny' with the flags given") && stderr.contains(expected), "{stderr}");
+        assert!(!dir.path().join("runs/zero").exists());
+    }
 }

@@ -64,6 +64,9 @@ pub enum PipelineError {
     UnknownModel { name: String, dir: PathBuf, known: String },
     #[error("{path}: {message}")]
     Config { path: PathBuf, message: String },
+    /// A setting the command's flags gave (or left) that the model config's own check would refuse.
+    #[error("model '{model}' with the flags given: {message}")]
+    Flags { model: String, message: String },
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error(
@@ -207,7 +210,7 @@ pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, Pipeli
         config.eval.replay = replay.clone();
     }
     // The flags above may have set what the config file's check passed.
-    config.train.check().map_err(|e| PipelineError::Train(crate::train::TrainError::Config(e)))?;
+    config.train.check().map_err(|message| PipelineError::Flags { model: req.model.clone(), message })?;
     let device = resolve_device(&req.device);
     if config.model.gpu && device != "cuda" {
         let why = if !cfg!(feature = "cuda") {
