@@ -33,7 +33,7 @@ impl TrainData {
         }
         let mut rows = Vec::new();
         for f in &files {
-            rows.extend(read_shard(f).map_err(|e| TrainError::Data { path: f.clone(), message: e.to_string() })?);
+            rows.extend(read_shard(f)?);
         }
         let seq_len = rows.first().map(|r| r.input_ids.len()).unwrap_or(0);
         if let Some(bad) = rows.iter().find(|r| r.input_ids.len() != seq_len) {
@@ -92,6 +92,20 @@ pub fn target_weights(row: &Row) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A folder without shards and a shard that is not parquet are errors that name the folder or the file
+    /// once.
+    #[test]
+    fn missing_and_unreadable_shards_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = TrainData::load(dir.path()).err().unwrap().to_string();
+        assert!(err.contains("no token shards") && err.contains("kiln prepare"), "{err}");
+        let shard = dir.path().join("packed-1024-00000.parquet");
+        std::fs::write(&shard, b"PAR1 cut short").unwrap();
+        let err = TrainData::load(dir.path()).err().unwrap().to_string();
+        assert_eq!(err.matches(&*shard.to_string_lossy()).count(), 1, "{err}");
+        assert!(err.contains("Parquet error"), "{err}");
+    }
 
     #[test]
     fn targets_stay_inside_documents() {

@@ -23,6 +23,9 @@ pub enum TrainError {
     Data { path: PathBuf, message: String },
     #[error(transparent)]
     Model(#[from] crate::models::ModelError),
+    /// A token shard that cannot be read (its error names the file).
+    #[error(transparent)]
+    Shards(#[from] crate::tokens::TokenError),
     #[error("{path}: {message}")]
     State { path: PathBuf, message: String },
     #[error(
