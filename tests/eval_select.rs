@@ -172,3 +172,18 @@ fn select_evaluates_what_is_missing_and_picks_the_better_epoch() {
     assert_eq!(selection["chosen"], "epoch-2");
     assert!(selection["reason"].as_str().unwrap().contains("recall"), "{}", selection["reason"]);
 }
+
+/// A run with no epoch checkpoint: select fails naming the run, and writes neither a selection nor `best`.
+#[test]
+fn select_without_epochs_names_the_run_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("empty-run");
+    std::fs::create_dir_all(&run).unwrap();
+    let (ok, _, stderr) = run_kiln(
+        &["--quiet", "select", "--run", run.to_str().unwrap(), "--replay", "datasets/samples/replay.jsonl"],
+        &[],
+        &project_dir(),
+    );
+    assert!(!ok && stderr.contains("no epoch checkpoint") && stderr.contains("empty-run"), "{stderr}");
+    assert!(!run.join("selection.json").exists() && !run.join("best").exists());
+}

@@ -131,7 +131,7 @@ pub fn select_run(
         report(&c.name, &result);
         results.push((c, result));
     }
-    let selection = choose(&results)?;
+    let selection = choose(&results).map_err(|e| format!("{}: {e}", run_dir.display()))?;
     write_json(&run_dir.join("selection.json"), &selection)?;
     let best = run_dir.join("best");
     let _ = std::fs::remove_file(&best);
