@@ -980,15 +980,11 @@ fn prepare_cmd(args: PrepareArgs, quiet: bool) -> Result<()> {
     );
     let stats = prepare(&args.data, &loaded.template, &loaded.tokenizer, &config, &args.out, &bar)?;
     bar.finish_and_clear();
+    if stats.samples == 0 {
+        bail!("prepare of {}: {}", args.data.display(), stats.nothing_kept());
+    }
     for e in &stats.error_examples {
         eprintln!("  skipped: {e}");
-    }
-    if stats.samples == 0 {
-        bail!(
-            "prepare produced no sample from {} ({} conversations): see the errors above",
-            args.data.display(),
-            stats.conversations
-        );
     }
     eprintln!(
         "prepare: {} ({:.1}s; stats in {})",

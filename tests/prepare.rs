@@ -84,6 +84,29 @@ fn prepares_the_synthetic_samples_into_packed_shards() {
     assert_eq!(stats["template"]["origin"], "configs/models/tiny/chat_template.jinja");
     assert_eq!(stats["config"]["template_date"], "2026-01-01");
     check_stats_against_shards(&stats, Some(2048));
+
+    // A row too short for any target is refused; a length every sample outgrows says so, with the counts.
+    let conversations = data.join("conversations.jsonl");
+    let prepare_at = |seq_len: &str| {
+        let out = dir.path().join(format!("at-{seq_len}"));
+        let args = ["--quiet", "prepare", "--model", "tiny", "--data", conversations.to_str().unwrap()];
+        let (ok, _, stderr) = run_kiln(
+            &[&args[..], &["--out", out.to_str().unwrap(), "--seq-len", seq_len]].concat(),
+            &[],
+            &project_dir(),
+        );
+        assert!(!ok, "prepare at seq_len {seq_len} must fail");
+        stderr
+    };
+    let stderr = prepare_at("1");
+    assert!(stderr.contains("seq_len 1: a row needs at least 2 tokens"), "{stderr}");
+    let stderr = prepare_at("8");
+    assert!(
+        stderr.contains("no sample from 800 conversations (dropped: ")
+            && stderr.contains("too_long)")
+            && stderr.contains("longer than seq_len 8"),
+        "{stderr}"
+    );
 }
 
 /// A model folder with a real template and tokenizer from ../shared.

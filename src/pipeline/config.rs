@@ -188,6 +188,9 @@ impl ModelConfig {
                 );
             }
         }
+        if self.data.seq_len < 2 {
+            return Err(format!("[data] seq_len is {}: a row needs at least 2 tokens", self.data.seq_len));
+        }
         if self.data.recipes.is_empty() {
             return Err("[data] recipes is empty".into());
         }
@@ -273,15 +276,20 @@ mod tests {
         }
     }
 
-    /// A [train] table that makes no run is refused when the config loads, naming the file and the key.
+    /// A [train] or [data] setting that makes no run is refused when the config loads, naming the file and
+    /// the key.
     #[test]
-    fn a_config_whose_train_table_cannot_run_is_refused_on_load() {
+    fn a_config_that_cannot_run_is_refused_on_load() {
         let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/tiny.toml");
-        let text = std::fs::read_to_string(&shipped).unwrap().replace("lr = 4e-3", "lr = 0.0");
+        let shipped = std::fs::read_to_string(&shipped).unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("zero-lr.toml");
-        std::fs::write(&path, text).unwrap();
-        let err = ModelConfig::find("zero-lr", dir.path()).unwrap_err().to_string();
-        assert!(err.contains("zero-lr.toml") && err.contains("train.lr is 0"), "{err}");
+        for (name, from, to, expected) in [
+            ("zero-lr", "lr = 4e-3", "lr = 0.0", "train.lr is 0"),
+            ("one-token", "seq_len = 1024", "seq_len = 1", "[data] seq_len is 1"),
+        ] {
+            std::fs::write(dir.path().join(format!("{name}.toml")), shipped.replace(from, to)).unwrap();
+            let err = ModelConfig::find(name, dir.path()).unwrap_err().to_string();
+            assert!(err.contains(&format!("{name}.toml")) && err.contains(expected), "{err}");
+        }
     }
 }

@@ -275,7 +275,7 @@ fn prepare(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     .map_err(|e| err(&e))?;
     bar.finish_and_clear();
     if stats.samples == 0 {
-        return Err(err(&format!("no sample from {} conversations: {:?}", stats.conversations, stats.error_examples)));
+        return Err(err(&stats.nothing_kept()));
     }
     let emitted: u64 = ingests.iter().map(|s| s.emitted).sum();
     Ok(StageOutcome {

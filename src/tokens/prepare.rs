@@ -76,6 +76,22 @@ impl PrepareStats {
         }
     }
 
+    /// Why a run kept no sample: the conversations read, the drops by reason and the first errors.
+    pub fn nothing_kept(&self) -> String {
+        let mut text = format!("no sample from {} conversations", self.conversations);
+        if !self.dropped.is_empty() {
+            let reasons: Vec<String> = self.dropped.iter().map(|(reason, n)| format!("{n} {reason}")).collect();
+            text += &format!(" (dropped: {})", reasons.join(", "));
+        }
+        if let (Some(cfg), true) = (&self.config, self.dropped.contains_key("too_long")) {
+            text += &format!("; a sample longer than seq_len {} is dropped with truncation = drop", cfg.seq_len);
+        }
+        if !self.error_examples.is_empty() {
+            text += &format!("; first errors: {}", self.error_examples.join("; "));
+        }
+        text
+    }
+
     pub fn summary(&self) -> String {
         let dropped: u64 = self.dropped.values().sum();
         let share = if self.tokens > 0 { 100.0 * self.supervised_tokens as f64 / self.tokens as f64 } else { 0.0 };
@@ -156,6 +172,12 @@ pub fn prepare(
     out_dir: &Path,
     progress: &ProgressBar,
 ) -> Result<PrepareStats, TokenError> {
+    if cfg.seq_len < 2 {
+        return Err(TokenError::Config(format!(
+            "seq_len {}: a row needs at least 2 tokens (an input and the target after it)",
+            cfg.seq_len
+        )));
+    }
     let file = File::open(input).map_err(|e| TokenError::Io { path: input.to_path_buf(), source: e })?;
     let mut lines = BufReader::with_capacity(1 << 20, file).lines();
     let mut writer = ShardWriter::new(out_dir, cfg.layout, cfg.seq_len, tok.pad_id)?;
