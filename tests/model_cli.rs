@@ -120,6 +120,18 @@ fn init_model_generate_and_convert_round_trip() {
         run_kiln(&["convert", "--model-dir", c.to_str().unwrap(), "--out", d.to_str().unwrap()], &[], &project_dir());
     assert!(ok, "{stderr}");
     assert_eq!(std::fs::read(d.join("model.safetensors")).unwrap(), bytes);
+
+    // Converting a checkpoint into its own folder is refused, and every file of it stays as it was.
+    let before: Vec<Vec<u8>> = ["model.safetensors", "config.json", "tokenizer.json"]
+        .iter()
+        .map(|f| std::fs::read(d.join(f)).unwrap())
+        .collect();
+    let (ok, _, stderr) =
+        run_kiln(&["convert", "--model-dir", d.to_str().unwrap(), "--out", d.to_str().unwrap()], &[], &project_dir());
+    assert!(!ok && stderr.contains("is the checkpoint being read"), "{stderr}");
+    for (f, bytes) in ["model.safetensors", "config.json", "tokenizer.json"].iter().zip(before) {
+        assert_eq!(std::fs::read(d.join(f)).unwrap(), bytes, "{f} changed");
+    }
 }
 
 #[test]

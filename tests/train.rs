@@ -125,6 +125,24 @@ fn a_data_parallel_run_resumes_bit_for_bit_and_uneven_shares_are_refused() {
     assert!(!run.exists(), "a refused config left {}", run.display());
 }
 
+/// Fine-tuning a checkpoint of the run's own `checkpoints/` is refused before anything loads: the epoch's
+/// export would write over it.
+#[test]
+fn a_run_cannot_export_over_the_checkpoint_it_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixture_shards(dir.path(), 2);
+    let run = dir.path().join("run");
+    let own = run.join("checkpoints/epoch-1");
+    std::fs::create_dir_all(&own).unwrap();
+    for entry in std::fs::read_dir(fixture_dir().join("lfm2-tiny")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, own.join(path.file_name().unwrap())).unwrap();
+    }
+    let err = failed_run::<CpuTrain>(&own, &parity_config(), &data, &run);
+    assert!(err.contains("is the checkpoint being read"), "{err}");
+    assert!(!run.join("train").exists());
+}
+
 /// bf16 parameters resume exactly too: the state keeps their f32 master weights beside the moments.
 #[test]
 fn a_resumed_bf16_run_equals_the_uninterrupted_one_bit_for_bit() {

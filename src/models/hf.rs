@@ -411,6 +411,21 @@ pub fn copy_companions(source_dir: &Path, out_dir: &Path) -> Result<(), ModelErr
     Ok(())
 }
 
+/// Refuses to write a checkpoint into the folder it comes from: its weights would be replaced, and its
+/// companion files, copied onto themselves, truncated to nothing.
+pub fn refuse_overwriting_source(source_dir: &Path, out_dir: &Path) -> Result<(), ModelError> {
+    match (source_dir.canonicalize(), out_dir.canonicalize()) {
+        (Ok(source), Ok(out)) if source == out => Err(ModelError::Config {
+            path: out_dir.to_path_buf(),
+            message: format!(
+                "is the checkpoint being read ({}); writing over it would lose it: choose another folder",
+                source_dir.display()
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// An HF model directory: the weights (`write_safetensors`) and the source checkpoint's companion files.
 pub fn export_dir(
     tensors: &BTreeMap<String, HostTensor>,
@@ -421,6 +436,7 @@ pub fn export_dir(
     keep_f32: &dyn Fn(&str) -> bool,
     shard_bytes: usize,
 ) -> Result<Vec<std::path::PathBuf>, ModelError> {
+    refuse_overwriting_source(source_dir, out_dir)?;
     let written = write_safetensors(tensors, raw, out_dir, dtype, keep_f32, shard_bytes)?;
     copy_companions(source_dir, out_dir)?;
     Ok(written)

@@ -474,6 +474,11 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             cfg.micro_batch, cfg.devices
         )));
     }
+    // Found now rather than at the end of an epoch: an epoch's export would replace the checkpoint it trains.
+    for epoch in 1..=cfg.epochs {
+        let out = run_dir.join("checkpoints").join(format!("epoch-{epoch}"));
+        crate::models::hf::refuse_overwriting_source(model_dir, &out)?;
+    }
     let train_dir = run_dir.join("train");
     let state_dir = train_dir.join("state");
     std::fs::create_dir_all(&train_dir)
