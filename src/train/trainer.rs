@@ -109,9 +109,6 @@ impl TrainConfig {
         TrainConfig { precision: self.precision.resolve(device), ..self.clone() }
     }
 
-    /// Whether a state saved with `saved` continues as this config would train: every setting equal but
-    /// activation checkpointing, which changes memory, not the updates, and the device count, which changes
-    /// only the order of the gradients' f32 sums (bit for bit, a resume wants the same count).
     /// The settings that make no run, whatever the data: checked before anything loads or is written, so a
     /// typo in a config or a flag fails at once instead of after the pull, or as a division by zero or a NaN
     /// loss many steps in.
@@ -123,12 +120,10 @@ impl TrainConfig {
                 Err(format!("train.{name} is {value}: it must be a finite number above 0"))
             }
         };
-        let fraction = |name: &str, value: f64, upper: &str, below_one: bool| {
-            if (0.0..=1.0).contains(&value) && !(below_one && value == 1.0) {
-                Ok(())
-            } else {
-                Err(format!("train.{name} is {value}: it must be at least 0 and {upper} 1"))
-            }
+        let fraction = |name: &str, value: f64, below_one: bool| {
+            let within = if below_one { (0.0..1.0).contains(&value) } else { (0.0..=1.0).contains(&value) };
+            let upper = if below_one { "below" } else { "at most" };
+            if within { Ok(()) } else { Err(format!("train.{name} is {value}: it must be at least 0 and {upper} 1")) }
         };
         let at_least_one = |name: &str, value: usize| {
             if value >= 1 { Ok(()) } else { Err(format!("train.{name} is 0: it must be at least 1")) }
@@ -141,16 +136,16 @@ impl TrainConfig {
             None => at_least_one("global_batch", self.global_batch)?,
         }
         positive("lr", self.lr)?;
-        fraction("min_lr_ratio", self.min_lr_ratio, "at most", false)?;
-        fraction("warmup_ratio", self.warmup_ratio, "at most", false)?;
+        fraction("min_lr_ratio", self.min_lr_ratio, false)?;
+        fraction("warmup_ratio", self.warmup_ratio, false)?;
         if let Some(norm) = self.max_grad_norm {
             positive("max_grad_norm", norm)?;
         }
         if let Some(peak) = self.peak_tflops {
             positive("peak_tflops", peak)?;
         }
-        fraction("adamw.beta1", self.adamw.beta1, "below", true)?;
-        fraction("adamw.beta2", self.adamw.beta2, "below", true)?;
+        fraction("adamw.beta1", self.adamw.beta1, true)?;
+        fraction("adamw.beta2", self.adamw.beta2, true)?;
         positive("adamw.eps", self.adamw.eps)?;
         if !(self.adamw.weight_decay.is_finite() && self.adamw.weight_decay >= 0.0) {
             return Err(format!(
@@ -161,6 +156,9 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// Whether a state saved with `saved` continues as this config would train: every setting equal but
+    /// activation checkpointing, which changes memory, not the updates, and the device count, which changes
+    /// only the order of the gradients' f32 sums (bit for bit, a resume wants the same count).
     pub fn continues(&self, saved: &TrainConfig) -> bool {
         *self
             == TrainConfig {
