@@ -1271,6 +1271,9 @@ fn score_cmd(args: ScoreArgs) -> Result<()> {
     use kiln::eval::result::{EvalResult, aggregate, read_predictions, read_replay_for_scoring, score_all};
     let started = Instant::now();
     let steps = read_replay_for_scoring(&args.replay).map_err(anyhow::Error::msg)?;
+    if steps.is_empty() {
+        bail!("{}: no replay step to score", args.replay.display());
+    }
     let predictions = read_predictions(&args.predictions).map_err(anyhow::Error::msg)?;
     let read_ms = started.elapsed().as_secs_f64() * 1e3;
     let scoring = Instant::now();

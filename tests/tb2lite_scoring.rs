@@ -215,4 +215,21 @@ fn kiln_score_on_the_real_replay_set() {
     ];
     let (ok, _, stderr) = common::run_kiln(&args, &[], &common::project_dir());
     assert!(!ok && stderr.contains("no prediction for 1 of 303 steps"), "{stderr}");
+
+    // A replay file without steps scores nothing: an error, not a Score of 0 written as a result.
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "\n").unwrap();
+    let fresh = dir.path().join("from-empty.json");
+    let args = [
+        "score",
+        "--replay",
+        empty.to_str().unwrap(),
+        "--predictions",
+        empty.to_str().unwrap(),
+        "--out",
+        fresh.to_str().unwrap(),
+    ];
+    let (ok, _, stderr) = common::run_kiln(&args, &[], &common::project_dir());
+    assert!(!ok && stderr.contains("empty.jsonl: no replay step to score"), "{stderr}");
+    assert!(!fresh.exists());
 }
