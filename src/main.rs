@@ -1009,6 +1009,10 @@ fn tokenizer_cmd(args: TokenizerArgs) -> Result<()> {
             }
         }
     }
+    if texts.is_empty() {
+        let files: Vec<String> = args.data.iter().map(|p| p.display().to_string()).collect();
+        bail!("no message content to train a tokenizer on in {}", files.join(", "));
+    }
     let tokenizer = kiln::tokens::bpe::train_bpe(texts.into_iter(), args.vocab_size)?;
     kiln::tokens::bpe::write_tokenizer_files(&args.out, &tokenizer, args.max_length)?;
     eprintln!("tokenizer: {} tokens → {}", tokenizer.get_vocab_size(true), args.out.join("tokenizer.json").display());

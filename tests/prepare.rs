@@ -255,4 +255,23 @@ fn the_tiny_tokenizer_is_reproducible_from_the_samples() {
             "configs/models/tiny/{file} is stale: run `make samples`"
         );
     }
+
+    // A vocabulary smaller than the bytes and special tokens, or no text at all, is refused.
+    let small = dir.path().join("small");
+    let (ok, _, stderr) = run_kiln(
+        &["tokenizer", "--data", conv.to_str().unwrap(), "--vocab-size", "100", "--out", small.to_str().unwrap()],
+        &[],
+        &project_dir(),
+    );
+    let floor = format!("a vocabulary of 100 is below the {} tokens", kiln::tokens::bpe::MIN_VOCAB);
+    assert!(!ok && stderr.contains(&floor), "{stderr}");
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let (ok, _, stderr) = run_kiln(
+        &["tokenizer", "--data", empty.to_str().unwrap(), "--out", small.to_str().unwrap()],
+        &[],
+        &project_dir(),
+    );
+    assert!(!ok && stderr.contains("no message content to train a tokenizer on in"), "{stderr}");
+    assert!(!small.exists());
 }

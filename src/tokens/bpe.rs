@@ -33,8 +33,18 @@ pub const LFM2_SPECIAL_TOKENS: &[&str] = &[
 /// Added (non-special) tokens: they survive decoding without special tokens, as in LFM2.5.
 pub const THINK_TOKENS: &[&str] = &["<think>", "</think>"];
 
+/// The smallest vocabulary `train_bpe` can make: the 256 bytes and the special tokens, no merge.
+pub const MIN_VOCAB: usize = 256 + LFM2_SPECIAL_TOKENS.len();
+
+/// A byte-level BPE of `vocab_size` tokens (LFM2's special tokens first, the think tokens added after them)
+/// trained on `texts`.
 pub fn train_bpe(texts: impl Iterator<Item = String> + Send, vocab_size: usize) -> Result<Tokenizer, TokenError> {
     let err = |e: &dyn std::fmt::Display| TokenError::Tokenizer { path: "(training)".into(), message: e.to_string() };
+    if vocab_size < MIN_VOCAB {
+        return Err(err(&format!(
+            "a vocabulary of {vocab_size} is below the {MIN_VOCAB} tokens the bytes and special tokens take"
+        )));
+    }
     let mut tokenizer = Tokenizer::new(BPE::default());
     tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
     tokenizer.with_decoder(Some(ByteLevel::default()));
