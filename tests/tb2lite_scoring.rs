@@ -5,6 +5,8 @@
 
 mod common;
 
+use std::path::Path;
+
 use kiln::eval::parse::{ScorerVersion, parse_response};
 use kiln::eval::result::{aggregate, next_action_score};
 use kiln::eval::score::{score_units, unit_tokens};
@@ -136,6 +138,14 @@ fn edge_cases_of_our_own() {
     assert!(p.valid_json && !p.has_analysis && !p.has_plan);
 }
 
+/// `kiln score`: whether it succeeded, and its stderr.
+fn kiln_score(replay: &Path, predictions: &Path, out: &Path) -> (bool, String) {
+    let [replay, predictions, out] = [replay, predictions, out].map(|p| p.to_str().unwrap());
+    let args = ["score", "--replay", replay, "--predictions", predictions, "--out", out];
+    let (ok, _, stderr) = common::run_kiln(&args, &[], &common::project_dir());
+    (ok, stderr)
+}
+
 #[test]
 fn kiln_score_on_the_real_replay_set() {
     let dir = tempfile::tempdir().unwrap();
@@ -153,16 +163,7 @@ fn kiln_score_on_the_real_replay_set() {
     }
     std::fs::write(&preds, &lines).unwrap();
     let out = dir.path().join("result.json");
-    let args = [
-        "score",
-        "--replay",
-        replay.to_str().unwrap(),
-        "--predictions",
-        preds.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ];
-    let (ok, _, stderr) = common::run_kiln(&args, &[], &common::project_dir());
+    let (ok, stderr) = kiln_score(&replay, &preds, &out);
     assert!(ok, "{stderr}");
     let result: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let a = &result["aggregate"];
@@ -187,16 +188,7 @@ fn kiln_score_on_the_real_replay_set() {
 
     // Our own result JSON is accepted as predictions (re-scoring another evaluator's output).
     let again = dir.path().join("again.json");
-    let args = [
-        "score",
-        "--replay",
-        replay.to_str().unwrap(),
-        "--predictions",
-        out.to_str().unwrap(),
-        "--out",
-        again.to_str().unwrap(),
-    ];
-    let (ok, _, stderr) = common::run_kiln(&args, &[], &common::project_dir());
+    let (ok, stderr) = kiln_score(&replay, &out, &again);
     assert!(ok, "{stderr}");
     let rescored: Value = serde_json::from_str(&std::fs::read_to_string(&again).unwrap()).unwrap();
     assert_eq!(rescored["aggregate"], result["aggregate"]);
@@ -204,32 +196,14 @@ fn kiln_score_on_the_real_replay_set() {
     // A missing prediction names the step.
     let partial = dir.path().join("partial.jsonl");
     std::fs::write(&partial, lines.lines().skip(1).collect::<Vec<_>>().join("\n")).unwrap();
-    let args = [
-        "score",
-        "--replay",
-        replay.to_str().unwrap(),
-        "--predictions",
-        partial.to_str().unwrap(),
-        "--out",
-        again.to_str().unwrap(),
-    ];
-    let (ok, _, stderr) = common::run_kiln(&args, &[], &common::project_dir());
+    let (ok, stderr) = kiln_score(&replay, &partial, &again);
     assert!(!ok && stderr.contains("no prediction for 1 of 303 steps"), "{stderr}");
 
     // A replay file without steps scores nothing: an error, not a Score of 0 written as a result.
     let empty = dir.path().join("empty.jsonl");
     std::fs::write(&empty, "\n").unwrap();
     let fresh = dir.path().join("from-empty.json");
-    let args = [
-        "score",
-        "--replay",
-        empty.to_str().unwrap(),
-        "--predictions",
-        empty.to_str().unwrap(),
-        "--out",
-        fresh.to_str().unwrap(),
-    ];
-    let (ok, _, stderr) = common::run_kiln(&args, &[], &common::project_dir());
+    let (ok, stderr) = kiln_score(&empty, &empty, &fresh);
     assert!(!ok && stderr.contains("empty.jsonl: no replay step to score"), "{stderr}");
     assert!(!fresh.exists());
 }
