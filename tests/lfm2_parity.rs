@@ -6,7 +6,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use burn::backend::{Autodiff, Flex};
 use common::parity::{self, Fixture, ids_tensor, masked_ce, max_abs_diff, read_f32};
@@ -87,19 +87,11 @@ fn lfm2_moe_gradients_match_transformers() {
     check_gradients("lfm2-moe-tiny");
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
-    }
-}
-
 #[test]
 fn fused_expert_layout_loads_to_the_same_model() {
     // Rewrite the per-expert checkpoint in the fused layout transformers uses in memory.
     let dir = tempfile::tempdir().unwrap();
-    copy_dir(&fixture_dir("lfm2-moe-tiny"), dir.path());
+    common::copy_dir(&fixture_dir("lfm2-moe-tiny"), dir.path());
     let bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let mut out: BTreeMap<String, (Vec<u8>, Vec<usize>)> = BTreeMap::new();
@@ -177,7 +169,7 @@ fn export_then_reload_is_bit_identical() {
 fn broken_checkpoints_fail_with_what_and_where() {
     let device = burn::backend::flex::FlexDevice;
     let dir = tempfile::tempdir().unwrap();
-    copy_dir(&fixture_dir("lfm2-tiny"), dir.path());
+    common::copy_dir(&fixture_dir("lfm2-tiny"), dir.path());
     let weights = dir.path().join("model.safetensors");
     let full = std::fs::read(&weights).unwrap();
 

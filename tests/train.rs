@@ -133,11 +133,7 @@ fn a_run_cannot_export_over_the_checkpoint_it_trains() {
     let data = fixture_shards(dir.path(), 2);
     let run = dir.path().join("run");
     let own = run.join("checkpoints/epoch-1");
-    std::fs::create_dir_all(&own).unwrap();
-    for entry in std::fs::read_dir(fixture_dir().join("lfm2-tiny")).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, own.join(path.file_name().unwrap())).unwrap();
-    }
+    common::copy_dir(&fixture_dir().join("lfm2-tiny"), &own);
     let err = failed_run::<CpuTrain>(&own, &parity_config(), &data, &run);
     assert!(err.contains("is the checkpoint being read"), "{err}");
     assert!(!run.join("train").exists());

@@ -326,3 +326,12 @@ pub fn assert_reference_ops_agree(precision: kiln::train::Precision, accumulatio
         assert_losses_agree(&format!("{shape}: ops, reference ops"), &ops, &reference, tolerance(shape));
     }
 }
+
+/// Copies the files of `from` (a flat folder: a checkpoint fixture) into `to`, creating it.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
+    }
+}
