@@ -60,28 +60,131 @@ pub struct Lfm2Config {
     pub moe: Option<MoeConfig>,
 }
 
-fn get<'a>(v: &'a Value, keys: &[&str]) -> Option<&'a Value> {
-    keys.iter().find_map(|k| v.get(*k).filter(|x| !x.is_null()))
+/// A config.json object read key by key. A key that is absent or null takes its default; one set to a
+/// value of the wrong type, or to a size of 0, is an error naming it (`at` prefixes nested keys), rather
+/// than the default silently standing in for what the checkpoint says.
+struct Fields<'a> {
+    v: &'a Value,
+    at: String,
 }
 
-fn usize_of(v: &Value, keys: &[&str]) -> Option<usize> {
-    get(v, keys).and_then(Value::as_u64).map(|x| x as usize)
-}
-
-fn f64_of(v: &Value, keys: &[&str]) -> Option<f64> {
-    get(v, keys).and_then(Value::as_f64)
-}
-
-fn bool_of(v: &Value, keys: &[&str]) -> Option<bool> {
-    get(v, keys).and_then(Value::as_bool)
-}
-
-fn token_id(v: &Value, key: &str) -> Option<u32> {
-    match v.get(key)? {
-        Value::Number(n) => n.as_u64().map(|x| x as u32),
-        Value::Array(a) => a.first()?.as_u64().map(|x| x as u32),
-        _ => None,
+impl<'a> Fields<'a> {
+    fn new(v: &'a Value, at: &str) -> Self {
+        Fields { v, at: at.to_string() }
     }
+
+    /// The first of `keys` that is set, with its value.
+    fn value<'k>(&self, keys: &[&'k str]) -> Option<(&'k str, &'a Value)> {
+        keys.iter().find_map(|&k| self.v.get(k).filter(|x| !x.is_null()).map(|x| (k, x)))
+    }
+
+    fn has(&self, key: &str) -> bool {
+        self.value(&[key]).is_some()
+    }
+
+    fn typed<T>(&self, keys: &[&str], what: &str, read: impl Fn(&'a Value) -> Option<T>) -> Result<Option<T>, String> {
+        match self.value(keys) {
+            None => Ok(None),
+            Some((key, x)) => read(x).map(Some).ok_or_else(|| format!("`{}{key}` is {x}, not {what}", self.at)),
+        }
+    }
+
+    fn usize(&self, keys: &[&str]) -> Result<Option<usize>, String> {
+        self.typed(keys, "a non-negative integer", |x| x.as_u64().and_then(|n| usize::try_from(n).ok()))
+    }
+
+    fn f64(&self, keys: &[&str]) -> Result<Option<f64>, String> {
+        self.typed(keys, "a number", Value::as_f64)
+    }
+
+    fn bool(&self, keys: &[&str]) -> Result<Option<bool>, String> {
+        self.typed(keys, "true or false", Value::as_bool)
+    }
+
+    fn str(&self, keys: &[&str]) -> Result<Option<&'a str>, String> {
+        match self.value(keys) {
+            None => Ok(None),
+            Some((key, x)) => x.as_str().map(Some).ok_or_else(|| format!("`{}{key}` is {x}, not a string", self.at)),
+        }
+    }
+
+    /// A list under `key`, or None when it is not set.
+    fn list(&self, key: &str) -> Result<Option<&'a Vec<Value>>, String> {
+        self.typed(&[key], "a list", Value::as_array)
+    }
+
+    /// A required integer.
+    fn need(&self, keys: &[&str]) -> Result<usize, String> {
+        self.usize(keys)?.ok_or_else(|| format!("missing `{}{}`", self.at, keys[0]))
+    }
+
+    /// A required size: a positive integer.
+    fn size(&self, keys: &[&str]) -> Result<usize, String> {
+        positive(self, keys, self.need(keys)?)
+    }
+
+    /// A size that defaults to `default` when not set.
+    fn size_or(&self, keys: &[&str], default: usize) -> Result<usize, String> {
+        positive(self, keys, self.usize(keys)?.unwrap_or(default))
+    }
+
+    /// A positive, finite number that defaults to `default` when not set (epsilons, RoPE bases).
+    fn positive_f64_or(&self, keys: &[&str], default: f64) -> Result<f64, String> {
+        let x = self.f64(keys)?.unwrap_or(default);
+        if x > 0.0 && x.is_finite() {
+            Ok(x)
+        } else {
+            let key = self.value(keys).map_or(keys[0], |(k, _)| k);
+            Err(format!("`{}{key}` is {x}: it must be a positive number", self.at))
+        }
+    }
+
+    /// A token id: a number, or the first of a list of them (`eos_token_id: [1, 106]`).
+    fn token_id(&self, key: &str) -> Result<Option<u32>, String> {
+        let id = |x: &Value| x.as_u64().and_then(|n| u32::try_from(n).ok());
+        self.typed(&[key], "a token id or a list of them", |x| match x {
+            Value::Array(ids) => match ids.first() {
+                None => Some(None),
+                Some(first) => id(first).map(Some),
+            },
+            other => id(other).map(Some),
+        })
+        .map(Option::flatten)
+    }
+
+    /// The object under `key`, read with its path as the prefix; None when it is not set.
+    fn nested(&self, key: &str) -> Result<Option<Fields<'a>>, String> {
+        match self.value(&[key]) {
+            None => Ok(None),
+            Some((_, x)) if x.is_object() => Ok(Some(Fields::new(x, &format!("{}{key}.", self.at)))),
+            Some((_, x)) => Err(format!("`{}{key}` is {x}, not an object", self.at)),
+        }
+    }
+
+    /// `nested`, with an unset object read as one that sets nothing.
+    fn nested_or_empty(&self, key: &str) -> Result<Fields<'a>, String> {
+        static UNSET: Value = Value::Null;
+        Ok(self.nested(key)?.unwrap_or_else(|| Fields::new(&UNSET, &format!("{}{key}.", self.at))))
+    }
+}
+
+/// `first` when it is set (or wrong), else `then`.
+fn first_set<T>(
+    first: Result<Option<T>, String>,
+    then: impl FnOnce() -> Result<Option<T>, String>,
+) -> Result<Option<T>, String> {
+    match first {
+        Ok(None) => then(),
+        other => other,
+    }
+}
+
+fn positive(fields: &Fields<'_>, keys: &[&str], n: usize) -> Result<usize, String> {
+    if n == 0 {
+        let key = fields.value(keys).map_or(keys[0], |(k, _)| k);
+        return Err(format!("`{}{key}` is 0: a model needs at least one", fields.at));
+    }
+    Ok(n)
 }
 
 /// `Lfm2MLP`'s width rule: with auto-adjust, 2/3 of the raw width, times the multiplier, rounded up to a
@@ -119,27 +222,28 @@ impl Lfm2Config {
         if !LFM2_TYPES.contains(&model_type.as_str()) {
             return Err(unsupported(&model_type));
         }
-        let need = |keys: &[&str]| usize_of(v, keys).ok_or_else(|| format!("missing `{}`", keys[0]));
-        let hidden_size = need(&["hidden_size"])?;
-        let num_hidden_layers = need(&["num_hidden_layers"])?;
-        let num_attention_heads = need(&["num_attention_heads"])?;
-        let num_key_value_heads = usize_of(v, &["num_key_value_heads"]).unwrap_or(num_attention_heads);
-        if hidden_size % num_attention_heads != 0 || num_attention_heads % num_key_value_heads != 0 {
+        let f = Fields::new(v, "");
+        let hidden_size = f.size(&["hidden_size"])?;
+        let num_hidden_layers = f.size(&["num_hidden_layers"])?;
+        let num_attention_heads = f.size(&["num_attention_heads"])?;
+        let num_key_value_heads = f.size_or(&["num_key_value_heads"], num_attention_heads)?;
+        if !hidden_size.is_multiple_of(num_attention_heads) || !num_attention_heads.is_multiple_of(num_key_value_heads)
+        {
             return Err(format!(
                 "hidden_size {hidden_size}, num_attention_heads {num_attention_heads} and num_key_value_heads {num_key_value_heads} do not divide"
             ));
         }
-        let intermediate_size = need(&["intermediate_size", "block_ff_dim"])?;
+        let intermediate_size = f.size(&["intermediate_size", "block_ff_dim"])?;
         let is_moe = model_type == "lfm2_moe";
         // The MoE class has no auto-adjust: its dense layers use intermediate_size as is.
-        let auto_adjust = !is_moe && bool_of(v, &["block_auto_adjust_ff_dim"]).unwrap_or(true);
+        let auto_adjust = !is_moe && f.bool(&["block_auto_adjust_ff_dim"])?.unwrap_or(true);
         let ff_dim = effective_ff_dim(
             intermediate_size,
             auto_adjust,
-            Some(f64_of(v, &["block_ffn_dim_multiplier"]).unwrap_or(1.0)),
-            usize_of(v, &["block_multiple_of"]).unwrap_or(256),
+            Some(f.positive_f64_or(&["block_ffn_dim_multiplier"], 1.0)?),
+            f.size_or(&["block_multiple_of"], 256)?,
         );
-        let layer_types = match v.get("layer_types").and_then(Value::as_array) {
+        let layer_types = match f.list("layer_types")? {
             Some(list) => list
                 .iter()
                 .map(|t| match t.as_str() {
@@ -149,13 +253,14 @@ impl Lfm2Config {
                 })
                 .collect::<Result<Vec<_>, _>>()?,
             None => {
-                let idxs: Vec<usize> = v
-                    .get("full_attn_idxs")
-                    .and_then(Value::as_array)
-                    .ok_or("neither `layer_types` nor `full_attn_idxs` is given")?
+                let idxs = f.list("full_attn_idxs")?.ok_or("neither `layer_types` nor `full_attn_idxs` is given")?;
+                let idxs = idxs
                     .iter()
-                    .filter_map(|x| x.as_u64().map(|i| i as usize))
-                    .collect();
+                    .map(|x| match x.as_u64() {
+                        Some(i) if (i as usize) < num_hidden_layers => Ok(i as usize),
+                        _ => Err(format!("full_attn_idxs: {x} is not a layer of {num_hidden_layers}")),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
                 (0..num_hidden_layers)
                     .map(|i| if idxs.contains(&i) { LayerKind::FullAttention } else { LayerKind::Conv })
                     .collect()
@@ -164,45 +269,50 @@ impl Lfm2Config {
         if layer_types.len() != num_hidden_layers {
             return Err(format!("layer_types has {} entries for {num_hidden_layers} layers", layer_types.len()));
         }
-        let rope_theta = v
-            .get("rope_parameters")
-            .and_then(|p| p.get("rope_theta"))
-            .and_then(Value::as_f64)
-            .or_else(|| f64_of(v, &["rope_theta", "theta"]))
-            .unwrap_or(1e6);
+        let rope_theta = match f.nested("rope_parameters")?.filter(|p| p.has("rope_theta")) {
+            Some(rope) => rope.positive_f64_or(&["rope_theta"], 1e6)?,
+            None => f.positive_f64_or(&["rope_theta", "theta"], 1e6)?,
+        };
         let moe = if is_moe {
+            let num_experts = f.size(&["num_experts"])?;
+            let num_experts_per_tok = f.size(&["num_experts_per_tok"])?;
+            if num_experts_per_tok > num_experts {
+                return Err(format!(
+                    "num_experts_per_tok {num_experts_per_tok} is more than num_experts {num_experts}"
+                ));
+            }
             Some(MoeConfig {
-                num_experts: need(&["num_experts"])?,
-                num_experts_per_tok: need(&["num_experts_per_tok"])?,
-                moe_intermediate_size: need(&["moe_intermediate_size"])?,
-                num_dense_layers: usize_of(v, &["num_dense_layers"]).unwrap_or(2),
-                use_expert_bias: bool_of(v, &["use_expert_bias"]).unwrap_or(true),
-                norm_topk_prob: bool_of(v, &["norm_topk_prob"]).unwrap_or(true),
-                routed_scaling_factor: f64_of(v, &["routed_scaling_factor"]).unwrap_or(1.0),
+                num_experts,
+                num_experts_per_tok,
+                moe_intermediate_size: f.size(&["moe_intermediate_size"])?,
+                num_dense_layers: f.usize(&["num_dense_layers"])?.unwrap_or(2),
+                use_expert_bias: f.bool(&["use_expert_bias"])?.unwrap_or(true),
+                norm_topk_prob: f.bool(&["norm_topk_prob"])?.unwrap_or(true),
+                routed_scaling_factor: f.positive_f64_or(&["routed_scaling_factor"], 1.0)?,
             })
         } else {
             None
         };
         Ok(Lfm2Config {
             model_type,
-            vocab_size: need(&["vocab_size"])?,
+            vocab_size: f.size(&["vocab_size"])?,
             hidden_size,
             intermediate_size,
             ff_dim,
             num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
-            head_dim: usize_of(v, &["head_dim"]).unwrap_or(hidden_size / num_attention_heads),
-            norm_eps: f64_of(v, &["norm_eps", "rms_norm_eps"]).unwrap_or(1e-5),
+            head_dim: f.size_or(&["head_dim"], hidden_size / num_attention_heads)?,
+            norm_eps: f.positive_f64_or(&["norm_eps", "rms_norm_eps"], 1e-5)?,
             rope_theta,
-            conv_bias: bool_of(v, &["conv_bias"]).unwrap_or(false),
-            conv_l_cache: usize_of(v, &["conv_L_cache", "conv_l_cache"]).unwrap_or(3),
+            conv_bias: f.bool(&["conv_bias"])?.unwrap_or(false),
+            conv_l_cache: f.size_or(&["conv_L_cache", "conv_l_cache"], 3)?,
             layer_types,
-            tie_word_embeddings: bool_of(v, &["tie_word_embeddings", "tie_embedding"]).unwrap_or(true),
-            max_position_embeddings: usize_of(v, &["max_position_embeddings"]).unwrap_or(128_000),
-            bos_token_id: token_id(v, "bos_token_id"),
-            eos_token_id: token_id(v, "eos_token_id"),
-            pad_token_id: token_id(v, "pad_token_id"),
+            tie_word_embeddings: f.bool(&["tie_word_embeddings", "tie_embedding"])?.unwrap_or(true),
+            max_position_embeddings: f.size_or(&["max_position_embeddings"], 128_000)?,
+            bos_token_id: f.token_id("bos_token_id")?,
+            eos_token_id: f.token_id("eos_token_id")?,
+            pad_token_id: f.token_id("pad_token_id")?,
             moe,
         })
     }
@@ -254,19 +364,19 @@ pub struct Qwen35Config {
 impl Qwen35Config {
     pub fn from_json(v: &Value) -> Result<Self, String> {
         let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or_default().to_string();
+        let top = Fields::new(v, "");
         let (text, text_prefix) = match model_type.as_str() {
             "qwen3_5" => {
-                (v.get("text_config").ok_or("a qwen3_5 config without `text_config`")?, "model.language_model.")
+                (top.nested("text_config")?.ok_or("a qwen3_5 config without `text_config`")?, "model.language_model.")
             }
-            "qwen3_5_text" => (v, "model."),
+            "qwen3_5_text" => (Fields::new(v, ""), "model."),
             other => return Err(unsupported(other)),
         };
-        let need = |keys: &[&str]| usize_of(text, keys).ok_or_else(|| format!("text_config: missing `{}`", keys[0]));
-        let num_hidden_layers = need(&["num_hidden_layers"])?;
-        let num_attention_heads = need(&["num_attention_heads"])?;
-        let num_key_value_heads = usize_of(text, &["num_key_value_heads"]).unwrap_or(num_attention_heads);
-        let linear_num_key_heads = usize_of(text, &["linear_num_key_heads"]).unwrap_or(16);
-        let linear_num_value_heads = usize_of(text, &["linear_num_value_heads"]).unwrap_or(32);
+        let num_hidden_layers = text.size(&["num_hidden_layers"])?;
+        let num_attention_heads = text.size(&["num_attention_heads"])?;
+        let num_key_value_heads = text.size_or(&["num_key_value_heads"], num_attention_heads)?;
+        let linear_num_key_heads = text.size_or(&["linear_num_key_heads"], 16)?;
+        let linear_num_value_heads = text.size_or(&["linear_num_value_heads"], 32)?;
         if !num_attention_heads.is_multiple_of(num_key_value_heads)
             || !linear_num_value_heads.is_multiple_of(linear_num_key_heads)
         {
@@ -275,7 +385,7 @@ impl Qwen35Config {
                  {linear_num_value_heads} linear value / {linear_num_key_heads} linear key"
             ));
         }
-        let layer_types = match text.get("layer_types").and_then(Value::as_array) {
+        let layer_types = match text.list("layer_types")? {
             Some(list) => list
                 .iter()
                 .map(|t| match t.as_str() {
@@ -285,7 +395,7 @@ impl Qwen35Config {
                 })
                 .collect::<Result<Vec<_>, _>>()?,
             None => {
-                let interval = usize_of(text, &["full_attention_interval"]).unwrap_or(4).max(1);
+                let interval = text.size_or(&["full_attention_interval"], 4)?;
                 (0..num_hidden_layers)
                     .map(|i| {
                         if (i + 1) % interval == 0 {
@@ -300,11 +410,14 @@ impl Qwen35Config {
         if layer_types.len() != num_hidden_layers {
             return Err(format!("layer_types has {} entries for {num_hidden_layers} layers", layer_types.len()));
         }
-        let rope = text.get("rope_parameters");
-        let rope_f64 =
-            |key: &str| rope.and_then(|p| p.get(key)).and_then(Value::as_f64).or_else(|| f64_of(text, &[key]));
-        let head_dim = usize_of(text, &["head_dim"]).unwrap_or(256);
-        let partial = rope_f64("partial_rotary_factor").unwrap_or(1.0);
+        // RoPE settings from `rope_parameters`, else from the text config's top level.
+        let rope = text.nested("rope_parameters")?;
+        let rope_fields = |key: &str| match rope.as_ref().filter(|p| p.has(key)) {
+            Some(rope) => rope,
+            None => &text,
+        };
+        let head_dim = text.size_or(&["head_dim"], 256)?;
+        let partial = rope_fields("partial_rotary_factor").positive_f64_or(&["partial_rotary_factor"], 1.0)?;
         let rotary_dim = (head_dim as f64 * partial) as usize;
         if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
             return Err(format!("partial_rotary_factor {partial} gives {rotary_dim} rotary dims of {head_dim}"));
@@ -312,29 +425,28 @@ impl Qwen35Config {
         Ok(Qwen35Config {
             model_type,
             text_prefix: text_prefix.to_string(),
-            vocab_size: need(&["vocab_size"])?,
-            hidden_size: need(&["hidden_size"])?,
-            intermediate_size: need(&["intermediate_size"])?,
+            vocab_size: text.size(&["vocab_size"])?,
+            hidden_size: text.size(&["hidden_size"])?,
+            intermediate_size: text.size(&["intermediate_size"])?,
             num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
             rotary_dim,
-            rope_theta: rope_f64("rope_theta").unwrap_or(1e7),
-            rms_norm_eps: f64_of(text, &["rms_norm_eps"]).unwrap_or(1e-6),
+            rope_theta: rope_fields("rope_theta").positive_f64_or(&["rope_theta"], 1e7)?,
+            rms_norm_eps: text.positive_f64_or(&["rms_norm_eps"], 1e-6)?,
             linear_num_key_heads,
             linear_num_value_heads,
-            linear_key_head_dim: usize_of(text, &["linear_key_head_dim"]).unwrap_or(128),
-            linear_value_head_dim: usize_of(text, &["linear_value_head_dim"]).unwrap_or(128),
-            linear_conv_kernel_dim: usize_of(text, &["linear_conv_kernel_dim"]).unwrap_or(4),
+            linear_key_head_dim: text.size_or(&["linear_key_head_dim"], 128)?,
+            linear_value_head_dim: text.size_or(&["linear_value_head_dim"], 128)?,
+            linear_conv_kernel_dim: text.size_or(&["linear_conv_kernel_dim"], 4)?,
             layer_types,
             // The composite config's flag decides for the vision-language class.
-            tie_word_embeddings: bool_of(v, &["tie_word_embeddings"])
-                .or_else(|| bool_of(text, &["tie_word_embeddings"]))
+            tie_word_embeddings: first_set(top.bool(&["tie_word_embeddings"]), || text.bool(&["tie_word_embeddings"]))?
                 .unwrap_or(false),
-            max_position_embeddings: usize_of(text, &["max_position_embeddings"]).unwrap_or(32768),
-            eos_token_id: token_id(text, "eos_token_id").or_else(|| token_id(v, "eos_token_id")),
-            initializer_range: f64_of(text, &["initializer_range"]).unwrap_or(0.02),
+            max_position_embeddings: text.size_or(&["max_position_embeddings"], 32768)?,
+            eos_token_id: first_set(text.token_id("eos_token_id"), || top.token_id("eos_token_id"))?,
+            initializer_range: text.positive_f64_or(&["initializer_range"], 0.02)?,
         })
     }
 
@@ -421,36 +533,38 @@ pub struct Gemma4Config {
 impl Gemma4Config {
     pub fn from_json(v: &Value) -> Result<Self, String> {
         let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or_default().to_string();
+        let top = Fields::new(v, "");
         let (text, text_prefix) = match model_type.as_str() {
-            "gemma4" => (v.get("text_config").ok_or("a gemma4 config without `text_config`")?, "model.language_model."),
-            "gemma4_text" => (v, "model."),
+            "gemma4" => {
+                (top.nested("text_config")?.ok_or("a gemma4 config without `text_config`")?, "model.language_model.")
+            }
+            "gemma4_text" => (Fields::new(v, ""), "model."),
             other => return Err(unsupported(other)),
         };
-        let need = |keys: &[&str]| usize_of(text, keys).ok_or_else(|| format!("text_config: missing `{}`", keys[0]));
         let refuse = |what: &str| Err(format!("Gemma 4 with {what} is not supported (the E-series text towers are)"));
-        if bool_of(text, &["enable_moe_block"]) == Some(true) {
+        if text.bool(&["enable_moe_block"])? == Some(true) {
             return refuse("`enable_moe_block` (the 26B-A4B MoE)");
         }
-        if bool_of(text, &["attention_k_eq_v"]) == Some(true) {
+        if text.bool(&["attention_k_eq_v"])? == Some(true) {
             return refuse("`attention_k_eq_v`");
         }
-        if bool_of(text, &["attention_bias"]) == Some(true) {
+        if text.bool(&["attention_bias"])? == Some(true) {
             return refuse("`attention_bias`");
         }
-        if text.get("use_bidirectional_attention").and_then(Value::as_str) == Some("all") {
+        if text.str(&["use_bidirectional_attention"])? == Some("all") {
             return refuse("`use_bidirectional_attention = \"all\"`");
         }
-        match text.get("hidden_activation").and_then(Value::as_str) {
+        match text.str(&["hidden_activation"])? {
             None | Some("gelu_pytorch_tanh") => {}
             Some(other) => {
                 return Err(format!("Gemma 4 hidden_activation '{other}' is not supported (gelu_pytorch_tanh is)"));
             }
         }
-        let num_hidden_layers = need(&["num_hidden_layers"])?;
-        let num_attention_heads = need(&["num_attention_heads"])?;
-        let num_key_value_heads = usize_of(text, &["num_key_value_heads"]).unwrap_or(num_attention_heads);
+        let num_hidden_layers = text.size(&["num_hidden_layers"])?;
+        let num_attention_heads = text.size(&["num_attention_heads"])?;
+        let num_key_value_heads = text.size_or(&["num_key_value_heads"], num_attention_heads)?;
         let mut kinds =
-            match text.get("layer_types").and_then(Value::as_array) {
+            match text.list("layer_types")? {
                 Some(list) => list
                     .iter()
                     .map(|t| match t.as_str() {
@@ -477,28 +591,26 @@ impl Gemma4Config {
         if let Some(last) = kinds.last_mut() {
             *last = Gemma4LayerKind::FullAttention;
         }
-        let head_dim = usize_of(text, &["head_dim"]).unwrap_or(256);
-        let global_head_dim = usize_of(text, &["global_head_dim"]).unwrap_or(512);
-        let per_layer = text.get("per_layer_config").filter(|p| !p.is_null());
-        let shared = usize_of(text, &["num_kv_shared_layers"]).unwrap_or(0);
+        let head_dim = text.size_or(&["head_dim"], 256)?;
+        let global_head_dim = text.size_or(&["global_head_dim"], 512)?;
+        let per_layer_given = text.has("per_layer_config");
+        let per_layer = text.nested_or_empty("per_layer_config")?;
+        let shared = text.usize(&["num_kv_shared_layers"])?.unwrap_or(0);
         if shared >= num_hidden_layers && shared > 0 {
             return Err(format!(
                 "num_kv_shared_layers {shared} leaves none of {num_hidden_layers} layers to compute K/V"
             ));
         }
         let first_shared = num_hidden_layers - shared;
-        let intermediate_size = need(&["intermediate_size"])?;
-        let double_wide = bool_of(text, &["use_double_wide_mlp"]).unwrap_or(false);
+        let intermediate_size = text.size(&["intermediate_size"])?;
+        let double_wide = text.bool(&["use_double_wide_mlp"])?.unwrap_or(false);
         let mut layers = Vec::with_capacity(num_hidden_layers);
         for (i, &kind) in kinds.iter().enumerate() {
-            let overrides = per_layer.and_then(|p| p.get(i.to_string()));
+            let overrides = per_layer.nested_or_empty(&i.to_string())?;
             let full = kind == Gemma4LayerKind::FullAttention;
-            let head = overrides.and_then(|o| usize_of(o, &["head_dim"])).unwrap_or(if full && per_layer.is_none() {
-                global_head_dim
-            } else {
-                head_dim
-            });
-            let kv = overrides.and_then(|o| usize_of(o, &["num_key_value_heads"])).unwrap_or(num_key_value_heads);
+            let default_head = if full && !per_layer_given { global_head_dim } else { head_dim };
+            let head = overrides.usize(&["head_dim"])?.unwrap_or(default_head);
+            let kv = overrides.usize(&["num_key_value_heads"])?.unwrap_or(num_key_value_heads);
             if head == 0 || !head.is_multiple_of(2) || kv == 0 || !num_attention_heads.is_multiple_of(kv) {
                 return Err(format!("layer {i}: head_dim {head} with {kv} kv heads for {num_attention_heads} heads"));
             }
@@ -517,50 +629,47 @@ impl Gemma4Config {
                 intermediate_size: intermediate_size * if wide { 2 } else { 1 },
             });
         }
+        let rope_parameters = text.nested_or_empty("rope_parameters")?;
         let rope = |kind: &str, theta: f64, proportional: bool| -> Result<Gemma4Rope, String> {
-            let p = text.get("rope_parameters").and_then(|r| r.get(kind)).filter(|p| !p.is_null());
-            let rope_type = p.and_then(|p| p.get("rope_type")).and_then(Value::as_str);
-            let proportional = match rope_type {
+            let p = rope_parameters.nested_or_empty(kind)?;
+            let proportional = match p.str(&["rope_type"])? {
                 None => proportional,
                 Some("default") => false,
                 Some("proportional") => true,
                 Some(other) => return Err(format!("{kind}: rope_type '{other}' is not supported")),
             };
-            if p.and_then(|p| p.get("factor")).and_then(Value::as_f64).is_some_and(|f| f != 1.0) {
+            if p.f64(&["factor"])?.is_some_and(|f| f != 1.0) {
                 return Err(format!("{kind}: a RoPE `factor` is not supported"));
             }
             Ok(Gemma4Rope {
-                theta: p.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64).unwrap_or(theta),
+                theta: p.positive_f64_or(&["rope_theta"], theta)?,
                 partial_rotary_factor: p
-                    .and_then(|p| p.get("partial_rotary_factor"))
-                    .and_then(Value::as_f64)
-                    .unwrap_or(if proportional { 0.25 } else { 1.0 }),
+                    .positive_f64_or(&["partial_rotary_factor"], if proportional { 0.25 } else { 1.0 })?,
                 proportional,
             })
         };
-        let ple = usize_of(text, &["hidden_size_per_layer_input"]).unwrap_or(0);
-        let vocab_size = need(&["vocab_size"])?;
+        let ple = text.usize(&["hidden_size_per_layer_input"])?.unwrap_or(0);
+        let vocab_size = text.size(&["vocab_size"])?;
         Ok(Gemma4Config {
             model_type,
             text_prefix: text_prefix.to_string(),
             vocab_size,
-            hidden_size: need(&["hidden_size"])?,
+            hidden_size: text.size(&["hidden_size"])?,
             num_hidden_layers,
             num_attention_heads,
             layers,
-            sliding_window: usize_of(text, &["sliding_window"]).unwrap_or(512),
+            sliding_window: text.size_or(&["sliding_window"], 512)?,
             sliding_rope: rope("sliding_attention", 1e4, false)?,
             full_rope: rope("full_attention", 1e6, true)?,
             hidden_size_per_layer_input: ple,
-            vocab_size_per_layer_input: usize_of(text, &["vocab_size_per_layer_input"]).unwrap_or(vocab_size),
-            final_logit_softcapping: f64_of(text, &["final_logit_softcapping"]),
-            rms_norm_eps: f64_of(text, &["rms_norm_eps"]).unwrap_or(1e-6),
-            tie_word_embeddings: bool_of(v, &["tie_word_embeddings"])
-                .or_else(|| bool_of(text, &["tie_word_embeddings"]))
+            vocab_size_per_layer_input: text.size_or(&["vocab_size_per_layer_input"], vocab_size)?,
+            final_logit_softcapping: text.f64(&["final_logit_softcapping"])?,
+            rms_norm_eps: text.positive_f64_or(&["rms_norm_eps"], 1e-6)?,
+            tie_word_embeddings: first_set(top.bool(&["tie_word_embeddings"]), || text.bool(&["tie_word_embeddings"]))?
                 .unwrap_or(true),
-            max_position_embeddings: usize_of(text, &["max_position_embeddings"]).unwrap_or(131_072),
-            eos_token_id: token_id(text, "eos_token_id").or_else(|| token_id(v, "eos_token_id")),
-            initializer_range: f64_of(text, &["initializer_range"]).unwrap_or(0.02),
+            max_position_embeddings: text.size_or(&["max_position_embeddings"], 131_072)?,
+            eos_token_id: first_set(text.token_id("eos_token_id"), || top.token_id("eos_token_id"))?,
+            initializer_range: text.positive_f64_or(&["initializer_range"], 0.02)?,
         })
     }
 
@@ -732,6 +841,56 @@ mod tests {
         assert!(err.contains("'llama' is not supported") && err.contains("qwen3_5"), "{err}");
     }
 
+    /// A key set to the wrong type, or a size set to 0, is named in the error; before, the default stood in
+    /// for it silently (or a division by zero panicked).
+    #[test]
+    fn wrong_types_and_zero_sizes_are_refused_by_name() {
+        let lfm2 = || {
+            json!({"model_type": "lfm2", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
+                "layer_types": ["conv", "full_attention"], "rope_parameters": {"rope_theta": 1e6}})
+        };
+        Lfm2Config::from_json(&lfm2()).unwrap();
+        for (key, value, expected) in [
+            ("num_attention_heads", json!(0), "`num_attention_heads` is 0"),
+            ("num_key_value_heads", json!(0), "`num_key_value_heads` is 0"),
+            ("num_key_value_heads", json!("2"), "`num_key_value_heads` is \"2\", not a non-negative integer"),
+            ("hidden_size", json!("x"), "`hidden_size` is \"x\", not a non-negative integer"),
+            ("hidden_size", json!(-64), "`hidden_size` is -64"),
+            ("conv_L_cache", json!(0), "`conv_L_cache` is 0"),
+            ("tie_word_embeddings", json!("yes"), "`tie_word_embeddings` is \"yes\", not true or false"),
+            ("norm_eps", json!("1e-5"), "`norm_eps` is \"1e-5\", not a number"),
+            ("norm_eps", json!(0.0), "`norm_eps` is 0: it must be a positive number"),
+            ("rope_parameters", json!({"rope_theta": "x"}), "`rope_parameters.rope_theta` is \"x\""),
+            ("rope_parameters", json!(5), "`rope_parameters` is 5, not an object"),
+            ("eos_token_id", json!("7"), "`eos_token_id` is \"7\", not a token id"),
+            ("layer_types", json!("conv"), "`layer_types` is \"conv\", not a list"),
+        ] {
+            let mut v = lfm2();
+            v[key] = value;
+            let err = Lfm2Config::from_json(&v).unwrap_err();
+            assert!(err.contains(expected), "{key}: {err}");
+        }
+        let mut v = lfm2();
+        v.as_object_mut().unwrap().remove("layer_types");
+        v["full_attn_idxs"] = json!([1, 7]);
+        assert!(Lfm2Config::from_json(&v).unwrap_err().contains("full_attn_idxs: 7 is not a layer of 2"));
+        // Absent and null keys still take their defaults; a list of eos ids gives its first.
+        let mut v = lfm2();
+        v["head_dim"] = Value::Null;
+        v["eos_token_id"] = json!([7, 2]);
+        let c = Lfm2Config::from_json(&v).unwrap();
+        assert_eq!((c.head_dim, c.eos_token_id, c.conv_l_cache, c.norm_eps), (16, Some(7), 3, 1e-5));
+
+        let mut v = gemma4_e4b();
+        v["text_config"]["rope_parameters"]["full_attention"]["rope_theta"] = json!("1e6");
+        let err = Gemma4Config::from_json(&v).unwrap_err();
+        assert!(err.contains("`text_config.rope_parameters.full_attention.rope_theta` is \"1e6\""), "{err}");
+        let mut v = gemma4_e4b();
+        v["text_config"]["sliding_window"] = json!(0);
+        assert!(Gemma4Config::from_json(&v).unwrap_err().contains("`text_config.sliding_window` is 0"));
+    }
+
     #[test]
     fn qwen3_5_reads_its_text_config() {
         // Qwen3.5-0.8B's shapes; layer types from the interval rule when not listed.
@@ -751,6 +910,14 @@ mod tests {
         assert_eq!(ModelConfig::Qwen35(c).attention_width(), 6 * 8 * 256);
         let err = ModelConfig::from_json(&json!({"model_type": "qwen3_5"})).unwrap_err();
         assert!(err.contains("text_config"), "{err}");
+        let mut wrong = v.clone();
+        wrong["text_config"]["linear_num_key_heads"] = json!(0);
+        let err = ModelConfig::from_json(&wrong).unwrap_err();
+        assert!(err.contains("`text_config.linear_num_key_heads` is 0"), "{err}");
+        let mut wrong = v;
+        wrong["text_config"]["rope_parameters"]["partial_rotary_factor"] = json!("0.25");
+        let err = ModelConfig::from_json(&wrong).unwrap_err();
+        assert!(err.contains("`text_config.rope_parameters.partial_rotary_factor` is \"0.25\""), "{err}");
     }
 
     /// Gemma 4 E4B's text config as the Hub serializes it (`global_head_dim`, no `per_layer_config`).
@@ -833,6 +1000,19 @@ mod tests {
             ..hub
         };
         assert_eq!(shape, text_model);
+    }
+
+    /// The Hub's LFM2-350M config.json (../shared, transformers 4.54's legacy keys: `block_ff_dim`,
+    /// `full_attn_idxs`, top-level `rope_theta`) reads as the benchmark's LFM2-350M shape.
+    #[test]
+    fn the_hubs_lfm2_350m_config_reads_as_the_benchmark_shape() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let hub = Lfm2Config::from_file(&root.join("../shared/tokenizers/lfm2-350m-config/config.json")).unwrap();
+        let full: Vec<usize> = (0..16).filter(|&i| hub.layer_types[i] == LayerKind::FullAttention).collect();
+        assert_eq!(full, [2, 5, 8, 10, 12, 14]);
+        assert_eq!((hub.ff_dim, hub.head_dim, hub.rope_theta, hub.eos_token_id), (4608, 64, 1e6, Some(7)));
+        let shape = Lfm2Config::from_file(&root.join("tests/bench/shapes/lfm2-350m.json")).unwrap();
+        assert_eq!(Lfm2Config { intermediate_size: shape.intermediate_size, ..hub }, shape);
     }
 
     /// MFU's parameter count by checkpoint name: LFM2.5-8B-A1B routes a token through 4 of its 32 experts;
