@@ -562,9 +562,8 @@ fn main() {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(cli, host_allocator))) {
         Ok(Ok(())) => {}
         Ok(Err(err)) => {
-            eprintln!("error: {err}");
-            for cause in err.chain().skip(1) {
-                eprintln!("  caused by: {cause}");
+            for line in error_lines(&err) {
+                eprintln!("{line}");
             }
             // A device thread's panic may come back as an error (its echo, from a sync or a read): name it.
             if kiln::device_panics::panicked() {
@@ -585,6 +584,18 @@ fn main() {
 const EXIT_OUT_OF_MEMORY: i32 = 3;
 
 /// How a failed command exits: `err` is its error, `None` when it ended in a panic.
+/// The error, then each cause whose text the lines before it do not already hold (a library error that
+/// writes its source into its own message would otherwise print it twice).
+fn error_lines(err: &anyhow::Error) -> Vec<String> {
+    let mut lines = vec![format!("error: {err}")];
+    for cause in err.chain().skip(1).map(|c| c.to_string()) {
+        if !lines.iter().any(|line| line.contains(&cause)) {
+            lines.push(format!("  caused by: {cause}"));
+        }
+    }
+    lines
+}
+
 fn exit_status(err: Option<&anyhow::Error>) -> i32 {
     use kiln::pipeline::PipelineError;
     use kiln::train::TrainError;
@@ -1369,4 +1380,27 @@ fn select_cmd(args: SelectArgs, quiet: bool) -> Result<()> {
     .map_err(anyhow::Error::msg)?;
     eprintln!("select: {} → {}", selection.reason, args.run.join("best").display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_lines;
+
+    #[test]
+    fn a_cause_already_in_the_message_is_not_printed_again() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory (os error 2)");
+        let err = anyhow::Error::new(io).context("pipelines/sft.toml: No such file or directory (os error 2)");
+        assert_eq!(error_lines(&err), ["error: pipelines/sft.toml: No such file or directory (os error 2)"]);
+        let err = anyhow::anyhow!("invalid header length")
+            .context("reading model.safetensors")
+            .context("loading the base model");
+        assert_eq!(
+            error_lines(&err),
+            [
+                "error: loading the base model",
+                "  caused by: reading model.safetensors",
+                "  caused by: invalid header length"
+            ]
+        );
+    }
 }
