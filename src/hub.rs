@@ -105,6 +105,10 @@ pub enum HubError {
     NotCached { kind: RepoKind, repo: String, revision: String, file: String, cache: PathBuf },
     #[error("could not reach the Hub at {endpoint} for {kind} repo '{repo}' (revision '{revision}'{file}): {message}")]
     Network { kind: RepoKind, repo: String, revision: String, file: String, endpoint: String, message: String },
+    #[error(
+        "{kind} repo '{repo}' (revision '{revision}'): the Hub answered {what}, which would be written outside the cache; nothing was downloaded"
+    )]
+    Unsafe { kind: RepoKind, repo: String, revision: String, what: String },
     #[error("invalid file pattern '{pattern}': {message}")]
     BadPattern { pattern: String, message: String },
     #[error("{path}: {source}")]
@@ -247,6 +251,19 @@ impl Hub {
             Err(e) => return Err(self.map_error(e, spec, None)),
         };
         let selected = select(spec, &listing, patterns)?;
+        // hf-hub joins the commit and each file's path onto the cache folder as the server wrote them.
+        let unsafe_answer = |what: String| HubError::Unsafe {
+            kind: spec.kind,
+            repo: spec.repo.clone(),
+            revision: spec.revision.clone(),
+            what,
+        };
+        if !is_commit_hash(&commit) {
+            return Err(unsafe_answer(format!("commit '{commit}', which is not a commit hash")));
+        }
+        if let Some(path) = selected.iter().find(|p| !is_repo_relative(p)) {
+            return Err(unsafe_answer(format!("the file path '{path}'")));
+        }
         let bar = self.file_bar();
         let mut files = Vec::with_capacity(selected.len());
         for path in selected {
@@ -456,6 +473,11 @@ pub fn repo_folder(kind: RepoKind, repo: &str) -> String {
     format!("{}--{}", kind.plural(), repo.replace('/', "--"))
 }
 
+/// Whether `path` names a file inside a repository: relative, `/`-separated, no empty, `.` or `..` part.
+pub fn is_repo_relative(path: &str) -> bool {
+    !path.contains('\\') && path.split('/').all(|part| !matches!(part, "" | "." | ".."))
+}
+
 pub fn is_commit_hash(revision: &str) -> bool {
     revision.len() == 40 && revision.bytes().all(|b| b.is_ascii_hexdigit())
 }
@@ -568,6 +590,16 @@ mod tests {
         Patterns {
             required: compile_patterns(&s.files).unwrap(),
             optional: compile_patterns(&s.optional_files).unwrap(),
+        }
+    }
+
+    #[test]
+    fn repo_paths_stay_inside_the_repository() {
+        for inside in ["config.json", "data/train-00000-of-00001.parquet", "a/b/.hidden", "..x/y..z"] {
+            assert!(is_repo_relative(inside), "{inside}");
+        }
+        for outside in ["", "/etc/passwd", "../x", "data/../../x", "a//b", "./x", "a/.", "a\\..\\b", "a/"] {
+            assert!(!is_repo_relative(outside), "{outside}");
         }
     }
 

@@ -265,3 +265,38 @@ fn files_already_in_a_python_populated_cache_are_not_downloaded_again() {
     // One request: the revision lookup. The file itself came from the cache.
     assert_eq!(server.requests.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
+
+/// A Hub (or a mirror behind HF_ENDPOINT) that answers a file path or a commit leaving the repository is
+/// refused before anything is downloaded: those names become paths under the cache.
+#[test]
+fn paths_and_commits_that_leave_the_cache_are_refused() {
+    let escape = "../../../../escape.txt";
+    let mut repos = BTreeMap::new();
+    repos.insert(
+        ("models".to_string(), "evil/paths".to_string()),
+        FakeRepo::single(&sha("P"), tree(&[("config.json", b"{}"), (escape, b"x")])),
+    );
+    repos.insert(
+        ("models".to_string(), "evil/commit".to_string()),
+        FakeRepo::single("../../../outside", tree(&[("config.json", b"{}")])),
+    );
+    let server = FakeHub::start(repos);
+    let root = tempfile::tempdir().unwrap();
+    let cache = root.path().join("cache");
+    let hub = Hub::new(config(&server.url, &cache, false)).unwrap();
+    let spec = |repo: &str| RepoSpec {
+        kind: RepoKind::Model,
+        repo: repo.into(),
+        revision: "main".into(),
+        files: vec![],
+        optional_files: vec![],
+    };
+    let err = hub.pull(&spec("evil/paths")).unwrap_err();
+    assert!(matches!(err, HubError::Unsafe { .. }) && err.to_string().contains(escape), "{err}");
+    let err = hub.pull(&spec("evil/commit")).unwrap_err();
+    assert!(matches!(err, HubError::Unsafe { .. }) && err.to_string().contains("../../../outside"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(root.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.iter().all(|name| name == "cache"), "written outside the cache: {left:?}");
+    // Nothing was downloaded: the only requests were the two revision lookups.
+    assert_eq!(server.requests.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
