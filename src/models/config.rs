@@ -102,10 +102,7 @@ impl<'a> Fields<'a> {
     }
 
     fn str(&self, keys: &[&str]) -> Result<Option<&'a str>, String> {
-        match self.value(keys) {
-            None => Ok(None),
-            Some((key, x)) => x.as_str().map(Some).ok_or_else(|| format!("`{}{key}` is {x}, not a string", self.at)),
-        }
+        self.typed(keys, "a string", Value::as_str)
     }
 
     /// A list under `key`, or None when it is not set.
@@ -120,12 +117,20 @@ impl<'a> Fields<'a> {
 
     /// A required size: a positive integer.
     fn size(&self, keys: &[&str]) -> Result<usize, String> {
-        positive(self, keys, self.need(keys)?)
+        self.positive(keys, self.need(keys)?)
     }
 
     /// A size that defaults to `default` when not set.
     fn size_or(&self, keys: &[&str], default: usize) -> Result<usize, String> {
-        positive(self, keys, self.usize(keys)?.unwrap_or(default))
+        self.positive(keys, self.usize(keys)?.unwrap_or(default))
+    }
+
+    fn positive(&self, keys: &[&str], n: usize) -> Result<usize, String> {
+        if n == 0 {
+            let key = self.value(keys).map_or(keys[0], |(k, _)| k);
+            return Err(format!("`{}{key}` is 0: a model needs at least one", self.at));
+        }
+        Ok(n)
     }
 
     /// A positive, finite number that defaults to `default` when not set (epsilons, RoPE bases).
@@ -177,14 +182,6 @@ fn first_set<T>(
         Ok(None) => then(),
         other => other,
     }
-}
-
-fn positive(fields: &Fields<'_>, keys: &[&str], n: usize) -> Result<usize, String> {
-    if n == 0 {
-        let key = fields.value(keys).map_or(keys[0], |(k, _)| k);
-        return Err(format!("`{}{key}` is 0: a model needs at least one", fields.at));
-    }
-    Ok(n)
 }
 
 /// `Lfm2MLP`'s width rule: with auto-adjust, 2/3 of the raw width, times the multiplier, rounded up to a
