@@ -382,7 +382,7 @@ fn a_run_resumes_with_activation_checkpointing_switched_on() {
     assert!(go(&cfg, "resumed", false, Some(4)).unwrap().interrupted);
     let checkpointed = TrainConfig { activation_checkpointing: true, ..cfg.clone() };
     let err = go(&TrainConfig { lr: 2e-3, ..checkpointed.clone() }, "resumed", true, None).unwrap_err().to_string();
-    assert!(err.contains("another training config"), "{err}");
+    assert!(err.contains("another training config") && err.contains("train.lr") && err.contains("0.002 now"), "{err}");
     let summary = go(&checkpointed, "resumed", true, None).unwrap();
     assert!(!summary.interrupted && summary.epochs_done == 2);
     let load = |run: &str| {

@@ -160,13 +160,40 @@ impl TrainConfig {
     /// activation checkpointing, which changes memory, not the updates, and the device count, which changes
     /// only the order of the gradients' f32 sums (bit for bit, a resume wants the same count).
     pub fn continues(&self, saved: &TrainConfig) -> bool {
-        *self
-            == TrainConfig {
-                activation_checkpointing: self.activation_checkpointing,
-                devices: self.devices,
-                ..saved.clone()
-            }
+        *self == self.as_resumed(saved)
     }
+
+    /// `saved` with the settings a resume may change taken from this config.
+    fn as_resumed(&self, saved: &TrainConfig) -> TrainConfig {
+        TrainConfig { activation_checkpointing: self.activation_checkpointing, devices: self.devices, ..saved.clone() }
+    }
+
+    /// The settings in which this config departs from a state saved with `saved`, as `train.lr 0.004 there,
+    /// 0.002 now` (those `continues` allows left out), for the error that refuses the resume.
+    pub fn changes_from(&self, saved: &TrainConfig) -> Vec<String> {
+        let there: std::collections::BTreeMap<_, _> = settings(&self.as_resumed(saved)).into_iter().collect();
+        let unset = serde_json::Value::Null;
+        settings(self)
+            .into_iter()
+            .filter_map(|(name, now)| {
+                let before = there.get(&name).unwrap_or(&unset);
+                (*before != now).then(|| format!("{name} {before} there, {now} now"))
+            })
+            .collect()
+    }
+}
+
+/// Every setting of `cfg` as `(train.name, value)`, nested tables by their dotted path, in a fixed order.
+fn settings(cfg: &TrainConfig) -> Vec<(String, serde_json::Value)> {
+    fn walk(path: &str, value: serde_json::Value, out: &mut Vec<(String, serde_json::Value)>) {
+        match value {
+            serde_json::Value::Object(map) => map.into_iter().for_each(|(k, v)| walk(&format!("{path}.{k}"), v, out)),
+            leaf => out.push((path.to_string(), leaf)),
+        }
+    }
+    let mut out = Vec::new();
+    walk("train", serde_json::to_value(cfg).unwrap_or_default(), &mut out);
+    out
 }
 
 impl Default for TrainConfig {
@@ -489,8 +516,9 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             .map_err(|e| TrainError::State { path: state_dir.clone(), message: e.to_string() })?;
         if !cfg.continues(&p.config) {
             return Err(TrainError::Config(format!(
-                "{} was written with another training config; resume with the same settings",
-                state_dir.display()
+                "{} was written with another training config ({}); resume with the same settings",
+                state_dir.display(),
+                cfg.changes_from(&p.config).join("; ")
             )));
         }
         (p, state_dir.clone())
@@ -704,6 +732,27 @@ fn write_summary(train_dir: &Path, summary: &TrainSummary) -> Result<(), TrainEr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A resume refused for a changed setting names each one with both values; those a resume may change
+    /// (activation checkpointing, the device count) are not named.
+    #[test]
+    fn a_changed_setting_is_named_with_both_values() {
+        let saved = TrainConfig { epochs: 2, lr: 4e-3, ..TrainConfig::default() };
+        let now = TrainConfig {
+            epochs: 1,
+            adamw: AdamWConfig { beta2: 0.95, ..saved.adamw },
+            activation_checkpointing: true,
+            devices: 2,
+            ..saved.clone()
+        };
+        assert!(!now.continues(&saved));
+        assert_eq!(
+            now.changes_from(&saved),
+            ["train.epochs 2 there, 1 now", "train.adamw.beta2 0.999 there, 0.95 now"]
+        );
+        let resumable = TrainConfig { activation_checkpointing: true, devices: 2, ..saved.clone() };
+        assert!(resumable.continues(&saved) && resumable.changes_from(&saved).is_empty());
+    }
 
     /// Each setting that makes no run is refused by name; the defaults and the edges that do run pass.
     #[test]
