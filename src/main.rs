@@ -583,7 +583,6 @@ fn main() {
 /// a benchmark script learns that a shape does not fit, which no fallback switch mends.
 const EXIT_OUT_OF_MEMORY: i32 = 3;
 
-/// How a failed command exits: `err` is its error, `None` when it ended in a panic.
 /// The error, then each cause whose text the lines before it do not already hold (a library error that
 /// writes its source into its own message would otherwise print it twice).
 fn error_lines(err: &anyhow::Error) -> Vec<String> {
@@ -596,6 +595,7 @@ fn error_lines(err: &anyhow::Error) -> Vec<String> {
     lines
 }
 
+/// How a failed command exits: `err` is its error, `None` when it ended in a panic.
 fn exit_status(err: Option<&anyhow::Error>) -> i32 {
     use kiln::pipeline::PipelineError;
     use kiln::train::TrainError;
