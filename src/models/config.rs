@@ -110,14 +110,10 @@ impl<'a> Fields<'a> {
         self.typed(&[key], "a list", Value::as_array)
     }
 
-    /// A required integer.
-    fn need(&self, keys: &[&str]) -> Result<usize, String> {
-        self.usize(keys)?.ok_or_else(|| format!("missing `{}{}`", self.at, keys[0]))
-    }
-
     /// A required size: a positive integer.
     fn size(&self, keys: &[&str]) -> Result<usize, String> {
-        self.positive(keys, self.need(keys)?)
+        let n = self.usize(keys)?.ok_or_else(|| format!("missing `{}{}`", self.at, keys[0]))?;
+        self.positive(keys, n)
     }
 
     /// A size that defaults to `default` when not set.
