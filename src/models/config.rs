@@ -655,7 +655,8 @@ impl Gemma4Config {
             sliding_rope: rope("sliding_attention", 1e4, false)?,
             full_rope: rope("full_attention", 1e6, true)?,
             hidden_size_per_layer_input: ple,
-            vocab_size_per_layer_input: text.size_or(&["vocab_size_per_layer_input"], vocab_size)?,
+            // 0 is how a tower without per-layer embeddings may say so.
+            vocab_size_per_layer_input: text.usize(&["vocab_size_per_layer_input"])?.unwrap_or(vocab_size),
             final_logit_softcapping: text.f64(&["final_logit_softcapping"])?,
             rms_norm_eps: text.positive_f64_or(&["rms_norm_eps"], 1e-6)?,
             tie_word_embeddings: first_set(top.bool(&["tie_word_embeddings"]), || text.bool(&["tie_word_embeddings"]))?
