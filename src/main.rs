@@ -813,6 +813,9 @@ fn ingest_cmd(args: IngestArgs, datasets_dir: &Path, quiet: bool) -> Result<()> 
 
     let chosen = recipes.iter().map(|r| Ok((r, r.select(&args.sources)?))).collect::<Result<Vec<_>, DataError>>()?;
     let all = kiln::data::ingest::ingest_to_dir(&chosen, hub.as_ref(), eval.as_ref(), !quiet, &args.out)?;
+    for warning in all.iter().flat_map(|s| s.warnings()) {
+        eprintln!("warning: {warning}");
+    }
     let (conv_path, stats_path) = (args.out.join("conversations.jsonl"), args.out.join("ingest.json"));
     let emitted: u64 = all.iter().map(|s| s.emitted).sum();
     eprintln!(

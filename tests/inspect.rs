@@ -301,6 +301,17 @@ fn bad_runs_fail_with_what_and_where() {
     assert!(!ok && stderr.contains("stats.json") && stderr.contains("not a prepared run"), "{stderr}");
 
     let run = prepared_run(dir.path());
+    // A recipe column no row held is a warning at the top of the report, not an error.
+    let ingest_path = run.join("data/ingest.json");
+    let mut ingest: Value = serde_json::from_str(&std::fs::read_to_string(&ingest_path).unwrap()).unwrap();
+    ingest[0]["sources"][0]["absent_columns"] =
+        json!([{"column": "tsk", "feeds": "task", "file": "samples/terminal.parquet", "rows": 560}]);
+    std::fs::write(&ingest_path, ingest.to_string()).unwrap();
+    let stderr = kiln(&["inspect", "--run", run.to_str().unwrap()]);
+    assert!(stderr.contains("warning: source 'terminal': column 'tsk' (schema.task)"), "{stderr}");
+    let page = std::fs::read_to_string(run.join("report/index.html")).unwrap();
+    assert!(page.contains("column &#39;tsk&#39; (schema.task)"), "the page shows the warning");
+
     let conversations = run.join("data/conversations.jsonl");
     let mut text = std::fs::read_to_string(&conversations).unwrap();
     text.push_str("{\"id\": \"broken\", \"messages\": [\n");
@@ -308,5 +319,6 @@ fn bad_runs_fail_with_what_and_where() {
     let (ok, _, stderr) = run_kiln(&["inspect", "--run", run.to_str().unwrap()], &[], &project_dir());
     let line = text.lines().count();
     assert!(!ok && stderr.contains(&format!("conversations.jsonl: line {line}")), "{stderr}");
-    assert!(!run.join("report/index.html").exists(), "no half-written report");
+    let after = std::fs::read_to_string(run.join("report/index.html")).unwrap();
+    assert!(after == page, "a failed inspect leaves the last report as it was");
 }

@@ -86,6 +86,45 @@ fn parquet_without_the_messages_column_names_the_columns_it_has() {
 }
 
 #[test]
+fn recipe_columns_no_row_holds_are_reported_per_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let parquet = dir.path().join("t.parquet");
+    kiln::synth::write_terminal_parquet(&parquet, &synth_conversations(3)).unwrap();
+    // `tsk` is a typo for `task`; `trial_name` exists; `episode` is named twice and listed once.
+    let schema = SchemaMapping {
+        id: Some("trial_name".into()),
+        task: Some("tsk".into()),
+        meta: vec!["episode".into(), "nope".into(), "episode".into()],
+        ..Default::default()
+    };
+    let (stats, read) = run(&source(Format::Parquet, schema), std::slice::from_ref(&parquet)).unwrap();
+    assert_eq!(read.len(), 3, "rows still normalize");
+    let absent: Vec<_> = stats.absent_columns.iter().map(|a| (a.column.as_str(), a.feeds.as_str(), a.rows)).collect();
+    assert_eq!(absent, [("tsk", "task", 3), ("nope", "meta", 3)]);
+    let warning = stats.absent_columns[0].warning("fixture");
+    assert!(warning.contains("'tsk' (schema.task)") && warning.contains("t.parquet"), "{warning}");
+
+    // JSON lines: a column present in one row is not absent; one null in every row is.
+    let jsonl = write(
+        dir.path(),
+        "t.jsonl",
+        &[
+            GOOD_ROW.replacen('{', r#"{"id": null, "task": null, "#, 1),
+            GOOD_ROW.replacen('{', r#"{"id": "x", "task": null, "#, 1),
+        ]
+        .join("\n"),
+    );
+    let schema = SchemaMapping { id: Some("id".into()), task: Some("task".into()), ..Default::default() };
+    let (stats, _) = run(&source(Format::Jsonl, schema), &[jsonl]).unwrap();
+    let absent: Vec<_> = stats.absent_columns.iter().map(|a| (a.column.as_str(), a.rows)).collect();
+    assert_eq!(absent, [("task", 2)]);
+
+    let mut ingest = kiln::data::ingest::IngestStats::default();
+    ingest.sources.push(stats);
+    assert_eq!(ingest.warnings().len(), 1);
+}
+
+#[test]
 fn corrupt_parquet_names_the_file_and_row_group() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("broken.parquet");

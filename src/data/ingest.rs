@@ -31,6 +31,36 @@ pub struct SourceStats {
     pub weight: f64,
     /// Conversations written after weighting.
     pub emitted: u64,
+    /// Columns the recipe names (id, task, meta) that no row of a file held: most often a typo in the
+    /// recipe, which would otherwise go unseen (a `task` column that is never read turns off decontamination
+    /// by task name).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub absent_columns: Vec<AbsentColumn>,
+}
+
+/// A recipe column that none of a file's rows held (absent, or null in every row read).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AbsentColumn {
+    pub column: String,
+    /// What the column feeds: `id`, `task` or `meta`.
+    pub feeds: String,
+    pub file: String,
+    /// Rows of the file read (all of them unless `max_rows` stopped the read).
+    pub rows: u64,
+}
+
+impl AbsentColumn {
+    pub fn warning(&self, source: &str) -> String {
+        let consequence = match self.feeds.as_str() {
+            "id" => "conversation ids fall back to row positions",
+            "task" => "its conversations carry no task name, so decontamination matches them by first user message only",
+            _ => "meta lacks it",
+        };
+        format!(
+            "source '{source}': column '{}' (schema.{}) is in none of the {} rows read from {}; {consequence}",
+            self.column, self.feeds, self.rows, self.file
+        )
+    }
 }
 
 #[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
@@ -54,6 +84,11 @@ impl IngestStats {
         self.contaminated += s.decontamination.dropped;
         self.emitted += s.emitted;
         self.sources.push(s);
+    }
+
+    /// One line per recipe column a file lacked, for the CLI and the inspection report.
+    pub fn warnings(&self) -> Vec<String> {
+        self.sources.iter().flat_map(|s| s.absent_columns.iter().map(|a| a.warning(&s.name))).collect()
     }
 
     pub fn summary(&self) -> String {
@@ -129,13 +164,17 @@ pub fn ingest_source(
 ) -> Result<SourceStats, DataError> {
     let mut stats = SourceStats { name: spec.name.clone(), weight: spec.weight, ..Default::default() };
     let columns = spec.schema.columns();
+    let optional = spec.schema.optional_columns();
     for file in files {
         stats.files.push(file.display().to_string());
         let stem = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let mut sink_error = None;
+        let mut seen = vec![false; optional.len()];
+        let rows_before = stats.rows_read;
         for_each_row(file, spec.format, Some(&columns), |row, location| {
             stats.rows_read += 1;
             progress.inc(1);
+            note_present(&row, &optional, &mut seen);
             let fallback_id = format!("{}/{}#{}", spec.name, stem, location_key(location));
             let conv = match spec.schema.normalize(&row, &spec.name, &fallback_id) {
                 Ok(c) => c,
@@ -169,11 +208,31 @@ pub fn ingest_source(
         if let Some(e) = sink_error {
             return Err(e);
         }
+        let rows = stats.rows_read - rows_before;
+        if rows > 0 {
+            let absent = optional.iter().zip(&seen).filter(|(_, seen)| !**seen);
+            stats.absent_columns.extend(absent.map(|((column, feeds), _)| AbsentColumn {
+                column: column.clone(),
+                feeds: (*feeds).to_string(),
+                file: file.display().to_string(),
+                rows,
+            }));
+        }
         if stats.capped {
             break;
         }
     }
     Ok(stats)
+}
+
+/// Marks the optional columns `row` holds a value in (null counts as absent).
+fn note_present(row: &serde_json::Value, optional: &[(String, &'static str)], seen: &mut [bool]) {
+    let Some(object) = row.as_object() else { return };
+    for ((column, _), seen) in optional.iter().zip(seen.iter_mut()) {
+        if !*seen && object.get(column).is_some_and(|v| !v.is_null()) {
+            *seen = true;
+        }
+    }
 }
 
 fn location_key(location: Location) -> String {

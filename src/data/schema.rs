@@ -103,15 +103,24 @@ impl fmt::Display for DropReason {
 }
 
 impl SchemaMapping {
-    /// The top-level columns a row needs; readers project to these.
+    /// The top-level columns a row needs, the messages column first (readers require it, and may drop the
+    /// optional ones a file lacks); readers project to these.
     pub fn columns(&self) -> Vec<String> {
-        let mut cols = vec![self.messages.clone()];
-        for c in self.id.iter().chain(self.task.iter()).chain(self.meta.iter()) {
-            if !cols.contains(c) {
-                cols.push(c.clone());
+        let optional = self.optional_columns().into_iter().map(|(column, _)| column);
+        std::iter::once(self.messages.clone()).chain(optional).collect()
+    }
+
+    /// The optional columns the recipe names, each with what it feeds (`id`, `task` or `meta`), in the
+    /// order of `columns()`. A column named twice is listed under its first use.
+    pub fn optional_columns(&self) -> Vec<(String, &'static str)> {
+        let named = self.id.iter().map(|c| (c, "id")).chain(self.task.iter().map(|c| (c, "task")));
+        let mut out: Vec<(String, &'static str)> = Vec::new();
+        for (column, feeds) in named.chain(self.meta.iter().map(|c| (c, "meta"))) {
+            if column != &self.messages && !out.iter().any(|(c, _)| c == column) {
+                out.push((column.clone(), feeds));
             }
         }
-        cols
+        out
     }
 
     fn role_of(&self, name: &str) -> Option<Role> {

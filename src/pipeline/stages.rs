@@ -241,6 +241,9 @@ fn prepare(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let ingests =
         crate::data::ingest::ingest_to_dir(&chosen, hub.as_ref(), eval.as_ref(), ctx.req.show_progress, &data_dir)
             .map_err(|e| err(&e))?;
+    for w in ingests.iter().flat_map(|s| s.warnings()) {
+        eprintln!("  warning: {w}");
+    }
 
     let base = require_base(ctx, Stage::Prepare)?;
     let (template, tokenizer) = crate::tokens::prepare::load_template_and_tokenizer(

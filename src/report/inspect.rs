@@ -147,6 +147,7 @@ fn source_figures(ins: &mut Inspection, ingests: &[IngestStats]) {
                 ins.eval_sets.push(set.clone());
             }
         }
+        ins.warnings.extend(ingest.warnings());
         ins.sources.extend(ingest.sources.iter().map(|s| SourceFigures {
             recipe: ingest.recipe.clone(),
             name: s.name.clone(),
