@@ -1339,10 +1339,8 @@ fn run_eval(
 ) -> Result<kiln::eval::result::EvalResult> {
     let steps = kiln::eval::result::read_replay(&eval.replay).map_err(anyhow::Error::msg)?;
     let opts = eval.options();
-    let steps = kiln::eval::run::select_steps(steps, &opts);
-    if steps.is_empty() {
-        bail!("no replay step selected from {}", eval.replay.display());
-    }
+    let steps = kiln::eval::run::select_steps(steps, &opts)
+        .map_err(|e| anyhow::anyhow!("eval of {}: {e}", eval.replay.display()))?;
     let result =
         kiln::eval::run::evaluate_on_device(&eval.device, name, checkpoint, &eval.replay, &steps, &opts, !quiet);
     result.map_err(anyhow::Error::msg).with_context(|| format!("evaluating {}", checkpoint.display()))

@@ -271,6 +271,15 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     let (ok, _, stderr) = run_kiln(&["card", "--run", run.to_str().unwrap()], &[], &project_dir());
     assert!(ok, "{stderr}");
     assert_eq!(std::fs::read_to_string(run.join("README.md")).unwrap(), before);
+    // A metrics line that is not a step stops the card (its tokens would be missing from it), naming the line.
+    let metrics = run.join("train/metrics.jsonl");
+    let good = std::fs::read_to_string(&metrics).unwrap();
+    std::fs::write(&metrics, format!("{good}garbage\n")).unwrap();
+    let (ok, _, stderr) = run_kiln(&["card", "--run", run.to_str().unwrap()], &[], &project_dir());
+    let line = good.lines().count() + 1;
+    assert!(!ok && stderr.contains(&format!("metrics.jsonl: line {line}: expected value")), "{stderr}");
+    assert_eq!(std::fs::read_to_string(run.join("README.md")).unwrap(), before);
+    std::fs::write(&metrics, good).unwrap();
 
     // A changed eval setting reruns eval and what follows it, nothing before.
     let config = configs.join("fast.toml");

@@ -67,14 +67,47 @@ fn percentile(sorted: &[usize], q: f64) -> usize {
     sorted[idx.min(sorted.len() - 1)]
 }
 
-/// Selects the steps of `--tasks` and `--limit`.
-pub fn select_steps(steps: Vec<ReplayStep>, opts: &EvalOptions) -> Vec<ReplayStep> {
+impl EvalOptions {
+    /// Settings that could only produce an empty or meaningless evaluation are refused up front.
+    pub fn check(&self) -> Result<(), String> {
+        if self.max_tokens == 0 {
+            return Err("max_tokens is 0: a step needs at least 1 generated token".into());
+        }
+        if self.batch_size == 0 {
+            return Err("batch_size is 0: it must be at least 1".into());
+        }
+        if self.limit == Some(0) {
+            return Err("limit is 0: it selects no step".into());
+        }
+        Ok(())
+    }
+}
+
+/// Selects the steps of `--tasks` and `--limit`; a named task the replay set lacks, or a selection of no
+/// step, is an error.
+pub fn select_steps(steps: Vec<ReplayStep>, opts: &EvalOptions) -> Result<Vec<ReplayStep>, String> {
+    opts.check()?;
+    if steps.is_empty() {
+        return Err("the replay set holds no step".into());
+    }
+    let known: std::collections::BTreeSet<&str> = steps.iter().map(|s| s.task_id.as_str()).collect();
+    let unknown: Vec<&str> = opts.tasks.iter().map(String::as_str).filter(|t| !known.contains(t)).collect();
+    if !unknown.is_empty() {
+        let shown: Vec<&str> = known.iter().copied().take(5).collect();
+        let more = if known.len() > shown.len() { ", …" } else { "" };
+        return Err(format!(
+            "no task {} in the replay set (it holds {} tasks: {}{more})",
+            unknown.join(", "),
+            known.len(),
+            shown.join(", ")
+        ));
+    }
     let mut steps: Vec<ReplayStep> =
         steps.into_iter().filter(|s| opts.tasks.is_empty() || opts.tasks.contains(&s.task_id)).collect();
     if let Some(n) = opts.limit {
         steps.truncate(n);
     }
-    steps
+    Ok(steps)
 }
 
 /// `evaluate` on the named device (`cpu`, or `cuda` in a CUDA build).
@@ -302,6 +335,39 @@ mod tests {
     use crate::backend::Cpu;
     use crate::models::config::ModelConfig;
     use crate::models::random_model;
+
+    #[test]
+    fn step_selection_refuses_unknown_tasks_and_empty_selections() {
+        let step = |task: &str, idx| ReplayStep {
+            task_id: task.into(),
+            sample_idx: 0,
+            step_idx: idx,
+            source_group: String::new(),
+            messages: Vec::new(),
+            ref_raw: String::new(),
+        };
+        let steps = vec![step("a", 0), step("a", 1), step("b", 0)];
+        let opts = |tasks: &[&str], limit| EvalOptions {
+            tasks: tasks.iter().map(|t| t.to_string()).collect(),
+            limit,
+            ..Default::default()
+        };
+        let ids = |chosen: Vec<ReplayStep>| chosen.iter().map(|s| (s.task_id.clone(), s.step_idx)).collect::<Vec<_>>();
+        assert_eq!(ids(select_steps(steps.clone(), &opts(&["b"], None)).unwrap()), [("b".to_string(), 0)]);
+        assert_eq!(select_steps(steps.clone(), &opts(&[], Some(2))).unwrap().len(), 2);
+
+        let err = select_steps(steps.clone(), &opts(&["b", "c"], None)).unwrap_err();
+        assert_eq!(err, "no task c in the replay set (it holds 2 tasks: a, b)");
+        let err = select_steps(steps.clone(), &opts(&[], Some(0))).unwrap_err();
+        assert!(err.starts_with("limit is 0"), "{err}");
+        assert_eq!(select_steps(Vec::new(), &opts(&[], None)).unwrap_err(), "the replay set holds no step");
+        for (bad, what) in [
+            (EvalOptions { max_tokens: 0, ..Default::default() }, "max_tokens is 0"),
+            (EvalOptions { batch_size: 0, ..Default::default() }, "batch_size is 0"),
+        ] {
+            assert!(select_steps(steps.clone(), &bad).unwrap_err().starts_with(what), "{what}");
+        }
+    }
 
     /// Batches decoded side by side give each prompt the tokens that one thread gives it.
     #[test]

@@ -121,6 +121,21 @@ pub struct EvalPlan {
     pub limit: Option<usize>,
 }
 
+impl EvalPlan {
+    /// The evaluation settings of every candidate (all replay tasks).
+    pub fn options(&self) -> crate::eval::run::EvalOptions {
+        crate::eval::run::EvalOptions {
+            max_tokens: self.max_tokens,
+            batch_size: self.batch_size,
+            enable_thinking: self.enable_thinking,
+            strip_thinking_history: self.strip_thinking_history,
+            scorer: self.scorer,
+            limit: self.limit,
+            tasks: Vec::new(),
+        }
+    }
+}
+
 fn default_max_tokens() -> usize {
     1024
 }
@@ -197,6 +212,7 @@ impl ModelConfig {
         if let Some(bad) = self.data.weights.keys().find(|k| !self.data.recipes.contains(k)) {
             return Err(format!("[data] weights names '{bad}', which is not in recipes"));
         }
+        self.eval.options().check().map_err(|e| format!("[eval] {e}"))?;
         self.train.check()
     }
 }
@@ -286,6 +302,7 @@ mod tests {
         for (name, from, to, expected) in [
             ("zero-lr", "lr = 4e-3", "lr = 0.0", "train.lr is 0"),
             ("one-token", "seq_len = 1024", "seq_len = 1", "[data] seq_len is 1"),
+            ("no-tokens", "max_tokens = 256", "max_tokens = 0", "[eval] max_tokens is 0"),
         ] {
             std::fs::write(dir.path().join(format!("{name}.toml")), shipped.replace(from, to)).unwrap();
             let err = ModelConfig::find(name, dir.path()).unwrap_err().to_string();

@@ -338,7 +338,8 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     }
     let mut outputs = vec!["train/metrics.jsonl".to_string(), "train/summary.json".to_string()];
     outputs.extend((1..=summary.epochs_done).map(|k| format!("checkpoints/epoch-{k}")));
-    let totals = crate::train::trainer::metrics_totals(&ctx.run_dir.join("train/metrics.jsonl"));
+    let metrics = ctx.run_dir.join("train/metrics.jsonl");
+    let totals = crate::train::trainer::metrics_totals(&metrics).map_err(|e| PipelineError::io(&metrics, e))?;
     Ok(StageOutcome {
         outputs,
         counts: json!({"steps": summary.steps, "epochs": summary.epochs_done, "final_loss": summary.final_loss, "tokens": totals.0, "supervised_tokens": totals.1, "train_seconds": summary.seconds, "device": ctx.device}),
@@ -401,19 +402,6 @@ fn export(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     })
 }
 
-fn eval_options(ctx: &Context) -> crate::eval::run::EvalOptions {
-    let e = &ctx.config.eval;
-    crate::eval::run::EvalOptions {
-        max_tokens: e.max_tokens,
-        batch_size: e.batch_size,
-        enable_thinking: e.enable_thinking,
-        strip_thinking_history: e.strip_thinking_history,
-        scorer: e.scorer,
-        limit: e.limit,
-        tasks: Vec::new(),
-    }
-}
-
 fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let err = fail(Stage::Eval);
     let base = require_base(ctx, Stage::Eval)?;
@@ -423,11 +411,9 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     }
     std::fs::create_dir_all(&eval_dir).map_err(|e| PipelineError::io(&eval_dir, e))?;
     let replay = &ctx.config.eval.replay;
-    let opts = eval_options(ctx);
-    let steps = crate::eval::run::select_steps(crate::eval::result::read_replay(replay).map_err(|e| err(&e))?, &opts);
-    if steps.is_empty() {
-        return Err(err(&format!("no replay step selected from {}", replay.display())));
-    }
+    let opts = ctx.config.eval.options();
+    let steps = crate::eval::run::select_steps(crate::eval::result::read_replay(replay).map_err(|e| err(&e))?, &opts)
+        .map_err(|e| err(&format!("{}: {e}", replay.display())))?;
     let mut lines = Vec::new();
     let mut outputs = Vec::new();
     for c in crate::eval::select::candidates(ctx.run_dir, Some(&base)) {

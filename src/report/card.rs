@@ -39,14 +39,22 @@ pub struct CardOutput {
 }
 
 /// A run file the card needs; a missing one says which stages to run.
+const RUN_FILES_HINT: &str = "the card is written from the run's files; run the stages before the card";
+
 fn read<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ReportError> {
     read_json(path).map_err(|e| match e {
-        ReportError::Io { path, .. } => ReportError::Missing {
-            path,
-            hint: "the card is written from the run's files; run the stages before the card".into(),
-        },
+        ReportError::Io { path, .. } => ReportError::Missing { path, hint: RUN_FILES_HINT.into() },
         other => other,
     })
+}
+
+/// A run file that could not be read: missing as `read` says it, otherwise the reader's error (a bad line
+/// with its number).
+fn run_file_error(path: &Path, e: std::io::Error) -> ReportError {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => ReportError::Missing { path: path.to_path_buf(), hint: RUN_FILES_HINT.into() },
+        _ => ReportError::Invalid { path: path.to_path_buf(), message: e.to_string() },
+    }
 }
 
 pub fn read_inputs(run_dir: &Path) -> Result<CardInputs, ReportError> {
@@ -66,11 +74,12 @@ pub fn read_inputs(run_dir: &Path) -> Result<CardInputs, ReportError> {
         }
     }
     let inspection = read::<Inspection>(&run_dir.join("report/summary.json")).ok();
+    let metrics = run_dir.join("train/metrics.jsonl");
     Ok(CardInputs {
         evals,
         selection,
         train: read(&run_dir.join("train/summary.json"))?,
-        metrics: read_metrics(&run_dir.join("train/metrics.jsonl")),
+        metrics: read_metrics(&metrics).map_err(|e| run_file_error(&metrics, e))?,
         stats: read(&run_dir.join("data/stats.json"))?,
         ingest: read(&run_dir.join("data/ingest.json")).unwrap_or_default(),
         inspection,

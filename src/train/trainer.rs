@@ -245,16 +245,46 @@ pub fn saved_config(run_dir: &Path) -> Option<TrainConfig> {
     serde_json::from_str::<Position>(&text).ok().map(|p| p.config)
 }
 
-/// Tokens and supervised tokens over every step of a `metrics.jsonl` (0, 0 when it is unreadable).
-pub fn metrics_totals(path: &Path) -> (u64, u64) {
-    read_metrics(path).iter().fold((0, 0), |(t, s), m| (t + m.tokens, s + m.supervised_tokens))
+/// Tokens and supervised tokens over every step of a `metrics.jsonl`.
+pub fn metrics_totals(path: &Path) -> std::io::Result<(u64, u64)> {
+    Ok(read_metrics(path)?.iter().fold((0, 0), |(t, s), m| (t + m.tokens, s + m.supervised_tokens)))
 }
 
-/// The steps of a `metrics.jsonl`; unreadable lines are skipped.
-pub fn read_metrics(path: &Path) -> Vec<StepMetrics> {
-    std::fs::read_to_string(path)
-        .map(|text| text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
-        .unwrap_or_default()
+/// The steps of a `metrics.jsonl`. A line that is not a step is an error naming it (`InvalidData`): the card
+/// and the stage counts would otherwise leave its tokens out without a word.
+pub fn read_metrics(path: &Path) -> std::io::Result<Vec<StepMetrics>> {
+    let text = std::fs::read_to_string(path)?;
+    text.lines().enumerate().map(|(i, line)| parse_metrics_line(line, i + 1)).collect()
+}
+
+fn parse_metrics_line(line: &str, number: usize) -> std::io::Result<StepMetrics> {
+    serde_json::from_str(line)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("line {number}: {e}")))
+}
+
+/// On resume, `metrics.jsonl` keeps only the steps before the saved position. A run killed rather than
+/// stopped (no state written at the end) runs its steps since the last saved state again, and they must not
+/// be counted twice; a last line cut off mid-write goes with them.
+fn keep_metrics_before(path: &Path, step: usize) -> std::io::Result<()> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let complete = text.len() - text.rsplit_once('\n').map_or(text.len(), |(_, cut)| cut.len());
+    let mut kept = String::with_capacity(complete);
+    for (i, line) in text[..complete].lines().enumerate() {
+        if parse_metrics_line(line, i + 1)?.step < step {
+            kept.push_str(line);
+            kept.push('\n');
+        }
+    }
+    if kept.len() != text.len() {
+        let partial = path.with_extension("jsonl.partial");
+        std::fs::write(&partial, kept)?;
+        std::fs::rename(&partial, path)?;
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -542,8 +572,12 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     data.check_vocabulary(data_dir, config.vocab_size())?;
     // The other replicas (train.devices > 1) load the same checkpoint or state on their own threads and devices.
     let mut replicas = Replicas::<B>::start(&devices, source.clone())?;
-    if !resume {
-        let _ = std::fs::remove_file(train_dir.join("metrics.jsonl"));
+    let metrics_path = train_dir.join("metrics.jsonl");
+    if resume {
+        keep_metrics_before(&metrics_path, position.global_step)
+            .map_err(|e| TrainError::State { path: metrics_path.clone(), message: e.to_string() })?;
+    } else {
+        let _ = std::fs::remove_file(&metrics_path);
     }
 
     let steps_per_epoch = data.rows.len().div_ceil(global_batch);
@@ -565,8 +599,8 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     let mut metrics = OpenOptions::new()
         .create(true)
         .append(true)
-        .open(train_dir.join("metrics.jsonl"))
-        .map_err(|e| TrainError::State { path: train_dir.clone(), message: e.to_string() })?;
+        .open(&metrics_path)
+        .map_err(|e| TrainError::State { path: metrics_path.clone(), message: e.to_string() })?;
     let mut checkpoints = Vec::new();
     let mut last_loss = None;
     let mut peak = PeakMemory::default();
@@ -732,6 +766,44 @@ fn write_summary(train_dir: &Path, summary: &TrainSummary) -> Result<(), TrainEr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn metrics_line(step: usize) -> String {
+        let m = StepMetrics {
+            step,
+            epoch: 0,
+            loss: 1.0 / (step + 1) as f64,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            tokens: 100,
+            supervised_tokens: 40,
+            tokens_per_s: 1e3,
+            mfu: None,
+            peak_memory_bytes: None,
+        };
+        serde_json::to_string(&m).unwrap() + "\n"
+    }
+
+    /// A killed run's steps after its last saved state, and its line cut off mid-write, are not kept on
+    /// resume; a line that is not a step anywhere else is an error naming it.
+    #[test]
+    fn a_resume_keeps_the_metrics_of_the_saved_steps_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let whole: String = (0..5).map(metrics_line).collect();
+        std::fs::write(&path, format!("{whole}{{\"step\": 5, \"epo")).unwrap();
+        assert!(read_metrics(&path).unwrap_err().to_string().starts_with("line 6: "));
+        keep_metrics_before(&path, 3).unwrap();
+        let steps: Vec<usize> = read_metrics(&path).unwrap().iter().map(|m| m.step).collect();
+        assert_eq!(steps, [0, 1, 2]);
+        assert_eq!(metrics_totals(&path).unwrap(), (300, 120));
+
+        std::fs::write(&path, format!("{}not a step\n{}", metrics_line(0), metrics_line(1))).unwrap();
+        let err = keep_metrics_before(&path, 3).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+        assert!(err.to_string().starts_with("line 2: "), "{err}");
+        assert!(std::fs::read_to_string(&path).unwrap().contains("not a step"), "nothing rewritten");
+        keep_metrics_before(&dir.path().join("none.jsonl"), 3).unwrap();
+    }
 
     /// A resume refused for a changed setting names each one with both values; those a resume may change
     /// (activation checkpointing, the device count) are not named.
