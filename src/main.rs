@@ -1114,7 +1114,22 @@ fn run_job<B: kiln::models::ModelBackend>(device: &B::Device, job: Job) -> Resul
                     "the prompt is empty: there is nothing to continue (give --prompt text, or --chat for the template)"
                 );
             }
+            if args.max_tokens == 0 {
+                bail!("--max-tokens is 0: there is nothing to generate");
+            }
             let (config, model) = load_model::<B>(dir, device)?;
+            let context = config.max_position_embeddings();
+            if prompt.len() + args.max_tokens > context {
+                bail!(
+                    "the prompt has {} tokens; with --max-tokens {} it exceeds the context length {} of {} \
+                     (at most {} new tokens)",
+                    prompt.len(),
+                    args.max_tokens,
+                    context,
+                    dir.display(),
+                    context.saturating_sub(prompt.len())
+                );
+            }
             let mut stop = vec![tokenizer.end_of_turn_id];
             stop.extend(config.eos_token_id());
             let started = Instant::now();

@@ -100,6 +100,14 @@ fn init_model_generate_and_convert_round_trip() {
     let (ok, _, stderr) =
         run_kiln(&["generate", "--model-dir", a.to_str().unwrap(), "--prompt", ""], &[], &project_dir());
     assert!(!ok && stderr.contains("the prompt is empty"), "{stderr}");
+    let model = a.to_str().unwrap();
+    let generate = |max_tokens: &str| {
+        run_kiln(&["generate", "--model-dir", model, "--prompt", "ls", "--max-tokens", max_tokens], &[], &project_dir())
+    };
+    let (ok, _, stderr) = generate("0");
+    assert!(!ok && stderr.contains("--max-tokens is 0"), "{stderr}");
+    let (ok, _, stderr) = generate("100000000");
+    assert!(!ok && stderr.contains("exceeds the context length") && stderr.contains("new tokens)"), "{stderr}");
 
     let c = dir.path().join("c");
     let (ok, _, stderr) = run_kiln(

@@ -53,7 +53,9 @@ impl AbsentColumn {
     pub fn warning(&self, source: &str) -> String {
         let consequence = match self.feeds.as_str() {
             "id" => "conversation ids fall back to row positions",
-            "task" => "its conversations carry no task name, so decontamination matches them by first user message only",
+            "task" => {
+                "its conversations carry no task name, so decontamination matches them by first user message only"
+            }
             _ => "meta lacks it",
         };
         format!(
