@@ -109,6 +109,10 @@ pub enum HubError {
         "{kind} repo '{repo}' (revision '{revision}'): the Hub answered {what}, which would be written outside the cache; nothing was downloaded"
     )]
     Unsafe { kind: RepoKind, repo: String, revision: String, what: String },
+    #[error(
+        "{kind} repo '{repo}' (revision '{revision}'): file '{file}' arrived with sha256 {actual}, not the {announced} the Hub announced; it was removed from the cache, pull again"
+    )]
+    Corrupt { kind: RepoKind, repo: String, revision: String, file: String, announced: String, actual: String },
     #[error("invalid file pattern '{pattern}': {message}")]
     BadPattern { pattern: String, message: String },
     #[error("{path}: {source}")]
@@ -266,8 +270,10 @@ impl Hub {
         }
         let bar = self.file_bar();
         let mut files = Vec::with_capacity(selected.len());
+        let snapshot = self.config.cache_dir.join(repo_folder(spec.kind, &spec.repo)).join("snapshots").join(&commit);
         for path in selected {
             let handler = BarHandler::new(bar.clone(), &path);
+            let cached = snapshot.join(&path).exists();
             let local = repo
                 .download_file()
                 .filename(path.clone())
@@ -275,7 +281,23 @@ impl Hub {
                 .progress(handler)
                 .send()
                 .map_err(|e| self.map_error(e, spec, Some(&path)))?;
-            files.push(describe_file(&path, &local)?);
+            let file = describe_file(&path, &local, !cached)?;
+            if let Some(announced) = lfs_blob_sha256(&local).filter(|name| *name != file.sha256) {
+                // Removed so that the next pull downloads it again instead of trusting its name.
+                if let Ok(blob) = std::fs::canonicalize(&local) {
+                    let _ = std::fs::remove_file(blob);
+                }
+                let _ = std::fs::remove_file(&local);
+                return Err(HubError::Corrupt {
+                    kind: spec.kind,
+                    repo: spec.repo.clone(),
+                    revision: spec.revision.clone(),
+                    file: path,
+                    announced,
+                    actual: file.sha256,
+                });
+            }
+            files.push(file);
         }
         bar.finish_and_clear();
         // Python's snapshot_download records branch → commit the same way, so offline runs resolve it.
@@ -316,8 +338,10 @@ impl Hub {
             HubError::NoFilesMatch { pattern, .. } => not_cached(format!(", file '{pattern}'")),
             other => other,
         })?;
-        let files =
-            selected.iter().map(|path| describe_file(path, &snapshot.join(path))).collect::<Result<Vec<_>, _>>()?;
+        let files = selected
+            .iter()
+            .map(|path| describe_file(path, &snapshot.join(path), false))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(self.record(spec, commit, true, files))
     }
 
@@ -503,17 +527,25 @@ fn list_relative(root: &Path, dir: &Path, out: &mut Vec<String>) -> std::io::Res
     Ok(())
 }
 
-/// Size and sha256 of a cached file. LFS blobs are named by their sha256 already; others are hashed.
-fn describe_file(path: &str, local: &Path) -> Result<PulledFile, HubError> {
+/// Size and sha256 of a cached file. An LFS blob is named by the sha256 the Hub announced for it: a fresh
+/// download (`hash`) is hashed so the caller can hold it to that name; a cache hit is taken by its name, as
+/// Python's huggingface_hub does (a 16 GB checkpoint would be read again on every pull). Other files are
+/// always hashed.
+fn describe_file(path: &str, local: &Path, hash: bool) -> Result<PulledFile, HubError> {
     let io = |source| HubError::Io { path: local.to_path_buf(), source };
     let size = std::fs::metadata(local).map_err(io)?.len();
-    let blob_name =
-        std::fs::canonicalize(local).ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
-    let sha256 = match blob_name {
-        Some(n) if n.len() == 64 && n.bytes().all(|b| b.is_ascii_hexdigit()) => n,
-        _ => sha256_file(local).map_err(io)?,
+    let sha256 = match lfs_blob_sha256(local).filter(|_| !hash) {
+        Some(name) => name,
+        None => sha256_file(local).map_err(io)?,
     };
     Ok(PulledFile { path: path.to_string(), local: local.to_path_buf(), size, sha256 })
+}
+
+/// The sha256 an LFS file's cache blob is named by (its ETag); None for git-tracked files.
+fn lfs_blob_sha256(local: &Path) -> Option<String> {
+    let blob = std::fs::canonicalize(local).ok()?;
+    let name = blob.file_name()?.to_string_lossy().into_owned();
+    (name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit())).then_some(name)
 }
 
 pub fn sha256_bytes(bytes: &[u8]) -> String {

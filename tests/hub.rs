@@ -300,3 +300,48 @@ fn paths_and_commits_that_leave_the_cache_are_refused() {
     // Nothing was downloaded: the only requests were the two revision lookups.
     assert_eq!(server.requests.load(std::sync::atomic::Ordering::SeqCst), 2);
 }
+
+#[test]
+fn a_download_that_differs_from_its_announced_sha256_is_removed_and_refused() {
+    use sha2::Digest;
+    let mut repos = hub_repos();
+    let key = ("datasets".to_string(), TERMINAL.to_string());
+    repos.get_mut(&key).unwrap().corrupt.push("data/train-00000-of-00001.parquet".into());
+    let server = FakeHub::start(repos.clone());
+    let cache = tempfile::tempdir().unwrap();
+    let hub = Hub::new(config(&server.url, cache.path(), false)).unwrap();
+    let spec = dataset_spec("main", &["data/*.parquet"]);
+    let err = hub.pull(&spec).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, HubError::Corrupt { .. }), "{text}");
+    let repo = &repos[&key];
+    let want =
+        hex::encode(sha2::Sha256::digest(&repo.commits[&repo.refs["main"]]["data/train-00000-of-00001.parquet"]));
+    assert!(text.contains("data/train-00000-of-00001.parquet") && text.contains(&want), "{text}");
+    for entry in walk(cache.path()) {
+        let name = entry.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(!name.ends_with(".parquet") && name != want, "left in the cache: {}", entry.display());
+    }
+    drop(server);
+
+    // The Hub serves it right again: the next pull downloads it instead of trusting what was left.
+    repos.get_mut(&key).unwrap().corrupt.clear();
+    let server = FakeHub::start(repos);
+    let hub = Hub::new(config(&server.url, cache.path(), false)).unwrap();
+    let pulled = hub.pull(&spec).unwrap();
+    assert_eq!(pulled.files[0].sha256, want);
+    assert_eq!(kiln::hub::sha256_file(&pulled.files[0].local).unwrap(), want);
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() && !path.is_symlink() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}

@@ -43,6 +43,8 @@ pub struct FakeRepo {
     pub gated_token: Option<String>,
     /// Paths listed by the API but answering 404 on download (a listing that went stale).
     pub broken: Vec<String>,
+    /// Paths whose body arrives with a byte changed while the ETag still names the right content.
+    pub corrupt: Vec<String>,
 }
 
 impl FakeRepo {
@@ -179,7 +181,12 @@ fn answer(repos: &BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Request
         } else {
             digest[..40].to_string()
         };
-        let body = if req.method() == &tiny_http::Method::Head { Vec::new() } else { bytes.clone() };
+        let mut body = if req.method() == &tiny_http::Method::Head { Vec::new() } else { bytes.clone() };
+        if repo.corrupt.contains(&file)
+            && let Some(first) = body.first_mut()
+        {
+            *first ^= 0xff;
+        }
         let mut response = tiny_http::Response::from_data(body)
             .with_header(header("ETag", &format!("\"{etag}\"")))
             .with_header(header("X-Repo-Commit", &commit));
