@@ -66,6 +66,24 @@ impl TrainData {
         Ok(())
     }
 
+    /// An error naming the first document longer than the model's `context` (max_position_embeddings):
+    /// positions past it are ones the model was never trained at, and its eval refuses them too.
+    pub fn check_context(&self, dir: &Path, context: usize) -> Result<(), TrainError> {
+        for (index, row) in self.rows.iter().enumerate() {
+            let long = row.doc_lengths.iter().zip(&row.sample_ids).find(|(len, _)| **len as usize > context);
+            if let Some((len, sample)) = long {
+                return Err(TrainError::Data {
+                    path: dir.to_path_buf(),
+                    message: format!(
+                        "sample {sample} in row {index} has {len} tokens, more than the model's context length of \
+                         {context} (max_position_embeddings): prepare with --seq-len {context} or less"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// The row order of `epoch`: a permutation seeded by `seed` and the epoch, so a resumed run sees the same.
     pub fn order(&self, seed: u64, epoch: usize) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.rows.len()).collect();
@@ -138,5 +156,22 @@ mod tests {
             "{message}"
         );
         assert!(message.contains("vocabulary of 10 ids"), "{message}");
+    }
+
+    #[test]
+    fn a_document_past_the_context_length_is_named() {
+        let row = Row {
+            input_ids: vec![1; 8],
+            loss_mask: vec![1; 8],
+            doc_lengths: vec![3, 5],
+            sample_ids: vec!["a".into(), "b".into()],
+            sources: vec!["s".into(), "s".into()],
+        };
+        let data = TrainData { rows: vec![row], seq_len: 8, files: Vec::new() };
+        let dir = Path::new("shards");
+        assert!(data.check_context(dir, 5).is_ok(), "a packed row may be longer than the context");
+        let message = data.check_context(dir, 4).unwrap_err().to_string();
+        assert!(message.starts_with("shards: sample b in row 0 has 5 tokens, more than"), "{message}");
+        assert!(message.contains("--seq-len 4 or less"), "{message}");
     }
 }

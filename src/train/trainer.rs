@@ -570,6 +570,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     };
     let Loaded { config, mut model, mut opt, state_memory } = source.load::<B>(device)?;
     data.check_vocabulary(data_dir, config.vocab_size())?;
+    data.check_context(data_dir, config.max_position_embeddings())?;
     // The other replicas (train.devices > 1) load the same checkpoint or state on their own threads and devices.
     let mut replicas = Replicas::<B>::start(&devices, source.clone())?;
     let metrics_path = train_dir.join("metrics.jsonl");
