@@ -266,7 +266,8 @@ struct TokenizerArgs {
     data: Vec<PathBuf>,
     #[arg(long, default_value_t = 4096)]
     vocab_size: usize,
-    #[arg(long, default_value_t = 8192)]
+    /// `model_max_length` written to tokenizer_config.json.
+    #[arg(long, default_value_t = 8192, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     max_length: usize,
     /// Output model directory (tokenizer.json, tokenizer_config.json).
     #[arg(long)]

@@ -162,6 +162,27 @@ fn export_then_reload_is_bit_identical() {
         for (k, t) in &tensors {
             assert_eq!(t.data, again_tensors[k].data, "{name}: {k}");
         }
+
+        // Exported again into the same folder, one file and then shards: only the new layout's files stay.
+        let weight_files = || {
+            let mut names: Vec<String> = std::fs::read_dir(out.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("model"))
+                .collect();
+            names.sort();
+            names
+        };
+        export_dir(&tensors, &Default::default(), &src, out.path(), ExportDtype::Bf16, &|_| false, usize::MAX).unwrap();
+        assert_eq!(weight_files(), ["model.safetensors"], "{name}");
+        let files =
+            export_dir(&tensors, &Default::default(), &src, out.path(), ExportDtype::F32, &|_| false, 200_000).unwrap();
+        let mut written: Vec<String> =
+            files.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        written.sort();
+        assert_eq!(weight_files(), written, "{name}");
+        let (_, again) = load_lfm2::<Cpu>(out.path(), &device).unwrap();
+        assert_eq!(hf_tensors(&again)[tensors.keys().next().unwrap()].data, tensors.values().next().unwrap().data);
     }
 }
 

@@ -396,7 +396,29 @@ pub fn write_safetensors(
             .map_err(|e| ModelError::io(&path, e))?;
         written.push(path);
     }
+    remove_stale_weights(out_dir, &written)?;
     Ok(written)
+}
+
+/// Removes the weight files of an earlier export to `out_dir` that this one did not write (its single file
+/// where shards are now, or the reverse, or shards beyond the new count), once the new ones are complete.
+/// Readers disagree on which layout wins: transformers takes `model.safetensors` first, kiln the index, and
+/// vLLM every `*.safetensors` file, so a stale file would be read as the checkpoint by one of them.
+fn remove_stale_weights(out_dir: &Path, written: &[std::path::PathBuf]) -> Result<(), ModelError> {
+    let is_weight_file = |name: &str| {
+        name == "model.safetensors"
+            || name == "model.safetensors.index.json"
+            || (name.starts_with("model-") && name.contains("-of-") && name.ends_with(".safetensors"))
+    };
+    let entries = std::fs::read_dir(out_dir).map_err(|e| ModelError::io(out_dir, e))?;
+    for entry in entries {
+        let path = entry.map_err(|e| ModelError::io(out_dir, e))?.path();
+        let stale = path.file_name().and_then(|n| n.to_str()).is_some_and(is_weight_file) && !written.contains(&path);
+        if stale {
+            std::fs::remove_file(&path).map_err(|e| ModelError::io(&path, e))?;
+        }
+    }
+    Ok(())
 }
 
 /// Copies the companion files of `source_dir` (config, generation config, tokenizer, template) that exist.
