@@ -319,4 +319,17 @@ fn unknown_models_missing_gpus_and_flags_that_make_no_run_fail_at_once() {
         assert!(!ok && stderr.contains("model 'tiny' with the flags given") && stderr.contains(expected), "{stderr}");
         assert!(!dir.path().join("runs/zero").exists());
     }
+    // So do a stage order that runs nothing, an unknown recipe and a replay set that is not there (found
+    // before the pull, not after the training).
+    for (flags, expected) in [
+        (&["--from", "card", "--until", "pull"][..], "--from card comes after --until pull"),
+        (&["--data", "terminal-synth,nosuch"], "no such recipe 'nosuch'"),
+        (&["--replay", "nosuch.jsonl"], "stage eval: nosuch.jsonl: No such file"),
+    ] {
+        let mut args = vec!["sft", "--model", "tiny", "--pipeline", p, "--run", "zero"];
+        args.extend(flags);
+        let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
+        assert!(!ok && stderr.contains(expected) && !stderr.contains("running"), "{flags:?}: {stderr}");
+        assert!(!dir.path().join("runs/zero").exists());
+    }
 }

@@ -225,11 +225,12 @@ pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, Pipeli
     }
     let run_name = req.run.clone().unwrap_or_else(|| config.name.clone());
     let run_dir = def.defaults.runs_dir.join(&run_name);
+    let ctx = stages::Context { req, def: &def, config: &config, run_dir: &run_dir, device: &device, stop };
+    stages::preflight(&ctx)?;
     std::fs::create_dir_all(run_dir.join("manifests")).map_err(|e| PipelineError::io(&run_dir, e))?;
     let effective = serde_json::json!({"model": req.model, "command": req.command, "device": device, "config": config});
     let effective_path = run_dir.join("sft.json");
     write_json(&effective_path, &effective)?;
-    let ctx = stages::Context { req, def: &def, config: &config, run_dir: &run_dir, device: &device, stop };
 
     let mut summary = SftSummary {
         run_dir: run_dir.clone(),

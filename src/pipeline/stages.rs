@@ -85,6 +85,38 @@ fn recipes(ctx: &Context) -> Result<Vec<Recipe>, PipelineError> {
     Ok(out)
 }
 
+/// The replay steps the eval stage scores, as the model config selects them.
+fn replay_steps(ctx: &Context) -> Result<Vec<crate::eval::result::ReplayStep>, PipelineError> {
+    let err = fail(Stage::Eval);
+    let replay = &ctx.config.eval.replay;
+    let steps = crate::eval::result::read_replay(replay).map_err(|e| err(&e))?;
+    crate::eval::run::select_steps(steps, &ctx.config.eval.options())
+        .map_err(|e| err(&format!("{}: {e}", replay.display())))
+}
+
+/// What the stages to run need that can be checked before anything is downloaded or trained: a `--from`
+/// not past `--until`, the data recipes, and the replay set the eval scores on. A typo there would
+/// otherwise surface after the pull, or after the training.
+pub fn preflight(ctx: &Context) -> Result<(), PipelineError> {
+    let req = ctx.req;
+    if let (Some(from), Some(until)) = (req.from, req.until)
+        && from > until
+    {
+        return Err(PipelineError::Flags {
+            model: req.model.clone(),
+            message: format!("--from {} comes after --until {}: no stage would run", from.name(), until.name()),
+        });
+    }
+    let runs = |stage: Stage| ctx.def.stages.contains(&stage) && req.until.is_none_or(|u| stage <= u);
+    if runs(Stage::Prepare) {
+        recipes(ctx)?;
+    }
+    if runs(Stage::Eval) {
+        replay_steps(ctx)?;
+    }
+    Ok(())
+}
+
 /// The base checkpoint of a run: the random-init folder of a local model, or the pulled Hub snapshot.
 pub fn base_model_dir(run_dir: &Path, config: &ModelConfig) -> Option<PathBuf> {
     if config.model.local.is_some() {
@@ -412,8 +444,7 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     std::fs::create_dir_all(&eval_dir).map_err(|e| PipelineError::io(&eval_dir, e))?;
     let replay = &ctx.config.eval.replay;
     let opts = ctx.config.eval.options();
-    let steps = crate::eval::run::select_steps(crate::eval::result::read_replay(replay).map_err(|e| err(&e))?, &opts)
-        .map_err(|e| err(&format!("{}: {e}", replay.display())))?;
+    let steps = replay_steps(ctx)?;
     let mut lines = Vec::new();
     let mut outputs = Vec::new();
     for c in crate::eval::select::candidates(ctx.run_dir, Some(&base)) {
