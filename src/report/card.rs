@@ -38,9 +38,9 @@ pub struct CardOutput {
     pub figures: usize,
 }
 
-/// A run file the card needs; a missing one says which stages to run.
 const RUN_FILES_HINT: &str = "the card is written from the run's files; run the stages before the card";
 
+/// A run file the card needs; a missing one says which stages to run.
 fn read<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ReportError> {
     read_json(path).map_err(|e| match e {
         ReportError::Io { path, .. } => ReportError::Missing { path, hint: RUN_FILES_HINT.into() },
