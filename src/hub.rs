@@ -281,8 +281,9 @@ impl Hub {
                 .progress(handler)
                 .send()
                 .map_err(|e| self.map_error(e, spec, Some(&path)))?;
-            let file = describe_file(&path, &local, !cached)?;
-            if let Some(announced) = lfs_blob_sha256(&local).filter(|name| *name != file.sha256) {
+            let announced = lfs_blob_sha256(&local);
+            let file = describe_file(&path, &local, announced.clone().filter(|_| cached))?;
+            if let Some(announced) = announced.filter(|name| *name != file.sha256) {
                 // Removed so that the next pull downloads it again instead of trusting its name.
                 if let Ok(blob) = std::fs::canonicalize(&local) {
                     let _ = std::fs::remove_file(blob);
@@ -340,7 +341,10 @@ impl Hub {
         })?;
         let files = selected
             .iter()
-            .map(|path| describe_file(path, &snapshot.join(path), false))
+            .map(|path| {
+                let local = snapshot.join(path);
+                describe_file(path, &local, lfs_blob_sha256(&local))
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(self.record(spec, commit, true, files))
     }
@@ -527,14 +531,13 @@ fn list_relative(root: &Path, dir: &Path, out: &mut Vec<String>) -> std::io::Res
     Ok(())
 }
 
-/// Size and sha256 of a cached file. An LFS blob is named by the sha256 the Hub announced for it: a fresh
-/// download (`hash`) is hashed so the caller can hold it to that name; a cache hit is taken by its name, as
-/// Python's huggingface_hub does (a 16 GB checkpoint would be read again on every pull). Other files are
-/// always hashed.
-fn describe_file(path: &str, local: &Path, hash: bool) -> Result<PulledFile, HubError> {
+/// Size and sha256 of a cached file: `trusted`, where given, or else its hash. A cache hit's LFS blob is
+/// trusted by its name, the sha256 the Hub announced, as Python's huggingface_hub does (a 16 GB checkpoint
+/// would be read again on every pull); a fresh download is hashed so the caller can hold it to that name.
+fn describe_file(path: &str, local: &Path, trusted: Option<String>) -> Result<PulledFile, HubError> {
     let io = |source| HubError::Io { path: local.to_path_buf(), source };
     let size = std::fs::metadata(local).map_err(io)?.len();
-    let sha256 = match lfs_blob_sha256(local).filter(|_| !hash) {
+    let sha256 = match trusted {
         Some(name) => name,
         None => sha256_file(local).map_err(io)?,
     };

@@ -568,9 +568,11 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         state: (load_dir == state_dir).then_some(position.optimizer_steps),
         accumulating: global_batch > cfg.micro_batch,
     };
-    let Loaded { config, mut model, mut opt, state_memory } = source.load::<B>(device)?;
+    // The data against the model's config before the weights load (an 8B checkpoint takes a while).
+    let config = ModelConfig::from_file(&load_dir.join("config.json"))?;
     data.check_vocabulary(data_dir, config.vocab_size())?;
     data.check_context(data_dir, config.max_position_embeddings())?;
+    let Loaded { config, mut model, mut opt, state_memory } = source.load::<B>(device)?;
     // The other replicas (train.devices > 1) load the same checkpoint or state on their own threads and devices.
     let mut replicas = Replicas::<B>::start(&devices, source.clone())?;
     let metrics_path = train_dir.join("metrics.jsonl");
