@@ -733,8 +733,22 @@ fn stop_on_ctrl_c() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
     stop
 }
 
+/// This invocation as the user typed it (the card's reproduce line, the run lock's holder).
+fn command_line() -> String {
+    std::iter::once("kiln".to_string()).chain(std::env::args().skip(1)).collect::<Vec<_>>().join(" ")
+}
+
+/// The lock of an existing run folder, for the commands that write into one made by `kiln sft` (a folder
+/// that is not there is left to the command's own error).
+fn lock_run(run: &Path) -> Result<Option<kiln::files::RunLock>> {
+    if !run.is_dir() {
+        return Ok(None);
+    }
+    Ok(Some(kiln::files::RunLock::acquire(run, &command_line())?))
+}
+
 fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
-    let command = std::iter::once("kiln".to_string()).chain(std::env::args().skip(1)).collect::<Vec<_>>().join(" ");
+    let command = command_line();
     let req = kiln::pipeline::SftRequest {
         model: args.model,
         epochs: args.epochs,
@@ -770,6 +784,7 @@ fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
 }
 
 fn card_cmd(args: CardArgs) -> Result<()> {
+    let _lock = lock_run(&args.run)?;
     let path = args.run.join("sft.json");
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("reading {} (the card needs a run made by `kiln sft`)", path.display()))?;
@@ -786,6 +801,7 @@ fn card_cmd(args: CardArgs) -> Result<()> {
 }
 
 fn inspect_cmd(args: InspectArgs, quiet: bool) -> Result<()> {
+    let _lock = lock_run(&args.run)?;
     let opts = kiln::report::InspectOptions { random_examples: args.examples, seed: args.seed, ..Default::default() };
     let bar = if quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new_spinner() };
     bar.set_style(indicatif::ProgressStyle::with_template("{spinner} inspect {msg}: {pos} [{elapsed}]")?);
@@ -1277,6 +1293,8 @@ fn bench_train_cmd(args: BenchTrainArgs) -> Result<()> {
 fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
     let cfg = train_config(&args)?;
     kiln::models::set_reference_ops(args.reference_ops);
+    std::fs::create_dir_all(&args.run).with_context(|| format!("creating {}", args.run.display()))?;
+    let _lock = lock_run(&args.run)?;
     let stop = stop_on_ctrl_c();
     let summary = kiln::train::train_on_device(
         &args.device,
@@ -1385,6 +1403,7 @@ fn eval_cmd(args: EvalArgs, quiet: bool) -> Result<()> {
 }
 
 fn select_cmd(args: SelectArgs, quiet: bool) -> Result<()> {
+    let _lock = lock_run(&args.run)?;
     let selection = kiln::eval::select::select_run(
         &args.run,
         args.base.as_deref(),

@@ -1,6 +1,7 @@
 //! `kiln sft` end to end on a fast variant of the offline default (a few conversations, a few eval steps):
 //! every artifact and manifest is written, a run stopped during training resumes, a second run skips every
-//! stage, and the card's figures are the eval and stats files' figures. Also the early, clear failures.
+//! stage, and the card's figures are the eval and stats files' figures; a failed stage is never skipped,
+//! and a run folder is one kiln's at a time. Also the early, clear failures.
 
 mod common;
 
@@ -288,6 +289,33 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     let (ok, stderr) = sft(&pipeline, &configs, &[]);
     assert!(ok && stderr.contains("3 stages run, 5 skipped"), "{stderr}");
     assert_eq!(json(&run.join("eval/base.json"))["aggregate"]["steps"], 2);
+
+    // A stage forced by --from that fails leaves no manifest to vouch for what it was rewriting: the next
+    // run runs it again (and fails again here) rather than skipping it.
+    let tokenizer = run.join("checkpoints/epoch-2/tokenizer.json");
+    let kept = std::fs::read(&tokenizer).unwrap();
+    std::fs::remove_file(&tokenizer).unwrap();
+    let (ok, stderr) = sft(&pipeline, &configs, &["--from", "export"]);
+    assert!(!ok && stderr.contains("epoch-2 lacks tokenizer.json"), "{stderr}");
+    assert!(!run.join("manifests/export.json").exists());
+    let (ok, stderr) = sft(&pipeline, &configs, &[]);
+    assert!(!ok && stderr.contains("epoch-2 lacks tokenizer.json"), "the failed stage is run again: {stderr}");
+    std::fs::write(&tokenizer, kept).unwrap();
+    let (ok, stderr) = sft(&pipeline, &configs, &[]);
+    assert!(ok && stderr.contains("4 stages run, 4 skipped"), "{stderr}");
+
+    // A run folder another kiln is writing is refused, naming that kiln; nothing is run or written.
+    let lock = kiln::files::RunLock::acquire(&run, "kiln sft --model fast").unwrap();
+    let holder = format!("is in use by another kiln (pid {}, `kiln sft --model fast`, since", std::process::id());
+    let card = std::fs::read_to_string(run.join("README.md")).unwrap();
+    let (ok, stderr) = sft(&pipeline, &configs, &["--from", "card"]);
+    assert!(!ok && stderr.contains(&holder) && !stderr.contains("running"), "{stderr}");
+    let (ok, _, stderr) = run_kiln(&["card", "--run", run.to_str().unwrap()], &[], &project_dir());
+    assert!(!ok && stderr.contains(&holder), "{stderr}");
+    assert_eq!(std::fs::read_to_string(run.join("README.md")).unwrap(), card);
+    drop(lock);
+    let (ok, stderr) = sft(&pipeline, &configs, &[]);
+    assert!(ok && stderr.contains("0 stages run, 8 skipped"), "released, the run goes on: {stderr}");
 }
 
 #[test]

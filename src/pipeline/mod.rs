@@ -83,6 +83,8 @@ pub enum PipelineError {
         "training stopped after step {step} with its state saved; run the same command again to resume where it stopped"
     )]
     Interrupted { step: usize },
+    #[error(transparent)]
+    RunLock(#[from] crate::files::RunLockError),
 }
 
 impl PipelineError {
@@ -114,6 +116,14 @@ pub struct Manifest {
 
 pub fn manifest_path(run_dir: &Path, stage: Stage) -> PathBuf {
     run_dir.join("manifests").join(format!("{}.json", stage.name()))
+}
+
+fn remove_manifest(run_dir: &Path, stage: Stage) -> Result<(), PipelineError> {
+    let path = manifest_path(run_dir, stage);
+    match std::fs::remove_file(&path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(PipelineError::io(&path, e)),
+        _ => Ok(()),
+    }
 }
 
 pub fn read_manifest(run_dir: &Path, stage: Stage) -> Option<Manifest> {
@@ -228,6 +238,7 @@ pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, Pipeli
     let ctx = stages::Context { req, def: &def, config: &config, run_dir: &run_dir, device: &device, stop };
     stages::preflight(&ctx)?;
     std::fs::create_dir_all(run_dir.join("manifests")).map_err(|e| PipelineError::io(&run_dir, e))?;
+    let _lock = crate::files::RunLock::acquire(&run_dir, &req.command)?;
     let effective = serde_json::json!({"model": req.model, "command": req.command, "device": device, "config": config});
     let effective_path = run_dir.join("sft.json");
     write_json(&effective_path, &effective)?;
@@ -270,6 +281,9 @@ pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, Pipeli
             });
         }
         eprintln!("[{}/{total}] {:<8} running", i + 1, stage.name());
+        // Until the stage ends, no manifest may vouch for outputs it is rewriting: a stage forced by
+        // `--from` that fails would otherwise be skipped by the next run, its old manifest still matching.
+        remove_manifest(&run_dir, stage)?;
         let stage_started = Instant::now();
         let outcome = stages::run(&ctx, stage)?;
         let wall = stage_started.elapsed().as_secs_f64();
