@@ -1,6 +1,6 @@
 //! The training loop and its run directory: `train/metrics.jsonl` (one line per optimizer step),
-//! `train/state/` (weights, AdamW moments and position, for `--resume`), `checkpoints/epoch-<k>/` (HF
-//! exports).
+//! `train/state/` (weights, AdamW moments and position, for `--resume`; `train/state.previous/` while a new
+//! state replaces it), `checkpoints/epoch-<k>/` (HF exports).
 
 use std::collections::HashMap;
 use std::fs::OpenOptions;
@@ -241,8 +241,32 @@ pub struct StepMetrics {
 /// The training config a run's saved state was written with (None without a saved state): a resume is
 /// exact only with the same config.
 pub fn saved_config(run_dir: &Path) -> Option<TrainConfig> {
-    let text = std::fs::read_to_string(run_dir.join("train/state/position.json")).ok()?;
+    let train_dir = run_dir.join("train");
+    let saved = [train_dir.join("state"), train_dir.join(PREVIOUS_STATE)].into_iter().find(|d| is_complete_state(d))?;
+    let text = std::fs::read_to_string(saved.join("position.json")).ok()?;
     serde_json::from_str::<Position>(&text).ok().map(|p| p.config)
+}
+
+/// Where `write_state` keeps the state it replaces until the new one has its name: a kill at any moment of
+/// a save leaves one complete state, at `train/state/` or here.
+const PREVIOUS_STATE: &str = "state.previous";
+
+/// `position.json` is written last, so a state folder that has it is whole.
+fn is_complete_state(dir: &Path) -> bool {
+    dir.join("position.json").is_file()
+}
+
+/// Puts the previous state back in its place when a save was killed between its two renames.
+fn restore_previous_state(state_dir: &Path) -> Result<(), TrainError> {
+    let previous = state_dir.with_file_name(PREVIOUS_STATE);
+    if is_complete_state(state_dir) || !is_complete_state(&previous) {
+        return Ok(());
+    }
+    let err = |e: std::io::Error| TrainError::State { path: previous.clone(), message: e.to_string() };
+    if state_dir.exists() {
+        std::fs::remove_dir_all(state_dir).map_err(err)?;
+    }
+    std::fs::rename(&previous, state_dir).map_err(err)
 }
 
 /// Tokens and supervised tokens over every step of a `metrics.jsonl`.
@@ -344,8 +368,18 @@ fn write_state<B: AutodiffBackend>(
     let text = serde_json::to_string_pretty(position).unwrap_or_default() + "\n";
     let state_err = |e: std::io::Error| TrainError::State { path: tmp.clone(), message: e.to_string() };
     std::fs::write(tmp.join("position.json"), text).map_err(state_err)?;
-    let _ = std::fs::remove_dir_all(dir);
-    std::fs::rename(&tmp, dir).map_err(|e| TrainError::State { path: dir.to_path_buf(), message: e.to_string() })
+    // The last complete state is renamed aside, not removed, until the new one is in place.
+    let previous = dir.with_file_name(PREVIOUS_STATE);
+    let err = |e: std::io::Error| TrainError::State { path: dir.to_path_buf(), message: e.to_string() };
+    if is_complete_state(dir) {
+        let _ = std::fs::remove_dir_all(&previous);
+        std::fs::rename(dir, &previous).map_err(err)?;
+    } else if dir.exists() {
+        std::fs::remove_dir_all(dir).map_err(err)?;
+    }
+    std::fs::rename(&tmp, dir).map_err(err)?;
+    let _ = std::fs::remove_dir_all(&previous);
+    Ok(())
 }
 
 fn read_moments(dir: &Path) -> Result<HashMap<String, HostTensor>, TrainError> {
@@ -539,7 +573,10 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     std::fs::create_dir_all(&train_dir)
         .map_err(|e| TrainError::State { path: train_dir.clone(), message: e.to_string() })?;
 
-    let (mut position, load_dir) = if resume && state_dir.join("position.json").is_file() {
+    if resume {
+        restore_previous_state(&state_dir)?;
+    }
+    let (mut position, load_dir) = if resume && is_complete_state(&state_dir) {
         let text = std::fs::read_to_string(state_dir.join("position.json"))
             .map_err(|e| TrainError::State { path: state_dir.clone(), message: e.to_string() })?;
         let p: Position = serde_json::from_str(&text)

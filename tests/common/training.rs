@@ -206,7 +206,15 @@ pub fn assert_resume_agrees<B: LinearCrossEntropy + DeviceMemory>(cfg: &TrainCon
     assert!(last.contains("\"step\":4"), "{last}");
     text.push_str(&format!("{last}\n{{\"step\":5,\"ep"));
     std::fs::write(&metrics_path, text).unwrap();
+    // As a run killed while it saved a state leaves it: the last complete state renamed aside, the new one
+    // half-written. The resume takes the complete one.
+    let train_dir = dir.path().join("resumed/train");
+    std::fs::rename(train_dir.join("state"), train_dir.join("state.previous")).unwrap();
+    std::fs::create_dir(train_dir.join("state.partial")).unwrap();
+    std::fs::write(train_dir.join("state.partial/model.safetensors"), b"cut off").unwrap();
+    assert!(kiln::train::trainer::saved_config(&dir.path().join("resumed")).is_some(), "the pipeline resumes it");
     let (resumed, _) = run::<B>(cfg, &data, &dir.path().join("resumed"), true, None);
+    assert!(!train_dir.join("state.previous").exists() && !train_dir.join("state.partial").exists());
     assert_eq!(resumed.steps, straight.steps);
     let losses = |d: &str| metrics(&dir.path().join(d)).iter().map(|m| m["loss"].as_f64().unwrap()).collect::<Vec<_>>();
     let (a_losses, b_losses) = (losses("straight"), losses("resumed"));
