@@ -206,8 +206,18 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     let (pipeline, configs) = setup(dir.path());
     let run = dir.path().join("runs/fast");
 
+    // A state trained from another base model (here the run folder's first model had another init seed) is
+    // not resumed: the training starts over.
+    let config = configs.join("fast.toml");
+    let fast = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, fast.replace("init_seed = 0", "init_seed = 1")).unwrap();
+    let (ok, stderr) = sft(&pipeline, &configs, &["--halt-after", "1"]);
+    assert!(!ok && stderr.contains("run the same command again to resume"), "{stderr}");
+    std::fs::write(&config, &fast).unwrap();
+
     // Stopped during training (as Ctrl-C would): the state is saved and the error says how to go on.
     let (ok, stderr) = sft(&pipeline, &configs, &["--halt-after", "2"]);
+    assert!(stderr.contains("train/state was trained from another base model: starting over"), "{stderr}");
     assert!(!ok && stderr.contains("run the same command again to resume"), "{stderr}");
     for stage in ["pull", "prepare", "inspect"] {
         assert!(run.join("manifests").join(format!("{stage}.json")).is_file(), "{stage}");
@@ -283,7 +293,6 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     std::fs::write(&metrics, good).unwrap();
 
     // A changed eval setting reruns eval and what follows it, nothing before.
-    let config = configs.join("fast.toml");
     let text = std::fs::read_to_string(&config).unwrap().replace("limit = 3", "limit = 2");
     std::fs::write(&config, text).unwrap();
     let (ok, stderr) = sft(&pipeline, &configs, &[]);

@@ -367,7 +367,8 @@ fn activation_checkpointing_gives_the_same_training() {
 
 /// Activation checkpointing changes memory, not the updates, so a run stopped without it resumes with it
 /// (the config's `activation_checkpointing`, as `kiln train --activation-checkpointing` sets it) and ends
-/// where the uninterrupted run does; any other setting changed is refused.
+/// where the uninterrupted run does; any other setting changed is refused, as are another base checkpoint and
+/// other shards.
 #[test]
 fn a_run_resumes_with_activation_checkpointing_switched_on() {
     let dir = tempfile::tempdir().unwrap();
@@ -383,6 +384,31 @@ fn a_run_resumes_with_activation_checkpointing_switched_on() {
     let checkpointed = TrainConfig { activation_checkpointing: true, ..cfg.clone() };
     let err = go(&TrainConfig { lr: 2e-3, ..checkpointed.clone() }, "resumed", true, None).unwrap_err().to_string();
     assert!(err.contains("another training config") && err.contains("train.lr") && err.contains("0.002 now"), "{err}");
+    // A state resumes only the run it belongs to: not from another checkpoint (here one key of config.json
+    // differs), nor on other shards.
+    let other_base = dir.path().join("other-base");
+    std::fs::create_dir(&other_base).unwrap();
+    for entry in std::fs::read_dir(&base).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, other_base.join(path.file_name().unwrap())).unwrap();
+    }
+    let config = std::fs::read_to_string(other_base.join("config.json")).unwrap().replacen(
+        '{',
+        "{\"_name_or_path\": \"other\",",
+        1,
+    );
+    std::fs::write(other_base.join("config.json"), config).unwrap();
+    let other_data = fixture_shards(&dir.path().join("other"), 2);
+    let resumed = dir.path().join("resumed");
+    for (model, shards, expected) in [
+        (&other_base, &data, "was trained from another base model;"),
+        (&base, &other_data, "was trained on other data;"),
+    ] {
+        let err = kiln::train::train_on_device("cpu", &checkpointed, model, shards, &resumed, true, &stop, None, false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(expected) && err.contains("start over without --resume"), "{err}");
+    }
     let summary = go(&checkpointed, "resumed", true, None).unwrap();
     assert!(!summary.interrupted && summary.epochs_done == 2);
     let load = |run: &str| {

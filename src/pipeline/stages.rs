@@ -11,6 +11,7 @@ use super::config::{ModelConfig, PipelineDef};
 use super::{PipelineError, SftRequest, Stage, StageOutcome, StagePlan, manifest_path};
 use crate::data::{EvalIndex, Recipe};
 use crate::hub::{Hub, HubConfig, PulledRepo, RepoKind, RepoSpec};
+use crate::train::state::TrainSource;
 
 pub struct Context<'a> {
     pub req: &'a SftRequest,
@@ -340,8 +341,21 @@ fn inspect(ctx: &Context) -> Result<StageOutcome, PipelineError> {
 fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let cfg = &ctx.config.train;
     let base = require_base(ctx, Stage::Train)?;
-    let saved = crate::train::trainer::saved_config(ctx.run_dir);
-    let resume = saved.as_ref().is_some_and(|saved| cfg.for_device(ctx.device).continues(saved));
+    let data_dir = ctx.run_dir.join("data");
+    let resume = match crate::train::state::saved_state(ctx.run_dir) {
+        None => false,
+        Some(saved) => {
+            let shards = crate::train::data::shard_files(&data_dir).map_err(PipelineError::Train)?;
+            let source = TrainSource::of(&base, &shards).map_err(PipelineError::Train)?;
+            match saved.refusal(&cfg.for_device(ctx.device), &source) {
+                None => true,
+                Some(why) => {
+                    eprintln!("  {why}: starting over");
+                    false
+                }
+            }
+        }
+    };
     if resume {
         eprintln!("  resuming from {}", ctx.run_dir.join("train/state").display());
     } else {
@@ -357,7 +371,7 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         ctx.device,
         cfg,
         &base,
-        &ctx.run_dir.join("data"),
+        &data_dir,
         ctx.run_dir,
         resume,
         ctx.stop,

@@ -16,21 +16,27 @@ pub struct TrainData {
     pub files: Vec<PathBuf>,
 }
 
+/// The token shards (`*.parquet`) in `dir`, in name order; none is an error.
+pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| TrainError::Data { path: dir.to_path_buf(), message: e.to_string() })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "parquet"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(TrainError::Data {
+            path: dir.to_path_buf(),
+            message: "no token shards (*.parquet): run `kiln prepare` first".into(),
+        });
+    }
+    Ok(files)
+}
+
 impl TrainData {
     /// Loads every `*.parquet` shard of `dir` (rows of one length: packed shards).
     pub fn load(dir: &Path) -> Result<Self, TrainError> {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(|e| TrainError::Data { path: dir.to_path_buf(), message: e.to_string() })?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "parquet"))
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            return Err(TrainError::Data {
-                path: dir.to_path_buf(),
-                message: "no token shards (*.parquet): run `kiln prepare` first".into(),
-            });
-        }
+        let files = shard_files(dir)?;
         let mut rows = Vec::new();
         for f in &files {
             rows.extend(read_shard(f)?);

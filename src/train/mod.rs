@@ -10,6 +10,7 @@ pub mod optim;
 pub mod quant8;
 pub mod replicas;
 pub mod schedule;
+pub mod state;
 pub mod step;
 pub mod trainer;
 

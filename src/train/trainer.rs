@@ -2,14 +2,12 @@
 //! `train/state/` (weights, AdamW moments and position, for `--resume`; `train/state.previous/` while a new
 //! state replaces it), `checkpoints/epoch-<k>/` (HF exports).
 
-use std::collections::HashMap;
 use std::fs::OpenOptions;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use burn::module::ParamId;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, FloatDType};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -18,13 +16,17 @@ use serde::{Deserialize, Serialize};
 use super::TrainError;
 use super::data::TrainData;
 use super::linear_ce::LinearCrossEntropy;
-use super::optim::{AdamW, AdamWConfig, CODES_SUFFIX, StateMemory};
+use super::optim::{AdamW, AdamWConfig, StateMemory};
 use super::replicas::{GradientSync, ReplicaWork, Replicas, Share, ShareOutcome};
 use super::schedule::{Decay, Schedule};
+use super::state::{
+    Position, TrainSource, is_complete_state, param_names, read_moments, read_position, restore_previous_state,
+    write_state,
+};
 use super::step::{MicroBatch, NonFiniteLoss, ShardOutcome, StepOutcome, optimizer_step, shard_step};
 use crate::backend::DeviceMemory;
-use crate::models::hf::{ExportDtype, HfNamed, RawTensor, write_safetensors};
-use crate::models::weights::{HostTensor, kept_in_f32};
+use crate::models::hf::ExportDtype;
+use crate::models::weights::kept_in_f32;
 use crate::models::{CausalLm, ModelConfig, checkpoint_tensor_sizes, load_model};
 use crate::tokens::shards::Row;
 
@@ -238,37 +240,6 @@ pub struct StepMetrics {
     pub peak_memory_bytes: Option<u64>,
 }
 
-/// The training config a run's saved state was written with (None without a saved state): a resume is
-/// exact only with the same config.
-pub fn saved_config(run_dir: &Path) -> Option<TrainConfig> {
-    let train_dir = run_dir.join("train");
-    let saved = [train_dir.join("state"), train_dir.join(PREVIOUS_STATE)].into_iter().find(|d| is_complete_state(d))?;
-    let text = std::fs::read_to_string(saved.join("position.json")).ok()?;
-    serde_json::from_str::<Position>(&text).ok().map(|p| p.config)
-}
-
-/// Where `write_state` keeps the state it replaces until the new one has its name: a kill at any moment of
-/// a save leaves one complete state, at `train/state/` or here.
-const PREVIOUS_STATE: &str = "state.previous";
-
-/// `position.json` is written last, so a state folder that has it is whole.
-fn is_complete_state(dir: &Path) -> bool {
-    dir.join("position.json").is_file()
-}
-
-/// Puts the previous state back in its place when a save was killed between its two renames.
-fn restore_previous_state(state_dir: &Path) -> Result<(), TrainError> {
-    let previous = state_dir.with_file_name(PREVIOUS_STATE);
-    if is_complete_state(state_dir) || !is_complete_state(&previous) {
-        return Ok(());
-    }
-    let err = |e: std::io::Error| TrainError::State { path: previous.clone(), message: e.to_string() };
-    if state_dir.exists() {
-        std::fs::remove_dir_all(state_dir).map_err(err)?;
-    }
-    std::fs::rename(&previous, state_dir).map_err(err)
-}
-
 /// Tokens and supervised tokens over every step of a `metrics.jsonl`.
 pub fn metrics_totals(path: &Path) -> std::io::Result<(u64, u64)> {
     Ok(read_metrics(path)?.iter().fold((0, 0), |(t, s), m| (t + m.tokens, s + m.supervised_tokens)))
@@ -312,15 +283,6 @@ fn keep_metrics_before(path: &Path, step: usize) -> std::io::Result<()> {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct Position {
-    epoch: usize,
-    step_in_epoch: usize,
-    global_step: usize,
-    optimizer_steps: usize,
-    config: TrainConfig,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TrainSummary {
     pub steps: usize,
     pub epochs_done: usize,
@@ -333,73 +295,6 @@ pub struct TrainSummary {
     /// What the weights, gradients and optimizer state took between steps (before activations).
     #[serde(default)]
     pub state_memory: StateMemory,
-}
-
-fn param_names<B: burn::tensor::backend::Backend>(model: &CausalLm<B>) -> HashMap<ParamId, String> {
-    let mut names = HashMap::new();
-    for e in model.hf_entries() {
-        names.entry(e.id).or_insert(e.key);
-    }
-    names
-}
-
-fn write_state<B: AutodiffBackend>(
-    dir: &Path,
-    model: &CausalLm<B>,
-    opt: &AdamW<B::InnerBackend>,
-    position: &Position,
-    source_dir: &Path,
-) -> Result<(), TrainError> {
-    let tmp = dir.with_extension("partial");
-    let _ = std::fs::remove_dir_all(&tmp);
-    model.export(source_dir, &tmp, ExportDtype::F32, usize::MAX)?;
-    // 8-bit moments' code indices go to the file as u8, everything else as f32.
-    let (codes, moments): (Vec<_>, Vec<_>) =
-        opt.export_state(&param_names(model)).into_iter().partition(|(name, _)| name.ends_with(CODES_SUFFIX));
-    let codes = codes
-        .into_iter()
-        .map(|(name, t)| {
-            let bytes = t.data.iter().map(|&c| c as u8).collect();
-            (name, RawTensor { dtype: safetensors::Dtype::U8, shape: t.shape, bytes })
-        })
-        .collect();
-    let moments = moments.into_iter().collect();
-    write_safetensors(&moments, &codes, &tmp.join("optimizer"), ExportDtype::F32, &|_| false, usize::MAX)?;
-    let text = serde_json::to_string_pretty(position).unwrap_or_default() + "\n";
-    let state_err = |e: std::io::Error| TrainError::State { path: tmp.clone(), message: e.to_string() };
-    std::fs::write(tmp.join("position.json"), text).map_err(state_err)?;
-    // The last complete state is renamed aside, not removed, until the new one is in place.
-    let previous = dir.with_file_name(PREVIOUS_STATE);
-    let err = |e: std::io::Error| TrainError::State { path: dir.to_path_buf(), message: e.to_string() };
-    if is_complete_state(dir) {
-        let _ = std::fs::remove_dir_all(&previous);
-        std::fs::rename(dir, &previous).map_err(err)?;
-    } else if dir.exists() {
-        std::fs::remove_dir_all(dir).map_err(err)?;
-    }
-    std::fs::rename(&tmp, dir).map_err(err)?;
-    let _ = std::fs::remove_dir_all(&previous);
-    Ok(())
-}
-
-fn read_moments(dir: &Path) -> Result<HashMap<String, HostTensor>, TrainError> {
-    use crate::models::TensorSource;
-    let store = crate::models::WeightStore::open(dir)?;
-    let keys: Vec<String> = store.keys().cloned().collect();
-    let mut out = HashMap::new();
-    for k in keys {
-        let shape = store.shape(&k).map(<[usize]>::to_vec).unwrap_or_default();
-        let tensor = if store.dtype(&k) == Some(safetensors::Dtype::U8) {
-            let raw = store.raw(&k)?;
-            HostTensor { shape, data: raw.bytes.iter().map(|&b| f32::from(b)).collect() }
-        } else {
-            store.take(&k, &shape)
-        };
-        out.insert(k, tensor);
-    }
-    // The u8 codes were read raw, as nothing else in a state is.
-    store.finish_except(&[], &|key| key.ends_with(CODES_SUFFIX))?;
-    Ok(out)
 }
 
 /// Why a step stopped the run: a non-finite loss, or a failure (a replica's).
@@ -573,30 +468,25 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     std::fs::create_dir_all(&train_dir)
         .map_err(|e| TrainError::State { path: train_dir.clone(), message: e.to_string() })?;
 
+    let source = TrainSource::of(model_dir, &data.files)?;
     if resume {
         restore_previous_state(&state_dir)?;
     }
     let (mut position, load_dir) = if resume && is_complete_state(&state_dir) {
-        let text = std::fs::read_to_string(state_dir.join("position.json"))
-            .map_err(|e| TrainError::State { path: state_dir.clone(), message: e.to_string() })?;
-        let p: Position = serde_json::from_str(&text)
-            .map_err(|e| TrainError::State { path: state_dir.clone(), message: e.to_string() })?;
-        if !cfg.continues(&p.config) {
-            return Err(TrainError::Config(format!(
-                "{} was written with another training config ({}); resume with the same settings",
-                state_dir.display(),
-                cfg.changes_from(&p.config).join("; ")
-            )));
-        }
-        (p, state_dir.clone())
+        (read_position(&state_dir, cfg, &source)?, state_dir.clone())
     } else {
         if resume {
             return Err(TrainError::State { path: state_dir.clone(), message: "no saved state to resume from".into() });
         }
-        (
-            Position { epoch: 0, step_in_epoch: 0, global_step: 0, optimizer_steps: 0, config: cfg.clone() },
-            model_dir.to_path_buf(),
-        )
+        let position = Position {
+            epoch: 0,
+            step_in_epoch: 0,
+            global_step: 0,
+            optimizer_steps: 0,
+            config: cfg.clone(),
+            source: Some(source),
+        };
+        (position, model_dir.to_path_buf())
     };
     let devices = super::replicas::replica_devices::<B>(device, cfg.devices)?;
     let source = ReplicaSource {

@@ -212,7 +212,7 @@ pub fn assert_resume_agrees<B: LinearCrossEntropy + DeviceMemory>(cfg: &TrainCon
     std::fs::rename(train_dir.join("state"), train_dir.join("state.previous")).unwrap();
     std::fs::create_dir(train_dir.join("state.partial")).unwrap();
     std::fs::write(train_dir.join("state.partial/model.safetensors"), b"cut off").unwrap();
-    assert!(kiln::train::trainer::saved_config(&dir.path().join("resumed")).is_some(), "the pipeline resumes it");
+    assert!(kiln::train::state::saved_state(&dir.path().join("resumed")).is_some(), "the pipeline resumes it");
     let (resumed, _) = run::<B>(cfg, &data, &dir.path().join("resumed"), true, None);
     assert!(!train_dir.join("state.previous").exists() && !train_dir.join("state.partial").exists());
     assert_eq!(resumed.steps, straight.steps);
