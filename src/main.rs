@@ -718,14 +718,13 @@ fn pull(args: PullArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
     Ok(())
 }
 
-/// A flag Ctrl-C raises: training finishes its step, saves its state and returns; a second Ctrl-C kills
-/// the process as usual.
-fn stop_on_ctrl_c() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let stop = std::sync::Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
+/// Ctrl-C during a training: it finishes its step, saves its state and returns; a second Ctrl-C, or one
+/// while nothing trains (a download, the data, an eval: nothing to save), ends the process at once.
+fn stop_on_ctrl_c() -> std::sync::Arc<kiln::train::StopRequest> {
+    let stop = std::sync::Arc::new(kiln::train::StopRequest::default());
+    let request = stop.clone();
     let _ = ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::SeqCst) {
+        if !request.request() {
             std::process::exit(130);
         }
         eprintln!("\nstopping after this training step, with the state saved (Ctrl-C again to abort)…");
@@ -1296,17 +1295,19 @@ fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
     std::fs::create_dir_all(&args.run).with_context(|| format!("creating {}", args.run.display()))?;
     let _lock = lock_run(&args.run)?;
     let stop = stop_on_ctrl_c();
-    let summary = kiln::train::train_on_device(
-        &args.device,
-        &cfg,
-        &args.model_dir,
-        &args.data,
-        &args.run,
-        args.resume,
-        &stop,
-        None,
-        !quiet,
-    )?;
+    let summary = stop.defer(|stop| {
+        kiln::train::train_on_device(
+            &args.device,
+            &cfg,
+            &args.model_dir,
+            &args.data,
+            &args.run,
+            args.resume,
+            stop,
+            None,
+            !quiet,
+        )
+    })?;
     eprintln!(
         "train: {} steps, {} epochs{} in {:.1}s; final loss {}; checkpoints: {}",
         summary.steps,

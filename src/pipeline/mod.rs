@@ -8,7 +8,6 @@ pub mod stages;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -202,8 +201,8 @@ pub fn resolve_device(requested: &str) -> String {
     }
 }
 
-/// Runs the pipeline for `req`; `stop` is raised by Ctrl-C (training saves its state and the run stops).
-pub fn run_sft(req: &SftRequest, stop: &AtomicBool) -> Result<SftSummary, PipelineError> {
+/// Runs the pipeline for `req`; a Ctrl-C that `stop` defers to the training saves its state and stops the run.
+pub fn run_sft(req: &SftRequest, stop: &crate::train::StopRequest) -> Result<SftSummary, PipelineError> {
     let started = Instant::now();
     let def = PipelineDef::load(&req.pipeline)?;
     let mut config = ModelConfig::find(&req.model, &req.configs_dir)?;

@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
 
 use serde_json::{Value, json};
 
@@ -19,7 +18,7 @@ pub struct Context<'a> {
     pub config: &'a ModelConfig,
     pub run_dir: &'a Path,
     pub device: &'a str,
-    pub stop: &'a AtomicBool,
+    pub stop: &'a crate::train::StopRequest,
 }
 
 const OPTIONAL_MODEL_FILES: &[&str] = &[
@@ -367,18 +366,22 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
             }
         }
     }
-    let summary = crate::train::train_on_device(
-        ctx.device,
-        cfg,
-        &base,
-        &data_dir,
-        ctx.run_dir,
-        resume,
-        ctx.stop,
-        ctx.req.halt_after,
-        ctx.req.show_progress,
-    )
-    .map_err(PipelineError::Train)?;
+    let summary = ctx
+        .stop
+        .defer(|stop| {
+            crate::train::train_on_device(
+                ctx.device,
+                cfg,
+                &base,
+                &data_dir,
+                ctx.run_dir,
+                resume,
+                stop,
+                ctx.req.halt_after,
+                ctx.req.show_progress,
+            )
+        })
+        .map_err(PipelineError::Train)?;
     if summary.interrupted {
         return Err(PipelineError::Interrupted { step: summary.steps });
     }

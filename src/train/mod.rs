@@ -15,8 +15,34 @@ pub mod step;
 pub mod trainer;
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use trainer::{Precision, TrainConfig, TrainSummary, train};
+
+/// Ctrl-C as kiln takes it. While a training runs, a stop waits for the end of the current step, where the
+/// state is saved; anywhere else (a download, the data, an eval) there is nothing a stop would save, so the
+/// process may end at once, and a stage cut short runs again on the next run.
+#[derive(Debug, Default)]
+pub struct StopRequest {
+    requested: AtomicBool,
+    training: AtomicBool,
+}
+
+impl StopRequest {
+    /// Runs `train` with stops deferred to it: it watches the flag it is given.
+    pub fn defer<T>(&self, train: impl FnOnce(&AtomicBool) -> T) -> T {
+        self.training.store(true, Ordering::SeqCst);
+        let out = train(&self.requested);
+        self.training.store(false, Ordering::SeqCst);
+        out
+    }
+
+    /// A Ctrl-C: true when a training takes it (it stops after its step), false when the process should end
+    /// now (no training runs, or this is the second Ctrl-C).
+    pub fn request(&self) -> bool {
+        self.training.load(Ordering::SeqCst) && !self.requested.swap(true, Ordering::SeqCst)
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -135,4 +161,22 @@ pub fn train_on_device(
         };
     }
     with_train_backend!(device, cfg.precision, cfg.activation_checkpointing, go)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stop_waits_for_the_step_only_while_training_runs() {
+        let stop = StopRequest::default();
+        assert!(!stop.request(), "nothing trains: end now");
+        let taken = stop.defer(|flag| {
+            assert!(!flag.load(Ordering::SeqCst), "an earlier Ctrl-C does not stop a later training");
+            let first = stop.request();
+            (first, flag.load(Ordering::SeqCst), stop.request())
+        });
+        assert_eq!(taken, (true, true, false), "the first Ctrl-C is the trainer's, a second one ends at once");
+        assert!(!stop.request(), "training is over: end now");
+    }
 }
