@@ -60,6 +60,15 @@ pub fn bucket_len(len: usize, seq_len: usize) -> usize {
     len.max(256).next_power_of_two().min(seq_len)
 }
 
+/// Whether `name` is the name of a shard `ShardWriter` writes: `packed-<len>-<k>.parquet` or
+/// `bucket-<len>-<k>.parquet`.
+pub fn is_shard_name(name: &str) -> bool {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let Some(stem) = name.strip_suffix(".parquet") else { return false };
+    let Some(rest) = stem.strip_prefix("packed-").or_else(|| stem.strip_prefix("bucket-")) else { return false };
+    rest.split_once('-').is_some_and(|(len, index)| digits(len) && digits(index))
+}
+
 /// Rows per shard file and per parquet row group.
 const ROWS_PER_SHARD: usize = 8192;
 const ROWS_PER_GROUP: usize = 256;
@@ -274,8 +283,21 @@ pub struct ShardWriter {
 }
 
 impl ShardWriter {
+    /// A writer into `dir`. The shards an earlier writer left there are removed first: the trainer reads every
+    /// shard in a folder, and a prepare that writes fewer files than the last would leave old rows among its
+    /// own. Files of other names are left alone.
     pub fn new(dir: &Path, layout: Layout, seq_len: usize, pad_id: u32) -> Result<Self, TokenError> {
-        std::fs::create_dir_all(dir).map_err(|e| TokenError::Io { path: dir.to_path_buf(), source: e })?;
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| TokenError::Io { path: path.clone(), source }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        for entry in std::fs::read_dir(dir).map_err(io(dir))? {
+            let path = entry.map_err(io(dir))?.path();
+            if path.file_name().and_then(|n| n.to_str()).is_some_and(is_shard_name) && path.is_file() {
+                std::fs::remove_file(&path).map_err(io(&path))?;
+            }
+        }
         Ok(ShardWriter {
             layout,
             seq_len,
@@ -394,6 +416,41 @@ mod tests {
         let mut used: Vec<usize> = rows.iter().map(Row::used).collect();
         used.sort();
         assert_eq!(used, [3, 16, 16, 16]);
+    }
+
+    #[test]
+    fn a_writer_replaces_the_shards_of_the_last_one_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |layout, lens: &[usize]| {
+            let mut w = ShardWriter::new(dir.path(), layout, 1024, 0).unwrap();
+            for (i, len) in lens.iter().enumerate() {
+                w.add(&sample(&format!("s{i}"), *len), "src").unwrap();
+            }
+            w.finish().unwrap().files
+        };
+        let names = || {
+            let mut names: Vec<String> = std::fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            names.sort();
+            names
+        };
+        std::fs::write(dir.path().join("conversations.parquet"), b"the user's").unwrap();
+        assert_eq!(write(Layout::Bucketed, &[100, 700]).len(), 2);
+        let packed = write(Layout::Packed, &[100]);
+        assert_eq!(names(), ["conversations.parquet", "packed-1024-00000.parquet"]);
+        assert_eq!(packed, [dir.path().join("packed-1024-00000.parquet")]);
+        for (name, shard) in [
+            ("packed-1024-00000.parquet", true),
+            ("bucket-256-00012.parquet", true),
+            ("packed-1024.parquet", false),
+            ("packed-x-00000.parquet", false),
+            ("bucket-256-00012-1.parquet", false),
+            ("packed-1024-00000.jsonl", false),
+        ] {
+            assert_eq!(is_shard_name(name), shard, "{name}");
+        }
     }
 
     #[test]

@@ -8,7 +8,7 @@ use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
 use super::TrainError;
-use crate::tokens::shards::{Row, read_shard};
+use crate::tokens::shards::{Row, is_shard_name, read_shard};
 
 pub struct TrainData {
     pub rows: Vec<Row>,
@@ -16,18 +16,19 @@ pub struct TrainData {
     pub files: Vec<PathBuf>,
 }
 
-/// The token shards (`*.parquet`) in `dir`, in name order; none is an error.
+/// The token shards in `dir` (the files `kiln prepare` names `packed-*` / `bucket-*.parquet`), in name
+/// order; none is an error.
 pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| TrainError::Data { path: dir.to_path_buf(), message: e.to_string() })?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "parquet"))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(is_shard_name))
         .collect();
     files.sort();
     if files.is_empty() {
         return Err(TrainError::Data {
             path: dir.to_path_buf(),
-            message: "no token shards (*.parquet): run `kiln prepare` first".into(),
+            message: "no token shards (packed-<len>-<k>.parquet): run `kiln prepare` first".into(),
         });
     }
     Ok(files)
