@@ -1366,18 +1366,29 @@ fn score_cmd(args: ScoreArgs) -> Result<()> {
     Ok(())
 }
 
+/// The replay steps the eval options select.
+fn eval_steps(eval: &EvalOptionArgs) -> Result<Vec<kiln::eval::result::ReplayStep>> {
+    let steps = kiln::eval::result::read_replay(&eval.replay).map_err(anyhow::Error::msg)?;
+    kiln::eval::run::select_steps(steps, &eval.options())
+        .map_err(|e| anyhow::anyhow!("eval of {}: {e}", eval.replay.display()))
+}
+
 fn run_eval(
     name: &str,
     checkpoint: &Path,
     eval: &EvalOptionArgs,
     quiet: bool,
 ) -> Result<kiln::eval::result::EvalResult> {
-    let steps = kiln::eval::result::read_replay(&eval.replay).map_err(anyhow::Error::msg)?;
-    let opts = eval.options();
-    let steps = kiln::eval::run::select_steps(steps, &opts)
-        .map_err(|e| anyhow::anyhow!("eval of {}: {e}", eval.replay.display()))?;
-    let result =
-        kiln::eval::run::evaluate_on_device(&eval.device, name, checkpoint, &eval.replay, &steps, &opts, !quiet);
+    let steps = eval_steps(eval)?;
+    let result = kiln::eval::run::evaluate_on_device(
+        &eval.device,
+        name,
+        checkpoint,
+        &eval.replay,
+        &steps,
+        &eval.options(),
+        !quiet,
+    );
     result.map_err(anyhow::Error::msg).with_context(|| format!("evaluating {}", checkpoint.display()))
 }
 
@@ -1405,11 +1416,15 @@ fn eval_cmd(args: EvalArgs, quiet: bool) -> Result<()> {
 
 fn select_cmd(args: SelectArgs, quiet: bool) -> Result<()> {
     let _lock = lock_run(&args.run)?;
+    let expected =
+        kiln::eval::select::Measure::planned(&args.eval.replay, &eval_steps(&args.eval)?, &args.eval.options());
     let selection = kiln::eval::select::select_run(
         &args.run,
         args.base.as_deref(),
-        &mut |c| {
-            eprintln!("evaluating {} ({})", c.name, c.path.display());
+        Some(&expected),
+        &mut |c, why| {
+            let why = why.map(|w| format!(": {w}")).unwrap_or_default();
+            eprintln!("evaluating {} ({}){why}", c.name, c.path.display());
             run_eval(&c.name, &c.path, &args.eval, quiet).map_err(|e| format!("{e:#}"))
         },
         &mut |name, result| eprintln!("  {name}: Score {:.2}", result.aggregate.score),

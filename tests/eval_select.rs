@@ -1,5 +1,6 @@
 //! `kiln eval` of the tiny model on the synthetic replay set writes a complete result JSON, and `kiln select`
-//! evaluates what has no result yet and picks the planted better epoch with the spec's tie-breaks.
+//! evaluates what has no usable result (none, a checkpoint changed since, measured otherwise) and picks the
+//! planted better epoch with the spec's tie-breaks.
 
 mod common;
 
@@ -167,10 +168,51 @@ fn select_evaluates_what_is_missing_and_picks_the_better_epoch() {
 
     // Tied Scores: recall decides.
     std::fs::write(eval_dir.join("epoch-2.json"), planted(&template, "epoch-2", 52.30, 0.60)).unwrap();
-    kiln(&["--quiet", "select", "--run", run.to_str().unwrap(), "--replay", "datasets/samples/replay.jsonl"]);
+    let (r, b) = (run.to_str().unwrap(), base.to_str().unwrap());
+    let select = |max_tokens: &str| {
+        let replay = "datasets/samples/replay.jsonl";
+        kiln(&[
+            "--quiet",
+            "select",
+            "--run",
+            r,
+            "--base",
+            b,
+            "--replay",
+            replay,
+            "--limit",
+            "2",
+            "--max-tokens",
+            max_tokens,
+        ])
+    };
+    let stderr = select("4");
+    assert!(!stderr.contains("evaluating"), "every result is this select's measure: {stderr}");
     let selection: Value = serde_json::from_str(&std::fs::read_to_string(run.join("selection.json")).unwrap()).unwrap();
     assert_eq!(selection["chosen"], "epoch-2");
     assert!(selection["reason"].as_str().unwrap().contains("recall"), "{}", selection["reason"]);
+
+    // A checkpoint written after its result is evaluated again, and only that one.
+    init(&run.join("checkpoints/epoch-2"), "4");
+    let stderr = select("4");
+    assert!(stderr.contains("epoch-2 changed after") && stderr.matches("evaluating").count() == 1, "{stderr}");
+    // Results measured otherwise than this select asks (more new tokens) are evaluated again.
+    let stderr = select("5");
+    assert!(stderr.contains("epoch-1.json was measured otherwise (max_tokens 4 there, 5 now)"), "{stderr}");
+    assert_eq!(stderr.matches("evaluating").count(), 4, "{stderr}");
+    // Where nothing says how they should be measured (the pipeline's select stage), results measured unlike
+    // each other are refused.
+    let mut epoch_1: Value =
+        serde_json::from_str(&std::fs::read_to_string(eval_dir.join("epoch-1.json")).unwrap()).unwrap();
+    epoch_1["sampling"]["max_tokens"] = 6.into();
+    std::fs::write(eval_dir.join("epoch-1.json"), epoch_1.to_string()).unwrap();
+    let err = kiln::eval::select::select_run(&run, Some(&base), None, &mut |_, _| unreachable!(), &mut |_, _| {})
+        .unwrap_err();
+    assert!(
+        err.contains("epoch-1.json and")
+            && err.contains("base.json were measured differently (max_tokens 6 here, 5 there)"),
+        "{err}"
+    );
 }
 
 /// A run with no epoch checkpoint: select fails naming the run, and writes neither a selection nor `best`.

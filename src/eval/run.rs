@@ -255,12 +255,7 @@ pub fn evaluate<B: ModelBackend>(
         gen_time_sec: crate::eval::score::py_round(gen_time, 1),
         avg_sec_per_step: crate::eval::score::py_round(gen_time / steps.len().max(1) as f64, 3),
         scorer: opts.scorer,
-        sampling: json!({
-            "temperature": 0.0, "top_p": 1.0, "max_tokens": opts.max_tokens, "repetition_penalty": 1.0,
-            "thinking_mode": match opts.enable_thinking { None => "auto", Some(true) => "on", Some(false) => "off" },
-            "strip_thinking_history": opts.strip_thinking_history, "dtype": "float32", "backend": "kiln",
-            "batch_size": opts.batch_size, "max_model_len": config.max_position_embeddings(), "skip_special_tokens": true,
-        }),
+        sampling: sampling(opts, config.max_position_embeddings()),
         prompt_template: json!({
             "template_status": template_status,
             "template_status_counts": status,
@@ -280,6 +275,17 @@ pub fn evaluate<B: ModelBackend>(
         }),
         aggregate: aggregate(&rows),
         per_step: rows,
+    })
+}
+
+/// A result's `sampling` record: how its text was generated with `opts` (greedy) from a model of context
+/// `max_model_len`.
+pub fn sampling(opts: &EvalOptions, max_model_len: usize) -> Value {
+    json!({
+        "temperature": 0.0, "top_p": 1.0, "max_tokens": opts.max_tokens, "repetition_penalty": 1.0,
+        "thinking_mode": match opts.enable_thinking { None => "auto", Some(true) => "on", Some(false) => "off" },
+        "strip_thinking_history": opts.strip_thinking_history, "dtype": "float32", "backend": "kiln",
+        "batch_size": opts.batch_size, "max_model_len": max_model_len, "skip_special_tokens": true,
     })
 }
 

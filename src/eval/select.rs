@@ -1,12 +1,95 @@
 //! Choosing the epoch to keep: the base model and every epoch checkpoint of a run are scored on the replay
 //! set (results cached in `eval/<name>.json`), the best epoch by Score wins (ties: recall, then precision,
-//! then valid JSON), and `selection.json` records every candidate, the choice, its margin and why.
+//! then valid JSON), and `selection.json` records every candidate, the choice, its margin and why. Results
+//! are compared only when they were measured alike, and a cached one only stands for the checkpoint as it
+//! was when it was written.
 
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
-use super::result::{Aggregate, EvalResult};
+use super::ScorerVersion;
+use super::result::{Aggregate, EvalResult, ReplayStep};
+use super::run::EvalOptions;
+
+/// How a result was measured: on which replay file and steps, by which scorer, with the decoding settings
+/// that change what is generated (batch size, dtype and backend do not, beyond rounding).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Measure {
+    pub replay: String,
+    pub scorer: ScorerVersion,
+    pub decoding: Vec<(&'static str, Value)>,
+    /// (task, sample, step) of every step scored, sorted.
+    pub steps: Vec<(String, i64, i64)>,
+}
+
+const DECODING: [&str; 6] =
+    ["temperature", "top_p", "repetition_penalty", "max_tokens", "thinking_mode", "strip_thinking_history"];
+
+impl Measure {
+    pub fn of(result: &EvalResult) -> Measure {
+        let steps = result.per_step.iter().map(|r| (r.task_id.clone(), r.sample_idx, r.step_idx)).collect();
+        Measure::new(&result.eval_path, result.scorer, &result.sampling, steps)
+    }
+
+    /// What an eval of `steps` from `replay` with `opts` would record.
+    pub fn planned(replay: &Path, steps: &[ReplayStep], opts: &EvalOptions) -> Measure {
+        let steps = steps.iter().map(|s| (s.task_id.clone(), s.sample_idx, s.step_idx)).collect();
+        Measure::new(&replay.display().to_string(), opts.scorer, &super::run::sampling(opts, 0), steps)
+    }
+
+    fn new(replay: &str, scorer: ScorerVersion, sampling: &Value, mut steps: Vec<(String, i64, i64)>) -> Measure {
+        steps.sort();
+        // The same file named by another path (relative, absolute) is the same replay set.
+        let replay = std::fs::canonicalize(replay).map_or_else(|_| replay.to_string(), |p| p.display().to_string());
+        let decoding = DECODING.iter().map(|&k| (k, sampling.get(k).cloned().unwrap_or(Value::Null))).collect();
+        Measure { replay, scorer, decoding, steps }
+    }
+
+    /// Where `self` departs from `other`, as `max_tokens 4 there, 1024 now` with `labels` ["there", "now"].
+    pub fn differences(&self, other: &Measure, labels: [&str; 2]) -> Vec<String> {
+        let [mine, theirs] = labels;
+        let mut out = Vec::new();
+        let mut differ = |what: &str, a: &dyn std::fmt::Display, b: &dyn std::fmt::Display| {
+            out.push(format!("{what} {a} {mine}, {b} {theirs}"));
+        };
+        if self.replay != other.replay {
+            differ("replay", &self.replay, &other.replay);
+        }
+        if self.scorer != other.scorer {
+            let name = |s: ScorerVersion| serde_json::to_value(s).unwrap_or_default();
+            differ("scorer", &name(self.scorer), &name(other.scorer));
+        }
+        for ((key, a), (_, b)) in self.decoding.iter().zip(&other.decoding) {
+            if a != b {
+                differ(key, a, b);
+            }
+        }
+        if self.steps != other.steps {
+            out.push(format!("{} steps {mine}, {} other ones {theirs}", self.steps.len(), other.steps.len()));
+        }
+        out
+    }
+}
+
+/// The newest modification time of the files in a checkpoint folder (links followed).
+fn changed_at(dir: &Path) -> Option<SystemTime> {
+    std::fs::read_dir(dir).ok()?.flatten().filter_map(|e| std::fs::metadata(e.path()).ok()?.modified().ok()).max()
+}
+
+/// Why the cached result at `path` cannot stand for `candidate` measured as `expected` (None: it can).
+fn unusable(path: &Path, result: &EvalResult, candidate: &Candidate, expected: Option<&Measure>) -> Option<String> {
+    let written = std::fs::metadata(path).and_then(|m| m.modified()).ok();
+    if let (Some(written), Some(changed)) = (written, changed_at(&candidate.path))
+        && changed > written
+    {
+        return Some(format!("{} changed after {} was written", candidate.path.display(), path.display()));
+    }
+    let differences = Measure::of(result).differences(expected?, ["there", "now"]);
+    (!differences.is_empty()).then(|| format!("{} was measured otherwise ({})", path.display(), differences.join("; ")))
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Candidate {
@@ -109,25 +192,55 @@ pub fn choose(results: &[(Candidate, EvalResult)]) -> Result<Selection, String> 
     Ok(Selection { candidates: entries, chosen: best.name.clone(), chosen_path: best.path.clone(), margin, reason })
 }
 
-/// Evaluates every candidate of `run_dir` whose `eval/<name>.json` is missing (with `evaluate`), chooses,
-/// and writes `selection.json` and the `best` link. `report` hears each candidate's name and result.
+/// How `select_run` evaluates a candidate, told why its cached result is not used (None: it has none).
+pub type Evaluate<'a> = dyn FnMut(&Candidate, Option<&str>) -> Result<EvalResult, String> + 'a;
+
+/// Evaluates every candidate of `run_dir` that has no usable `eval/<name>.json` (with `evaluate`, told why a
+/// cached one is not used), chooses, and writes `selection.json` and the `best` link. A cached result is used
+/// when its checkpoint has not changed since and, where `expected` is given, it was measured so; results
+/// measured unlike each other are refused. `report` hears each candidate's name and result.
 pub fn select_run(
     run_dir: &Path,
     base: Option<&Path>,
-    evaluate: &mut dyn FnMut(&Candidate) -> Result<EvalResult, String>,
+    expected: Option<&Measure>,
+    evaluate: &mut Evaluate,
     report: &mut dyn FnMut(&str, &EvalResult),
 ) -> Result<Selection, String> {
-    let mut results = Vec::new();
+    let mut results: Vec<(Candidate, EvalResult)> = Vec::new();
+    let mut first: Option<(PathBuf, Measure)> = None;
     for c in candidates(run_dir, base) {
         let path = run_dir.join("eval").join(format!("{}.json", c.name));
-        let result: EvalResult = if path.is_file() {
+        let cached: Option<EvalResult> = if path.is_file() {
             let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-            serde_json::from_str(&text).map_err(|e| format!("{} is not an eval result: {e}", path.display()))?
+            Some(serde_json::from_str(&text).map_err(|e| format!("{} is not an eval result: {e}", path.display()))?)
         } else {
-            let r = evaluate(&c)?;
-            write_json(&path, &r)?;
-            r
+            None
         };
+        let why = cached.as_ref().and_then(|r| unusable(&path, r, &c, expected));
+        let result = match cached {
+            Some(r) if why.is_none() => r,
+            _ => {
+                let r = evaluate(&c, why.as_deref())?;
+                write_json(&path, &r)?;
+                r
+            }
+        };
+        let measure = Measure::of(&result);
+        match &first {
+            None => first = Some((path.clone(), measure)),
+            Some((first_path, first_measure)) => {
+                let differences = measure.differences(first_measure, ["here", "there"]);
+                if !differences.is_empty() {
+                    return Err(format!(
+                        "{} and {} were measured differently ({}): their Scores do not compare; evaluate them \
+                         alike (kiln select evaluates again what its options differ from; kiln sft --from eval)",
+                        path.display(),
+                        first_path.display(),
+                        differences.join("; ")
+                    ));
+                }
+            }
+        }
         report(&c.name, &result);
         results.push((c, result));
     }

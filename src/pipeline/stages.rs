@@ -497,7 +497,13 @@ fn select(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let selection = crate::eval::select::select_run(
         ctx.run_dir,
         Some(&base),
-        &mut |c| Err(format!("{} has no eval/{}.json: run the eval stage", c.path.display(), c.name)),
+        None,
+        &mut |c, why| {
+            Err(why.map_or_else(
+                || format!("{} has no eval/{}.json: run the eval stage", c.path.display(), c.name),
+                |why| format!("{why}: run the eval stage again (--from eval)"),
+            ))
+        },
         &mut |_, _| {},
     )
     .map_err(|e| fail(Stage::Select)(&e))?;
