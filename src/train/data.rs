@@ -35,7 +35,7 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
 }
 
 impl TrainData {
-    /// Loads every `*.parquet` shard of `dir` (rows of one length: packed shards).
+    /// Loads every shard of `dir` (`shard_files`; rows of one length: packed shards).
     pub fn load(dir: &Path) -> Result<Self, TrainError> {
         let files = shard_files(dir)?;
         let mut rows = Vec::new();
