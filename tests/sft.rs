@@ -325,6 +325,16 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     drop(lock);
     let (ok, stderr) = sft(&pipeline, &configs, &[]);
     assert!(ok && stderr.contains("0 stages run, 8 skipped"), "released, the run goes on: {stderr}");
+
+    // `--from train` trains again (resuming the finished training would take no step), to the same end.
+    let trained = json(&run.join("train/summary.json"));
+    let (ok, stderr) = sft(&pipeline, &configs, &["--from", "train", "--until", "train"]);
+    assert!(
+        ok && stderr.contains("--from train: the training starts over") && !stderr.contains("resuming"),
+        "{stderr}"
+    );
+    let again = json(&run.join("train/summary.json"));
+    assert_eq!((&again["steps"], &again["final_loss"]), (&trained["steps"], &trained["final_loss"]));
 }
 
 #[test]

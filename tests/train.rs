@@ -411,6 +411,16 @@ fn a_run_resumes_with_activation_checkpointing_switched_on() {
     }
     let summary = go(&checkpointed, "resumed", true, None).unwrap();
     assert!(!summary.interrupted && summary.epochs_done == 2);
+    // Resumed once more at its end, the run takes no step and its summary stays the run's: the final loss its
+    // metrics end with, and the seconds of every invocation.
+    let position: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(resumed.join("train/state/position.json")).unwrap()).unwrap();
+    let again = go(&checkpointed, "resumed", true, None).unwrap();
+    assert_eq!(again.steps, summary.steps);
+    // Read back from metrics.jsonl: serde_json's default float parsing may land one ulp off.
+    let (a, b) = (again.final_loss.unwrap(), summary.final_loss.unwrap());
+    assert!((a - b).abs() <= 1e-15 * b.abs(), "final loss {a}, {b} before");
+    assert!(again.seconds > position["seconds"].as_f64().unwrap() && again.seconds > 0.0, "{}", again.seconds);
     let load = |run: &str| {
         let epoch = dir.path().join(run).join("checkpoints/epoch-2");
         hf_tensors(&kiln::models::load_model::<Cpu>(&epoch, &Default::default()).unwrap().1)

@@ -341,8 +341,15 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let cfg = &ctx.config.train;
     let base = require_base(ctx, Stage::Train)?;
     let data_dir = ctx.run_dir.join("data");
+    // `--from` at or before train asks for the training again, not for a resume of it (which, for a finished
+    // one, would be nothing).
+    let forced = ctx.req.from.filter(|&from| from <= Stage::Train);
     let resume = match crate::train::state::saved_state(ctx.run_dir) {
         None => false,
+        Some(_) if forced.is_some() => {
+            eprintln!("  --from {}: the training starts over", forced.map_or("", Stage::name));
+            false
+        }
         Some(saved) => {
             let shards = crate::train::data::shard_files(&data_dir).map_err(PipelineError::Train)?;
             let source = TrainSource::of(&base, &shards).map_err(PipelineError::Train)?;

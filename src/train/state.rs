@@ -168,6 +168,10 @@ pub(super) struct Position {
     /// None in states written before it was recorded: those resume unchecked.
     #[serde(default)]
     pub source: Option<TrainSource>,
+    /// Wall seconds the training took up to this state, over every invocation, so that a resumed run's
+    /// summary counts them all.
+    #[serde(default)]
+    pub seconds: f64,
 }
 
 pub(super) fn param_names<B: burn::tensor::backend::Backend>(model: &CausalLm<B>) -> HashMap<ParamId, String> {
@@ -183,8 +187,10 @@ pub(super) fn write_state<B: AutodiffBackend>(
     model: &CausalLm<B>,
     opt: &AdamW<B::InnerBackend>,
     position: &Position,
+    seconds: f64,
     source_dir: &Path,
 ) -> Result<(), TrainError> {
+    let position = Position { seconds, ..position.clone() };
     let tmp = dir.with_extension("partial");
     let _ = std::fs::remove_dir_all(&tmp);
     model.export(source_dir, &tmp, ExportDtype::F32, usize::MAX)?;
@@ -200,7 +206,7 @@ pub(super) fn write_state<B: AutodiffBackend>(
         .collect();
     let moments = moments.into_iter().collect();
     write_safetensors(&moments, &codes, &tmp.join("optimizer"), ExportDtype::F32, &|_| false, usize::MAX)?;
-    let text = serde_json::to_string_pretty(position).unwrap_or_default() + "\n";
+    let text = serde_json::to_string_pretty(&position).unwrap_or_default() + "\n";
     let state_err = |e: std::io::Error| TrainError::State { path: tmp.clone(), message: e.to_string() };
     std::fs::write(tmp.join("position.json"), text).map_err(state_err)?;
     // The last complete state is renamed aside, not removed, until the new one is in place.

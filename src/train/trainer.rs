@@ -485,6 +485,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             optimizer_steps: 0,
             config: cfg.clone(),
             source: Some(source),
+            seconds: 0.0,
         };
         (position, model_dir.to_path_buf())
     };
@@ -535,14 +536,19 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     let mut last_loss = None;
     let mut peak = PeakMemory::default();
     // The summary of a run that ends here (finished or interrupted), written to `train/summary.json`.
-    let finish = |position: &Position, final_loss, checkpoints, interrupted| {
+    // This invocation's time on top of what the state had taken.
+    let seconds_before = position.seconds;
+    let elapsed = || seconds_before + started.elapsed().as_secs_f64();
+    // A resumed run that takes no step (it was stopped at its end) ends with the loss its metrics end with.
+    let finish = |position: &Position, final_loss: Option<f64>, checkpoints, interrupted| {
+        let final_loss = final_loss.or_else(|| read_metrics(&metrics_path).ok()?.last().map(|m| m.loss));
         let summary = TrainSummary {
             steps: position.global_step,
             epochs_done: position.epoch,
             final_loss,
             checkpoints,
             interrupted,
-            seconds: started.elapsed().as_secs_f64(),
+            seconds: elapsed(),
             precision: cfg.precision,
             state_memory,
         };
@@ -553,7 +559,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         let order = data.order(cfg.seed, position.epoch);
         while position.step_in_epoch < steps_per_epoch {
             if stop.load(Ordering::SeqCst) || halt_after.is_some_and(|n| position.global_step >= n) {
-                write_state(&state_dir, &model, &opt, &position, model_dir)?;
+                write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;
                 bar.abandon_with_message("interrupted: state saved, continue with --resume");
                 return Ok((finish(&position, last_loss, checkpoints, true)?, model));
             }
@@ -622,7 +628,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             position.optimizer_steps = opt.steps;
             bar.inc(1);
             if cfg.save_every.is_some_and(|n| n > 0 && position.global_step % n == 0) {
-                write_state(&state_dir, &model, &opt, &position, model_dir)?;
+                write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;
             }
         }
         position.epoch += 1;
@@ -630,7 +636,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         let out = run_dir.join("checkpoints").join(format!("epoch-{}", position.epoch));
         model.export(model_dir, &out, cfg.export_dtype, crate::models::hf::SHARD_BYTES)?;
         checkpoints.push(out);
-        write_state(&state_dir, &model, &opt, &position, model_dir)?;
+        write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;
     }
     bar.finish_and_clear();
     Ok((finish(&position, last_loss, checkpoints, false)?, model))
