@@ -344,13 +344,13 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     // `--from` at or before train asks for the training again, not for a resume of it (which, for a finished
     // one, would be nothing).
     let forced = ctx.req.from.filter(|&from| from <= Stage::Train);
-    let resume = match crate::train::state::saved_state(ctx.run_dir) {
-        None => false,
-        Some(_) if forced.is_some() => {
-            eprintln!("  --from {}: the training starts over", forced.map_or("", Stage::name));
+    let resume = match (crate::train::state::saved_state(ctx.run_dir), forced) {
+        (None, _) => false,
+        (Some(_), Some(from)) => {
+            eprintln!("  --from {}: the training starts over", from.name());
             false
         }
-        Some(saved) => {
+        (Some(saved), None) => {
             let shards = crate::train::data::shard_files(&data_dir).map_err(PipelineError::Train)?;
             let source = TrainSource::of(&base, &shards).map_err(PipelineError::Train)?;
             match saved.refusal(&cfg.for_device(ctx.device), &source) {
