@@ -3,10 +3,14 @@
 # installed) and checks that the CUDA build still compiles.
 
 MODEL ?= tiny
-EPOCHS ?= 2
+# Epochs: the model config's, else the pipeline's (pipelines/sft.toml: 2) unless given.
+EPOCHS ?=
 RUN ?= $(MODEL)
+# Model-config keys for this run, space-separated KEY=VALUE (kiln sft --set): SET="train.lr=1e-5 data.seq_len=4096".
+SET ?=
 CARGO ?= cargo
 KILN := target/release/kiln
+SFT = $(KILN) sft --model $(MODEL) --run $(RUN)$(if $(EPOCHS), --epochs $(EPOCHS))$(if $(SET), $(foreach s,$(SET),--set '$(s)'))
 
 # Build with burn's CUDA backend where a GPU driver or toolkit is present, else CPU only.
 ifneq ($(shell command -v nvcc 2>/dev/null || ls /usr/lib/x86_64-linux-gnu/libcuda.so* 2>/dev/null | head -n1),)
@@ -25,15 +29,15 @@ build:
 # default) needs no network and no GPU; a GPU-sized MODEL stops at once on a machine without one.
 sft: build
 	@test -f $(SAMPLES)/terminal.parquet || $(KILN) synth --out $(SAMPLES)
-	$(KILN) sft --model $(MODEL) --epochs $(EPOCHS) --run $(RUN)
+	$(SFT)
 
 # The dataset inspection report of a prepared run (runs/$(RUN)/report/index.html).
 inspect: build
-	$(KILN) sft --model $(MODEL) --epochs $(EPOCHS) --run $(RUN) --until inspect
+	$(SFT) --until inspect
 
 # Evaluate and select (everything before them runs first if it has not).
 eval: build
-	$(KILN) sft --model $(MODEL) --epochs $(EPOCHS) --run $(RUN) --until select
+	$(SFT) --until select
 
 # The model card of a run (runs/$(RUN)/README.md).
 card: build

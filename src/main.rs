@@ -82,7 +82,12 @@ struct SftArgs {
     /// A model name in configs/models/ (or a path to a model config TOML).
     #[arg(long, default_value = "tiny")]
     model: String,
-    /// Epochs (default: the pipeline's, 2).
+    /// Set a key of the model config for this run, as a TOML value or else a string: `train.lr=1e-5`,
+    /// `train.adamw.moments=bf16`, `data.seq_len=4096`, `eval.max_tokens=512` (repeatable, applied in order;
+    /// the flags below must agree with it).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<kiln::pipeline::ConfigOverride>,
+    /// Epochs (default: the model config's, else the pipeline's, 2).
     #[arg(long)]
     epochs: Option<usize>,
     /// Dataset recipes instead of the model config's mix (comma-separated).
@@ -733,8 +738,12 @@ fn stop_on_ctrl_c() -> std::sync::Arc<kiln::train::StopRequest> {
 }
 
 /// This invocation as the user typed it (the card's reproduce line, the run lock's holder).
+/// This invocation as a shell would take it again (the card's reproduce command), each argument quoted where
+/// it needs it (`--set 'data.recipes=["terminal"]'`).
 fn command_line() -> String {
-    std::iter::once("kiln".to_string()).chain(std::env::args().skip(1)).collect::<Vec<_>>().join(" ")
+    let args: Vec<String> = std::iter::once("kiln".to_string()).chain(std::env::args().skip(1)).collect();
+    // Quoting fails only on a NUL byte, which no argument can hold.
+    shlex::try_join(args.iter().map(String::as_str)).unwrap_or_else(|_| args.join(" "))
 }
 
 /// The lock of an existing run folder, for the commands that write into one made by `kiln sft` (a folder
@@ -750,6 +759,7 @@ fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
     let command = command_line();
     let req = kiln::pipeline::SftRequest {
         model: args.model,
+        overrides: args.set,
         epochs: args.epochs,
         data: args.data,
         replay: args.replay,

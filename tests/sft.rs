@@ -335,6 +335,19 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     );
     let again = json(&run.join("train/summary.json"));
     assert_eq!((&again["steps"], &again["final_loss"]), (&trained["steps"], &trained["final_loss"]));
+
+    // A `--set` reruns the stage it changes and what follows, and shows in the effective config and in the
+    // card's reproduce command, quoted for a shell (a TOML string literal: the same scorer, nothing rerun for it).
+    let (ok, stderr) = sft(&pipeline, &configs, &["--set", "eval.limit=1", "--set", "eval.scorer=\"v2\""]);
+    assert!(ok && stderr.contains("3 stages run, 5 skipped"), "{stderr}");
+    assert_eq!(json(&run.join("eval/epoch-2.json"))["aggregate"]["steps"], 1);
+    let effective = json(&run.join("sft.json"));
+    assert_eq!(
+        (&effective["config"]["eval"]["limit"], &effective["config"]["eval"]["scorer"]),
+        (&1.into(), &"v2".into())
+    );
+    let md = std::fs::read_to_string(run.join("README.md")).unwrap();
+    assert!(md.contains("--set eval.limit=1 --set 'eval.scorer=\"v2\"'"), "the reproduce command:\n{md}");
 }
 
 #[test]
@@ -366,10 +379,15 @@ fn unknown_models_missing_gpus_and_flags_that_make_no_run_fail_at_once() {
         assert!(!ok && stderr.contains("model 'tiny' with the flags given") && stderr.contains(expected), "{stderr}");
         assert!(!dir.path().join("runs/zero").exists());
     }
-    // So do a stage order that runs nothing, an unknown recipe and a replay set that is not there (found
-    // before the pull, not after the training).
+    // So do a stage order that runs nothing, an unknown recipe, a replay set that is not there (found before
+    // the pull, not after the training), and a `--set` the model config cannot take or a flag contradicts.
     for (flags, expected) in [
         (&["--from", "card", "--until", "pull"][..], "--from card comes after --until pull"),
+        (&["--set", "train.lrr=1e-5"], "--set train.lrr=1e-5 (over configs/models/tiny.toml): unknown field `lrr`"),
+        (&["--set", "data.seq_len=1"], "--set data.seq_len=1 (over configs/models/tiny.toml): [data] seq_len is 1"),
+        (&["--set", "train.lr=fast"], "invalid type: string \"fast\", expected f64"),
+        (&["--set", "train.lr"], "'train.lr' is not KEY=VALUE"),
+        (&["--set", "train.epochs=3", "--epochs", "1"], "--epochs 1 and --set train.epochs=3 disagree"),
         (&["--data", "terminal-synth,nosuch"], "no such recipe 'nosuch'"),
         (&["--replay", "nosuch.jsonl"], "stage eval: nosuch.jsonl: No such file"),
     ] {

@@ -167,23 +167,40 @@ const ARCHITECTURES: &[&str] = &["lfm2", "lfm2_moe", "qwen3_5", "gemma4"];
 impl ModelConfig {
     /// `name` in `configs_dir` (`<name>.toml`), or a path to a TOML file.
     pub fn find(name: &str, configs_dir: &Path) -> Result<ModelConfig, PipelineError> {
-        let direct = Path::new(name);
-        let path = if direct.extension().is_some_and(|e| e == "toml") && direct.is_file() {
-            direct.to_path_buf()
-        } else {
-            configs_dir.join(format!("{name}.toml"))
-        };
-        if !path.is_file() {
-            return Err(PipelineError::UnknownModel {
-                name: name.to_string(),
-                dir: configs_dir.to_path_buf(),
-                known: known_models(configs_dir).join(", "),
-            });
-        }
+        Self::find_with(name, configs_dir, &[], &[])
+    }
+
+    /// As `find`, with `defaults` set where the file leaves their keys out (the pipeline's epochs), then each
+    /// of `overrides` (`kiln sft --set`) in order. An override that makes the config unreadable or invalid is
+    /// named in the error.
+    pub fn find_with(
+        name: &str,
+        configs_dir: &Path,
+        defaults: &[ConfigOverride],
+        overrides: &[ConfigOverride],
+    ) -> Result<ModelConfig, PipelineError> {
+        let path = config_path(name, configs_dir)?;
         let text = std::fs::read_to_string(&path).map_err(|e| PipelineError::io(&path, e))?;
-        let config: ModelConfig =
-            toml::from_str(&text).map_err(|e| PipelineError::Config { path: path.clone(), message: e.to_string() })?;
-        config.validate().map_err(|message| PipelineError::Config { path, message })?;
+        let file_error = |message: String| PipelineError::Config { path: path.clone(), message };
+        // Read from the text first for a syntax or schema error that points at the file's line.
+        toml::from_str::<ModelConfig>(&text).map_err(|e| file_error(e.to_string()))?;
+        let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| file_error(e.to_string()))?;
+        for default in defaults {
+            default.apply(&mut table, false).map_err(&file_error)?;
+        }
+        let mut config = Self::from_table(&table).map_err(&file_error)?;
+        for o in overrides {
+            config = o
+                .apply(&mut table, true)
+                .and_then(|()| Self::from_table(&table))
+                .map_err(|message| PipelineError::Override { setting: o.text.clone(), path: path.clone(), message })?;
+        }
+        Ok(config)
+    }
+
+    fn from_table(table: &toml::Table) -> Result<ModelConfig, String> {
+        let config: ModelConfig = table.clone().try_into().map_err(|e: toml::de::Error| e.message().to_string())?;
+        config.validate()?;
         Ok(config)
     }
 
@@ -233,6 +250,83 @@ pub fn known_models(configs_dir: &Path) -> Vec<String> {
         .collect();
     names.sort();
     names
+}
+
+/// The file of model `name`: `<configs_dir>/<name>.toml`, or `name` itself when it is a TOML file.
+fn config_path(name: &str, configs_dir: &Path) -> Result<PathBuf, PipelineError> {
+    let direct = Path::new(name);
+    let path = if direct.extension().is_some_and(|e| e == "toml") && direct.is_file() {
+        direct.to_path_buf()
+    } else {
+        configs_dir.join(format!("{name}.toml"))
+    };
+    if !path.is_file() {
+        return Err(PipelineError::UnknownModel {
+            name: name.to_string(),
+            dir: configs_dir.to_path_buf(),
+            known: known_models(configs_dir).join(", "),
+        });
+    }
+    Ok(path)
+}
+
+/// One `kiln sft --set KEY=VALUE`: a dotted key into the model config (`train.lr`, `train.adamw.moments`,
+/// `data.weights.terminal`, `eval.max_tokens`) and its value, a TOML literal (`2e-5`, `true`, `["a", "b"]`,
+/// `"text"`) or else the text as a string (`linear`, `bf16`, a path), so a shell needs no extra quotes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigOverride {
+    path: Vec<String>,
+    value: toml::Value,
+    /// As given, for messages.
+    pub text: String,
+}
+
+impl std::str::FromStr for ConfigOverride {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let (key, raw) =
+            text.split_once('=').ok_or_else(|| format!("'{text}' is not KEY=VALUE (for example train.lr=1e-5)"))?;
+        let key = key.trim();
+        let path: Vec<String> = key.split('.').map(str::to_string).collect();
+        let is_key_part =
+            |p: &String| !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || "_-".contains(c));
+        if !path.iter().all(is_key_part) {
+            return Err(format!("'{key}' is not a dotted config key (for example train.lr or train.adamw.moments)"));
+        }
+        Ok(ConfigOverride { path, value: toml_literal(raw.trim()), text: text.to_string() })
+    }
+}
+
+impl ConfigOverride {
+    /// The dotted key.
+    pub fn key(&self) -> String {
+        self.path.join(".")
+    }
+
+    /// Sets the value in `table`, making the tables on its way; over a value already there only when
+    /// `replace`.
+    fn apply(&self, table: &mut toml::Table, replace: bool) -> Result<(), String> {
+        let (last, parents) = self.path.split_last().ok_or("an empty key")?;
+        let mut at = table;
+        for (i, part) in parents.iter().enumerate() {
+            let next = at.entry(part.clone()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            at = next.as_table_mut().ok_or_else(|| format!("{} is not a table", self.path[..=i].join(".")))?;
+        }
+        if replace || !at.contains_key(last) {
+            at.insert(last.clone(), self.value.clone());
+        }
+        Ok(())
+    }
+}
+
+/// `raw` as a TOML value where it is one, else as a string. A date or time stays the string it was typed as:
+/// no config key takes TOML's date type (`data.template_date` is text).
+fn toml_literal(raw: &str) -> toml::Value {
+    match format!("value = {raw}").parse::<toml::Table>().map(|mut t| t.remove("value")) {
+        Ok(Some(toml::Value::Datetime(_))) | Ok(None) | Err(_) => toml::Value::String(raw.to_string()),
+        Ok(Some(value)) => value,
+    }
 }
 
 /// `pipelines/<name>.toml`.
@@ -307,6 +401,107 @@ mod tests {
             std::fs::write(dir.path().join(format!("{name}.toml")), shipped.replace(from, to)).unwrap();
             let err = ModelConfig::find(name, dir.path()).unwrap_err().to_string();
             assert!(err.contains(&format!("{name}.toml")) && err.contains(expected), "{err}");
+        }
+    }
+
+    fn set(text: &str) -> ConfigOverride {
+        text.parse().unwrap_or_else(|e| panic!("{text}: {e}"))
+    }
+
+    /// `--set` values are TOML literals where they are one and strings otherwise; a date stays the text typed.
+    #[test]
+    fn a_setting_reads_its_value_as_toml_or_else_as_text() {
+        for (text, value) in [
+            ("train.lr=1e-5", toml::Value::Float(1e-5)),
+            ("train.global_batch=64", toml::Value::Integer(64)),
+            ("train.activation_checkpointing=true", toml::Value::Boolean(true)),
+            ("train.decay=linear", toml::Value::String("linear".into())),
+            ("train.decay=\"linear\"", toml::Value::String("linear".into())),
+            ("data.template_date=2026-03-01", toml::Value::String("2026-03-01".into())),
+            ("eval.replay=../shared/data/tb2lite/replay_full.jsonl", "../shared/data/tb2lite/replay_full.jsonl".into()),
+            (
+                "data.recipes=[\"terminal\", \"toolbench\"]",
+                toml::Value::Array(vec!["terminal".into(), "toolbench".into()]),
+            ),
+            ("template.vars.note=a=b", toml::Value::String("a=b".into())),
+            ("eval.limit=", toml::Value::String(String::new())),
+        ] {
+            assert_eq!(set(text).value, value, "{text}");
+        }
+        assert_eq!(set(" train.adamw.beta2 = 0.95").key(), "train.adamw.beta2");
+        for (bad, expected) in [
+            ("train.lr", "is not KEY=VALUE"),
+            ("=1", "'' is not a dotted config key"),
+            ("train..lr=1", "'train..lr' is not a dotted config key"),
+            ("train lr=1", "'train lr' is not a dotted config key"),
+        ] {
+            let err = bad.parse::<ConfigOverride>().unwrap_err();
+            assert!(err.contains(expected), "{bad}: {err}");
+        }
+    }
+
+    /// Settings reach every part of the config (nested tables made on the way, maps keyed by recipe); the
+    /// pipeline's epochs fill in only where the file names none; a setting the config cannot take is refused
+    /// naming it and the file.
+    #[test]
+    fn settings_override_the_model_config_and_bad_ones_are_named() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models");
+        let epochs = [set("train.epochs=2")];
+        let shipped = ModelConfig::find_with("tiny", &dir, &epochs, &[]).unwrap();
+        assert_eq!(
+            shipped,
+            ModelConfig {
+                train: TrainConfig { epochs: 2, ..shipped.train.clone() },
+                ..ModelConfig::find("tiny", &dir).unwrap()
+            }
+        );
+        let overrides = [
+            "train.lr=1e-3",
+            "train.decay=linear",
+            "train.adamw.moments=bf16",
+            "train.adamw.beta2=0.95",
+            "data.seq_len=512",
+            "data.weights.terminal-synth=0.1",
+            "eval.limit=5",
+            "template.vars.enable_thinking=false",
+            "train.lr=2e-3",
+        ]
+        .map(set);
+        let c = ModelConfig::find_with("tiny", &dir, &epochs, &overrides).unwrap();
+        assert_eq!(
+            (c.train.lr, c.train.decay, c.train.adamw.beta2),
+            (2e-3, crate::train::schedule::Decay::Linear, 0.95)
+        );
+        assert_eq!(c.train.adamw.moments, crate::train::optim::MomentDtype::Bf16);
+        assert_eq!((c.data.seq_len, c.data.weights["terminal-synth"], c.eval.limit), (512, 0.1, Some(5)));
+        assert_eq!(c.template.vars["enable_thinking"], serde_json::Value::Bool(false));
+        assert_eq!((c.train.epochs, c.train.global_batch), (2, shipped.train.global_batch));
+        // A `[train] epochs` in the file wins over the pipeline's default; a setting wins over both.
+        let tmp = tempfile::tempdir().unwrap();
+        let text =
+            std::fs::read_to_string(dir.join("tiny.toml")).unwrap().replace("[train]\n", "[train]\nepochs = 3\n");
+        std::fs::write(tmp.path().join("three.toml"), text).unwrap();
+        assert_eq!(ModelConfig::find_with("three", tmp.path(), &epochs, &[]).unwrap().train.epochs, 3);
+        assert_eq!(
+            ModelConfig::find_with("three", tmp.path(), &epochs, &[set("train.epochs=1")]).unwrap().train.epochs,
+            1
+        );
+
+        for (bad, expected) in [
+            ("train.lrr=1e-5", "unknown field `lrr`"),
+            ("train.lr=fast", "invalid type: string \"fast\""),
+            ("train.lr=0", "train.lr is 0"),
+            ("data.seq_len=1", "[data] seq_len is 1"),
+            ("data.weights.nosuch=1.0", "weights names 'nosuch'"),
+            ("train.lr.peak=1", "train.lr is not a table"),
+            ("eval.max_tokens=0", "[eval] max_tokens is 0"),
+        ] {
+            let err = ModelConfig::find_with("tiny", &dir, &epochs, &[set("train.lr=1e-3"), set(bad)]).unwrap_err();
+            let err = err.to_string();
+            assert!(
+                err.starts_with(&format!("--set {bad} (over ")) && err.contains("tiny.toml") && err.contains(expected),
+                "{bad}: {err}"
+            );
         }
     }
 }

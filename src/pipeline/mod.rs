@@ -13,7 +13,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-pub use config::{ModelConfig, PipelineDef, known_models};
+pub use config::{ConfigOverride, ModelConfig, PipelineDef, known_models};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -63,6 +63,9 @@ pub enum PipelineError {
     UnknownModel { name: String, dir: PathBuf, known: String },
     #[error("{path}: {message}")]
     Config { path: PathBuf, message: String },
+    /// A `--set` that the model config `path` cannot take.
+    #[error("--set {setting} (over {path}): {message}")]
+    Override { setting: String, path: PathBuf, message: String },
     /// A setting the command's flags gave (or left) that the model config's own check would refuse.
     #[error("model '{model}' with the flags given: {message}")]
     Flags { model: String, message: String },
@@ -153,6 +156,8 @@ pub struct StageOutcome {
 #[derive(Debug, Clone)]
 pub struct SftRequest {
     pub model: String,
+    /// Model-config keys set for this run (`--set train.lr=1e-5`), applied in order before the flags below.
+    pub overrides: Vec<ConfigOverride>,
     pub epochs: Option<usize>,
     pub data: Option<Vec<String>>,
     pub replay: Option<PathBuf>,
@@ -201,16 +206,37 @@ pub fn resolve_device(requested: &str) -> String {
     }
 }
 
+/// A flag (`--epochs`) and a `--set` of its key that disagree are refused: neither may silently lose.
+fn check_flag_agrees(
+    overrides: &[ConfigOverride],
+    key: &str,
+    flag: Option<usize>,
+    from_config: usize,
+) -> Result<(), String> {
+    match (flag, overrides.iter().rfind(|o| o.key() == key)) {
+        (Some(value), Some(set)) if value != from_config => {
+            let name = key.rsplit('.').next().unwrap_or(key);
+            Err(format!("--{name} {value} and --set {} disagree: give one of them", set.text))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Runs the pipeline for `req`; a Ctrl-C that `stop` defers to the training saves its state and stops the run.
 pub fn run_sft(req: &SftRequest, stop: &crate::train::StopRequest) -> Result<SftSummary, PipelineError> {
     let started = Instant::now();
     let def = PipelineDef::load(&req.pipeline)?;
-    let mut config = ModelConfig::find(&req.model, &req.configs_dir)?;
-    config.train.epochs = req.epochs.unwrap_or(def.defaults.epochs);
+    // The pipeline's epochs where the model config names none; `--set`, then the flags, over both.
+    let default_epochs: ConfigOverride = format!("train.epochs={}", def.defaults.epochs)
+        .parse()
+        .map_err(|message| PipelineError::Config { path: req.pipeline.clone(), message })?;
+    let mut config = ModelConfig::find_with(&req.model, &req.configs_dir, &[default_epochs], &req.overrides)?;
+    let flags = |message: String| PipelineError::Flags { model: req.model.clone(), message };
+    check_flag_agrees(&req.overrides, "train.epochs", req.epochs, config.train.epochs).map_err(flags)?;
+    check_flag_agrees(&req.overrides, "train.devices", req.devices, config.train.devices).map_err(flags)?;
+    config.train.epochs = req.epochs.unwrap_or(config.train.epochs);
+    config.train.devices = req.devices.unwrap_or(config.train.devices);
     config.train.activation_checkpointing |= req.activation_checkpointing;
-    if let Some(devices) = req.devices {
-        config.train.devices = devices;
-    }
     if let Some(data) = &req.data {
         config.data.recipes = data.clone();
         config.data.weights.retain(|k, _| data.contains(k));
@@ -219,7 +245,7 @@ pub fn run_sft(req: &SftRequest, stop: &crate::train::StopRequest) -> Result<Sft
         config.eval.replay = replay.clone();
     }
     // The flags above may have set what the config file's check passed.
-    config.train.check().map_err(|message| PipelineError::Flags { model: req.model.clone(), message })?;
+    config.train.check().map_err(flags)?;
     let device = resolve_device(&req.device);
     if config.model.gpu && device != "cuda" {
         let why = if !cfg!(feature = "cuda") {
