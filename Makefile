@@ -8,9 +8,11 @@ EPOCHS ?=
 RUN ?= $(MODEL)
 # Model-config keys for this run, space-separated KEY=VALUE (kiln sft --set): SET="train.lr=1e-5 data.seq_len=4096".
 SET ?=
+# A checkpoint folder to fine-tune instead of MODEL's own model (kiln sft --base): BASE=runs/tiny/best RUN=tiny-2.
+BASE ?=
 CARGO ?= cargo
 KILN := target/release/kiln
-SFT = $(KILN) sft --model $(MODEL) --run $(RUN)$(if $(EPOCHS), --epochs $(EPOCHS))$(if $(SET), $(foreach s,$(SET),--set '$(s)'))
+SFT = $(KILN) sft --model $(MODEL) --run $(RUN)$(if $(EPOCHS), --epochs $(EPOCHS))$(if $(BASE), --base '$(BASE)')$(if $(SET), $(foreach s,$(SET),--set '$(s)'))
 
 # Build with burn's CUDA backend where a GPU driver or toolkit is present, else CPU only.
 ifneq ($(shell command -v nvcc 2>/dev/null || ls /usr/lib/x86_64-linux-gnu/libcuda.so* 2>/dev/null | head -n1),)

@@ -87,6 +87,10 @@ struct SftArgs {
     /// the flags below must agree with it).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<kiln::pipeline::ConfigOverride>,
+    /// Fine-tune this checkpoint folder (an earlier run's best/, say) instead of the model config's model; the
+    /// config's template, data, training and eval settings still apply.
+    #[arg(long, value_name = "DIR")]
+    base: Option<PathBuf>,
     /// Epochs (default: the model config's, else the pipeline's, 2).
     #[arg(long)]
     epochs: Option<usize>,
@@ -760,6 +764,7 @@ fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
     let req = kiln::pipeline::SftRequest {
         model: args.model,
         overrides: args.set,
+        base: args.base,
         epochs: args.epochs,
         data: args.data,
         replay: args.replay,

@@ -348,6 +348,36 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     );
     let md = std::fs::read_to_string(run.join("README.md")).unwrap();
     assert!(md.contains("--set eval.limit=1 --set 'eval.scorer=\"v2\"'"), "the reproduce command:\n{md}");
+
+    // A second stage from the first one's selected checkpoint (`--base`), read in place: its base row is the
+    // checkpoint's own eval under the same settings, and the card names the checkpoint.
+    let best = run.join("best");
+    let b = best.to_str().unwrap();
+    let (ok, stderr) =
+        sft(&pipeline, &configs, &["--base", b, "--run", "fast-2", "--epochs", "1", "--set", "eval.limit=1"]);
+    assert!(ok && stderr.contains(&format!("checkpoint {b}")), "{stderr}");
+    let second = dir.path().join("runs/fast-2");
+    let chosen = json(&run.join("selection.json"))["chosen"].as_str().unwrap().to_string();
+    let evaluated = json(&run.join("eval").join(format!("{chosen}.json")));
+    assert_eq!(json(&second.join("eval/base.json"))["aggregate"], evaluated["aggregate"]);
+    assert!(!second.join("base").exists() && second.join("checkpoints/epoch-1/model.safetensors").is_file());
+    let md = std::fs::read_to_string(second.join("README.md")).unwrap();
+    assert!(md.contains(&format!("Full fine-tune of the checkpoint `{b}`")), "{md}");
+    // A checkpoint inside the run folder it would rewrite is refused, and left as it was.
+    let weights = std::fs::read(best.join("model.safetensors")).unwrap();
+    let (ok, stderr) = sft(&pipeline, &configs, &["--base", b, "--from", "train"]);
+    assert!(!ok && stderr.contains("lies in the run folder") && !stderr.contains("running"), "{stderr}");
+    assert_eq!(std::fs::read(best.join("model.safetensors")).unwrap(), weights);
+    // So is one of another architecture than the model config's, before anything runs.
+    let p = pipeline.to_str().unwrap();
+    let args = ["sft", "--model", "tiny-qwen3.5", "--pipeline", p, "--base", b, "--run", "q", "--device", "cpu"];
+    let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
+    assert!(
+        !ok && stderr
+            .contains("is a lfm2 checkpoint (model_type lfm2), but the model config 'tiny-qwen3.5' is for qwen3_5"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("runs/q").exists());
 }
 
 #[test]
@@ -388,6 +418,7 @@ fn unknown_models_missing_gpus_and_flags_that_make_no_run_fail_at_once() {
         (&["--set", "train.lr=fast"], "invalid type: string \"fast\", expected f64"),
         (&["--set", "train.lr"], "'train.lr' is not KEY=VALUE"),
         (&["--set", "train.epochs=3", "--epochs", "1"], "--epochs 1 and --set train.epochs=3 disagree"),
+        (&["--base", "nosuch"], "nosuch/config.json"),
         (&["--data", "terminal-synth,nosuch"], "no such recipe 'nosuch'"),
         (&["--replay", "nosuch.jsonl"], "stage eval: nosuch.jsonl: No such file"),
     ] {

@@ -720,6 +720,12 @@ impl ModelConfig {
         }
     }
 
+    /// The architecture a pipeline model config names (`lfm2`, `lfm2_moe`, `qwen3_5`, `gemma4`): a text
+    /// tower's model_type is its multimodal checkpoint's.
+    pub fn architecture(&self) -> &str {
+        self.model_type().trim_end_matches("_text")
+    }
+
     pub fn vocab_size(&self) -> usize {
         match self {
             ModelConfig::Lfm2(c) => c.vocab_size,

@@ -27,6 +27,10 @@ pub struct ModelSource {
     /// config, special tokens, template, index, README and LICENSE).
     #[serde(default = "model_files")]
     pub files: Vec<String>,
+    /// A checkpoint folder on disk (config.json, safetensors weights, tokenizer and template: an earlier
+    /// run's `best/`, or a model fetched by other means), fine-tuned from its weights as they are and read in
+    /// place (relative to the project). `kiln sft --base DIR` puts one in place of the config's model.
+    pub checkpoint: Option<PathBuf>,
     /// A folder with config.json and the tokenizer / template files, initialized randomly (relative to the
     /// project).
     pub local: Option<PathBuf>,
@@ -212,13 +216,13 @@ impl ModelConfig {
                 ARCHITECTURES.join(", ")
             ));
         }
-        match (&self.model.hub, &self.model.local) {
-            (Some(_), None) | (None, Some(_)) => {}
-            _ => {
-                return Err(
-                    "[model] needs exactly one of `hub` (a Hub repo) or `local` (a folder to initialize)".into()
-                );
-            }
+        let sources = [self.model.hub.is_some(), self.model.checkpoint.is_some(), self.model.local.is_some()];
+        if sources.into_iter().filter(|&given| given).count() != 1 {
+            return Err(
+                "[model] needs exactly one of `hub` (a Hub repo), `checkpoint` (a checkpoint folder) or `local` \
+                 (a folder to initialize); `kiln sft --base DIR` replaces the model with a checkpoint folder"
+                    .into(),
+            );
         }
         if self.data.seq_len < 2 {
             return Err(format!("[data] seq_len is {}: a row needs at least 2 tokens", self.data.seq_len));
@@ -397,6 +401,7 @@ mod tests {
             ("zero-lr", "lr = 4e-3", "lr = 0.0", "train.lr is 0"),
             ("one-token", "seq_len = 1024", "seq_len = 1", "[data] seq_len is 1"),
             ("no-tokens", "max_tokens = 256", "max_tokens = 0", "[eval] max_tokens is 0"),
+            ("two-sources", "init_seed = 0", "init_seed = 0\ncheckpoint = \"runs/tiny/best\"", "needs exactly one of"),
         ] {
             std::fs::write(dir.path().join(format!("{name}.toml")), shipped.replace(from, to)).unwrap();
             let err = ModelConfig::find(name, dir.path()).unwrap_err().to_string();

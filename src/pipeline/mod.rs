@@ -158,6 +158,8 @@ pub struct SftRequest {
     pub model: String,
     /// Model-config keys set for this run (`--set train.lr=1e-5`), applied in order before the flags below.
     pub overrides: Vec<ConfigOverride>,
+    /// A checkpoint folder to fine-tune in place of the model config's model (`--base`).
+    pub base: Option<PathBuf>,
     pub epochs: Option<usize>,
     pub data: Option<Vec<String>>,
     pub replay: Option<PathBuf>,
@@ -237,6 +239,9 @@ pub fn run_sft(req: &SftRequest, stop: &crate::train::StopRequest) -> Result<Sft
     config.train.epochs = req.epochs.unwrap_or(config.train.epochs);
     config.train.devices = req.devices.unwrap_or(config.train.devices);
     config.train.activation_checkpointing |= req.activation_checkpointing;
+    if let Some(dir) = &req.base {
+        config.model = config::ModelSource { hub: None, local: None, checkpoint: Some(dir.clone()), ..config.model };
+    }
     if let Some(data) = &req.data {
         config.data.recipes = data.clone();
         config.data.weights.retain(|k, _| data.contains(k));

@@ -107,6 +107,19 @@ pub fn preflight(ctx: &Context) -> Result<(), PipelineError> {
             message: format!("--from {} comes after --until {}: no stage would run", from.name(), until.name()),
         });
     }
+    if let Some(dir) = &ctx.config.model.checkpoint {
+        let refuse = |message: String| PipelineError::Stage { stage: Stage::Pull.name(), message };
+        check_base(dir, ctx.config).map_err(refuse)?;
+        if let (Ok(base), Ok(run)) = (dir.canonicalize(), ctx.run_dir.canonicalize())
+            && base.starts_with(&run)
+        {
+            return Err(refuse(format!(
+                "the checkpoint {} lies in the run folder {}, which this run rewrites: give the run another name (--run)",
+                dir.display(),
+                ctx.run_dir.display()
+            )));
+        }
+    }
     let runs = |stage: Stage| ctx.def.stages.contains(&stage) && req.until.is_none_or(|u| stage <= u);
     if runs(Stage::Prepare) {
         recipes(ctx)?;
@@ -117,10 +130,59 @@ pub fn preflight(ctx: &Context) -> Result<(), PipelineError> {
     Ok(())
 }
 
-/// The base checkpoint of a run: the random-init folder of a local model, or the pulled Hub snapshot.
+/// Whether `dir` is a checkpoint of `config`'s architecture that can be fine-tuned: its config.json loads,
+/// and its weights and tokenizer are there.
+fn check_base(dir: &Path, config: &ModelConfig) -> Result<(), String> {
+    let model = crate::models::ModelConfig::from_file(&dir.join("config.json")).map_err(|e| e.to_string())?;
+    if model.architecture() != config.architecture {
+        return Err(format!(
+            "{} is a {} checkpoint (model_type {}), but the model config '{}' is for {}",
+            dir.display(),
+            model.architecture(),
+            model.model_type(),
+            config.name,
+            config.architecture
+        ));
+    }
+    let has = |suffix: &str| {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().ends_with(suffix))
+    };
+    for (suffix, what) in [(".safetensors", "no *.safetensors weights"), ("tokenizer.json", "no tokenizer.json")] {
+        if !has(suffix) {
+            return Err(format!("{} has {what}", dir.display()));
+        }
+    }
+    Ok(())
+}
+
+/// A checkpoint folder's files by content for the pull stage's inputs: the small ones whole, the weights as
+/// `TrainSource` samples them (name, size, first and last MiB), so that deciding whether a run is current
+/// reads no gigabytes.
+fn fingerprint_checkpoint(dir: &Path, inputs: &mut BTreeMap<String, String>) -> Result<(), PipelineError> {
+    let sampled = TrainSource::of(dir, &[]).map_err(|e| fail(Stage::Pull)(&e))?;
+    inputs.insert("checkpoint/config.json+*.safetensors".into(), sampled.model);
+    let entries = std::fs::read_dir(dir).map_err(|e| PipelineError::io(dir, e))?;
+    for path in entries.flatten().map(|e| e.path()) {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if path.is_file() && !name.ends_with(".safetensors") {
+            inputs.insert(format!("checkpoint/{name}"), hash_file(&path)?);
+        }
+    }
+    Ok(())
+}
+
+/// The base checkpoint of a run: the random-init folder of a local model, a checkpoint folder as it is, or
+/// the pulled Hub snapshot.
 pub fn base_model_dir(run_dir: &Path, config: &ModelConfig) -> Option<PathBuf> {
     if config.model.local.is_some() {
         return Some(run_dir.join("base"));
+    }
+    if let Some(dir) = &config.model.checkpoint {
+        return Some(dir.clone());
     }
     let pulled: Vec<PulledRepo> =
         serde_json::from_str(&std::fs::read_to_string(run_dir.join("pull.json")).ok()?).ok()?;
@@ -146,6 +208,9 @@ pub fn plan(ctx: &Context, stage: Stage) -> Result<StagePlan, PipelineError> {
         Stage::Pull => {
             if let Some(local) = &c.model.local {
                 hash_dir(local, "model/", &mut inputs)?;
+            }
+            if let Some(dir) = &c.model.checkpoint {
+                fingerprint_checkpoint(dir, &mut inputs)?;
             }
             json!({"model": c.model, "recipes": c.data.recipes})
         }
@@ -205,8 +270,8 @@ fn pull(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let recipes = recipes(ctx)?;
     let needs_hub = c.model.hub.is_some() || recipes.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some()));
     let hub = if needs_hub { Some(hub(ctx)?) } else { None };
-    let (base, summary, parameters) = match (&c.model.hub, &c.model.local) {
-        (Some(repo), _) => {
+    let (base, summary, parameters) = match (&c.model.hub, &c.model.checkpoint, &c.model.local) {
+        (Some(repo), _, _) => {
             let spec = RepoSpec {
                 kind: RepoKind::Model,
                 repo: repo.clone(),
@@ -219,7 +284,8 @@ fn pull(ctx: &Context) -> Result<StageOutcome, PipelineError> {
             pulled.push(record);
             (None, summary, Value::Null)
         }
-        (None, Some(local)) => {
+        (None, Some(dir), _) => (None, format!("checkpoint {}", dir.display()), Value::Null),
+        (None, None, Some(local)) => {
             let base = ctx.run_dir.join("base");
             let (model_type, params) = crate::models::init_random_checkpoint(
                 local,
@@ -231,7 +297,7 @@ fn pull(ctx: &Context) -> Result<StageOutcome, PipelineError> {
             let summary = format!("random-init {model_type} ({params} parameters, seed {}) → base/", c.model.init_seed);
             (Some(base), summary, json!(params))
         }
-        (None, None) => return Err(err(&"[model] has neither hub nor local")),
+        (None, None, None) => return Err(err(&"[model] has no hub, checkpoint or local")),
     };
     for recipe in &recipes {
         for spec in recipe.sources.iter().filter_map(|s| s.hub.as_ref()) {
@@ -245,7 +311,9 @@ fn pull(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         outputs.push("base".into());
     }
     let commits: BTreeMap<String, String> = pulled.iter().map(|p| (p.repo.clone(), p.commit.clone())).collect();
-    let base_dir = base_model_dir(ctx.run_dir, ctx.config).map(|p| p.display().to_string());
+    let base_dir = base_model_dir(ctx.run_dir, ctx.config).ok_or_else(|| err(&"no base checkpoint after the pull"))?;
+    check_base(&base_dir, c).map_err(|message| err(&message))?;
+    let base_dir = base_dir.display().to_string();
     Ok(StageOutcome {
         outputs,
         counts: json!({"base_model": base_dir, "parameters": parameters, "repos": commits}),

@@ -88,13 +88,13 @@ pub fn read_inputs(run_dir: &Path) -> Result<CardInputs, ReportError> {
     })
 }
 
-/// The `license:` of a Hub README's front matter.
-fn front_matter_license(readme: &str) -> Option<String> {
+/// The value of `key` (`license`, `base_model`) in a Hub README's front matter.
+fn front_matter(readme: &str, key: &str) -> Option<String> {
     let body = readme.strip_prefix("---")?;
     let end = body.find("\n---")?;
     body[..end]
         .lines()
-        .find_map(|l| l.strip_prefix("license:"))
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
         .map(|v| v.trim().trim_matches('"').to_string())
         .filter(|v| !v.is_empty())
 }
@@ -273,11 +273,11 @@ pub fn write_card(
         message: format!("the chosen '{}' has no eval result", sel.chosen),
     })?;
     let base = inputs.evals.iter().find(|e| e.model == "base");
-    let license = std::fs::read_to_string(base_dir.join("README.md"))
-        .ok()
-        .and_then(|t| front_matter_license(&t))
-        .or_else(|| config.license.clone())
-        .unwrap_or_else(|| "other".into());
+    let base_readme = std::fs::read_to_string(base_dir.join("README.md")).unwrap_or_default();
+    let license =
+        front_matter(&base_readme, "license").or_else(|| config.license.clone()).unwrap_or_else(|| "other".into());
+    // A checkpoint folder that is itself a fine-tune (an earlier run's `best/`) names the Hub model it came from.
+    let ancestor = config.model.checkpoint.as_ref().and_then(|_| front_matter(&base_readme, "base_model"));
     let datasets: Vec<String> = inputs
         .ingest
         .iter()
@@ -293,7 +293,7 @@ pub fn write_card(
     let languages = if config.languages.is_empty() { vec!["en".to_string()] } else { config.languages.clone() };
     let _ = writeln!(md, "language:\n{}", languages.iter().map(|l| format!("- {l}")).collect::<Vec<_>>().join("\n"));
     let _ = writeln!(md, "library_name: transformers\npipeline_tag: text-generation\nlicense: {license}");
-    if let Some(hub) = &config.model.hub {
+    if let Some(hub) = config.model.hub.as_ref().or(ancestor.as_ref()) {
         let _ = writeln!(md, "base_model: {hub}");
     }
     if !datasets.is_empty() {
@@ -302,8 +302,14 @@ pub fn write_card(
     let _ = writeln!(md, "tags:\n- kiln\n- sft\n- terminal-agent\n- tb2-lite\n- {}\n---\n", config.architecture);
 
     let _ = writeln!(md, "# {} fine-tuned with kiln (run `{run_name}`)\n", config.name);
-    let base_name =
-        config.model.hub.clone().unwrap_or_else(|| format!("a random-init {} ({})", config.architecture, config.name));
+    let base_name = match (&config.model.hub, &config.model.checkpoint) {
+        (Some(hub), _) => hub.clone(),
+        (None, Some(dir)) => {
+            let of = ancestor.as_ref().map(|a| format!(", itself a fine-tune of {a}")).unwrap_or_default();
+            format!("the checkpoint `{}`{of}", dir.display())
+        }
+        (None, None) => format!("a random-init {} ({})", config.architecture, config.name),
+    };
     let _ = writeln!(
         md,
         "{}\n\nFull fine-tune of {base_name} on assistant turns only, rendered with the model's native chat template ({template_origin}). It is meant to act as a terminal agent in the Terminus-2 format: given a task and the terminal screen, reply with the next batch of shell keystrokes as JSON.\n",
@@ -542,8 +548,11 @@ mod tests {
     }
 
     #[test]
-    fn license_from_front_matter() {
-        assert_eq!(front_matter_license("---\nlibrary_name: x\nlicense: other\n---\n# M").as_deref(), Some("other"));
-        assert_eq!(front_matter_license("# no front matter"), None);
+    fn license_and_base_model_from_front_matter() {
+        let readme = "---\nlibrary_name: x\nlicense: other\nbase_model: org/m\n---\n# M\nlicense: mit";
+        assert_eq!(front_matter(readme, "license").as_deref(), Some("other"));
+        assert_eq!(front_matter(readme, "base_model").as_deref(), Some("org/m"));
+        assert_eq!(front_matter("---\nlicense_name: x\n---\n", "license"), None);
+        assert_eq!(front_matter("# no front matter", "license"), None);
     }
 }
