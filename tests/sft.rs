@@ -338,6 +338,8 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
 
     // A `--set` reruns the stage it changes and what follows, and shows in the effective config and in the
     // card's reproduce command, quoted for a shell (a TOML string literal: the same scorer, nothing rerun for it).
+    let (ok, stderr) = sft(&pipeline, &configs, &[]);
+    assert!(ok && stderr.contains("4 stages run, 4 skipped"), "the stages after the new training: {stderr}");
     let (ok, stderr) = sft(&pipeline, &configs, &["--set", "eval.limit=1", "--set", "eval.scorer=\"v2\""]);
     assert!(ok && stderr.contains("3 stages run, 5 skipped"), "{stderr}");
     assert_eq!(json(&run.join("eval/epoch-2.json"))["aggregate"]["steps"], 1);
@@ -347,7 +349,7 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
         (&1.into(), &"v2".into())
     );
     let md = std::fs::read_to_string(run.join("README.md")).unwrap();
-    assert!(md.contains("--set eval.limit=1 --set 'eval.scorer=\"v2\"'"), "the reproduce command:\n{md}");
+    assert!(md.contains("--set 'eval.limit=1' --set 'eval.scorer=\"v2\"'"), "the reproduce command:\n{md}");
 
     // A second stage from the first one's selected checkpoint (`--base`), read in place: its base row is the
     // checkpoint's own eval under the same settings, and the card names the checkpoint.
@@ -358,8 +360,13 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     assert!(ok && stderr.contains(&format!("checkpoint {b}")), "{stderr}");
     let second = dir.path().join("runs/fast-2");
     let chosen = json(&run.join("selection.json"))["chosen"].as_str().unwrap().to_string();
-    let evaluated = json(&run.join("eval").join(format!("{chosen}.json")));
-    assert_eq!(json(&second.join("eval/base.json"))["aggregate"], evaluated["aggregate"]);
+    let previews = |path: &Path| -> Vec<Value> {
+        json(path)["per_step"].as_array().unwrap().iter().map(|s| s["pred_preview"].clone()).collect()
+    };
+    let (evaluated, base_eval) = (run.join("eval").join(format!("{chosen}.json")), second.join("eval/base.json"));
+    assert_eq!(json(&base_eval)["aggregate"], json(&evaluated)["aggregate"]);
+    assert_eq!(previews(&base_eval), previews(&evaluated), "the checkpoint's own replies");
+    assert_ne!(previews(&base_eval), previews(&run.join("eval/base.json")), "not the random-init model's");
     assert!(!second.join("base").exists() && second.join("checkpoints/epoch-1/model.safetensors").is_file());
     let md = std::fs::read_to_string(second.join("README.md")).unwrap();
     assert!(md.contains(&format!("Full fine-tune of the checkpoint `{b}`")), "{md}");
