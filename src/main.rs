@@ -741,9 +741,8 @@ fn stop_on_ctrl_c() -> std::sync::Arc<kiln::train::StopRequest> {
     stop
 }
 
-/// This invocation as the user typed it (the card's reproduce line, the run lock's holder).
-/// This invocation as a shell would take it again (the card's reproduce command), each argument quoted where
-/// it needs it (`--set 'data.recipes=["terminal"]'`).
+/// This invocation as a shell would take it again (the card's reproduce line, the run lock's holder), each
+/// argument quoted where it needs it (`--set 'data.recipes=["terminal"]'`).
 fn command_line() -> String {
     let args: Vec<String> = std::iter::once("kiln".to_string()).chain(std::env::args().skip(1)).collect();
     // Quoting fails only on a NUL byte, which no argument can hold.
