@@ -83,8 +83,8 @@ struct SftArgs {
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Set a key of the model config for this run, as a TOML value or else a string: `train.lr=1e-5`,
-    /// `train.adamw.moments=bf16`, `data.seq_len=4096`, `eval.max_tokens=512` (repeatable, applied in order;
-    /// the flags below must agree with it).
+    /// `train.adamw.moments=bf16`, `data.seq_len=4096`, `eval.max_tokens=512`; `KEY=` removes the key, so its
+    /// default applies (repeatable, applied in order; the flags below must agree with it).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<kiln::pipeline::ConfigOverride>,
     /// Fine-tune this checkpoint folder (an earlier run's best/, say) instead of the model config's model; the

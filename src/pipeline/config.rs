@@ -192,14 +192,31 @@ impl ModelConfig {
         for default in defaults {
             default.apply(&mut table, false).map_err(&file_error)?;
         }
-        let mut config = Self::from_table(&table).map_err(&file_error)?;
-        for o in overrides {
-            config = o
-                .apply(&mut table, true)
-                .and_then(|()| Self::from_table(&table))
-                .map_err(|message| PipelineError::Override { setting: o.text.clone(), path: path.clone(), message })?;
+        let config = Self::from_table(&table).map_err(&file_error)?;
+        if overrides.is_empty() {
+            return Ok(config);
         }
-        Ok(config)
+        // Checked together, as a setting may only make sense beside another (`model.local=` with
+        // `model.checkpoint=…`); a refusal names the setting that fails alone in the same way, else all of them.
+        let all: Vec<&ConfigOverride> = overrides.iter().collect();
+        Self::with_settings(&table, &all).map_err(|(mut setting, message)| {
+            let alone =
+                |o: &&ConfigOverride| Self::with_settings(&table, &[o]).err().is_some_and(|(_, m)| m == message);
+            if let Some(culprit) = overrides.iter().find(alone) {
+                setting = culprit.text.clone();
+            }
+            PipelineError::Override { setting, path: path.clone(), message }
+        })
+    }
+
+    /// `table` with `settings` applied, read and checked; a refusal comes with the settings it is about.
+    fn with_settings(table: &toml::Table, settings: &[&ConfigOverride]) -> Result<ModelConfig, (String, String)> {
+        let mut changed = table.clone();
+        for o in settings {
+            o.apply(&mut changed, true).map_err(|message| (o.text.clone(), message))?;
+        }
+        let texts: Vec<&str> = settings.iter().map(|o| o.text.as_str()).collect();
+        Self::from_table(&changed).map_err(|message| (texts.join(" --set "), message))
     }
 
     fn from_table(table: &toml::Table) -> Result<ModelConfig, String> {
@@ -276,11 +293,13 @@ fn config_path(name: &str, configs_dir: &Path) -> Result<PathBuf, PipelineError>
 
 /// One `kiln sft --set KEY=VALUE`: a dotted key into the model config (`train.lr`, `train.adamw.moments`,
 /// `data.weights.terminal`, `eval.max_tokens`) and its value, a TOML literal (`2e-5`, `true`, `["a", "b"]`,
-/// `"text"`) or else the text as a string (`linear`, `bf16`, a path), so a shell needs no extra quotes.
+/// `"text"`) or else the text as a string (`linear`, `bf16`, a path), so a shell needs no extra quotes. No
+/// value (`eval.limit=`) removes the key, so its default applies.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConfigOverride {
     path: Vec<String>,
-    value: toml::Value,
+    /// `None`: remove the key.
+    value: Option<toml::Value>,
     /// As given, for messages.
     pub text: String,
 }
@@ -298,7 +317,9 @@ impl std::str::FromStr for ConfigOverride {
         if !path.iter().all(is_key_part) {
             return Err(format!("'{key}' is not a dotted config key (for example train.lr or train.adamw.moments)"));
         }
-        Ok(ConfigOverride { path, value: toml_literal(raw.trim()), text: text.to_string() })
+        let raw = raw.trim();
+        let value = (!raw.is_empty()).then(|| toml_literal(raw));
+        Ok(ConfigOverride { path, value, text: text.to_string() })
     }
 }
 
@@ -308,8 +329,8 @@ impl ConfigOverride {
         self.path.join(".")
     }
 
-    /// Sets the value in `table`, making the tables on its way; over a value already there only when
-    /// `replace`.
+    /// Sets the value in `table`, making the tables on its way, or removes the key; over a value already
+    /// there only when `replace`.
     fn apply(&self, table: &mut toml::Table, replace: bool) -> Result<(), String> {
         let (last, parents) = self.path.split_last().ok_or("an empty key")?;
         let mut at = table;
@@ -317,8 +338,14 @@ impl ConfigOverride {
             let next = at.entry(part.clone()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
             at = next.as_table_mut().ok_or_else(|| format!("{} is not a table", self.path[..=i].join(".")))?;
         }
-        if replace || !at.contains_key(last) {
-            at.insert(last.clone(), self.value.clone());
+        match &self.value {
+            None if replace => {
+                at.remove(last);
+            }
+            Some(value) if replace || !at.contains_key(last) => {
+                at.insert(last.clone(), value.clone());
+            }
+            _ => {}
         }
         Ok(())
     }
@@ -429,11 +456,12 @@ mod tests {
                 toml::Value::Array(vec!["terminal".into(), "toolbench".into()]),
             ),
             ("template.vars.note=a=b", toml::Value::String("a=b".into())),
-            ("eval.limit=", toml::Value::String(String::new())),
+            ("template.vars.note='' ", toml::Value::String(String::new())),
         ] {
-            assert_eq!(set(text).value, value, "{text}");
+            assert_eq!(set(text).value, Some(value), "{text}");
         }
         assert_eq!(set(" train.adamw.beta2 = 0.95").key(), "train.adamw.beta2");
+        assert_eq!(set("eval.limit=").value, None, "no value: the key is removed");
         for (bad, expected) in [
             ("train.lr", "is not KEY=VALUE"),
             ("=1", "'' is not a dotted config key"),
@@ -481,6 +509,18 @@ mod tests {
         assert_eq!((c.data.seq_len, c.data.weights["terminal-synth"], c.eval.limit), (512, 0.1, Some(5)));
         assert_eq!(c.template.vars["enable_thinking"], serde_json::Value::Bool(false));
         assert_eq!((c.train.epochs, c.train.global_batch), (2, shipped.train.global_batch));
+        // A key set to nothing is removed, so its default applies; a model source can be swapped that way.
+        let limited = ModelConfig::find_with("tiny", &dir, &epochs, &[set("eval.limit=5"), set("eval.limit=")]);
+        assert_eq!(limited.unwrap().eval.limit, None);
+        let swapped = [set("model.local="), set("model.checkpoint=runs/tiny/best")];
+        let swapped = ModelConfig::find_with("tiny", &dir, &epochs, &swapped).unwrap().model;
+        assert_eq!((swapped.local, swapped.checkpoint), (None, Some(PathBuf::from("runs/tiny/best"))));
+        // Beside such a pair, a refusal still names the one setting that is wrong on its own.
+        let typo = [set("model.local="), set("model.checkpoint=runs/tiny/best"), set("train.lrr=1")];
+        let err = ModelConfig::find_with("tiny", &dir, &epochs, &typo).unwrap_err().to_string();
+        assert!(err.starts_with("--set train.lrr=1 (over ") && err.contains("unknown field `lrr`"), "{err}");
+        let err = ModelConfig::find_with("tiny", &dir, &epochs, &typo[..1]).unwrap_err().to_string();
+        assert!(err.starts_with("--set model.local= (over ") && err.contains("needs exactly one of"), "{err}");
         // A `[train] epochs` in the file wins over the pipeline's default; a setting wins over both.
         let tmp = tempfile::tempdir().unwrap();
         let text =
@@ -500,6 +540,7 @@ mod tests {
             ("data.weights.nosuch=1.0", "weights names 'nosuch'"),
             ("train.lr.peak=1", "train.lr is not a table"),
             ("eval.max_tokens=0", "[eval] max_tokens is 0"),
+            ("data.seq_len=", "missing field `seq_len`"),
         ] {
             let err = ModelConfig::find_with("tiny", &dir, &epochs, &[set("train.lr=1e-3"), set(bad)]).unwrap_err();
             let err = err.to_string();
