@@ -174,9 +174,9 @@ impl ModelConfig {
         Self::find_with(name, configs_dir, &[], &[])
     }
 
-    /// As `find`, with `defaults` set where the file leaves their keys out (the pipeline's epochs), then each
-    /// of `overrides` (`kiln sft --set`) in order. An override that makes the config unreadable or invalid is
-    /// named in the error.
+    /// As `find`, with `defaults` set where the file leaves their keys out (the pipeline's epochs), then
+    /// `overrides` (`kiln sft --set`) applied in order and checked together; a refusal names the setting at
+    /// fault.
     pub fn find_with(
         name: &str,
         configs_dir: &Path,
@@ -192,7 +192,7 @@ impl ModelConfig {
         for default in defaults {
             default.apply(&mut table, false).map_err(&file_error)?;
         }
-        let config = Self::from_table(&table).map_err(&file_error)?;
+        let config = Self::from_table(table.clone()).map_err(&file_error)?;
         if overrides.is_empty() {
             return Ok(config);
         }
@@ -216,11 +216,11 @@ impl ModelConfig {
             o.apply(&mut changed, true).map_err(|message| (o.text.clone(), message))?;
         }
         let texts: Vec<&str> = settings.iter().map(|o| o.text.as_str()).collect();
-        Self::from_table(&changed).map_err(|message| (texts.join(" --set "), message))
+        Self::from_table(changed).map_err(|message| (texts.join(" --set "), message))
     }
 
-    fn from_table(table: &toml::Table) -> Result<ModelConfig, String> {
-        let config: ModelConfig = table.clone().try_into().map_err(|e: toml::de::Error| e.message().to_string())?;
+    fn from_table(table: toml::Table) -> Result<ModelConfig, String> {
+        let config: ModelConfig = table.try_into().map_err(|e: toml::de::Error| e.message().to_string())?;
         config.validate()?;
         Ok(config)
     }
