@@ -514,6 +514,7 @@ fn master_weights_of_bf16_parameters_take_the_exact_f32_update() {
     let want = hf_tensors(&reference);
     let masters: std::collections::HashMap<String, Vec<f32>> = opt_bf16
         .export_state(&names)
+        .unwrap()
         .into_iter()
         .filter_map(|(k, t)| k.strip_suffix(".master").map(|k| (k.to_string(), t.data)))
         .collect();

@@ -14,7 +14,7 @@ use burn::tensor::{FloatDType, Int, Tensor};
 use super::config::{ModelConfig, outside_text_tower};
 use super::decode::generate_greedy;
 use super::gemma4::Gemma4Model;
-use super::hf::{ExportDtype, HfEntry, HfNamed, RawTensor, export_dir, hf_tensors};
+use super::hf::{ExportDtype, HfEntry, HfNamed, StreamedTensor, export_streamed, streamed_hf_tensors};
 use super::layers::{head_logits, soft_cap};
 use super::lfm2::Lfm2Model;
 use super::qwen3_5::Qwen35Model;
@@ -87,21 +87,10 @@ impl<B: Backend> CausalLm<B> {
         }
     }
 
-    /// The checkpoint tensors of `source_dir` that `is_carried` names, as stored (none when the source has
-    /// no weights, as a config-only directory for a random init).
-    pub fn carried_tensors(&self, source_dir: &Path) -> Result<BTreeMap<String, RawTensor>, ModelError> {
-        let has_weights =
-            ["model.safetensors", "model.safetensors.index.json"].iter().any(|f| source_dir.join(f).is_file());
-        if !has_weights || matches!(self, CausalLm::Lfm2(_)) {
-            return Ok(BTreeMap::new());
-        }
-        let store = WeightStore::open(source_dir)?;
-        let keys: Vec<String> = store.keys().filter(|k| self.is_carried(k)).cloned().collect();
-        keys.into_iter().map(|k| store.raw(&k).map(|t| (k, t))).collect()
-    }
-
     /// Writes the model as an HF directory: its tensors in `dtype` (f32 where `weights::kept_in_f32`), the
-    /// other towers' tensors and the companion files (config, tokenizer, template) from `source_dir`.
+    /// other towers' tensors and the companion files (config, tokenizer, template) from `source_dir`. Each
+    /// tensor is copied from the device (or read from the source) only when the writer reaches it, so the
+    /// host holds about one tensor at a time, not the model.
     pub fn export(
         &self,
         source_dir: &Path,
@@ -109,10 +98,32 @@ impl<B: Backend> CausalLm<B> {
         dtype: ExportDtype,
         shard_bytes: usize,
     ) -> Result<Vec<PathBuf>, ModelError> {
-        let carried = self.carried_tensors(source_dir)?;
-        let mut tensors = hf_tensors(self);
-        tensors.extend(self.buffers());
-        export_dir(&tensors, &carried, source_dir, out_dir, dtype, &kept_in_f32, shard_bytes)
+        let source = self.carried_source(source_dir)?;
+        let buffers = self.buffers();
+        let mut tensors = streamed_hf_tensors(self, dtype, &kept_in_f32);
+        for (key, t) in &buffers {
+            let d = if kept_in_f32(key) { ExportDtype::F32 } else { dtype };
+            tensors.push((key.clone(), StreamedTensor::encoded(t, d)));
+        }
+        if let Some(store) = &source {
+            for key in store.keys().filter(|k| self.is_carried(k)) {
+                let (Some(dtype), Some(shape)) = (store.dtype(key), store.shape(key)) else { continue };
+                let bytes = move || store.raw(key).map(|t| t.bytes).map_err(|e| e.to_string());
+                tensors.push((key.clone(), StreamedTensor::new(dtype, shape.to_vec(), bytes)));
+            }
+        }
+        export_streamed(tensors, source_dir, out_dir, shard_bytes)
+    }
+
+    /// The source checkpoint, where it may hold tensors that `is_carried` names (not for LFM2, nor a source
+    /// without weights, as a config-only directory for a random init).
+    fn carried_source(&self, source_dir: &Path) -> Result<Option<WeightStore>, ModelError> {
+        let has_weights =
+            ["model.safetensors", "model.safetensors.index.json"].iter().any(|f| source_dir.join(f).is_file());
+        if !has_weights || matches!(self, CausalLm::Lfm2(_)) {
+            return Ok(None);
+        }
+        WeightStore::open(source_dir).map(Some)
     }
 }
 
@@ -214,6 +225,7 @@ pub fn random_model<B: Backend>(
 mod tests {
     use super::*;
     use crate::backend::Cpu;
+    use crate::models::hf::hf_tensors;
 
     /// The headers' sizes are the loaded model's tensors (parameters and buffers), the towers it does not load
     /// left out: the Qwen3.5 fixture's vision tower and mtp head, Gemma 4's vision tower.
@@ -233,6 +245,35 @@ mod tests {
             assert_eq!(sizes, loaded, "{}", dir.display());
             let store = WeightStore::open(&dir).unwrap();
             assert_eq!(store.keys().count() - sizes.len(), carried, "{}", dir.display());
+        }
+    }
+
+    /// The export that copies one tensor at a time from the device writes the same bytes as writing the
+    /// model's host copy with the source's carried tensors: every architecture, in both dtypes, in one file
+    /// and in shards.
+    #[test]
+    fn the_streamed_export_writes_what_the_host_copy_writes() {
+        use crate::models::hf::{RawTensor, export_dir};
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        for dir in ["lfm2/lfm2-moe-tiny", "qwen3_5/qwen3_5-tiny", "gemma4/gemma4-tiny"] {
+            let dir = fixtures.join(dir);
+            let (_, model) = load_model::<Cpu>(&dir, &Default::default()).unwrap();
+            let store = WeightStore::open(&dir).unwrap();
+            let carried: BTreeMap<String, RawTensor> =
+                store.keys().filter(|k| model.is_carried(k)).map(|k| (k.clone(), store.raw(k).unwrap())).collect();
+            let mut host = hf_tensors(&model);
+            host.extend(model.buffers());
+            for (dtype, shard_bytes) in [(ExportDtype::F32, usize::MAX), (ExportDtype::Bf16, 40_000)] {
+                let (streamed, copied) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+                let files = model.export(&dir, streamed.path(), dtype, shard_bytes).unwrap();
+                export_dir(&host, &carried, &dir, copied.path(), dtype, &kept_in_f32, shard_bytes).unwrap();
+                assert_eq!(files.len() > 1, shard_bytes < usize::MAX, "{}", dir.display());
+                for file in &files {
+                    let name = file.file_name().unwrap();
+                    let same = std::fs::read(file).unwrap() == std::fs::read(copied.path().join(name)).unwrap();
+                    assert!(same, "{}: {dtype:?} {name:?} differs", dir.display());
+                }
+            }
         }
     }
 }

@@ -1,10 +1,13 @@
 //! The bridge to Hugging Face checkpoint names: which model parameter is which checkpoint tensor, in which
 //! layout (Linear weights transposed, conv kernels reshaped, fused experts split per expert), and export of
 //! a model as an HF directory transformers and vLLM load as-is (with the tensors of towers kiln does not
-//! train, such as Qwen3.5's vision tower, copied from the source byte for byte).
+//! train, such as Qwen3.5's vision tower, copied from the source byte for byte), written tensor by tensor
+//! (`StreamedTensor`) so that neither an export nor a training state holds the model on the host.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::rc::Rc;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
@@ -245,12 +248,66 @@ fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> HostTensor {
     HostTensor { shape, data }
 }
 
-/// Parameter values by id.
-struct ValueCollector(HashMap<ParamId, HostTensor>);
+/// A parameter's host copy, made when asked for.
+type ParamRead = Box<dyn Fn() -> HostTensor>;
 
-impl<B: Backend> ModuleVisitor<B> for ValueCollector {
+/// The model's parameters by id, each copied to the host when read. A parameter that several checkpoint
+/// tensors are cut from (an MoE layer's fused experts) is copied once and kept until its last tensor has
+/// been read, whatever the order, and no other host copy is kept: a model is read tensor by tensor.
+struct ParamReader {
+    params: HashMap<ParamId, (Vec<usize>, ParamRead)>,
+    /// Reads still to come of each parameter, from the checkpoint entries.
+    uses: RefCell<HashMap<ParamId, usize>>,
+    kept: RefCell<HashMap<ParamId, Rc<HostTensor>>>,
+    copies: std::cell::Cell<usize>,
+}
+
+impl ParamReader {
+    fn of<B: Backend, M: Module<B>>(model: &M, entries: &[HfEntry]) -> Self {
+        let mut uses = HashMap::new();
+        for e in entries {
+            *uses.entry(e.id).or_insert(0) += 1;
+        }
+        let mut reader = ParamReader {
+            params: HashMap::new(),
+            uses: RefCell::new(uses),
+            kept: RefCell::new(HashMap::new()),
+            copies: std::cell::Cell::new(0),
+        };
+        model.visit(&mut reader);
+        reader
+    }
+
+    fn shape(&self, id: &ParamId) -> Option<&[usize]> {
+        self.params.get(id).map(|(shape, _)| shape.as_slice())
+    }
+
+    /// The parameter's host copy, for one of the entries that read it.
+    fn read(&self, id: &ParamId) -> Option<Rc<HostTensor>> {
+        let remaining = {
+            let mut uses = self.uses.borrow_mut();
+            let left = uses.entry(*id).or_insert(1);
+            *left = left.saturating_sub(1);
+            *left
+        };
+        let kept = if remaining == 0 { self.kept.borrow_mut().remove(id) } else { self.kept.borrow().get(id).cloned() };
+        if let Some(t) = kept {
+            return Some(t);
+        }
+        let t = Rc::new((self.params.get(id)?.1)());
+        self.copies.set(self.copies.get() + 1);
+        if remaining > 0 {
+            self.kept.borrow_mut().insert(*id, t.clone());
+        }
+        Some(t)
+    }
+}
+
+impl<B: Backend> ModuleVisitor<B> for ParamReader {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        self.0.insert(param.id, host(param.val()));
+        // A handle on the device tensor, not a copy of it.
+        let value = param.val();
+        self.params.insert(param.id, (value.dims().to_vec(), Box::new(move || host(value.clone()))));
     }
 }
 
@@ -270,9 +327,45 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradCollector<'_, B> {
 
 /// The model's tensors under their checkpoint names and layouts.
 pub fn hf_tensors<B: Backend, M: Module<B> + HfNamed>(model: &M) -> BTreeMap<String, HostTensor> {
-    let mut values = ValueCollector(HashMap::new());
-    model.visit(&mut values);
-    model.hf_entries().into_iter().filter_map(|e| Some((e.key, to_hf(e.view, values.0.get(&e.id)?)))).collect()
+    let entries = model.hf_entries();
+    let params = ParamReader::of(model, &entries);
+    entries.into_iter().filter_map(|e| Some((e.key, to_hf(e.view, &*params.read(&e.id)?)))).collect()
+}
+
+/// The model's tensors as `hf_tensors` names and lays them out, in `dtype` (f32 where `keep_f32`), each
+/// copied from the device and encoded only when the writer reaches it (`write_streamed`).
+pub fn streamed_hf_tensors<'a, B: Backend, M: Module<B> + HfNamed>(
+    model: &M,
+    dtype: ExportDtype,
+    keep_f32: &'a dyn Fn(&str) -> bool,
+) -> Vec<(String, StreamedTensor<'a>)> {
+    let entries = model.hf_entries();
+    let params = Rc::new(ParamReader::of(model, &entries));
+    entries
+        .into_iter()
+        .filter_map(|e| {
+            let shape = hf_shape(e.view, params.shape(&e.id)?);
+            let d = if keep_f32(&e.key) { ExportDtype::F32 } else { dtype };
+            let params = params.clone();
+            let id = e.id;
+            let bytes = move || {
+                let t = params.read(&id).ok_or("the parameter is gone")?;
+                Ok(encode(&to_hf(e.view, &t), d))
+            };
+            Some((e.key, StreamedTensor::new(d.into(), shape, bytes)))
+        })
+        .collect()
+}
+
+/// The shape `to_hf` gives a parameter of `shape` (burn layout) under `view`.
+fn hf_shape(view: HfView, shape: &[usize]) -> Vec<usize> {
+    match view {
+        HfView::Same => shape.to_vec(),
+        HfView::Transpose => shape.iter().rev().copied().collect(),
+        HfView::ConvKernel => vec![shape[0], 1, shape[1]],
+        HfView::ExpertW1(_) | HfView::ExpertW3(_) => vec![shape[2] / 2, shape[1]],
+        HfView::ExpertW2(_) => vec![shape[2], shape[1]],
+    }
 }
 
 /// Gradients under checkpoint names and layouts (parameters without a gradient are left out).
@@ -284,9 +377,6 @@ pub fn hf_gradients<B: AutodiffBackend, M: Module<B> + HfNamed>(
     model.visit(&mut collector);
     model.hf_entries().into_iter().filter_map(|e| Some((e.key, to_hf(e.view, collector.out.get(&e.id)?)))).collect()
 }
-
-/// One tensor planned into a shard: name, encoded bytes, dtype, shape.
-type ShardEntry<'a> = (&'a String, Vec<u8>, Dtype, Vec<usize>);
 
 /// Safetensors shard size limit, as transformers' `save_pretrained` default (5 GB).
 pub const SHARD_BYTES: usize = 5_000_000_000;
@@ -303,6 +393,99 @@ fn encode(t: &HostTensor, dtype: ExportDtype) -> Vec<u8> {
     match dtype {
         ExportDtype::F32 => t.data.iter().flat_map(|x| x.to_le_bytes()).collect(),
         ExportDtype::Bf16 => t.data.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+    }
+}
+
+impl From<ExportDtype> for Dtype {
+    fn from(dtype: ExportDtype) -> Dtype {
+        match dtype {
+            ExportDtype::F32 => Dtype::F32,
+            ExportDtype::Bf16 => Dtype::BF16,
+        }
+    }
+}
+
+/// Makes a tensor's bytes for the writer, or says why it cannot.
+type TensorBytes<'a> = Box<dyn Fn() -> Result<Vec<u8>, String> + 'a>;
+
+/// A tensor to write whose bytes are made when the writer reaches it, so that a file is written with about
+/// one tensor in host memory instead of a host copy of all of it: an 8B model's training state (f32 weights
+/// and masters, moments) would otherwise take over 100 GB of host memory at every save.
+pub struct StreamedTensor<'a> {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: TensorBytes<'a>,
+    /// Why the bytes could not be made, or came out another length than the shape says; the file written
+    /// with it is then refused.
+    failure: RefCell<Option<String>>,
+}
+
+impl<'a> StreamedTensor<'a> {
+    pub fn new(dtype: Dtype, shape: Vec<usize>, bytes: impl Fn() -> Result<Vec<u8>, String> + 'a) -> Self {
+        StreamedTensor { dtype, shape, bytes: Box::new(bytes), failure: RefCell::new(None) }
+    }
+
+    /// `t`, encoded in `dtype` when written.
+    pub fn encoded(t: &'a HostTensor, dtype: ExportDtype) -> Self {
+        StreamedTensor::new(dtype.into(), t.shape.clone(), move || Ok(encode(t, dtype)))
+    }
+
+    /// `t`'s bytes as they are.
+    pub fn raw(t: &'a RawTensor) -> Self {
+        StreamedTensor::new(t.dtype, t.shape.clone(), move || Ok(t.bytes.clone()))
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// The tensor in f32 on the host, made now (integer codes become their values).
+    pub fn to_host(&self) -> Result<HostTensor, String> {
+        let bytes = self.checked_bytes()?;
+        let data = match self.dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::U8 => bytes.iter().map(|&b| f32::from(b)).collect(),
+            other => return Err(format!("a {other:?} tensor has no f32 values")),
+        };
+        Ok(HostTensor { shape: self.shape.clone(), data })
+    }
+
+    fn len(&self) -> usize {
+        (self.shape.iter().product::<usize>() * self.dtype.bitsize()).div_ceil(8)
+    }
+
+    fn checked_bytes(&self) -> Result<Vec<u8>, String> {
+        let bytes = (self.bytes)()?;
+        if bytes.len() != self.len() {
+            return Err(format!("{} bytes for a {:?} tensor of shape {:?}", bytes.len(), self.dtype, self.shape));
+        }
+        Ok(bytes)
+    }
+}
+
+impl safetensors::View for &StreamedTensor<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        match self.checked_bytes() {
+            Ok(bytes) => bytes.into(),
+            Err(why) => {
+                // The writer cannot stop here: the slot is filled with zeros and the file refused after.
+                *self.failure.borrow_mut() = Some(why);
+                vec![0; self.len()].into()
+            }
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.len()
     }
 }
 
@@ -326,10 +509,8 @@ pub struct RawTensor {
     pub bytes: Vec<u8>,
 }
 
-/// Writes `tensors` (and the `raw` ones, as they are) as `model.safetensors` (or
-/// `model-0000k-of-0000n.safetensors` shards past `shard_bytes`, with `model.safetensors.index.json`),
-/// metadata `format = pt`. `keep_f32` names tensors kept in f32 whatever `dtype` (fp32 buffers such as
-/// `expert_bias`, Qwen3.5's `A_log`).
+/// Writes `tensors` (and the `raw` ones, as they are) as `write_streamed` does, each encoded in `dtype` as
+/// it is written (`streamed_host`).
 pub fn write_safetensors(
     tensors: &BTreeMap<String, HostTensor>,
     raw: &BTreeMap<String, RawTensor>,
@@ -338,29 +519,44 @@ pub fn write_safetensors(
     keep_f32: &dyn Fn(&str) -> bool,
     shard_bytes: usize,
 ) -> Result<Vec<std::path::PathBuf>, ModelError> {
+    write_streamed(streamed_host(tensors, raw, dtype, keep_f32), out_dir, shard_bytes)
+}
+
+/// Host `tensors` to be encoded in `dtype` as they are written (f32 where `keep_f32` says: fp32 buffers such
+/// as `expert_bias`, Qwen3.5's `A_log`), and `raw` ones to be written as they are.
+fn streamed_host<'a>(
+    tensors: &'a BTreeMap<String, HostTensor>,
+    raw: &'a BTreeMap<String, RawTensor>,
+    dtype: ExportDtype,
+    keep_f32: &dyn Fn(&str) -> bool,
+) -> Vec<(String, StreamedTensor<'a>)> {
+    let encoded = tensors.iter().map(|(key, t)| {
+        let d = if keep_f32(key) { ExportDtype::F32 } else { dtype };
+        (key.clone(), StreamedTensor::encoded(t, d))
+    });
+    let as_they_are = raw.iter().map(|(key, t)| (key.clone(), StreamedTensor::raw(t)));
+    encoded.chain(as_they_are).collect()
+}
+
+/// Writes `tensors` as `model.safetensors` (or `model-0000k-of-0000n.safetensors` shards past `shard_bytes`,
+/// in key order, with `model.safetensors.index.json`), metadata `format = pt`, making each tensor's bytes
+/// as its turn comes. A tensor whose bytes cannot be made refuses the whole export, naming it.
+pub fn write_streamed(
+    mut tensors: Vec<(String, StreamedTensor<'_>)>,
+    out_dir: &Path,
+    shard_bytes: usize,
+) -> Result<Vec<std::path::PathBuf>, ModelError> {
     std::fs::create_dir_all(out_dir).map_err(|e| ModelError::io(out_dir, e))?;
-    let mut planned: Vec<ShardEntry> = tensors
-        .iter()
-        .map(|(key, t)| {
-            let d = if keep_f32(key) { ExportDtype::F32 } else { dtype };
-            let st = match d {
-                ExportDtype::F32 => Dtype::F32,
-                ExportDtype::Bf16 => Dtype::BF16,
-            };
-            (key, encode(t, d), st, t.shape.clone())
-        })
-        .collect();
-    planned.extend(raw.iter().map(|(key, t)| (key, t.bytes.clone(), t.dtype, t.shape.clone())));
-    planned.sort_by(|a, b| a.0.cmp(b.0));
-    // Shards in key order.
-    let mut shards: Vec<Vec<ShardEntry>> = vec![Vec::new()];
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut shards: Vec<Vec<&(String, StreamedTensor)>> = vec![Vec::new()];
     let mut current = 0usize;
-    for entry in planned {
-        if current > 0 && current + entry.1.len() > shard_bytes {
+    for entry in &tensors {
+        let len = entry.1.len();
+        if current > 0 && current + len > shard_bytes {
             shards.push(Vec::new());
             current = 0;
         }
-        current += entry.1.len();
+        current += len;
         shards.last_mut().expect("one shard").push(entry);
     }
     let n = shards.len();
@@ -374,19 +570,19 @@ pub fn write_safetensors(
             format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
         };
         let path = out_dir.join(&name);
-        let views: Vec<(String, safetensors::tensor::TensorView)> = shard
-            .iter()
-            .map(|(k, bytes, st, shape)| {
-                total += bytes.len();
-                weight_map.insert((*k).clone(), serde_json::Value::String(name.clone()));
-                safetensors::tensor::TensorView::new(*st, shape.clone(), bytes).map(|v| ((*k).clone(), v))
-            })
-            .collect::<Result<_, _>>()
-            .map_err(|e| ModelError::Weights { path: path.clone(), message: e.to_string() })?;
+        for (key, t) in shard {
+            total += t.len();
+            weight_map.insert(key.clone(), serde_json::Value::String(name.clone()));
+        }
         let metadata: Option<std::collections::HashMap<String, String>> =
             Some([("format".to_string(), "pt".to_string())].into());
+        let views = shard.iter().map(|(key, t)| (key, t));
         safetensors::serialize_to_file(views, metadata, &path)
             .map_err(|e| ModelError::Weights { path: path.clone(), message: e.to_string() })?;
+        if let Some((key, why)) = shard.iter().find_map(|(key, t)| Some((key, t.failure.take()?))) {
+            let _ = std::fs::remove_file(&path);
+            return Err(ModelError::Weights { path, message: format!("{key}: {why}") });
+        }
         written.push(path);
     }
     if n > 1 {
@@ -458,8 +654,66 @@ pub fn export_dir(
     keep_f32: &dyn Fn(&str) -> bool,
     shard_bytes: usize,
 ) -> Result<Vec<std::path::PathBuf>, ModelError> {
+    export_streamed(streamed_host(tensors, raw, dtype, keep_f32), source_dir, out_dir, shard_bytes)
+}
+
+/// An HF model directory: the weights (`write_streamed`) and the source checkpoint's companion files.
+pub fn export_streamed(
+    tensors: Vec<(String, StreamedTensor<'_>)>,
+    source_dir: &Path,
+    out_dir: &Path,
+    shard_bytes: usize,
+) -> Result<Vec<std::path::PathBuf>, ModelError> {
     refuse_overwriting_source(source_dir, out_dir)?;
-    let written = write_safetensors(tensors, raw, out_dir, dtype, keep_f32, shard_bytes)?;
+    let written = write_streamed(tensors, out_dir, shard_bytes)?;
     copy_companions(source_dir, out_dir)?;
     Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Cpu;
+
+    /// Read in the writer's order (by name, where an MoE layer's experts alternate between the fused gate/up
+    /// and down parameters), every parameter is copied to the host once and none is kept after.
+    #[test]
+    fn a_model_is_read_copying_each_parameter_once() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lfm2/lfm2-moe-tiny");
+        let (_, model) = crate::models::load_model::<Cpu>(&dir, &Default::default()).unwrap();
+        let mut entries = model.hf_entries();
+        let params: std::collections::HashSet<ParamId> = entries.iter().map(|e| e.id).collect();
+        assert!(params.len() < entries.len(), "the fixture has split parameters");
+        entries.sort_by(|a, b| a.key.cmp(&b.key));
+        let reader = ParamReader::of(&model, &entries);
+        let expected = hf_tensors(&model);
+        for e in &entries {
+            let t = to_hf(e.view, &reader.read(&e.id).unwrap());
+            assert!(t.shape == expected[&e.key].shape && t.data == expected[&e.key].data, "{}", e.key);
+            assert_eq!(hf_shape(e.view, reader.shape(&e.id).unwrap()), t.shape, "{}", e.key);
+        }
+        assert_eq!(reader.copies.get(), params.len());
+        assert!(reader.kept.borrow().is_empty());
+    }
+
+    /// A tensor whose bytes cannot be made, or come out at another length than its shape's, refuses the
+    /// file, naming the tensor, and leaves no file behind.
+    #[test]
+    fn a_tensor_that_cannot_be_made_refuses_its_file() {
+        let good = HostTensor { shape: vec![2, 3], data: vec![1.0; 6] };
+        let lost = StreamedTensor::new(Dtype::F32, vec![2], || Err("device lost".to_string()));
+        let short = StreamedTensor::new(Dtype::F32, vec![2], || Ok(vec![0u8; 4]));
+        for (what, bad, message) in
+            [("device lost", lost, "device lost"), ("short", short, "4 bytes for a F32 tensor of shape [2]")]
+        {
+            let out = tempfile::tempdir().unwrap();
+            let tensors = vec![
+                ("a.weight".to_string(), StreamedTensor::encoded(&good, ExportDtype::F32)),
+                ("b.weight".to_string(), bad),
+            ];
+            let err = write_streamed(tensors, out.path(), usize::MAX).unwrap_err().to_string();
+            assert!(err.contains("b.weight") && err.contains(message), "{what}: {err}");
+            assert_eq!(std::fs::read_dir(out.path()).unwrap().count(), 0, "{what}");
+        }
+    }
 }

@@ -15,10 +15,12 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
+use safetensors::Dtype;
 use serde::{Deserialize, Serialize};
 
 use super::quant8::{self, Blocks, Map};
 use crate::backend::{host_tensor, zeros_in};
+use crate::models::hf::StreamedTensor;
 use crate::models::weights::HostTensor;
 
 /// The dtype AdamW's moments are stored in between steps (they are always updated in f32).
@@ -73,20 +75,29 @@ impl<B: Backend> Moment<B> {
         }
     }
 
-    /// The host tensors of a training-state file, under `name` (`<param>.m`, `<param>.v`): the f32 values,
-    /// or for 8-bit moments the code indices (`<name>.q8`) and block scales (`<name>.absmax`), which restore
-    /// the moment exactly.
-    fn to_host(&self, name: &str) -> Vec<(String, HostTensor)> {
+    /// The tensors of a training-state file, under `name` (`<param>.m`, `<param>.v`): the f32 values, or for
+    /// 8-bit moments the code indices (`<name>.q8`, u8) and block scales (`<name>.absmax`), which restore the
+    /// moment exactly; each copied from the device when the writer reaches it.
+    fn streamed(&self, name: &str) -> Vec<(String, StreamedTensor<'static>)> {
         match self {
-            Moment::Dense(t) => vec![(name.to_string(), flat_host::<B>(t))],
+            Moment::Dense(t) => vec![(name.to_string(), streamed_f32::<B>(t))],
             Moment::Blocks(blocks) => {
-                let (codes, scales) = blocks.to_host();
-                vec![(format!("{name}{CODES_SUFFIX}"), flat(codes)), (format!("{name}.absmax"), flat(scales))]
+                let (codes, scales) = (blocks.codes.clone(), blocks.absmax.clone());
+                let read_codes = move || codes.clone().into_data().convert::<u8>().into_vec::<u8>();
+                let read_scales = move || scales.clone().into_data().convert::<f32>().into_vec::<f32>();
+                let why = |e: burn::tensor::DataError| format!("{e:?}");
+                let codes = StreamedTensor::new(Dtype::U8, vec![blocks.block_count() * quant8::BLOCK], move || {
+                    read_codes().map_err(why)
+                });
+                let scales = StreamedTensor::new(Dtype::F32, vec![blocks.block_count()], move || {
+                    read_scales().map(|v| f32_bytes(&v)).map_err(why)
+                });
+                vec![(format!("{name}{CODES_SUFFIX}"), codes), (format!("{name}.absmax"), scales)]
             }
         }
     }
 
-    /// The moment saved under `name` by `to_host` for a parameter of `len` values, in `dtype`; `None` where
+    /// The moment saved under `name` by `streamed` for a parameter of `len` values, in `dtype`; `None` where
     /// nothing is saved under that name.
     fn from_host(
         saved: &HashMap<String, HostTensor>,
@@ -143,15 +154,19 @@ fn primitive<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> B::FloatTensor
     tensor.into_primitive().tensor()
 }
 
-/// A stored state tensor's values as a flat f32 host tensor (for a training-state file).
-fn flat_host<B: Backend>(t: &B::FloatTensorPrimitive) -> HostTensor {
+/// A stored state tensor's values as a flat f32 tensor of a training-state file, copied from the device
+/// when written.
+fn streamed_f32<B: Backend>(t: &B::FloatTensorPrimitive) -> StreamedTensor<'static> {
     let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t.clone()));
-    flat(t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default())
+    let len = t.shape().num_elements();
+    StreamedTensor::new(Dtype::F32, vec![len], move || {
+        let values = t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+        Ok(f32_bytes(&values))
+    })
 }
 
-/// `data` as a one-dimensional host tensor.
-fn flat(data: Vec<f32>) -> HostTensor {
-    HostTensor { shape: vec![data.len()], data }
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 /// A stored state tensor in the parameter's `shape`: as is when it has it, else (flat, from a file) reshaped
@@ -177,21 +192,29 @@ impl<B: Backend> AdamW<B> {
         AdamW { config, steps: 0, states: HashMap::new() }
     }
 
-    /// Moments (`<name>.m`, `<name>.v`: f32 values, or 8-bit codes and scales, `Moment::to_host`) and f32
-    /// master weights (`<name>.master`) as f32 host tensors named by `names` (parameter id → stable name),
-    /// for a training-state file.
-    pub fn export_state(&self, names: &HashMap<ParamId, String>) -> Vec<(String, HostTensor)> {
+    /// Moments (`<name>.m`, `<name>.v`: f32 values, or 8-bit codes and scales, `Moment::streamed`) and f32
+    /// master weights (`<name>.master`), named by `names` (parameter id → stable name), as the tensors of a
+    /// training-state file, each copied from the device when written.
+    pub fn state_tensors(&self, names: &HashMap<ParamId, String>) -> Vec<(String, StreamedTensor<'static>)> {
         let mut out = Vec::new();
         for (id, state) in &self.states {
             let Some(name) = names.get(id) else { continue };
-            out.extend(state.m.to_host(&format!("{name}.m")));
-            out.extend(state.v.to_host(&format!("{name}.v")));
+            out.extend(state.m.streamed(&format!("{name}.m")));
+            out.extend(state.v.streamed(&format!("{name}.v")));
             if let Some(master) = &state.master {
-                out.push((format!("{name}.master"), flat_host::<B>(master)));
+                out.push((format!("{name}.master"), streamed_f32::<B>(master)));
             }
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
+    }
+
+    /// `state_tensors` as f32 host tensors (8-bit codes as their values), as `import_state` takes them.
+    pub fn export_state(&self, names: &HashMap<ParamId, String>) -> Result<Vec<(String, HostTensor)>, String> {
+        self.state_tensors(names)
+            .into_iter()
+            .map(|(name, t)| t.to_host().map(|host| (name.clone(), host)).map_err(|why| format!("{name}: {why}")))
+            .collect()
     }
 
     /// Restores a state saved by `export_state` onto the parameters of `names` (id → name and number of
@@ -849,7 +872,7 @@ mod tests {
             let p = param();
             let p = step::<CpuTrain, _>(p.clone(), &mut opt, &grads(&p, 2), 1e-2, None).0;
             let names = HashMap::from([(p.id, "w".to_string())]);
-            let saved: HashMap<String, HostTensor> = opt.export_state(&names).into_iter().collect();
+            let saved: HashMap<String, HostTensor> = opt.export_state(&names).unwrap().into_iter().collect();
             let eight_bit = saved.contains_key("w.m.q8") && saved.contains_key("w.v.absmax");
             assert_eq!(eight_bit, moments == MomentDtype::Q8, "{moments:?}: {:?}", saved.keys());
             let mut restored = AdamW::<Cpu>::new(config);

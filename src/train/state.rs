@@ -16,7 +16,7 @@ use super::TrainError;
 use super::optim::{AdamW, CODES_SUFFIX};
 use super::trainer::TrainConfig;
 use crate::models::CausalLm;
-use crate::models::hf::{ExportDtype, HfNamed, RawTensor, write_safetensors};
+use crate::models::hf::{ExportDtype, HfNamed, write_streamed};
 use crate::models::weights::HostTensor;
 
 /// What a training run started from. A state trained from another checkpoint (a run folder reused for
@@ -194,18 +194,7 @@ pub(super) fn write_state<B: AutodiffBackend>(
     let tmp = dir.with_extension("partial");
     let _ = std::fs::remove_dir_all(&tmp);
     model.export(source_dir, &tmp, ExportDtype::F32, usize::MAX)?;
-    // 8-bit moments' code indices go to the file as u8, everything else as f32.
-    let (codes, moments): (Vec<_>, Vec<_>) =
-        opt.export_state(&param_names(model)).into_iter().partition(|(name, _)| name.ends_with(CODES_SUFFIX));
-    let codes = codes
-        .into_iter()
-        .map(|(name, t)| {
-            let bytes = t.data.iter().map(|&c| c as u8).collect();
-            (name, RawTensor { dtype: safetensors::Dtype::U8, shape: t.shape, bytes })
-        })
-        .collect();
-    let moments = moments.into_iter().collect();
-    write_safetensors(&moments, &codes, &tmp.join("optimizer"), ExportDtype::F32, &|_| false, usize::MAX)?;
+    write_streamed(opt.state_tensors(&param_names(model)), &tmp.join("optimizer"), usize::MAX)?;
     let text = serde_json::to_string_pretty(&position).unwrap_or_default() + "\n";
     let state_err = |e: std::io::Error| TrainError::State { path: tmp.clone(), message: e.to_string() };
     std::fs::write(tmp.join("position.json"), text).map_err(state_err)?;

@@ -126,7 +126,8 @@ where
         }
     }
     let names = HashMap::from([(model.weight.id, "weight".to_string()), (model.bias.id, "bias".to_string())]);
-    let state: HashMap<String, Vec<f32>> = opt.export_state(&names).into_iter().map(|(k, t)| (k, t.data)).collect();
+    let state: HashMap<String, Vec<f32>> =
+        opt.export_state(&names).unwrap().into_iter().map(|(k, t)| (k, t.data)).collect();
     assert!(state.contains_key("bias.m") && !state.contains_key("bias.m.q8"), "small tensors keep f32 moments");
     for (moment, map) in [("m", Map::Signed), ("v", Map::Unsigned)] {
         let want = f.f32s(&format!("adamw.weight.{moment}.absmax"));

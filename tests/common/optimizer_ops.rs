@@ -133,7 +133,7 @@ where
         params.extend(model.many.iter().map(|p| values(p.val())));
         steps.push((norm, params));
     }
-    let state = opt.export_state(&names).into_iter().map(|(name, t)| (name, t.data)).collect();
+    let state = opt.export_state(&names).unwrap().into_iter().map(|(name, t)| (name, t.data)).collect();
     (steps, state)
 }
 
