@@ -299,7 +299,6 @@ fn kiln_train_lowers_the_loss_on_the_synthetic_sample() {
     std::fs::write(&config, "[train]\nepochs = 1\nlr = 3e-3\nglobal_batch = 4\nmicro_batch = 2\nwarmup_ratio = 0.0\nexport_dtype = \"f32\"\n").unwrap();
     let run_dir = p.join("run");
     let stderr = kiln(&[
-        "--quiet",
         "train",
         "--model-dir",
         base.to_str().unwrap(),
@@ -311,6 +310,19 @@ fn kiln_train_lowers_the_loss_on_the_synthetic_sample() {
         config.to_str().unwrap(),
     ]);
     assert!(stderr.contains("checkpoints:") && stderr.contains("epoch-1"), "{stderr}");
+    // The disk the run said it would write, before it loaded the model, is what it wrote, within 1 %.
+    let said = |what: &str| -> f64 {
+        let at = stderr.find(what).unwrap_or_else(|| panic!("{what}: {stderr}")) + what.len();
+        stderr[at..].split(" MB").next().unwrap().parse::<f64>().unwrap() * 1e6
+    };
+    let folder = |dir: &std::path::Path| kiln::train::disk::folder_bytes(dir) as f64;
+    let state_dir = run_dir.join("train/state");
+    let wrote =
+        [folder(&run_dir.join("checkpoints/epoch-1")), folder(&state_dir) + folder(&state_dir.join("optimizer"))];
+    let estimate = [said("train: disk: writes 1 epoch export of "), said(" and 1 training state of ")];
+    for (estimate, wrote) in estimate.into_iter().zip(wrote) {
+        assert!((estimate - wrote).abs() < 0.01 * wrote, "{estimate} estimated, {wrote} written: {stderr}");
+    }
     let m = metrics(&run_dir);
     assert!(m.len() >= 4, "{} steps", m.len());
     let first = m[0]["loss"].as_f64().unwrap();

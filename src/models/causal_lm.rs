@@ -206,6 +206,19 @@ pub fn checkpoint_tensor_sizes(dir: &Path) -> Result<Vec<(String, usize)>, Model
     Ok(loaded.map(|k| (k.clone(), store.shape(k).map_or(0, |s| s.iter().product()))).collect())
 }
 
+/// The bytes of the checkpoint tensors in `dir` that an export carries from it unchanged (those
+/// `ModelConfig::is_carried` names), as stored.
+pub fn checkpoint_carried_bytes(dir: &Path) -> Result<u64, ModelError> {
+    let config = ModelConfig::from_file(&dir.join("config.json"))?;
+    let store = WeightStore::open(dir)?;
+    let carried = store.keys().filter(|k| config.is_carried(k));
+    Ok(carried
+        .filter_map(
+            |k| Some((store.shape(k)?.iter().product::<usize>() * store.dtype(k)?.bitsize()).div_ceil(8) as u64),
+        )
+        .sum())
+}
+
 /// A seeded random-init model for `config` with the architecture's init rule (normal(0, `std`) weights).
 pub fn random_model<B: Backend>(
     config: &ModelConfig,
@@ -245,6 +258,13 @@ mod tests {
             assert_eq!(sizes, loaded, "{}", dir.display());
             let store = WeightStore::open(&dir).unwrap();
             assert_eq!(store.keys().count() - sizes.len(), carried, "{}", dir.display());
+            let file_bytes = std::fs::metadata(dir.join("model.safetensors")).unwrap().len();
+            let loaded_bytes: u64 =
+                sizes.iter().map(|(k, n)| (*n * store.dtype(k).unwrap().bitsize() / 8) as u64).sum();
+            let carried_bytes = checkpoint_carried_bytes(&dir).unwrap();
+            assert_eq!(carried_bytes > 0, carried > 0, "{}", dir.display());
+            // The header is all the file holds besides the tensors.
+            assert!(file_bytes - (loaded_bytes + carried_bytes) < 64 * 1024, "{}", dir.display());
         }
     }
 

@@ -577,8 +577,11 @@ pub fn write_streamed(
         let metadata: Option<std::collections::HashMap<String, String>> =
             Some([("format".to_string(), "pt".to_string())].into());
         let views = shard.iter().map(|(key, t)| (key, t));
-        safetensors::serialize_to_file(views, metadata, &path)
-            .map_err(|e| ModelError::Weights { path: path.clone(), message: e.to_string() })?;
+        // A file cut short (a full disk) is removed: it is not a checkpoint, and it holds the space.
+        safetensors::serialize_to_file(views, metadata, &path).map_err(|e| {
+            let _ = std::fs::remove_file(&path);
+            ModelError::Weights { path: path.clone(), message: e.to_string() }
+        })?;
         if let Some((key, why)) = shard.iter().find_map(|(key, t)| Some((key, t.failure.take()?))) {
             let _ = std::fs::remove_file(&path);
             return Err(ModelError::Weights { path, message: format!("{key}: {why}") });

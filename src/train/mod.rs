@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod data;
+pub mod disk;
 pub mod linear_ce;
 pub mod optim;
 pub mod quant8;
@@ -67,6 +68,10 @@ pub enum TrainError {
     /// (`optim::tensors_fit_device`, checked before the model loads or the first step).
     #[error("{0}")]
     OutOfMemory(String),
+    /// The exports and states still to be written outgrow the run folder's free disk space (`disk`,
+    /// checked before the model loads).
+    #[error("{0}")]
+    NoDiskSpace(String),
 }
 
 /// Runs `$go!(Backend)` with the autodiff backend for `$device` (`&str`), `$precision` (resolved) and

@@ -15,6 +15,9 @@ use serde::{Deserialize, Serialize};
 
 use super::TrainError;
 use super::data::TrainData;
+use super::disk::{
+    CheckpointBytes, DiskNeed, check_enabled as disk_check_enabled, folder_bytes, free_bytes, size_text,
+};
 use super::linear_ce::LinearCrossEntropy;
 use super::optim::{AdamW, AdamWConfig, StateMemory};
 use super::replicas::{GradientSync, ReplicaWork, Replicas, Share, ShareOutcome};
@@ -25,9 +28,9 @@ use super::state::{
 };
 use super::step::{MicroBatch, NonFiniteLoss, ShardOutcome, StepOutcome, optimizer_step, shard_step};
 use crate::backend::DeviceMemory;
-use crate::models::hf::ExportDtype;
+use crate::models::hf::{COMPANION_FILES, ExportDtype};
 use crate::models::weights::kept_in_f32;
-use crate::models::{CausalLm, ModelConfig, checkpoint_tensor_sizes, load_model};
+use crate::models::{CausalLm, ModelConfig, checkpoint_carried_bytes, checkpoint_tensor_sizes, load_model};
 use crate::tokens::shards::Row;
 
 /// The dtype parameters, activations and gradients are stored in. The optimizer's master weights and moments
@@ -352,22 +355,22 @@ struct ReplicaSource {
 }
 
 impl ReplicaSource {
+    /// Refuses a model whose state cannot fit `device`, by its checkpoint's headers, before loading takes
+    /// the memory (an 8B model in f32 on the CPU outgrows most hosts in the loading alone).
+    fn check_fits<B: LinearCrossEntropy + DeviceMemory>(&self, device: &B::Device) -> Result<(), TrainError> {
+        let Some(device_bytes) = B::total_bytes(device) else { return Ok(()) };
+        let sizes = checkpoint_tensor_sizes(&self.load_dir)?;
+        let tensors: Vec<(usize, usize)> =
+            sizes.iter().map(|(key, n)| (*n, training_bytes::<B>(self.cfg.precision, key))).collect();
+        super::optim::tensors_fit_device(&tensors, &self.cfg.adamw, self.accumulating, Some(device_bytes))
+            .map_err(TrainError::OutOfMemory)?;
+        Ok(())
+    }
+
     /// The model and optimizer on `device`, after checking that they fit it.
     fn load<B: LinearCrossEntropy + DeviceMemory>(&self, device: &B::Device) -> Result<Loaded<B>, TrainError> {
         let (cfg, load_dir) = (&self.cfg, &self.load_dir);
-        // A model whose state cannot fit is refused by its checkpoint's headers, before loading takes the
-        // memory (an 8B model in f32 on the CPU outgrows most hosts in the loading alone).
-        if let Some(device_bytes) = B::total_bytes(device) {
-            let bytes = |key: &str| match cfg.precision.dtype() {
-                _ if kept_in_f32(key) => 4,
-                Some(dtype) => DType::from(dtype).size(),
-                None => size_of::<B::FloatElem>(),
-            };
-            let sizes = checkpoint_tensor_sizes(load_dir)?;
-            let tensors: Vec<(usize, usize)> = sizes.iter().map(|(key, n)| (*n, bytes(key))).collect();
-            super::optim::tensors_fit_device(&tensors, &cfg.adamw, self.accumulating, Some(device_bytes))
-                .map_err(TrainError::OutOfMemory)?;
-        }
+        self.check_fits::<B>(device)?;
         let (config, mut model) = load_model::<B>(load_dir, device)?;
         if let Some(dtype) = cfg.precision.dtype() {
             model = model.cast_params(dtype);
@@ -387,6 +390,52 @@ impl ReplicaSource {
         }
         Ok(Loaded { config, model, opt, state_memory })
     }
+}
+
+/// Bytes a value of checkpoint tensor `key` takes while training in `precision` on backend `B`.
+fn training_bytes<B: Backend>(precision: Precision, key: &str) -> usize {
+    match precision.dtype() {
+        _ if kept_in_f32(key) => 4,
+        Some(dtype) => DType::from(dtype).size(),
+        None => size_of::<B::FloatElem>(),
+    }
+}
+
+/// Refuses a run whose exports and states still to come outgrow the free space where `run_dir` lies
+/// (`disk`), saying what it needs, before the model loads; `KILN_DISK_CHECK=off` skips it.
+fn check_disk<B: Backend>(
+    cfg: &TrainConfig,
+    load_dir: &Path,
+    run_dir: &Path,
+    position: &Position,
+    steps: (usize, usize),
+    show_progress: bool,
+) -> Result<(), TrainError> {
+    let (total_steps, steps_done) = steps;
+    let loaded = checkpoint_tensor_sizes(load_dir)?
+        .into_iter()
+        .map(|(key, n)| {
+            let bytes = training_bytes::<B>(cfg.precision, &key);
+            (key, n, bytes)
+        })
+        .collect();
+    let companions: u64 =
+        COMPANION_FILES.iter().map(|f| std::fs::metadata(load_dir.join(f)).map_or(0, |m| m.len())).sum();
+    let checkpoint = CheckpointBytes { loaded, copied_bytes: checkpoint_carried_bytes(load_dir)? + companions };
+    let epochs = position.epoch + 1..=cfg.epochs;
+    let replaced = epochs.clone().map(|k| folder_bytes(&run_dir.join("checkpoints").join(format!("epoch-{k}")))).sum();
+    let periodic = cfg.save_every.filter(|&n| n > 0).map_or(0, |n| total_steps / n - steps_done / n);
+    let saves = epochs.clone().count() + periodic;
+    let state_exists = is_complete_state(&run_dir.join("train").join("state"));
+    let need =
+        DiskNeed::of(&checkpoint, cfg.adamw.moments, cfg.export_dtype, epochs.count(), saves, state_exists, replaced);
+    let Some(free) = free_bytes(run_dir) else { return Ok(()) };
+    match need.verdict(run_dir, free, disk_check_enabled()).map_err(TrainError::NoDiskSpace)? {
+        Some(warning) => eprintln!("warning: {warning}"),
+        None if show_progress => eprintln!("train: disk: writes {}, of {} free", need.summary(), size_text(free)),
+        None => {}
+    }
+    Ok(())
 }
 
 /// A replica beyond the trainer's own: its model between steps (taken while one runs) and optimizer.
@@ -500,6 +549,12 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     let config = ModelConfig::from_file(&load_dir.join("config.json"))?;
     data.check_vocabulary(data_dir, config.vocab_size())?;
     data.check_context(data_dir, config.max_position_embeddings())?;
+    let steps_per_epoch = data.rows.len().div_ceil(global_batch);
+    let total_steps = steps_per_epoch * cfg.epochs;
+    // Memory first (a machine that cannot hold the model is the harder refusal), then the disk, both before
+    // the weights load; `load` checks the memory again, as every replica's does.
+    source.check_fits::<B>(device)?;
+    check_disk::<B>(cfg, &load_dir, run_dir, &position, (total_steps, position.global_step), show_progress)?;
     let Loaded { config, mut model, mut opt, state_memory } = source.load::<B>(device)?;
     // The other replicas (train.devices > 1) load the same checkpoint or state on their own threads and devices.
     let mut replicas = Replicas::<B>::start(&devices, source.clone())?;
@@ -511,8 +566,6 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         let _ = std::fs::remove_file(&metrics_path);
     }
 
-    let steps_per_epoch = data.rows.len().div_ceil(global_batch);
-    let total_steps = steps_per_epoch * cfg.epochs;
     let warmup = cfg.warmup_steps.unwrap_or_else(|| (cfg.warmup_ratio * total_steps as f64).ceil() as usize);
     let schedule =
         Schedule { peak: cfg.lr, min_ratio: cfg.min_lr_ratio, warmup_steps: warmup, total_steps, decay: cfg.decay };
