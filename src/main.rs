@@ -456,6 +456,10 @@ struct TrainArgs {
     seed: Option<u64>,
     #[arg(long)]
     save_every: Option<usize>,
+    /// Keep no resumable state (`train.save_state = false`): only the epoch exports are written, and an
+    /// interrupted run starts over.
+    #[arg(long)]
+    no_state: bool,
     #[arg(long, value_enum)]
     export_dtype: Option<kiln::models::hf::ExportDtype>,
     #[arg(long)]
@@ -1237,6 +1241,7 @@ fn train_config(args: &TrainArgs) -> Result<kiln::train::TrainConfig> {
         cfg.adamw.moments = m;
     }
     cfg.activation_checkpointing |= args.activation_checkpointing;
+    cfg.save_state &= !args.no_state;
     Ok(cfg)
 }
 
@@ -1326,7 +1331,11 @@ fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
         "train: {} steps, {} epochs{} in {:.1}s; final loss {}; checkpoints: {}",
         summary.steps,
         summary.epochs_done,
-        if summary.interrupted { " (interrupted, resume with --resume)" } else { "" },
+        match (summary.interrupted, cfg.save_state) {
+            (true, true) => " (interrupted, resume with --resume)",
+            (true, false) => " (interrupted, no state saved: a new run starts from the beginning)",
+            (false, _) => "",
+        },
         summary.seconds,
         summary.final_loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into()),
         summary.checkpoints.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")

@@ -93,6 +93,41 @@ fn a_resumed_run_equals_the_uninterrupted_one_bit_for_bit() {
     });
 }
 
+/// Without a resumable state (`save_state = false`) a run writes the same epoch checkpoints and no state;
+/// stopped, it saves nothing, and a resume of it is refused for want of a state.
+#[test]
+fn a_run_without_a_state_exports_the_same_epochs_and_saves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixture_shards(dir.path(), 2);
+    let cfg = TrainConfig { epochs: 2, save_every: Some(1), ..parity_config() };
+    let (with, without) = (dir.path().join("with"), dir.path().join("without"));
+    let (_, model) = run::<CpuTrain>(&cfg, &data, &with, false, None);
+    let (summary, stateless) =
+        run::<CpuTrain>(&TrainConfig { save_state: false, ..cfg.clone() }, &data, &without, false, None);
+    assert_eq!(summary.epochs_done, 2);
+    assert!(with.join("train/state/position.json").is_file());
+    assert!(!without.join("train/state").exists() && !without.join("train/state.partial").exists());
+    for epoch in ["epoch-1", "epoch-2"] {
+        let file = |run: &std::path::Path| {
+            std::fs::read(run.join("checkpoints").join(epoch).join("model.safetensors")).unwrap()
+        };
+        assert!(file(&with) == file(&without), "{epoch} differs");
+    }
+    assert_eq!(hf_tensors(&model).len(), hf_tensors(&stateless).len());
+
+    let halted = dir.path().join("halted");
+    let stateless_cfg = TrainConfig { save_state: false, ..cfg };
+    let (summary, _) = run::<CpuTrain>(&stateless_cfg, &data, &halted, false, Some(1));
+    assert!(summary.interrupted && summary.steps == 1, "{summary:?}");
+    assert!(!halted.join("train/state").exists());
+    let model_dir = fixture_dir().join("lfm2-tiny");
+    let stop = AtomicBool::new(false);
+    let resumed =
+        train::<CpuTrain>(&stateless_cfg, &model_dir, &data, &halted, true, &stop, None, false, &Default::default());
+    let err = resumed.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("no saved state to resume from"), "{err}");
+}
+
 /// Data-parallel replicas train as one device does: two replicas (sharing the CPU) each run half of every
 /// step's micro-batches and burn's collective sums their gradients, and every loss, gradient norm and
 /// parameter stays within f32 rounding of the one-device run (the sums' order differs), for the tiny LFM2 and

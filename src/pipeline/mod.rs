@@ -81,10 +81,12 @@ pub enum PipelineError {
     /// hold, `TrainError::OutOfMemory`, from other failures).
     #[error("stage train: {0}")]
     Train(crate::train::TrainError),
-    #[error(
-        "training stopped after step {step} with its state saved; run the same command again to resume where it stopped"
-    )]
-    Interrupted { step: usize },
+    #[error("training stopped after step {step}{}", if *.saved {
+        " with its state saved; run the same command again to resume where it stopped"
+    } else {
+        " without a state to resume from (train.save_state = false); the same command again trains from the start"
+    })]
+    Interrupted { step: usize, saved: bool },
     #[error(transparent)]
     RunLock(#[from] crate::files::RunLockError),
 }

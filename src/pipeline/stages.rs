@@ -458,7 +458,7 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         })
         .map_err(PipelineError::Train)?;
     if summary.interrupted {
-        return Err(PipelineError::Interrupted { step: summary.steps });
+        return Err(PipelineError::Interrupted { step: summary.steps, saved: cfg.save_state });
     }
     let mut outputs = vec!["train/metrics.jsonl".to_string(), "train/summary.json".to_string()];
     outputs.extend((1..=summary.epochs_done).map(|k| format!("checkpoints/epoch-{k}")));

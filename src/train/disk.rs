@@ -103,7 +103,7 @@ impl DiskNeed {
         (self.total() > free).then(|| {
             format!(
                 "{} has {} free, and the training writes {} there: make room (or use moments = \"q8\", a bf16 \
-                 export, fewer epochs), or run it on a larger disk",
+                 export, fewer epochs, no resumable state: train.save_state = false), or run it on a larger disk",
                 dir.display(),
                 size_text(free),
                 self.summary()

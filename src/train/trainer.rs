@@ -93,6 +93,10 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Save the resumable state every this many optimizer steps (and at every epoch end).
     pub save_every: Option<usize>,
+    /// Keep a resumable state at all (at epoch ends, `save_every` steps and a stop). Off, a run writes only
+    /// its epoch exports: a model whose state outgrows the disk can train, and an interrupted run starts
+    /// over.
+    pub save_state: bool,
     pub export_dtype: ExportDtype,
     /// The accelerator's dense peak in TFLOP/s, for MFU (none on the CPU).
     pub peak_tflops: Option<f64>,
@@ -162,15 +166,21 @@ impl TrainConfig {
     }
 
     /// Whether a state saved with `saved` continues as this config would train: every setting equal but
-    /// activation checkpointing, which changes memory, not the updates, and the device count, which changes
-    /// only the order of the gradients' f32 sums (bit for bit, a resume wants the same count).
+    /// activation checkpointing, which changes memory, not the updates, the device count, which changes
+    /// only the order of the gradients' f32 sums (bit for bit, a resume wants the same count), and whether
+    /// states are saved.
     pub fn continues(&self, saved: &TrainConfig) -> bool {
         *self == self.as_resumed(saved)
     }
 
     /// `saved` with the settings a resume may change taken from this config.
     fn as_resumed(&self, saved: &TrainConfig) -> TrainConfig {
-        TrainConfig { activation_checkpointing: self.activation_checkpointing, devices: self.devices, ..saved.clone() }
+        TrainConfig {
+            activation_checkpointing: self.activation_checkpointing,
+            devices: self.devices,
+            save_state: self.save_state,
+            ..saved.clone()
+        }
     }
 
     /// The settings in which this config departs from a state saved with `saved`, as `train.lr 0.004 there,
@@ -218,6 +228,7 @@ impl Default for TrainConfig {
             max_grad_norm: Some(1.0),
             seed: 42,
             save_every: None,
+            save_state: true,
             export_dtype: ExportDtype::Bf16,
             peak_tflops: None,
             precision: Precision::Auto,
@@ -425,7 +436,7 @@ fn check_disk<B: Backend>(
     let epochs = position.epoch + 1..=cfg.epochs;
     let replaced = epochs.clone().map(|k| folder_bytes(&run_dir.join("checkpoints").join(format!("epoch-{k}")))).sum();
     let periodic = cfg.save_every.filter(|&n| n > 0).map_or(0, |n| total_steps / n - steps_done / n);
-    let saves = epochs.clone().count() + periodic;
+    let saves = if cfg.save_state { epochs.clone().count() + periodic } else { 0 };
     let state_exists = is_complete_state(&run_dir.join("train").join("state"));
     let need =
         DiskNeed::of(&checkpoint, cfg.adamw.moments, cfg.export_dtype, epochs.count(), saves, state_exists, replaced);
@@ -612,8 +623,12 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         let order = data.order(cfg.seed, position.epoch);
         while position.step_in_epoch < steps_per_epoch {
             if stop.load(Ordering::SeqCst) || halt_after.is_some_and(|n| position.global_step >= n) {
-                write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;
-                bar.abandon_with_message("interrupted: state saved, continue with --resume");
+                if cfg.save_state {
+                    write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;
+                    bar.abandon_with_message("interrupted: state saved, continue with --resume");
+                } else {
+                    bar.abandon_with_message("interrupted: no state saved (train.save_state = false)");
+                }
                 return Ok((finish(&position, last_loss, checkpoints, true)?, model));
             }
             let step_started = Instant::now();
@@ -680,7 +695,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             position.global_step += 1;
             position.optimizer_steps = opt.steps;
             bar.inc(1);
-            if cfg.save_every.is_some_and(|n| n > 0 && position.global_step % n == 0) {
+            if cfg.save_state && cfg.save_every.is_some_and(|n| n > 0 && position.global_step % n == 0) {
                 write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;
             }
         }
@@ -689,7 +704,9 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         let out = run_dir.join("checkpoints").join(format!("epoch-{}", position.epoch));
         model.export(model_dir, &out, cfg.export_dtype, crate::models::hf::SHARD_BYTES)?;
         checkpoints.push(out);
-        write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;
+        if cfg.save_state {
+            write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;
+        }
     }
     bar.finish_and_clear();
     Ok((finish(&position, last_loss, checkpoints, false)?, model))
@@ -795,7 +812,7 @@ mod tests {
     }
 
     /// A resume refused for a changed setting names each one with both values; those a resume may change
-    /// (activation checkpointing, the device count) are not named.
+    /// (activation checkpointing, the device count, whether states are saved) are not named.
     #[test]
     fn a_changed_setting_is_named_with_both_values() {
         let saved = TrainConfig { epochs: 2, lr: 4e-3, ..TrainConfig::default() };
@@ -804,6 +821,7 @@ mod tests {
             adamw: AdamWConfig { beta2: 0.95, ..saved.adamw },
             activation_checkpointing: true,
             devices: 2,
+            save_state: false,
             ..saved.clone()
         };
         assert!(!now.continues(&saved));
@@ -811,7 +829,7 @@ mod tests {
             now.changes_from(&saved),
             ["train.epochs 2 there, 1 now", "train.adamw.beta2 0.999 there, 0.95 now"]
         );
-        let resumable = TrainConfig { activation_checkpointing: true, devices: 2, ..saved.clone() };
+        let resumable = TrainConfig { activation_checkpointing: true, devices: 2, save_state: false, ..saved.clone() };
         assert!(resumable.continues(&saved) && resumable.changes_from(&saved).is_empty());
     }
 
