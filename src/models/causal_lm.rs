@@ -9,7 +9,7 @@ use std::collections::HashSet;
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Int, Tensor};
+use burn::tensor::{DType, FloatDType, Int, Tensor};
 
 use super::config::{ModelConfig, outside_text_tower};
 use super::decode::generate_greedy;
@@ -98,12 +98,32 @@ impl<B: Backend> CausalLm<B> {
         dtype: ExportDtype,
         shard_bytes: usize,
     ) -> Result<Vec<PathBuf>, ModelError> {
+        let dtype_of = |key: &str, _: DType| if kept_in_f32(key) { ExportDtype::F32 } else { dtype };
+        self.export_with(source_dir, out_dir, &dtype_of, shard_bytes)
+    }
+
+    /// `export` with every tensor in the dtype it has on the device: bf16 parameters as bf16, the rest
+    /// (f32 ones, f16 ones, buffers) in f32, so the checkpoint reloads to the same values, in half the bytes
+    /// for bf16 parameters: how a training state keeps the weights.
+    pub fn export_exact(&self, source_dir: &Path, out_dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+        let dtype_of = |_: &str, d: DType| if d == DType::BF16 { ExportDtype::Bf16 } else { ExportDtype::F32 };
+        self.export_with(source_dir, out_dir, &dtype_of, usize::MAX)
+    }
+
+    /// `export` with each tensor in the dtype `dtype_of` gives its name and its dtype on the device (a
+    /// buffer's is f32).
+    fn export_with(
+        &self,
+        source_dir: &Path,
+        out_dir: &Path,
+        dtype_of: &dyn Fn(&str, DType) -> ExportDtype,
+        shard_bytes: usize,
+    ) -> Result<Vec<PathBuf>, ModelError> {
         let source = self.carried_source(source_dir)?;
         let buffers = self.buffers();
-        let mut tensors = streamed_hf_tensors(self, dtype, &kept_in_f32);
+        let mut tensors = streamed_hf_tensors(self, dtype_of);
         for (key, t) in &buffers {
-            let d = if kept_in_f32(key) { ExportDtype::F32 } else { dtype };
-            tensors.push((key.clone(), StreamedTensor::encoded(t, d)));
+            tensors.push((key.clone(), StreamedTensor::encoded(t, dtype_of(key, DType::F32))));
         }
         if let Some(store) = &source {
             for key in store.keys().filter(|k| self.is_carried(k)) {

@@ -10,8 +10,8 @@ use std::path::Path;
 use std::rc::Rc;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Tensor};
 use safetensors::Dtype;
 
 use super::ModelError;
@@ -251,11 +251,18 @@ fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> HostTensor {
 /// A parameter's host copy, made when asked for.
 type ParamRead = Box<dyn Fn() -> HostTensor>;
 
+/// A parameter's shape and dtype on the device, and how to copy it to the host.
+struct DeviceParam {
+    shape: Vec<usize>,
+    dtype: DType,
+    read: ParamRead,
+}
+
 /// The model's parameters by id, each copied to the host when read. A parameter that several checkpoint
 /// tensors are cut from (an MoE layer's fused experts) is copied once and kept until its last tensor has
 /// been read, whatever the order, and no other host copy is kept: a model is read tensor by tensor.
 struct ParamReader {
-    params: HashMap<ParamId, (Vec<usize>, ParamRead)>,
+    params: HashMap<ParamId, DeviceParam>,
     /// Reads still to come of each parameter, from the checkpoint entries.
     uses: RefCell<HashMap<ParamId, usize>>,
     kept: RefCell<HashMap<ParamId, Rc<HostTensor>>>,
@@ -279,7 +286,11 @@ impl ParamReader {
     }
 
     fn shape(&self, id: &ParamId) -> Option<&[usize]> {
-        self.params.get(id).map(|(shape, _)| shape.as_slice())
+        self.params.get(id).map(|p| p.shape.as_slice())
+    }
+
+    fn dtype(&self, id: &ParamId) -> Option<DType> {
+        self.params.get(id).map(|p| p.dtype)
     }
 
     /// The parameter's host copy, for one of the entries that read it.
@@ -294,7 +305,7 @@ impl ParamReader {
         if let Some(t) = kept {
             return Some(t);
         }
-        let t = Rc::new((self.params.get(id)?.1)());
+        let t = Rc::new((self.params.get(id)?.read)());
         self.copies.set(self.copies.get() + 1);
         if remaining > 0 {
             self.kept.borrow_mut().insert(*id, t.clone());
@@ -307,7 +318,8 @@ impl<B: Backend> ModuleVisitor<B> for ParamReader {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         // A handle on the device tensor, not a copy of it.
         let value = param.val();
-        self.params.insert(param.id, (value.dims().to_vec(), Box::new(move || host(value.clone()))));
+        let (shape, dtype) = (value.dims().to_vec(), value.dtype());
+        self.params.insert(param.id, DeviceParam { shape, dtype, read: Box::new(move || host(value.clone())) });
     }
 }
 
@@ -332,12 +344,12 @@ pub fn hf_tensors<B: Backend, M: Module<B> + HfNamed>(model: &M) -> BTreeMap<Str
     entries.into_iter().filter_map(|e| Some((e.key, to_hf(e.view, &*params.read(&e.id)?)))).collect()
 }
 
-/// The model's tensors as `hf_tensors` names and lays them out, in `dtype` (f32 where `keep_f32`), each
-/// copied from the device and encoded only when the writer reaches it (`write_streamed`).
+/// The model's tensors as `hf_tensors` names and lays them out, each in the dtype `dtype_of` gives its name
+/// and its parameter's dtype on the device, copied from the device and encoded only when the writer reaches
+/// it (`write_streamed`).
 pub fn streamed_hf_tensors<'a, B: Backend, M: Module<B> + HfNamed>(
     model: &M,
-    dtype: ExportDtype,
-    keep_f32: &'a dyn Fn(&str) -> bool,
+    dtype_of: &dyn Fn(&str, DType) -> ExportDtype,
 ) -> Vec<(String, StreamedTensor<'a>)> {
     let entries = model.hf_entries();
     let params = Rc::new(ParamReader::of(model, &entries));
@@ -345,7 +357,7 @@ pub fn streamed_hf_tensors<'a, B: Backend, M: Module<B> + HfNamed>(
         .into_iter()
         .filter_map(|e| {
             let shape = hf_shape(e.view, params.shape(&e.id)?);
-            let d = if keep_f32(&e.key) { ExportDtype::F32 } else { dtype };
+            let d = dtype_of(&e.key, params.dtype(&e.id)?);
             let params = params.clone();
             let id = e.id;
             let bytes = move || {

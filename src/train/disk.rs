@@ -4,6 +4,8 @@
 
 use std::path::Path;
 
+use burn::tensor::DType;
+
 use super::optim::MomentDtype;
 use super::quant8;
 use crate::models::hf::ExportDtype;
@@ -16,9 +18,9 @@ pub const DISK_CHECK_ENV: &str = "KILN_DISK_CHECK";
 /// A checkpoint's tensors as the disk plan counts them.
 #[derive(Debug, Clone, Default)]
 pub struct CheckpointBytes {
-    /// Each tensor the model loads: its checkpoint name, number of values, and bytes a value while training
-    /// (the precision's; f32 for `kept_in_f32` tensors).
-    pub loaded: Vec<(String, usize, usize)>,
+    /// Each tensor the model loads: its checkpoint name, number of values, and dtype while training (the
+    /// precision's; f32 for `kept_in_f32` tensors).
+    pub loaded: Vec<(String, usize, DType)>,
     /// What an export (and a state) copies from the source unchanged: another tower's tensors as stored,
     /// the config, tokenizer and template files.
     pub copied_bytes: u64,
@@ -33,7 +35,8 @@ pub struct DiskNeed {
     /// Exports still to be written, less what the epoch folders they replace hold now.
     pub exports_bytes: u64,
     pub exports: usize,
-    /// One training state: f32 weights, the carried tensors, AdamW moments and masters.
+    /// One training state: the weights (bf16 ones as bf16, the rest f32), the carried tensors, AdamW
+    /// moments and masters.
     pub state_bytes: u64,
     /// States written beside another at the peak: 0 when no save remains, 2 when none exists yet and
     /// there are two saves or more to come (the first stays until the second has its name), else 1.
@@ -60,11 +63,14 @@ impl DiskNeed {
         };
         let mut export_bytes = checkpoint.copied_bytes;
         let mut state_bytes = checkpoint.copied_bytes;
-        for (key, values, bytes) in &checkpoint.loaded {
+        for (key, values, dtype) in &checkpoint.loaded {
             let n = *values as u64;
             export_bytes += n * export_value(key);
-            let master = if *bytes < 4 { 4 * n } else { 0 };
-            state_bytes += 4 * n + master + moments_on_disk(*values, moments);
+            // The state keeps bf16 weights as bf16 and others in f32 (`CausalLm::export_exact`), beside f32
+            // masters of those below f32.
+            let weights = if *dtype == DType::BF16 { 2 } else { 4 };
+            let master = if dtype.size() < 4 { 4 } else { 0 };
+            state_bytes += (weights + master) * n + moments_on_disk(*values, moments);
         }
         let states = match (saves, state_exists) {
             (0, _) => 0,
@@ -79,8 +85,8 @@ impl DiskNeed {
         self.exports_bytes + self.states * self.state_bytes
     }
 
-    /// What the need is made of, as "2 epoch exports of 16.94 GB and 2 training states of 84.96 GB (a new
-    /// one is written beside the last until it has its name): 203.81 GB".
+    /// What the need is made of, as "2 epoch exports of 16.94 GB and 2 training states of 68.02 GB (a new
+    /// one is written beside the last until it has its name): 169.93 GB".
     pub fn summary(&self) -> String {
         let exports = match self.exports {
             0 => "no export".to_string(),
@@ -187,10 +193,10 @@ mod tests {
 
     /// LFM2.5-8B-A1B-like: 8.47 B values in bf16 and a few f32 buffers.
     fn eight_b() -> CheckpointBytes {
-        let mut loaded = vec![("model.embed_tokens.weight".to_string(), 128_000 * 2048, 2)];
+        let mut loaded = vec![("model.embed_tokens.weight".to_string(), 128_000 * 2048, DType::BF16)];
         for l in 0..24 {
-            loaded.push((format!("model.layers.{l}.feed_forward.experts.w"), 341_994_000, 2));
-            loaded.push((format!("model.layers.{l}.feed_forward.expert_bias"), 32, 4));
+            loaded.push((format!("model.layers.{l}.feed_forward.experts.w"), 341_994_000, DType::BF16));
+            loaded.push((format!("model.layers.{l}.feed_forward.expert_bias"), 32, DType::F32));
         }
         CheckpointBytes { loaded, copied_bytes: 0 }
     }
@@ -202,15 +208,16 @@ mod tests {
         let need = DiskNeed::of(&ckpt, MomentDtype::Q8, ExportDtype::Bf16, 2, 2, false, 0);
         // bf16 export, f32 expert_bias.
         assert_eq!(need.export_bytes, 2 * values + 2 * 24 * 32);
-        // f32 weights + f32 masters of the bf16 values + 8-bit moments (the 32-value biases keep f32 ones).
+        // bf16 weights and their f32 masters, the f32 biases, 8-bit moments (the 32-value biases keep f32 ones).
         let q8 = |n: u64| 2 * (n.div_ceil(256) * 256 + 4 * n.div_ceil(256));
-        let state = 4 * values + 4 * (values - 24 * 32) + q8(128_000 * 2048) + 24 * q8(341_994_000) + 24 * 8 * 32;
+        let bf16 = values - 24 * 32;
+        let state = 6 * bf16 + 4 * 24 * 32 + q8(128_000 * 2048) + 24 * q8(341_994_000) + 24 * 8 * 32;
         assert_eq!(need.state_bytes, state);
         assert_eq!((need.exports, need.states), (2, 2));
         assert_eq!(need.total(), 2 * need.export_bytes + 2 * state);
         // f32 moments on disk: 8 bytes a value; an f32 run has no masters.
         let f32_run = CheckpointBytes {
-            loaded: ckpt.loaded.iter().map(|(k, n, _)| (k.clone(), *n, 4)).collect(),
+            loaded: ckpt.loaded.iter().map(|(k, n, _)| (k.clone(), *n, DType::F32)).collect(),
             copied_bytes: 1000,
         };
         let need = DiskNeed::of(&f32_run, MomentDtype::F32, ExportDtype::F32, 1, 1, false, 0);
@@ -223,7 +230,7 @@ mod tests {
     /// epoch folders that will be replaced count against the exports.
     #[test]
     fn states_beside_each_other_and_replaced_exports() {
-        let ckpt = CheckpointBytes { loaded: vec![("w".into(), 1000, 4)], copied_bytes: 0 };
+        let ckpt = CheckpointBytes { loaded: vec![("w".into(), 1000, DType::F32)], copied_bytes: 0 };
         let states =
             |saves, exists| DiskNeed::of(&ckpt, MomentDtype::F32, ExportDtype::F32, 1, saves, exists, 0).states;
         assert_eq!(
@@ -244,8 +251,8 @@ mod tests {
         let why = need.verdict(dir, 64_000_000_000, true).unwrap_err();
         let parts = [
             "runs/x has 64.00 GB free",
-            "writes 2 epoch exports of 16.94 GB and 2 training states of 84.96 GB",
-            ": 203.81 GB there",
+            "writes 2 epoch exports of 16.94 GB and 2 training states of 68.02 GB",
+            ": 169.93 GB there",
             "; KILN_DISK_CHECK=off skips this check",
         ];
         for part in parts {

@@ -16,7 +16,7 @@ use super::TrainError;
 use super::optim::{AdamW, CODES_SUFFIX};
 use super::trainer::TrainConfig;
 use crate::models::CausalLm;
-use crate::models::hf::{ExportDtype, HfNamed, write_streamed};
+use crate::models::hf::{HfNamed, write_streamed};
 use crate::models::weights::HostTensor;
 
 /// What a training run started from. A state trained from another checkpoint (a run folder reused for
@@ -193,7 +193,7 @@ pub(super) fn write_state<B: AutodiffBackend>(
     let position = Position { seconds, ..position.clone() };
     let tmp = dir.with_extension("partial");
     let _ = std::fs::remove_dir_all(&tmp);
-    model.export(source_dir, &tmp, ExportDtype::F32, usize::MAX)?;
+    model.export_exact(source_dir, &tmp)?;
     write_streamed(opt.state_tensors(&param_names(model)), &tmp.join("optimizer"), usize::MAX)?;
     let text = serde_json::to_string_pretty(&position).unwrap_or_default() + "\n";
     let state_err = |e: std::io::Error| TrainError::State { path: tmp.clone(), message: e.to_string() };

@@ -372,7 +372,7 @@ impl ReplicaSource {
         let Some(device_bytes) = B::total_bytes(device) else { return Ok(()) };
         let sizes = checkpoint_tensor_sizes(&self.load_dir)?;
         let tensors: Vec<(usize, usize)> =
-            sizes.iter().map(|(key, n)| (*n, training_bytes::<B>(self.cfg.precision, key))).collect();
+            sizes.iter().map(|(key, n)| (*n, training_dtype::<B>(self.cfg.precision, key).size())).collect();
         super::optim::tensors_fit_device(&tensors, &self.cfg.adamw, self.accumulating, Some(device_bytes))
             .map_err(TrainError::OutOfMemory)?;
         Ok(())
@@ -403,12 +403,12 @@ impl ReplicaSource {
     }
 }
 
-/// Bytes a value of checkpoint tensor `key` takes while training in `precision` on backend `B`.
-fn training_bytes<B: Backend>(precision: Precision, key: &str) -> usize {
+/// The dtype checkpoint tensor `key` has while training in `precision` on backend `B`.
+fn training_dtype<B: Backend>(precision: Precision, key: &str) -> DType {
     match precision.dtype() {
-        _ if kept_in_f32(key) => 4,
-        Some(dtype) => DType::from(dtype).size(),
-        None => size_of::<B::FloatElem>(),
+        _ if kept_in_f32(key) => DType::F32,
+        Some(dtype) => DType::from(dtype),
+        None => <B::FloatElem as burn::tensor::Element>::dtype(),
     }
 }
 
@@ -426,8 +426,8 @@ fn check_disk<B: Backend>(
     let loaded = checkpoint_tensor_sizes(load_dir)?
         .into_iter()
         .map(|(key, n)| {
-            let bytes = training_bytes::<B>(cfg.precision, &key);
-            (key, n, bytes)
+            let dtype = training_dtype::<B>(cfg.precision, &key);
+            (key, n, dtype)
         })
         .collect();
     let companions: u64 =
