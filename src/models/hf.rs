@@ -447,10 +447,6 @@ impl<'a> StreamedTensor<'a> {
         StreamedTensor::new(t.dtype, t.shape.clone(), move || Ok(t.bytes.clone()))
     }
 
-    pub fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-
     /// The tensor in f32 on the host, made now (integer codes become their values).
     pub fn to_host(&self) -> Result<HostTensor, String> {
         let bytes = self.checked_bytes()?;
