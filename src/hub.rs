@@ -506,6 +506,20 @@ pub fn is_repo_relative(path: &str) -> bool {
     !path.contains('\\') && path.split('/').all(|part| !matches!(part, "" | "." | ".."))
 }
 
+/// Whether `id` is a Hub repo id as the Hub accepts one: `owner/name`, each part of letters, digits, `-`, `_`
+/// and `.`, neither starting nor ending with `-` or `.`, without `--` or `..`, the name at most 96 long.
+pub fn is_repo_id(id: &str) -> bool {
+    let part_ok = |part: &str| {
+        !part.is_empty()
+            && part.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+            && !part.starts_with(['-', '.'])
+            && !part.ends_with(['-', '.'])
+            && !part.contains("--")
+            && !part.contains("..")
+    };
+    matches!(id.split_once('/'), Some((owner, name)) if part_ok(owner) && part_ok(name) && name.len() <= 96 && !name.contains('/'))
+}
+
 pub fn is_commit_hash(revision: &str) -> bool {
     revision.len() == 40 && revision.bytes().all(|b| b.is_ascii_hexdigit())
 }
@@ -626,6 +640,17 @@ mod tests {
             required: compile_patterns(&s.files).unwrap(),
             optional: compile_patterns(&s.optional_files).unwrap(),
         }
+    }
+
+    #[test]
+    fn repo_ids_are_owner_and_name() {
+        for good in ["LiquidAI/LFM2-350M", "me/tiny_sft.v2", "a/b"] {
+            assert!(is_repo_id(good), "{good}");
+        }
+        for bad in ["", "tiny", "a/b/c", "/b", "a/", "a/-b", "a/b.", "a/b--c", "a/b..c", "a b/c", "a/ü"] {
+            assert!(!is_repo_id(bad), "{bad}");
+        }
+        assert!(!is_repo_id(&format!("a/{}", "x".repeat(97))));
     }
 
     #[test]

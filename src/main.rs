@@ -813,7 +813,12 @@ fn card_cmd(args: CardArgs) -> Result<()> {
         .with_context(|| format!("no base checkpoint recorded in {}", args.run.display()))?;
     let command = saved["command"].as_str().unwrap_or("kiln sft").to_string();
     let card = kiln::report::card::write_card(&args.run, &config, &base, &command)?;
-    eprintln!("card: {} ({} checkpoints in the eval table)", card.path.display(), card.figures);
+    eprintln!(
+        "card: {} and the selected checkpoint's {} ({} checkpoints in the eval table)",
+        card.path.display(),
+        card.checkpoint_card.display(),
+        card.figures
+    );
     Ok(())
 }
 

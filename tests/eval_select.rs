@@ -196,6 +196,11 @@ fn select_evaluates_what_is_missing_and_picks_the_better_epoch() {
     init(&run.join("checkpoints/epoch-2"), "4");
     let stderr = select("4");
     assert!(stderr.contains("epoch-2 changed after") && stderr.matches("evaluating").count() == 1, "{stderr}");
+    // Its model card, written after the result (the card stage does so), is not a change of the checkpoint.
+    std::fs::write(run.join("checkpoints/epoch-2/README.md"), "# card\n").unwrap();
+    std::fs::create_dir_all(run.join("checkpoints/epoch-2/card")).unwrap();
+    let stderr = select("4");
+    assert!(!stderr.contains("evaluating"), "{stderr}");
     // Results measured otherwise than this select asks (more new tokens) are evaluated again.
     let stderr = select("5");
     assert!(stderr.contains("epoch-1.json was measured otherwise (max_tokens 4 there, 5 now)"), "{stderr}");

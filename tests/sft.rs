@@ -132,6 +132,19 @@ fn a_hub_model_is_pulled_trained_and_carded_with_its_license() {
     let md = std::fs::read_to_string(run.join("README.md")).unwrap();
     assert!(md.contains("license: other\n") && md.contains("base_model: kiln-test/tiny-lfm2"), "{md}");
     assert!(json(&run.join("eval/epoch-2.json"))["aggregate"]["steps"] == 3);
+    let own = std::fs::read_to_string(run.join("best/README.md")).unwrap();
+    assert!(own.contains("license: other\n") && own.contains("base_model: kiln-test/tiny-lfm2"), "{own}");
+
+    // A second stage from that checkpoint reads its card: the Hub model it came from and that model's license
+    // (fast.toml says apache-2.0).
+    let best = run.join("best");
+    let b = best.to_str().unwrap();
+    let (ok, stderr) =
+        sft(&pipeline, &configs, &["--base", b, "--run", "hub-2", "--epochs", "1", "--set", "eval.limit=1"]);
+    assert!(ok, "{stderr}");
+    let md = std::fs::read_to_string(dir.path().join("runs/hub-2/README.md")).unwrap();
+    assert!(md.contains("license: other\n") && md.contains("base_model: kiln-test/tiny-lfm2\n"), "{md}");
+    assert!(md.contains(&format!("Full fine-tune of the checkpoint `{b}`, itself a fine-tune of kiln-test/tiny-lfm2")));
 }
 
 fn sft(pipeline: &Path, configs: &Path, extra: &[&str]) -> (bool, String) {
@@ -153,7 +166,35 @@ fn table_row(md: &str, first: &str) -> Vec<String> {
     line.trim_matches('|').split(" | ").map(|c| c.trim().to_string()).collect()
 }
 
+/// The selected checkpoint's own card: the run card's front matter and tables, loading from the checkpoint,
+/// with its figures beside it and no link out of the folder; no other epoch has one.
+fn check_checkpoint_card(run: &Path) {
+    let chosen = json(&run.join("selection.json"))["chosen"].as_str().unwrap().to_string();
+    let (md, own) = (
+        std::fs::read_to_string(run.join("README.md")).unwrap(),
+        std::fs::read_to_string(run.join("best/README.md")).unwrap(),
+    );
+    let front = |md: &str| md.split("\n---\n").next().unwrap().to_string();
+    assert_eq!(front(&own), front(&md));
+    assert_eq!(table_row(&own, &chosen), table_row(&md, &chosen));
+    assert!(own.contains(&format!("These weights are the run's `{chosen}`")), "{own}");
+    assert!(own.contains(&format!("path = \"{}\"", run.join("best").display())), "{own}");
+    assert!(!own.contains("](report/") && own.contains(&run.join("report/index.html").display().to_string()));
+    for png in ["loss.png", "scores.png"] {
+        assert_eq!(
+            std::fs::read(run.join("best/card").join(png)).unwrap(),
+            std::fs::read(run.join("card").join(png)).unwrap()
+        );
+    }
+    for other in std::fs::read_dir(run.join("checkpoints")).unwrap().map(|e| e.unwrap().path()) {
+        if !other.ends_with(&chosen) {
+            assert!(!other.join("README.md").exists() && !other.join("card").exists(), "{}", other.display());
+        }
+    }
+}
+
 fn check_card(run: &Path) {
+    check_checkpoint_card(run);
     let md = std::fs::read_to_string(run.join("README.md")).unwrap();
     let front = md.strip_prefix("---\n").and_then(|b| b.split_once("\n---\n")).expect("YAML front matter").0;
     for key in
@@ -291,6 +332,19 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     assert!(!ok && stderr.contains(&format!("metrics.jsonl: line {line}: expected value")), "{stderr}");
     assert_eq!(std::fs::read_to_string(run.join("README.md")).unwrap(), before);
     std::fs::write(&metrics, good).unwrap();
+
+    // The published name goes into the checkpoint's own card only: the card alone is written again.
+    let (ok, stderr) = sft(&pipeline, &configs, &["--set", "publish_repo=me/fast-sft"]);
+    assert!(ok && stderr.contains("1 stages run, 7 skipped"), "{stderr}");
+    let published = std::fs::read_to_string(run.join("best/README.md")).unwrap();
+    assert!(
+        published.contains("path = \"me/fast-sft\"") && published.contains("vllm serve me/fast-sft "),
+        "{published}"
+    );
+    let run_card = std::fs::read_to_string(run.join("README.md")).unwrap();
+    assert!(run_card.contains(&format!("path = \"{}\"", run.join("best").display())), "loads from best/: {run_card}");
+    let (ok, stderr) = sft(&pipeline, &configs, &["--set", "publish_repo=fast-sft"]);
+    assert!(!ok && stderr.contains("publish_repo 'fast-sft' is not a Hub repo id (owner/name)"), "{stderr}");
 
     // A changed eval setting reruns eval and what follows it, nothing before.
     let text = std::fs::read_to_string(&config).unwrap().replace("limit = 3", "limit = 2");

@@ -74,9 +74,14 @@ impl Measure {
     }
 }
 
-/// The newest modification time of the files in a checkpoint folder (links followed).
+/// The newest modification time of the files in a checkpoint folder (links followed), its card left out.
 fn changed_at(dir: &Path) -> Option<SystemTime> {
-    std::fs::read_dir(dir).ok()?.flatten().filter_map(|e| std::fs::metadata(e.path()).ok()?.modified().ok()).max()
+    std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter(|e| !crate::models::hf::CARD_ENTRIES.iter().any(|card| e.file_name() == *card))
+        .filter_map(|e| std::fs::metadata(e.path()).ok()?.modified().ok())
+        .max()
 }
 
 /// Why the cached result at `path` cannot stand for `candidate` measured as `expected` (None: it can).

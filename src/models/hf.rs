@@ -509,6 +509,11 @@ pub const COMPANION_FILES: &[&str] = &[
     "video_preprocessor_config.json",
 ];
 
+/// The model card a checkpoint folder may hold (`README.md` and the figures it shows, in `card/`; kiln's card
+/// stage writes them into the selected epoch). They document the checkpoint and are not part of it: whatever
+/// asks whether a checkpoint changed leaves them out.
+pub const CARD_ENTRIES: &[&str] = &["README.md", "card"];
+
 /// A checkpoint tensor carried through an export unchanged: its dtype, shape and bytes as read.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RawTensor {

@@ -159,6 +159,9 @@ pub struct ModelConfig {
     pub license: Option<String>,
     #[serde(default)]
     pub languages: Vec<String>,
+    /// The Hub repo the fine-tuned model is to be published as (`owner/name`): the checkpoint's own card loads
+    /// it from there in its quickstart.
+    pub publish_repo: Option<String>,
     pub model: ModelSource,
     pub template: TemplatePolicy,
     pub data: DataPlan,
@@ -240,6 +243,9 @@ impl ModelConfig {
                  (a folder to initialize); `kiln sft --base DIR` replaces the model with a checkpoint folder"
                     .into(),
             );
+        }
+        if let Some(repo) = self.publish_repo.as_deref().filter(|r| !crate::hub::is_repo_id(r)) {
+            return Err(format!("publish_repo '{repo}' is not a Hub repo id (owner/name)"));
         }
         if self.data.seq_len < 2 {
             return Err(format!("[data] seq_len is {}: a row needs at least 2 tokens", self.data.seq_len));

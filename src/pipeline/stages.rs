@@ -168,7 +168,10 @@ fn fingerprint_checkpoint(dir: &Path, inputs: &mut BTreeMap<String, String>) -> 
     let entries = std::fs::read_dir(dir).map_err(|e| PipelineError::io(dir, e))?;
     for path in entries.flatten().map(|e| e.path()) {
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        if path.is_file() && !name.ends_with(".safetensors") {
+        // Its card is documentation (a card rewritten in the run it came from retrains nothing here); the card
+        // stage, which reads the card's license and origin, hashes it for itself.
+        let card = crate::models::hf::CARD_ENTRIES.contains(&name.as_str());
+        if path.is_file() && !name.ends_with(".safetensors") && !card {
             inputs.insert(format!("checkpoint/{name}"), hash_file(&path)?);
         }
     }
@@ -245,7 +248,14 @@ pub fn plan(ctx: &Context, stage: Stage) -> Result<StagePlan, PipelineError> {
             json!({"eval": c.eval, "device": ctx.device})
         }
         Stage::Select => json!({}),
-        Stage::Card => json!({"model": c.name, "command": ctx.req.command}),
+        Stage::Card => {
+            // The base's README gives the card its license and origin.
+            let readme = base_model_dir(ctx.run_dir, c).map(|d| d.join("README.md")).filter(|p| p.is_file());
+            if let Some(readme) = readme {
+                inputs.insert("base/README.md".into(), hash_file(&readme)?);
+            }
+            json!({"model": c.name, "command": ctx.req.command, "publish_repo": c.publish_repo})
+        }
     };
     Ok(StagePlan { params, inputs })
 }
@@ -432,6 +442,8 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     };
     if resume {
         eprintln!("  resuming from {}", ctx.run_dir.join("train/state").display());
+        // The card of an earlier selection no longer holds once training goes on.
+        crate::report::card::remove_checkpoint_cards(ctx.run_dir, None).map_err(|e| fail(Stage::Train)(&e))?;
     } else {
         // A fresh start: checkpoints of an earlier run must not be evaluated as this run's epochs.
         for dir in ["train", "checkpoints"] {
@@ -595,8 +607,20 @@ fn card(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let card =
         crate::report::card::write_card(ctx.run_dir, ctx.config, &base, &ctx.req.command).map_err(|e| err(&e))?;
     Ok(StageOutcome {
-        outputs: vec!["README.md".into(), "card/loss.png".into(), "card/scores.png".into()],
+        outputs: vec![
+            "README.md".into(),
+            "card/loss.png".into(),
+            "card/scores.png".into(),
+            "best/README.md".into(),
+            "best/card/loss.png".into(),
+            "best/card/scores.png".into(),
+        ],
         counts: json!({"figures": card.figures}),
-        summary: format!("{} ({} figures from the run's files)", ctx.run_dir.join("README.md").display(), card.figures),
+        summary: format!(
+            "{}, and the selected checkpoint's {} ({} eval rows from the run's files)",
+            card.path.display(),
+            card.checkpoint_card.display(),
+            card.figures
+        ),
     })
 }

@@ -34,6 +34,8 @@ pub struct CardInputs {
 
 pub struct CardOutput {
     pub path: PathBuf,
+    /// The selected checkpoint's own card (`checkpoints/epoch-<k>/README.md`, seen as `best/README.md`).
+    pub checkpoint_card: PathBuf,
     /// Rows of the evaluation table (base and epochs).
     pub figures: usize,
 }
@@ -254,7 +256,16 @@ fn limitations(
     out
 }
 
-/// Writes `README.md` and `card/loss.png`, `card/scores.png` into `run_dir`.
+/// Where a card is read: the run folder's overview, or the selected checkpoint's own card, which travels with
+/// its weights to the Hub (`hf upload owner/name runs/<run>/best`) and so links nothing outside the folder.
+#[derive(Clone, Copy, PartialEq)]
+enum Place {
+    Run,
+    Checkpoint,
+}
+
+/// Writes `README.md` and `card/loss.png`, `card/scores.png` into `run_dir`, and the checkpoint's card (the same
+/// figures and tables) into the selected epoch's folder, `best/`. No other epoch keeps a card.
 pub fn write_card(
     run_dir: &Path,
     config: &ModelConfig,
@@ -262,11 +273,75 @@ pub fn write_card(
     command: &str,
 ) -> Result<CardOutput, ReportError> {
     let inputs = read_inputs(run_dir)?;
+    let chosen_dir = selected_checkpoint(run_dir, &inputs.selection)?;
     let card_dir = run_dir.join("card");
     std::fs::create_dir_all(&card_dir).map_err(ReportError::io(&card_dir))?;
     loss_png(&card_dir.join("loss.png"), &inputs.metrics)?;
     scores_png(&card_dir.join("scores.png"), &inputs.evals)?;
 
+    remove_checkpoint_cards(run_dir, Some(&chosen_dir))?;
+    let figures_dir = chosen_dir.join("card");
+    std::fs::create_dir_all(&figures_dir).map_err(ReportError::io(&figures_dir))?;
+    for png in FIGURES {
+        let to = figures_dir.join(png);
+        std::fs::copy(card_dir.join(png), &to).map_err(ReportError::io(&to))?;
+    }
+    let checkpoint_card = chosen_dir.join("README.md");
+    let md = markdown(&inputs, run_dir, config, base_dir, command, Place::Checkpoint)?;
+    std::fs::write(&checkpoint_card, md).map_err(ReportError::io(&checkpoint_card))?;
+
+    let path = run_dir.join("README.md");
+    let md = markdown(&inputs, run_dir, config, base_dir, command, Place::Run)?;
+    std::fs::write(&path, md).map_err(ReportError::io(&path))?;
+    Ok(CardOutput { path, checkpoint_card, figures: inputs.evals.len() })
+}
+
+const FIGURES: [&str; 2] = ["loss.png", "scores.png"];
+
+/// The selected epoch's folder, which must lie in the run's `checkpoints/` (a card is never written into a
+/// base model, which may be another run's checkpoint or the Hub cache).
+fn selected_checkpoint(run_dir: &Path, selection: &Selection) -> Result<PathBuf, ReportError> {
+    let dir = run_dir.join("checkpoints").join(&selection.chosen);
+    if !dir.join("config.json").is_file() {
+        return Err(ReportError::Invalid {
+            path: run_dir.join("selection.json"),
+            message: format!(
+                "chooses '{}', which is not a checkpoint in {}: run the select stage again",
+                selection.chosen,
+                run_dir.join("checkpoints").display()
+            ),
+        });
+    }
+    Ok(dir)
+}
+
+/// Removes the card from every epoch folder of `run_dir` but `keep`: a card describes the selection it was
+/// written for, and training again (or choosing again) makes it untrue.
+pub fn remove_checkpoint_cards(run_dir: &Path, keep: Option<&Path>) -> Result<(), ReportError> {
+    let checkpoints = run_dir.join("checkpoints");
+    let Ok(entries) = std::fs::read_dir(&checkpoints) else { return Ok(()) };
+    for dir in entries.flatten().map(|e| e.path()).filter(|d| Some(d.as_path()) != keep && d.is_dir()) {
+        for entry in crate::models::hf::CARD_ENTRIES {
+            let path = dir.join(entry);
+            let removed = if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+            match removed {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(ReportError::io(&path)(e)),
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The card's markdown for `place`.
+fn markdown(
+    inputs: &CardInputs,
+    run_dir: &Path,
+    config: &ModelConfig,
+    base_dir: &Path,
+    command: &str,
+    place: Place,
+) -> Result<String, ReportError> {
     let sel = &inputs.selection;
     let chosen = inputs.evals.iter().find(|e| e.model == sel.chosen).ok_or_else(|| ReportError::Invalid {
         path: run_dir.join("selection.json"),
@@ -315,11 +390,23 @@ pub fn write_card(
         "{}\n\nFull fine-tune of {base_name} on assistant turns only, rendered with the model's native chat template ({template_origin}). It is meant to act as a terminal agent in the Terminus-2 format: given a task and the terminal screen, reply with the next batch of shell keystrokes as JSON.\n",
         config.description
     );
+    if place == Place::Checkpoint {
+        let _ = writeln!(
+            md,
+            "These weights are the run's `{}`, the checkpoint its evaluation below selected.\n",
+            sel.chosen
+        );
+    }
+    let best = run_dir.join("best").display().to_string();
+    let load_from = match (place, &config.publish_repo) {
+        (Place::Checkpoint, Some(repo)) => repo.clone(),
+        _ => best.clone(),
+    };
 
     md.push_str("## Quickstart\n\nWith transformers:\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n");
-    let _ = writeln!(md, "path = \"{}\"  # the selected checkpoint ({})", run_dir.join("best").display(), sel.chosen);
+    let _ = writeln!(md, "path = \"{load_from}\"  # the selected checkpoint ({})", sel.chosen);
     md.push_str("tok = AutoTokenizer.from_pretrained(path)\nmodel = AutoModelForCausalLM.from_pretrained(path, dtype=\"auto\")\nmessages = [{\"role\": \"user\", \"content\": \"<Terminus-2 prompt with the task and the terminal screen>\"}]\ninputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", return_dict=True)\nout = model.generate(**inputs, max_new_tokens=1024, do_sample=False)\nprint(tok.decode(out[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True))\n```\n\nWith vLLM:\n\n```bash\n");
-    let _ = writeln!(md, "vllm serve {} --served-model-name {run_name}", run_dir.join("best").display());
+    let _ = writeln!(md, "vllm serve {load_from} --served-model-name {run_name}");
     let _ = writeln!(
         md,
         "```\n\nThe evaluation rendered prompts with the chat template shipped in the checkpoint ({template_origin}, sha256 `{}`); use the same template.\n",
@@ -419,19 +506,22 @@ pub fn write_card(
                 &["figure", "value"],
                 &key_figures(ins).into_iter().map(|(k, v)| vec![k.to_string(), v]).collect::<Vec<_>>(),
             );
-            md.push_str("\nThe full inspection report, with rendered examples and their loss masks: [report/index.html](report/index.html).\n\n");
+            match place {
+                Place::Run => md.push_str("\nThe full inspection report, with rendered examples and their loss masks: [report/index.html](report/index.html).\n\n"),
+                Place::Checkpoint => {
+                    let report = run_dir.join("report/index.html");
+                    let _ = writeln!(md, "\nThe full inspection report, with rendered examples and their loss masks, is in the training run's folder: `{}`.\n", report.display());
+                }
+            }
         }
         None => md.push_str("No inspection report in this run.\n\n"),
     }
     md.push_str("## Limitations\n\n");
-    for l in limitations(&inputs, chosen, base, config) {
+    for l in limitations(inputs, chosen, base, config) {
         let _ = writeln!(md, "- {l}");
     }
     let _ = writeln!(md, "\n## Reproduce\n\n```bash\n{command}\n```\n\nMade with kiln {}.", env!("CARGO_PKG_VERSION"));
-
-    let path = run_dir.join("README.md");
-    std::fs::write(&path, md).map_err(ReportError::io(&path))?;
-    Ok(CardOutput { path, figures: rows.len() })
+    Ok(md)
 }
 
 fn draw_err(name: &str) -> impl Fn(Box<dyn std::error::Error>) -> ReportError + '_ {
@@ -545,6 +635,30 @@ mod tests {
         let q8 = adamw_line(&AdamWConfig { moments: MomentDtype::Q8, ..AdamWConfig::default() });
         assert!(q8.starts_with(&f32_moments) && q8.contains("block-wise 8 bits"), "{q8}");
         assert!(precision_line(crate::train::Precision::Bf16).contains("f32 master weights"));
+    }
+
+    /// Only the kept epoch keeps its card; weights and other files stay, and a base outside `checkpoints/` is
+    /// never looked at.
+    #[test]
+    fn a_card_is_removed_from_every_epoch_but_the_selected_one() {
+        let run = tempfile::tempdir().unwrap();
+        let epoch = |k: usize| run.path().join(format!("checkpoints/epoch-{k}"));
+        for k in 1..=3 {
+            std::fs::create_dir_all(epoch(k).join("card")).unwrap();
+            for file in ["README.md", "model.safetensors", "card/loss.png"] {
+                std::fs::write(epoch(k).join(file), b"x").unwrap();
+            }
+        }
+        std::fs::remove_dir_all(epoch(3).join("card")).unwrap();
+        remove_checkpoint_cards(run.path(), Some(&epoch(2))).unwrap();
+        for k in [1, 3] {
+            assert!(!epoch(k).join("README.md").exists() && !epoch(k).join("card").exists(), "epoch-{k}");
+            assert!(epoch(k).join("model.safetensors").is_file());
+        }
+        assert!(epoch(2).join("README.md").is_file() && epoch(2).join("card/loss.png").is_file());
+        remove_checkpoint_cards(run.path(), None).unwrap();
+        assert!(!epoch(2).join("README.md").exists() && epoch(2).join("model.safetensors").is_file());
+        remove_checkpoint_cards(&run.path().join("no-such-run"), None).unwrap();
     }
 
     #[test]
