@@ -449,7 +449,7 @@ struct TrainArgs {
     /// trailing padding (default 64); 0 runs whole rows.
     #[arg(long)]
     pad_multiple: Option<usize>,
-    /// 0 disables clipping.
+    /// 0 disables clipping (as `max_grad_norm = 0` in the config).
     #[arg(long)]
     max_grad_norm: Option<f64>,
     #[arg(long)]
@@ -1228,7 +1228,7 @@ fn train_config(args: &TrainArgs) -> Result<kiln::train::TrainConfig> {
         cfg.adamw.weight_decay = wd;
     }
     if let Some(n) = args.max_grad_norm {
-        cfg.max_grad_norm = (n > 0.0).then_some(n);
+        cfg.max_grad_norm = (n != 0.0).then_some(n);
     }
     if args.save_every.is_some() {
         cfg.save_every = args.save_every;

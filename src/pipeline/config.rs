@@ -504,6 +504,8 @@ mod tests {
             "eval.limit=5",
             "template.vars.enable_thinking=false",
             "train.lr=2e-3",
+            "train.max_grad_norm=0",
+            "publish_repo=me/tiny-terminal",
         ]
         .map(set);
         let c = ModelConfig::find_with("tiny", &dir, &epochs, &overrides).unwrap();
@@ -515,6 +517,7 @@ mod tests {
         assert_eq!((c.data.seq_len, c.data.weights["terminal-synth"], c.eval.limit), (512, 0.1, Some(5)));
         assert_eq!(c.template.vars["enable_thinking"], serde_json::Value::Bool(false));
         assert_eq!((c.train.epochs, c.train.global_batch), (2, shipped.train.global_batch));
+        assert_eq!((c.train.max_grad_norm, c.publish_repo.as_deref()), (None, Some("me/tiny-terminal")), "no clipping");
         // A key set to nothing is removed, so its default applies; a model source can be swapped that way.
         let limited = ModelConfig::find_with("tiny", &dir, &epochs, &[set("eval.limit=5"), set("eval.limit=")]);
         assert_eq!(limited.unwrap().eval.limit, None);

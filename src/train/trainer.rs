@@ -69,6 +69,11 @@ impl Precision {
     }
 }
 
+/// `max_grad_norm` as read: 0 (or null, as a saved config writes no clipping) is none.
+fn clip_norm<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.filter(|&n| n != 0.0))
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainConfig {
@@ -89,6 +94,9 @@ pub struct TrainConfig {
     /// Each forward pass runs at its longest row's tokens rounded up to a multiple of this, the rows' trailing
     /// padding dropped (`step::batch_length`); 0 runs whole rows.
     pub pad_multiple: usize,
+    /// Clip gradients to this global norm; 0 in a config turns clipping off (as transformers' Trainer reads
+    /// it), since an absent key means the default.
+    #[serde(deserialize_with = "clip_norm")]
     pub max_grad_norm: Option<f64>,
     pub seed: u64,
     /// Save the resumable state every this many optimizer steps (and at every epoch end).
@@ -833,6 +841,19 @@ mod tests {
         assert!(resumable.continues(&saved) && resumable.changes_from(&saved).is_empty());
     }
 
+    /// `max_grad_norm = 0` turns clipping off; without the key the default clips at 1; a saved config (JSON,
+    /// where no clipping is null) reads back the same.
+    #[test]
+    fn a_zero_max_grad_norm_is_no_clipping() {
+        let read = |text: &str| toml::from_str::<TrainConfig>(text).unwrap().max_grad_norm;
+        assert_eq!((read("max_grad_norm = 0"), read("max_grad_norm = 0.0"), read("")), (None, None, Some(1.0)));
+        assert_eq!(read("max_grad_norm = 0.5"), Some(0.5));
+        let off = TrainConfig { max_grad_norm: None, ..TrainConfig::default() };
+        let saved: TrainConfig = serde_json::from_str(&serde_json::to_string(&off).unwrap()).unwrap();
+        assert_eq!(saved, off);
+        assert_eq!(off.check(), Ok(()));
+    }
+
     /// Each setting that makes no run is refused by name; the defaults and the edges that do run pass.
     #[test]
     fn settings_that_make_no_run_are_refused_by_name() {
@@ -856,7 +877,7 @@ mod tests {
             (TrainConfig { lr: -1e-5, ..ok.clone() }, "train.lr is -0.00001"),
             (TrainConfig { warmup_ratio: 2.0, ..ok.clone() }, "train.warmup_ratio is 2"),
             (TrainConfig { min_lr_ratio: -0.1, ..ok.clone() }, "train.min_lr_ratio is -0.1"),
-            (TrainConfig { max_grad_norm: Some(0.0), ..ok.clone() }, "train.max_grad_norm is 0"),
+            (TrainConfig { max_grad_norm: Some(-1.0), ..ok.clone() }, "train.max_grad_norm is -1"),
             (TrainConfig { peak_tflops: Some(f64::INFINITY), ..ok.clone() }, "train.peak_tflops is inf"),
             (TrainConfig { adamw: AdamWConfig { beta2: 1.0, ..ok.adamw }, ..ok.clone() }, "adamw.beta2 is 1"),
             (TrainConfig { adamw: AdamWConfig { eps: 0.0, ..ok.adamw }, ..ok.clone() }, "adamw.eps is 0"),
