@@ -201,6 +201,11 @@ fn select_evaluates_what_is_missing_and_picks_the_better_epoch() {
     std::fs::create_dir_all(run.join("checkpoints/epoch-2/card")).unwrap();
     let stderr = select("4");
     assert!(!stderr.contains("evaluating"), "{stderr}");
+    // Choosing again removes the card of every epoch not chosen.
+    let selection: Value = serde_json::from_str(&std::fs::read_to_string(run.join("selection.json")).unwrap()).unwrap();
+    let card_kept = run.join("checkpoints/epoch-2/README.md").exists();
+    assert_eq!(card_kept, selection["chosen"] == "epoch-2", "{selection}");
+    assert_eq!(run.join("checkpoints/epoch-2/card").exists(), card_kept);
     // Results measured otherwise than this select asks (more new tokens) are evaluated again.
     let stderr = select("5");
     assert!(stderr.contains("epoch-1.json was measured otherwise (max_tokens 4 there, 5 now)"), "{stderr}");

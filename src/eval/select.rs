@@ -2,7 +2,7 @@
 //! set (results cached in `eval/<name>.json`), the best epoch by Score wins (ties: recall, then precision,
 //! then valid JSON), and `selection.json` records every candidate, the choice, its margin and why. Results
 //! are compared only when they were measured alike, and a cached one only stands for the checkpoint as it
-//! was when it was written.
+//! was when it was written (its model card aside). Only the chosen epoch keeps a card.
 
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
@@ -94,6 +94,23 @@ fn unusable(path: &Path, result: &EvalResult, candidate: &Candidate, expected: O
     }
     let differences = Measure::of(result).differences(expected?, ["there", "now"]);
     (!differences.is_empty()).then(|| format!("{} was measured otherwise ({})", path.display(), differences.join("; ")))
+}
+
+/// Removes the model card (`models::hf::CARD_ENTRIES`) from every epoch folder of `run_dir` but `keep`: a
+/// card describes the selection it was written for, and choosing again or training on makes it untrue. A
+/// failure names the path.
+pub fn remove_checkpoint_cards(run_dir: &Path, keep: Option<&Path>) -> Result<(), (PathBuf, std::io::Error)> {
+    for epoch in candidates(run_dir, None).into_iter().filter(|c| Some(c.path.as_path()) != keep) {
+        for entry in crate::models::hf::CARD_ENTRIES {
+            let path = epoch.path.join(entry);
+            let removed = if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+            match removed {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err((path, e)),
+                _ => {}
+            }
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -250,6 +267,8 @@ pub fn select_run(
         results.push((c, result));
     }
     let selection = choose(&results).map_err(|e| format!("{}: {e}", run_dir.display()))?;
+    remove_checkpoint_cards(run_dir, Some(&selection.chosen_path))
+        .map_err(|(path, e)| format!("removing {}: {e}", path.display()))?;
     write_json(&run_dir.join("selection.json"), &selection)?;
     let best = run_dir.join("best");
     let _ = std::fs::remove_file(&best);
@@ -264,4 +283,37 @@ pub fn select_run(
 
 fn write_json(path: &Path, value: &impl Serialize) -> Result<(), String> {
     crate::files::write_json(path, value).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only the kept epoch keeps its card; weights and other files stay, and a folder in `checkpoints/` that is
+    /// not an epoch is left alone.
+    #[test]
+    fn a_card_is_removed_from_every_epoch_but_the_selected_one() {
+        let run = tempfile::tempdir().unwrap();
+        let epoch = |k: usize| run.path().join(format!("checkpoints/epoch-{k}"));
+        for k in 1..=3 {
+            std::fs::create_dir_all(epoch(k).join("card")).unwrap();
+            for file in ["README.md", "model.safetensors", "card/loss.png"] {
+                std::fs::write(epoch(k).join(file), b"x").unwrap();
+            }
+        }
+        std::fs::remove_dir_all(epoch(3).join("card")).unwrap();
+        let other = run.path().join("checkpoints/notes");
+        std::fs::create_dir_all(&other).unwrap();
+        std::fs::write(other.join("README.md"), b"x").unwrap();
+        remove_checkpoint_cards(run.path(), Some(&epoch(2))).unwrap();
+        for k in [1, 3] {
+            assert!(!epoch(k).join("README.md").exists() && !epoch(k).join("card").exists(), "epoch-{k}");
+            assert!(epoch(k).join("model.safetensors").is_file());
+        }
+        assert!(epoch(2).join("README.md").is_file() && epoch(2).join("card/loss.png").is_file());
+        remove_checkpoint_cards(run.path(), None).unwrap();
+        assert!(!epoch(2).join("README.md").exists() && epoch(2).join("model.safetensors").is_file());
+        assert!(other.join("README.md").is_file());
+        remove_checkpoint_cards(&run.path().join("no-such-run"), None).unwrap();
+    }
 }

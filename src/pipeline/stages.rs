@@ -443,7 +443,8 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     if resume {
         eprintln!("  resuming from {}", ctx.run_dir.join("train/state").display());
         // The card of an earlier selection no longer holds once training goes on.
-        crate::report::card::remove_checkpoint_cards(ctx.run_dir, None).map_err(|e| fail(Stage::Train)(&e))?;
+        crate::eval::select::remove_checkpoint_cards(ctx.run_dir, None)
+            .map_err(|(path, e)| PipelineError::io(&path, e))?;
     } else {
         // A fresh start: checkpoints of an earlier run must not be evaluated as this run's epochs.
         for dir in ["train", "checkpoints"] {

@@ -279,7 +279,8 @@ pub fn write_card(
     loss_png(&card_dir.join("loss.png"), &inputs.metrics)?;
     scores_png(&card_dir.join("scores.png"), &inputs.evals)?;
 
-    remove_checkpoint_cards(run_dir, Some(&chosen_dir))?;
+    crate::eval::select::remove_checkpoint_cards(run_dir, Some(&chosen_dir))
+        .map_err(|(path, e)| ReportError::io(&path)(e))?;
     let figures_dir = chosen_dir.join("card");
     std::fs::create_dir_all(&figures_dir).map_err(ReportError::io(&figures_dir))?;
     for png in FIGURES {
@@ -313,24 +314,6 @@ fn selected_checkpoint(run_dir: &Path, selection: &Selection) -> Result<PathBuf,
         });
     }
     Ok(dir)
-}
-
-/// Removes the card from every epoch folder of `run_dir` but `keep`: a card describes the selection it was
-/// written for, and training again (or choosing again) makes it untrue.
-pub fn remove_checkpoint_cards(run_dir: &Path, keep: Option<&Path>) -> Result<(), ReportError> {
-    let checkpoints = run_dir.join("checkpoints");
-    let Ok(entries) = std::fs::read_dir(&checkpoints) else { return Ok(()) };
-    for dir in entries.flatten().map(|e| e.path()).filter(|d| Some(d.as_path()) != keep && d.is_dir()) {
-        for entry in crate::models::hf::CARD_ENTRIES {
-            let path = dir.join(entry);
-            let removed = if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
-            match removed {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(ReportError::io(&path)(e)),
-                _ => {}
-            }
-        }
-    }
-    Ok(())
 }
 
 /// The card's markdown for `place`.
@@ -635,30 +618,6 @@ mod tests {
         let q8 = adamw_line(&AdamWConfig { moments: MomentDtype::Q8, ..AdamWConfig::default() });
         assert!(q8.starts_with(&f32_moments) && q8.contains("block-wise 8 bits"), "{q8}");
         assert!(precision_line(crate::train::Precision::Bf16).contains("f32 master weights"));
-    }
-
-    /// Only the kept epoch keeps its card; weights and other files stay, and a base outside `checkpoints/` is
-    /// never looked at.
-    #[test]
-    fn a_card_is_removed_from_every_epoch_but_the_selected_one() {
-        let run = tempfile::tempdir().unwrap();
-        let epoch = |k: usize| run.path().join(format!("checkpoints/epoch-{k}"));
-        for k in 1..=3 {
-            std::fs::create_dir_all(epoch(k).join("card")).unwrap();
-            for file in ["README.md", "model.safetensors", "card/loss.png"] {
-                std::fs::write(epoch(k).join(file), b"x").unwrap();
-            }
-        }
-        std::fs::remove_dir_all(epoch(3).join("card")).unwrap();
-        remove_checkpoint_cards(run.path(), Some(&epoch(2))).unwrap();
-        for k in [1, 3] {
-            assert!(!epoch(k).join("README.md").exists() && !epoch(k).join("card").exists(), "epoch-{k}");
-            assert!(epoch(k).join("model.safetensors").is_file());
-        }
-        assert!(epoch(2).join("README.md").is_file() && epoch(2).join("card/loss.png").is_file());
-        remove_checkpoint_cards(run.path(), None).unwrap();
-        assert!(!epoch(2).join("README.md").exists() && epoch(2).join("model.safetensors").is_file());
-        remove_checkpoint_cards(&run.path().join("no-such-run"), None).unwrap();
     }
 
     #[test]
