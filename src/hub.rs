@@ -1,6 +1,7 @@
 //! Hugging Face Hub access through hf-hub: endpoint and token from the environment, a revision resolved to
 //! its commit and recorded, files selected by glob, the standard HF cache layout (shared with Python tools),
-//! and `HF_HUB_OFFLINE=1` served from that cache alone. Every failure names the repo, revision and file.
+//! and `HF_HUB_OFFLINE=1` served from that cache alone. A transfer that breaks off is started again (three
+//! attempts in all). Every failure names the repo, revision and file.
 
 use std::fmt;
 use std::io::Read;
@@ -272,15 +273,8 @@ impl Hub {
         let mut files = Vec::with_capacity(selected.len());
         let snapshot = self.config.cache_dir.join(repo_folder(spec.kind, &spec.repo)).join("snapshots").join(&commit);
         for path in selected {
-            let handler = BarHandler::new(bar.clone(), &path);
             let cached = snapshot.join(&path).exists();
-            let local = repo
-                .download_file()
-                .filename(path.clone())
-                .revision(commit.clone())
-                .progress(handler)
-                .send()
-                .map_err(|e| self.map_error(e, spec, Some(&path)))?;
+            let local = self.download(&repo, spec, &commit, &path, &bar)?;
             let announced = lfs_blob_sha256(&local);
             let file = describe_file(&path, &local, announced.clone().filter(|_| cached))?;
             if let Some(announced) = announced.filter(|name| *name != file.sha256) {
@@ -307,6 +301,48 @@ impl Hub {
             write_ref(&folder, &spec.revision, &commit)?;
         }
         Ok(self.record(spec, commit, false, files))
+    }
+
+    /// Downloads one file of `commit` into the cache. A transfer that breaks off (hf-hub retries only the
+    /// request, not a body cut short) is started again, up to `retries` attempts in all, waiting longer each
+    /// time; other failures are final.
+    fn download<T: RepoType>(
+        &self,
+        repo: &HFRepositorySync<T>,
+        spec: &RepoSpec,
+        commit: &str,
+        path: &str,
+        bar: &ProgressBar,
+    ) -> Result<PathBuf, HubError> {
+        let attempts = self.config.retries.max(1);
+        let mut attempt = 1;
+        loop {
+            let sent = repo
+                .download_file()
+                .filename(path.to_string())
+                .revision(commit.to_string())
+                .progress(BarHandler::new(bar.clone(), path))
+                .send();
+            match sent {
+                Ok(local) => return Ok(local),
+                Err(e) if is_transport(&e) && attempt < attempts => {
+                    let wait = Duration::from_millis(500 << attempt.min(6));
+                    let note = format!(
+                        "  {path}: the transfer broke off ({e}); downloading it again in {:.1} s (attempt {} of {attempts})",
+                        wait.as_secs_f64(),
+                        attempt + 1
+                    );
+                    if bar.is_hidden() {
+                        eprintln!("{note}")
+                    } else {
+                        bar.println(note)
+                    }
+                    std::thread::sleep(wait);
+                    attempt += 1;
+                }
+                Err(e) => return Err(self.map_error(e, spec, Some(path))),
+            }
+        }
     }
 
     /// Resolves `spec` from the standard cache layout only: refs/<revision> → snapshots/<commit>/….

@@ -333,6 +333,33 @@ fn a_download_that_differs_from_its_announced_sha256_is_removed_and_refused() {
     assert_eq!(kiln::hub::sha256_file(&pulled.files[0].local).unwrap(), want);
 }
 
+/// A transfer that breaks off midway is downloaded again while attempts remain (`retries`), and the pull
+/// ends with the whole file; with no attempt to spare it fails, naming the file.
+#[test]
+fn a_transfer_that_breaks_off_is_downloaded_again() {
+    use sha2::Digest;
+    let mut repos = hub_repos();
+    let key = ("datasets".to_string(), TERMINAL.to_string());
+    let file = "data/train-00000-of-00001.parquet";
+    repos.get_mut(&key).unwrap().cut_short.insert(file.into(), 1);
+    let cache = tempfile::tempdir().unwrap();
+    let spec = dataset_spec("main", &["data/*.parquet"]);
+    let server = FakeHub::start(repos.clone());
+    let err = Hub::new(config(&server.url, cache.path(), false)).unwrap().pull(&spec).unwrap_err();
+    assert!(matches!(err, HubError::Network { .. }) && err.to_string().contains(file), "{err}");
+    drop(server);
+
+    let server = FakeHub::start(repos.clone());
+    let hub = Hub::new(HubConfig { retries: 2, ..config(&server.url, cache.path(), false) }).unwrap();
+    let pulled = hub.pull(&spec).unwrap();
+    let requests = server.requests.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(requests, 5, "the revision, then the file's HEAD and GET twice");
+    let repo = &repos[&key];
+    let want = hex::encode(sha2::Sha256::digest(&repo.commits[&repo.refs["main"]][file]));
+    assert_eq!(pulled.files[0].sha256, want);
+    assert_eq!(kiln::hub::sha256_file(&pulled.files[0].local).unwrap(), want);
+}
+
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap() {

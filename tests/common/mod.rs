@@ -45,6 +45,9 @@ pub struct FakeRepo {
     pub broken: Vec<String>,
     /// Paths whose body arrives with a byte changed while the ETag still names the right content.
     pub corrupt: Vec<String>,
+    /// Paths whose next N downloads break off: redirected to a server that announces the whole length,
+    /// sends a few bytes and closes the connection, as a dropped transfer does.
+    pub cut_short: BTreeMap<String, usize>,
 }
 
 impl FakeRepo {
@@ -69,6 +72,7 @@ pub struct FakeHub {
     pub requests: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    broken_cdn: Option<JoinHandle<()>>,
 }
 
 impl FakeHub {
@@ -79,23 +83,46 @@ impl FakeHub {
         let stop = Arc::new(AtomicBool::new(false));
         let requests = Arc::new(AtomicUsize::new(0));
         let repos = Arc::new(Mutex::new(repos));
+        let (cdn, broken_cdn) = broken_cdn(stop.clone());
         let (stop2, requests2) = (stop.clone(), requests.clone());
         let thread = std::thread::spawn(move || {
             while !stop2.load(Ordering::SeqCst) {
                 let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(50)) else { continue };
                 requests2.fetch_add(1, Ordering::SeqCst);
-                let response = answer(&repos.lock().unwrap(), &req);
+                let response = answer(&mut repos.lock().unwrap(), &req, &cdn);
                 let _ = req.respond(response);
             }
         });
-        FakeHub { url, requests, stop, thread: Some(thread) }
+        FakeHub { url, requests, stop, thread: Some(thread), broken_cdn: Some(broken_cdn) }
     }
+}
+
+/// A file server whose every transfer breaks: it announces 1 MiB, sends 16 bytes and closes the connection.
+fn broken_cdn(stop: Arc<AtomicBool>) -> (String, JoinHandle<()>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+    listener.set_nonblocking(true).expect("non-blocking listener");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    let thread = std::thread::spawn(move || {
+        while !stop.load(Ordering::SeqCst) {
+            let Ok((mut stream, _)) = listener.accept() else {
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            };
+            let _ = stream.set_nonblocking(false);
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n\r\nPAR1 then nothing");
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+    });
+    (url, thread)
 }
 
 impl Drop for FakeHub {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
+        for t in [self.thread.take(), self.broken_cdn.take()].into_iter().flatten() {
             let _ = t.join();
         }
     }
@@ -133,7 +160,7 @@ fn decode(segment: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn answer(repos: &BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Request) -> Response {
+fn answer(repos: &mut BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Request, cdn: &str) -> Response {
     let path = req.url().split('?').next().unwrap_or("").to_string();
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let authorized = |repo: &FakeRepo| match &repo.gated_token {
@@ -170,6 +197,15 @@ fn answer(repos: &BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Request
             return error(404, "RevisionNotFound", "Invalid rev id");
         };
         let file = rest[4..].iter().map(|s| decode(s)).collect::<Vec<_>>().join("/");
+        if req.method() == &tiny_http::Method::Get
+            && let Some(left) = repos.get_mut(&key).and_then(|r| r.cut_short.get_mut(&file)).filter(|n| **n > 0)
+        {
+            *left -= 1;
+            return tiny_http::Response::from_data(Vec::new())
+                .with_status_code(302)
+                .with_header(header("Location", &format!("{cdn}/broken")));
+        }
+        let repo = &repos[&key];
         let tree = &repo.commits[&commit];
         let Some(bytes) = tree.get(&file).filter(|_| !repo.broken.contains(&file)) else {
             return error(404, "EntryNotFound", "Entry not found");
