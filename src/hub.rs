@@ -553,7 +553,7 @@ pub fn is_repo_id(id: &str) -> bool {
             && !part.contains("--")
             && !part.contains("..")
     };
-    matches!(id.split_once('/'), Some((owner, name)) if part_ok(owner) && part_ok(name) && name.len() <= 96 && !name.contains('/'))
+    matches!(id.split_once('/'), Some((owner, name)) if part_ok(owner) && part_ok(name) && name.len() <= 96)
 }
 
 pub fn is_commit_hash(revision: &str) -> bool {

@@ -380,10 +380,9 @@ fn markdown(
             sel.chosen
         );
     }
-    let best = run_dir.join("best").display().to_string();
     let load_from = match (place, &config.publish_repo) {
         (Place::Checkpoint, Some(repo)) => repo.clone(),
-        _ => best.clone(),
+        _ => run_dir.join("best").display().to_string(),
     };
 
     md.push_str("## Quickstart\n\nWith transformers:\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n");
