@@ -520,12 +520,7 @@ fn export(ctx: &Context) -> Result<StageOutcome, PipelineError> {
                 return Err(err(&format!("{} lacks {needed}", c.path.display())));
             }
         }
-        bytes += std::fs::read_dir(&c.path)
-            .map_err(|e| PipelineError::io(&c.path, e))?
-            .flatten()
-            .filter_map(|e| e.metadata().ok())
-            .map(|m| m.len())
-            .sum::<u64>();
+        bytes += crate::train::disk::folder_bytes(&c.path);
     }
     Ok(StageOutcome {
         outputs: checkpoints.iter().map(|c| format!("checkpoints/{}", c.name)).collect(),

@@ -386,10 +386,9 @@ impl ReplicaSource {
         Ok(())
     }
 
-    /// The model and optimizer on `device`, after checking that they fit it.
+    /// The model and optimizer on `device` (`check_fits` first: each caller checks its own device).
     fn load<B: LinearCrossEntropy + DeviceMemory>(&self, device: &B::Device) -> Result<Loaded<B>, TrainError> {
         let (cfg, load_dir) = (&self.cfg, &self.load_dir);
-        self.check_fits::<B>(device)?;
         let (config, mut model) = load_model::<B>(load_dir, device)?;
         if let Some(dtype) = cfg.precision.dtype() {
             model = model.cast_params(dtype);
@@ -468,6 +467,7 @@ impl<B: LinearCrossEntropy + DeviceMemory> ReplicaWork<B> for ReplicaSource {
     type State = ReplicaState<B>;
 
     fn load(&self, device: &B::Device) -> Result<ReplicaState<B>, TrainError> {
+        self.check_fits::<B>(device)?;
         let Loaded { model, opt, .. } = ReplicaSource::load::<B>(self, device)?;
         Ok(ReplicaState { model: Some(model), opt, device: device.clone() })
     }
@@ -571,7 +571,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     let steps_per_epoch = data.rows.len().div_ceil(global_batch);
     let total_steps = steps_per_epoch * cfg.epochs;
     // Memory first (a machine that cannot hold the model is the harder refusal), then the disk, both before
-    // the weights load; `load` checks the memory again, as every replica's does.
+    // the weights load; every other replica checks its own device's memory before it loads.
     source.check_fits::<B>(device)?;
     check_disk::<B>(cfg, &load_dir, run_dir, &position, (total_steps, position.global_step), show_progress)?;
     let Loaded { config, mut model, mut opt, state_memory } = source.load::<B>(device)?;
