@@ -266,6 +266,10 @@ struct PrepareArgs {
     layout: Layout,
     #[arg(long, value_enum, default_value = "drop")]
     truncation: Truncation,
+    /// Hold out this share of the conversations (by task where the data names one) as the validation split
+    /// (`<out>/validation/`), whose loss `kiln train` reports; 0 holds out none.
+    #[arg(long, default_value_t = 0.0)]
+    validation_share: f64,
 }
 
 #[derive(Args)]
@@ -456,6 +460,10 @@ struct TrainArgs {
     seed: Option<u64>,
     #[arg(long)]
     save_every: Option<usize>,
+    /// Measure the validation split's loss (shards under `<data>/validation/`, from `kiln prepare
+    /// --validation-share`) every this many steps, besides the base model's and each epoch end's.
+    #[arg(long)]
+    validation_every: Option<usize>,
     /// Keep no resumable state (`train.save_state = false`): only the epoch exports are written, and an
     /// interrupted run starts over.
     #[arg(long)]
@@ -1025,6 +1033,7 @@ fn prepare_cmd(args: PrepareArgs, quiet: bool) -> Result<()> {
         policy: loaded.policy.clone(),
         chunk: 256,
         template_date: loaded.date.clone(),
+        validation_share: args.validation_share,
     };
     let bar = if quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new_spinner() };
     bar.set_style(
@@ -1233,6 +1242,9 @@ fn train_config(args: &TrainArgs) -> Result<kiln::train::TrainConfig> {
     if args.save_every.is_some() {
         cfg.save_every = args.save_every;
     }
+    if args.validation_every.is_some() {
+        cfg.validation_every = args.validation_every;
+    }
     if args.global_batch_tokens.is_some() {
         cfg.global_batch_tokens = args.global_batch_tokens;
     }
@@ -1333,7 +1345,7 @@ fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
         )
     })?;
     eprintln!(
-        "train: {} steps, {} epochs{} in {:.1}s; final loss {}; checkpoints: {}",
+        "train: {} steps, {} epochs{} in {:.1}s; final loss {}{}; checkpoints: {}",
         summary.steps,
         summary.epochs_done,
         match (summary.interrupted, cfg.save_state) {
@@ -1343,6 +1355,7 @@ fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
         },
         summary.seconds,
         summary.final_loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into()),
+        summary.validation_loss.map(|l| format!(", validation loss {l:.4}")).unwrap_or_default(),
         summary.checkpoints.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
     );
     Ok(())

@@ -27,6 +27,7 @@ fn fixture_conversations() -> Vec<(ChatInput, serde_json::Map<String, Value>)> {
                 messages: c["messages"].as_array().unwrap().clone(),
                 tools: Some(c["tools"].clone()).filter(|t| !t.is_null()),
                 source: None,
+                meta: Default::default(),
             };
             (input, c["kwargs"].as_object().unwrap().clone())
         })
@@ -188,6 +189,7 @@ fn a_raising_template_names_the_conversation_and_message() {
         messages: serde_json::from_str(r#"[{"role":"user","content":"a"},{"role":"assistant","content":"b"},{"role":"system","content":"late"},{"role":"assistant","content":"c"}]"#).unwrap(),
         tools: None,
         source: None,
+        meta: Default::default(),
     };
     let err = build_samples(&template, &input, &SamplePolicy { mode: SampleMode::Conversation, ..Default::default() })
         .unwrap_err()

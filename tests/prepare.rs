@@ -1,5 +1,6 @@
 //! `kiln prepare` on the synthetic samples and on real-format trajectories: shards whose contents equal
-//! the stats, masks that supervise assistant tokens only, and truncation counted.
+//! the stats, masks that supervise assistant tokens only, truncation counted, and a validation split held
+//! out by task.
 
 mod common;
 
@@ -107,6 +108,68 @@ fn prepares_the_synthetic_samples_into_packed_shards() {
             && stderr.contains("longer than seq_len 8"),
         "{stderr}"
     );
+}
+
+/// `kiln prepare` of `conversations` into `out` with extra arguments; its stats.
+fn prepare_tiny(conversations: &Path, out: &Path, extra: &[&str]) -> Value {
+    let args = ["--quiet", "prepare", "--model", "tiny", "--data", conversations.to_str().unwrap()];
+    let out_args = ["--out", out.to_str().unwrap(), "--seq-len", "2048", "--date", "2026-01-01"];
+    let (ok, _, stderr) = run_kiln(&[&args[..], &out_args, extra].concat(), &[], &project_dir());
+    assert!(ok, "{stderr}");
+    serde_json::from_str(&std::fs::read_to_string(out.join("stats.json")).unwrap()).unwrap()
+}
+
+/// `--validation-share` holds out whole tasks: the two splits' samples and tokens add up to the unsplit
+/// run's, the validation shards hold what its stats count, no task is on both sides, and the split is the
+/// same however often it is made; at 0 no split is left behind.
+#[test]
+fn a_validation_share_holds_out_whole_tasks() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    ingest("terminal-synth,toolbench-synth", &data);
+    let conversations = data.join("conversations.jsonl");
+    let whole = prepare_tiny(&conversations, &dir.path().join("whole"), &[]);
+    assert!(whole["validation"].is_null() && !dir.path().join("whole/validation").exists());
+    let out = dir.path().join("split");
+    let split = prepare_tiny(&conversations, &out, &["--validation-share", "0.1"]);
+    let held = &split["validation"];
+    let n = |v: &Value, key: &str| v[key].as_u64().unwrap();
+    assert!((50..=110).contains(&n(held, "conversations")), "{held}");
+    for key in ["samples", "tokens", "supervised_tokens"] {
+        assert_eq!(n(&split, key) + n(held, key), n(&whole, key), "{key}");
+    }
+    check_stats_against_shards(&split, Some(2048));
+    check_stats_against_shards(held, Some(2048));
+    assert!(held["shards"].as_array().unwrap().iter().all(|p| p.as_str().unwrap().contains("/validation/")));
+
+    let task_of: std::collections::HashMap<String, String> = std::fs::read_to_string(&conversations)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .map(|c| {
+            let id = c["id"].as_str().unwrap().to_string();
+            (id.clone(), c["meta"]["task"].as_str().map_or(id, str::to_string))
+        })
+        .collect();
+    let tasks = |stats: &Value| -> std::collections::BTreeSet<String> {
+        shard_rows(stats)
+            .iter()
+            .flat_map(|r| r.sample_ids.clone())
+            .map(|id| {
+                let conversation = id.rsplit_once('@').map_or(id.as_str(), |(c, _)| c);
+                task_of[conversation].clone()
+            })
+            .collect()
+    };
+    let (trained, held_out) = (tasks(&split), tasks(held));
+    assert_eq!(held_out.len() as u64, n(held, "conversations"), "one conversation a task in the synthetic data");
+    assert!(trained.is_disjoint(&held_out), "a task on both sides");
+
+    let again = prepare_tiny(&conversations, &out, &["--validation-share", "0.1"]);
+    assert_eq!(tasks(&again["validation"]), held_out, "the split moves between runs");
+    let none = prepare_tiny(&conversations, &out, &["--validation-share", "0"]);
+    assert!(none["validation"].is_null() && !out.join("validation").exists());
+    assert_eq!(n(&none, "samples"), n(&whole, "samples"));
 }
 
 /// A model folder with a real template and tokenizer from ../shared.

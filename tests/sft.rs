@@ -39,8 +39,13 @@ fn setup_model(dir: &Path, model: &str, name: &str) -> (PathBuf, PathBuf) {
             &format!("\"{}\"", abs("datasets/samples/terminal_heldout.jsonl")),
         )
         .replace("terminal-synth = 0.4, toolbench-synth = 0.4", "terminal-synth = 0.03, toolbench-synth = 0.03")
-        .replace("max_tokens = 256", "max_tokens = 16\nlimit = 3");
-    assert!(tiny.contains("limit = 3") && tiny.contains("0.03"), "tiny.toml changed shape: update this test");
+        .replace("max_tokens = 256", "max_tokens = 16\nlimit = 3")
+        // A share that holds out a few of the few conversations.
+        .replace("validation_share = 0.05", "validation_share = 0.2");
+    assert!(
+        tiny.contains("limit = 3") && tiny.contains("0.03") && tiny.contains("validation_share = 0.2"),
+        "{model}.toml changed shape: update this test"
+    );
     std::fs::write(configs.join(format!("{name}.toml")), tiny).unwrap();
     (pipeline_path, configs)
 }
@@ -232,6 +237,26 @@ fn check_card(run: &Path) {
     assert_eq!(row[4], terminal["emitted"].to_string());
     let summary = json(&run.join("report/summary.json"));
     assert_eq!(table_row(&md, "conversations")[1], summary["conversations"]["total"].to_string());
+
+    // The validation split: held out in prepare, measured for the base model and each epoch, in the card.
+    let held = &stats["validation"];
+    assert!(held["conversations"].as_u64().unwrap() > 0, "{held}");
+    assert_eq!(summary["validation"], *held);
+    let row = table_row(&md, "validation split");
+    assert!(row[1].starts_with(&format!("{} conversations held out by task", held["conversations"])), "{row:?}");
+    let points: Vec<Value> = std::fs::read_to_string(run.join("train/validation.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let labels: Vec<&str> = points.iter().map(|p| p["checkpoint"].as_str().unwrap()).collect();
+    assert_eq!(labels, ["base", "epoch-1", "epoch-2"]);
+    for p in &points {
+        let row = table_row(&md, p["checkpoint"].as_str().unwrap());
+        assert_eq!(row.last().unwrap(), &format!("{:.4}", p["loss"].as_f64().unwrap()), "{row:?}");
+        assert_eq!(p["supervised_tokens"], held["supervised_tokens"], "every held-out target is measured");
+    }
+    assert!(points[2]["loss"].as_f64().unwrap() < points[0]["loss"].as_f64().unwrap(), "{points:?}");
     assert!(md.contains("](card/loss.png)") && md.contains("](card/scores.png)") && md.contains("report/index.html"));
     assert!(md.contains("kiln --quiet sft --model fast --device cpu"), "the reproduce command");
     for png in ["loss", "scores"] {

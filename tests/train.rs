@@ -239,6 +239,65 @@ fn epoch_checkpoints_reload_to_the_trained_model_and_a_batch_overfits() {
     assert_eq!(logits(&model.valid()), logits(&reloaded));
 }
 
+/// The validation loss of the base model, every `validation_every` steps and each epoch end is the reference
+/// loss (full logits, log-softmax, the supervised targets' mean) of the base model and of each epoch's
+/// exported checkpoint on the held-out rows (two documents packed in a row, then padding); a run stopped and
+/// resumed records the same points once each.
+#[test]
+fn the_validation_loss_is_the_reference_loss_of_each_checkpoint() {
+    use kiln::train::data::TrainData;
+    use kiln::train::step::{MicroBatch, masked_loss};
+    use kiln::train::validation::{points_path, read_points};
+
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixture_shards(dir.path(), 2);
+    common::training::write_fixture_shards(&data.join("validation"), 1, 35);
+    let cfg = TrainConfig { epochs: 2, validation_every: Some(1), ..parity_config() };
+    let (summary, _) = run::<CpuTrain>(&cfg, &data, &dir.path().join("straight"), false, None);
+    let points = read_points(&points_path(&dir.path().join("straight/train"))).unwrap();
+    let labels: Vec<(usize, f64, Option<&str>)> =
+        points.iter().map(|p| (p.step, p.epoch, p.checkpoint.as_deref())).collect();
+    assert_eq!(
+        labels,
+        [(0, 0.0, Some("base")), (1, 0.5, None), (2, 1.0, Some("epoch-1")), (3, 1.5, None), (4, 2.0, Some("epoch-2"))]
+    );
+    assert_eq!(summary.validation_loss, Some(points[4].loss));
+
+    let rows = TrainData::load(&data.join("validation")).unwrap().rows;
+    let batch = MicroBatch::from_rows(&rows.iter().collect::<Vec<_>>(), 0);
+    assert_eq!((batch.rows, batch.doc_lengths.clone()), (1, vec![vec![12, 12]]));
+    let device = Default::default();
+    let reference = |model_dir: &std::path::Path| -> f64 {
+        let (_, model) = kiln::models::load_model::<Cpu>(model_dir, &device).unwrap();
+        let ids = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(batch.ids.clone(), [1, batch.seq]), &device);
+        let logits = model.forward(ids, &SequenceLayout::from_doc_lengths(&batch.doc_lengths, batch.seq));
+        f64::from(masked_loss(logits, &batch.targets, &batch.weights, batch.supervised()).into_scalar())
+    };
+    let checkpoints = dir.path().join("straight/checkpoints");
+    for (point, model_dir) in [
+        (&points[0], fixture_dir().join("lfm2-tiny")),
+        (&points[2], checkpoints.join("epoch-1")),
+        (&points[4], checkpoints.join("epoch-2")),
+    ] {
+        let want = reference(&model_dir);
+        assert!(
+            (point.loss - want).abs() <= 1e-5 * want,
+            "{:?}: {} vs the reference {want}",
+            point.checkpoint,
+            point.loss
+        );
+        assert_eq!(point.supervised_tokens, batch.supervised() as u64);
+    }
+    assert!(points[4].loss < points[0].loss, "training on the same rows lowers their loss");
+
+    let (stopped, _) = run::<CpuTrain>(&cfg, &data, &dir.path().join("resumed"), false, Some(3));
+    assert!(stopped.interrupted);
+    run::<CpuTrain>(&cfg, &data, &dir.path().join("resumed"), true, None);
+    let resumed = read_points(&points_path(&dir.path().join("resumed/train"))).unwrap();
+    let key = |p: &kiln::train::validation::ValidationPoint| (p.step, p.checkpoint.clone(), p.loss);
+    assert_eq!(resumed.iter().map(key).collect::<Vec<_>>(), points.iter().map(key).collect::<Vec<_>>());
+}
+
 #[test]
 fn a_non_finite_loss_stops_the_run_and_names_the_step() {
     let dir = tempfile::tempdir().unwrap();

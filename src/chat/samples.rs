@@ -59,6 +59,18 @@ pub struct ChatInput {
     pub tools: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
+    /// The source columns ingest carried along (`task`, `episode`, …); the template never sees them.
+    #[serde(default, skip_serializing_if = "Map::is_empty")]
+    pub meta: Map<String, Value>,
+}
+
+impl ChatInput {
+    /// What decides the conversation's side of the validation split: its task where the source names one
+    /// (every trial of a task falls on one side, so a validation loss is not flattered by near-copies of its
+    /// conversations in training), else its id.
+    pub fn split_key(&self) -> &str {
+        self.meta.get("task").and_then(Value::as_str).unwrap_or(&self.id)
+    }
 }
 
 impl From<&crate::data::Conversation> for ChatInput {
@@ -76,7 +88,7 @@ impl From<&crate::data::Conversation> for ChatInput {
                 Value::Object(obj)
             })
             .collect();
-        ChatInput { id: c.id.clone(), messages, tools: None, source: Some(c.source.clone()) }
+        ChatInput { id: c.id.clone(), messages, tools: None, source: Some(c.source.clone()), meta: c.meta.clone() }
     }
 }
 

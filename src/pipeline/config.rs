@@ -93,6 +93,10 @@ pub struct DataPlan {
     /// The date templates see through `strftime_now`, pinned so renders are reproducible.
     #[serde(default = "default_date")]
     pub template_date: String,
+    /// The share of conversations (by task where the data names one) held out as the validation split,
+    /// whose loss the trainer reports for the base model and every epoch; 0 holds out none.
+    #[serde(default)]
+    pub validation_share: f64,
 }
 
 fn default_layout() -> Layout {
@@ -256,6 +260,8 @@ impl ModelConfig {
         if let Some(bad) = self.data.weights.keys().find(|k| !self.data.recipes.contains(k)) {
             return Err(format!("[data] weights names '{bad}', which is not in recipes"));
         }
+        crate::tokens::prepare::check_validation_share(self.data.validation_share)
+            .map_err(|e| format!("[data] {e}"))?;
         self.eval.options().check().map_err(|e| format!("[eval] {e}"))?;
         self.train.check()
     }

@@ -374,6 +374,7 @@ fn prepare(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         },
         chunk: 256,
         template_date: c.data.template_date.clone(),
+        validation_share: c.data.validation_share,
     };
     let bar =
         if ctx.req.show_progress { indicatif::ProgressBar::new_spinner() } else { indicatif::ProgressBar::hidden() };
@@ -477,11 +478,18 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     outputs.extend((1..=summary.epochs_done).map(|k| format!("checkpoints/epoch-{k}")));
     let metrics = ctx.run_dir.join("train/metrics.jsonl");
     let totals = crate::train::trainer::metrics_totals(&metrics).map_err(|e| PipelineError::io(&metrics, e))?;
+    let points_path = crate::train::validation::points_path(&ctx.run_dir.join("train"));
+    let points = crate::train::validation::read_points(&points_path).map_err(|e| PipelineError::io(&points_path, e))?;
+    let validation: BTreeMap<String, f64> = crate::train::validation::checkpoint_losses(&points).into_iter().collect();
+    if !points.is_empty() {
+        outputs.push("train/validation.jsonl".into());
+    }
+    let validation_text = summary.validation_loss.map(|l| format!(", validation loss {l:.4}")).unwrap_or_default();
     Ok(StageOutcome {
         outputs,
-        counts: json!({"steps": summary.steps, "epochs": summary.epochs_done, "final_loss": summary.final_loss, "tokens": totals.0, "supervised_tokens": totals.1, "train_seconds": summary.seconds, "device": ctx.device}),
+        counts: json!({"steps": summary.steps, "epochs": summary.epochs_done, "final_loss": summary.final_loss, "validation_loss": validation, "tokens": totals.0, "supervised_tokens": totals.1, "train_seconds": summary.seconds, "device": ctx.device}),
         summary: format!(
-            "{} steps, {} epochs, final loss {}",
+            "{} steps, {} epochs, final loss {}{validation_text}",
             summary.steps,
             summary.epochs_done,
             summary.final_loss.map_or("-".into(), |l| format!("{l:.4}"))

@@ -17,6 +17,7 @@ use crate::pipeline::ModelConfig;
 use crate::tokens::prepare::PrepareStats;
 use crate::train::TrainSummary;
 use crate::train::trainer::{StepMetrics, read_metrics};
+use crate::train::validation::{ValidationPoint, checkpoint_losses, points_path, read_points};
 
 /// What the card was made from, read from the run.
 pub struct CardInputs {
@@ -24,6 +25,8 @@ pub struct CardInputs {
     pub selection: Selection,
     pub train: TrainSummary,
     pub metrics: Vec<StepMetrics>,
+    /// The held-out split's losses (`train/validation.jsonl`); none without a split.
+    pub validation: Vec<ValidationPoint>,
     pub stats: PrepareStats,
     pub ingest: Vec<IngestStats>,
     pub inspection: Option<Inspection>,
@@ -77,11 +80,13 @@ pub fn read_inputs(run_dir: &Path) -> Result<CardInputs, ReportError> {
     }
     let inspection = read::<Inspection>(&run_dir.join("report/summary.json")).ok();
     let metrics = run_dir.join("train/metrics.jsonl");
+    let validation = points_path(&run_dir.join("train"));
     Ok(CardInputs {
         evals,
         selection,
         train: read(&run_dir.join("train/summary.json"))?,
         metrics: read_metrics(&metrics).map_err(|e| run_file_error(&metrics, e))?,
+        validation: read_points(&validation).map_err(|e| run_file_error(&validation, e))?,
         stats: read(&run_dir.join("data/stats.json"))?,
         ingest: read(&run_dir.join("data/ingest.json")).unwrap_or_default(),
         inspection,
@@ -241,6 +246,14 @@ fn limitations(
             a.score, b.aggregate.score
         ));
     }
+    let epochs: Vec<(String, f64)> =
+        checkpoint_losses(&inputs.validation).into_iter().filter(|(name, _)| name != "base").collect();
+    for pair in epochs.windows(2).filter(|w| w[1].1 > w[0].1) {
+        out.push(format!(
+            "The validation loss rose from {:.4} ({}) to {:.4} ({}): the later epoch fits its training conversations better than held-out ones.",
+            pair[0].1, pair[0].0, pair[1].1, pair[1].0
+        ));
+    }
     if inputs.stats.truncated > 0 || inputs.stats.dropped.get("too_long").is_some_and(|&n| n > 0) {
         out.push(format!(
             "Training saw sequences up to {} tokens: {} samples were truncated and {} dropped as too long, so longer trajectories are under-represented.",
@@ -276,7 +289,7 @@ pub fn write_card(
     let chosen_dir = selected_checkpoint(run_dir, &inputs.selection)?;
     let card_dir = run_dir.join("card");
     std::fs::create_dir_all(&card_dir).map_err(ReportError::io(&card_dir))?;
-    loss_png(&card_dir.join("loss.png"), &inputs.metrics)?;
+    loss_png(&card_dir.join("loss.png"), &inputs.metrics, &inputs.validation)?;
     scores_png(&card_dir.join("scores.png"), &inputs.evals)?;
 
     crate::eval::select::remove_checkpoint_cards(run_dir, Some(&chosen_dir))
@@ -403,8 +416,17 @@ fn markdown(
         "## Evaluation\n\nTB2-lite replay ({}, scorer {:?}, greedy decoding, {} steps over {} tasks). Score = 100 × mean command F1.\n",
         first.eval_path, first.scorer, first.aggregate.steps, first.aggregate.tasks
     );
-    let rows: Vec<Vec<String>> = inputs.evals.iter().map(eval_row).collect();
-    md_table(&mut md, &EVAL_HEADERS, &rows);
+    let mut rows: Vec<Vec<String>> = inputs.evals.iter().map(eval_row).collect();
+    let mut headers = EVAL_HEADERS.to_vec();
+    let validation = checkpoint_losses(&inputs.validation);
+    if !validation.is_empty() {
+        headers.push("validation loss");
+        for (row, e) in rows.iter_mut().zip(&inputs.evals) {
+            let loss = validation.iter().find(|(name, _)| *name == e.model);
+            row.push(loss.map_or("-".into(), |(_, l)| format!("{l:.4}")));
+        }
+    }
+    md_table(&mut md, &headers, &rows);
     let _ =
         writeln!(md, "\n**Selected: {}.** {}\n\n![per-checkpoint scores](card/scores.png)\n", sel.chosen, sel.reason);
 
@@ -424,12 +446,13 @@ fn markdown(
             })
         })
         .collect();
-    md_table(
-        &mut md,
-        &["recipe", "source", "rows read", "removed as eval overlap", "conversations trained on"],
-        &source_rows,
-    );
     let st = &inputs.stats;
+    let kept = if st.validation.is_some() {
+        "conversations kept (training and validation)"
+    } else {
+        "conversations trained on"
+    };
+    md_table(&mut md, &["recipe", "source", "rows read", "removed as eval overlap", kept], &source_rows);
     let c = &config.train;
     let tokens_trained: u64 = inputs.metrics.iter().map(|m| m.tokens).sum();
     let train_seconds =
@@ -478,6 +501,15 @@ fn markdown(
     if let Some(loss) = inputs.train.final_loss {
         details.push(("final training loss", format!("{loss:.4}")));
     }
+    if let Some(v) = &st.validation {
+        details.push((
+            "validation split",
+            format!(
+                "{} conversations held out by task ({} samples, {} supervised tokens); its loss is measured for the base model and at every epoch end",
+                v.conversations, v.samples, v.supervised_tokens
+            ),
+        ));
+    }
     md.push('\n');
     md_table(&mut md, &["", ""], &details.into_iter().map(|(k, v)| vec![k.to_string(), v]).collect::<Vec<_>>());
     md.push_str("\n![training loss](card/loss.png)\n\n## Dataset\n\n");
@@ -510,15 +542,24 @@ fn draw_err(name: &str) -> impl Fn(Box<dyn std::error::Error>) -> ReportError + 
     move |e| ReportError::Plot { name: name.to_string(), message: e.to_string() }
 }
 
-fn loss_png(path: &Path, metrics: &[StepMetrics]) -> Result<(), ReportError> {
+/// The training loss per step, epoch boundaries, and the validation loss where the run measured one (at the
+/// step count it was measured after, so the base model's sits at 0).
+fn loss_png(path: &Path, metrics: &[StepMetrics], validation: &[ValidationPoint]) -> Result<(), ReportError> {
     super::plots::ensure_font()?;
     let draw = || -> Result<(), Box<dyn std::error::Error>> {
         let root = BitMapBackend::new(path, (800, 360)).into_drawing_area();
         root.fill(&WHITE)?;
         let max_step = metrics.iter().map(|m| m.step + 1).max().unwrap_or(1) as f64;
-        let max_loss = metrics.iter().map(|m| m.loss).fold(0.0f64, f64::max).max(1e-6) * 1.05;
+        let max_loss =
+            metrics.iter().map(|m| m.loss).chain(validation.iter().map(|p| p.loss)).fold(0.0f64, f64::max).max(1e-6)
+                * 1.05;
+        let caption = if validation.is_empty() {
+            "training loss (per optimizer step)"
+        } else {
+            "training loss (per optimizer step) and validation loss (points)"
+        };
         let mut chart = ChartBuilder::on(&root)
-            .caption("training loss (per optimizer step)", ("sans-serif", 18))
+            .caption(caption, ("sans-serif", 18))
             .margin(12)
             .x_label_area_size(36)
             .y_label_area_size(56)
@@ -534,6 +575,9 @@ fn loss_png(path: &Path, metrics: &[StepMetrics]) -> Result<(), ReportError> {
             metrics.iter().map(|m| (m.step as f64 + 1.0, m.loss)),
             RGBColor(70, 110, 170).stroke_width(2),
         ))?;
+        // Points only: between two epoch ends nothing was measured, and a line would claim a path.
+        let held_out = RGBColor(40, 150, 80).filled();
+        chart.draw_series(validation.iter().map(|p| Circle::new((p.step as f64, p.loss), 4, held_out)))?;
         // Epoch boundaries.
         for w in metrics.windows(2).filter(|w| w[1].epoch != w[0].epoch) {
             let x = w[1].step as f64 + 0.5;

@@ -192,6 +192,9 @@ pub struct Inspection {
     pub tools: ToolFigures,
     pub duplicates: DuplicateFigures,
     pub template: TemplateFigures,
+    /// The conversations prepare held out for the validation loss (not in the shards the figures count).
+    #[serde(default)]
+    pub validation: Option<crate::tokens::prepare::ValidationSplit>,
     pub examples: Vec<Example>,
     /// Disagreements between the files of the run (stats.json vs the shards, say): each one is a reason to
     /// distrust the run until explained.

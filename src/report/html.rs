@@ -65,6 +65,15 @@ pub fn key_figures(ins: &Inspection) -> Vec<(&'static str, String)> {
     if ins.tools.conversations > 0 {
         rows.push(("tool calls", ins.tools.tool_calls.to_string()));
     }
+    if let Some(v) = &ins.validation {
+        rows.push((
+            "held out for validation",
+            format!(
+                "{} conversations ({} samples, {} tokens; not in the sample and token figures above)",
+                v.conversations, v.samples, v.tokens
+            ),
+        ));
+    }
     rows.push(("template", format!("{} (sha256 {})", ins.template.origin, short(&ins.template.sha256))));
     rows.push(("thinking policy / sample mode", format!("{} / {}", ins.template.thinking, ins.template.mode)));
     rows

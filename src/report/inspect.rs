@@ -95,6 +95,7 @@ pub fn inspect_run(run: &Path, opts: &InspectOptions, progress: &ProgressBar) ->
     }
 
     template_figures(&mut ins, &stats);
+    ins.validation = stats.validation.clone();
     let tokenizer = load_tokenizer(&stats, &mut ins.warnings);
     let think = tokenizer.as_ref().and_then(|t| Some((t.token_to_id("<think>")?, t.token_to_id("</think>")?)));
     progress.set_message("shards");

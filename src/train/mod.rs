@@ -14,6 +14,7 @@ pub mod schedule;
 pub mod state;
 pub mod step;
 pub mod trainer;
+pub mod validation;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,6 +1,7 @@
 //! The training loop and its run directory: `train/metrics.jsonl` (one line per optimizer step),
-//! `train/state/` (weights, AdamW moments and position, for `--resume`; `train/state.previous/` while a new
-//! state replaces it), `checkpoints/epoch-<k>/` (HF exports).
+//! `train/validation.jsonl` (the held-out split's loss, `validation`), `train/state/` (weights, AdamW moments
+//! and position, for `--resume`; `train/state.previous/` while a new state replaces it),
+//! `checkpoints/epoch-<k>/` (HF exports).
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -27,6 +28,7 @@ use super::state::{
     write_state,
 };
 use super::step::{MicroBatch, NonFiniteLoss, ShardOutcome, StepOutcome, optimizer_step, shard_step};
+use super::validation::Validator;
 use crate::backend::DeviceMemory;
 use crate::models::hf::{COMPANION_FILES, ExportDtype};
 use crate::models::weights::kept_in_f32;
@@ -117,6 +119,9 @@ pub struct TrainConfig {
     /// collective sums their gradients, so the updates are those of one device up to the order of the f32
     /// sums. A step's micro-batches (global batch / micro batch) must be a multiple of it.
     pub devices: usize,
+    /// Measure the validation split's loss every this many optimizer steps, besides the base model's and each
+    /// epoch end's (which run whenever the data has a validation split).
+    pub validation_every: Option<usize>,
 }
 
 impl TrainConfig {
@@ -148,6 +153,9 @@ impl TrainConfig {
         at_least_one("epochs", self.epochs)?;
         at_least_one("micro_batch", self.micro_batch)?;
         at_least_one("devices", self.devices)?;
+        if let Some(every) = self.validation_every {
+            at_least_one("validation_every", every)?;
+        }
         match self.global_batch_tokens {
             Some(tokens) => at_least_one("global_batch_tokens", tokens)?,
             None => at_least_one("global_batch", self.global_batch)?,
@@ -175,8 +183,8 @@ impl TrainConfig {
 
     /// Whether a state saved with `saved` continues as this config would train: every setting equal but
     /// activation checkpointing, which changes memory, not the updates, the device count, which changes
-    /// only the order of the gradients' f32 sums (bit for bit, a resume wants the same count), and whether
-    /// states are saved.
+    /// only the order of the gradients' f32 sums (bit for bit, a resume wants the same count), whether
+    /// states are saved, and how often the validation loss is measured.
     pub fn continues(&self, saved: &TrainConfig) -> bool {
         *self == self.as_resumed(saved)
     }
@@ -187,6 +195,7 @@ impl TrainConfig {
             activation_checkpointing: self.activation_checkpointing,
             devices: self.devices,
             save_state: self.save_state,
+            validation_every: self.validation_every,
             ..saved.clone()
         }
     }
@@ -242,6 +251,7 @@ impl Default for TrainConfig {
             precision: Precision::Auto,
             activation_checkpointing: false,
             devices: 1,
+            validation_every: None,
         }
     }
 }
@@ -317,6 +327,9 @@ pub struct TrainSummary {
     /// What the weights, gradients and optimizer state took between steps (before activations).
     #[serde(default)]
     pub state_memory: StateMemory,
+    /// The validation split's loss at the last measure (`train/validation.jsonl`); none without a split.
+    #[serde(default)]
+    pub validation_loss: Option<f64>,
 }
 
 /// Why a step stopped the run: a non-finite loss, or a failure (a replica's).
@@ -508,6 +521,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     let started = Instant::now();
     cfg.check().map_err(TrainError::Config)?;
     let data = TrainData::load(data_dir)?;
+    let validation = super::validation::load_split(data_dir)?;
     let global_batch = match cfg.global_batch_tokens {
         Some(tokens) => (tokens / data.seq_len.max(1)).max(1),
         None => cfg.global_batch,
@@ -568,6 +582,11 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     let config = ModelConfig::from_file(&load_dir.join("config.json"))?;
     data.check_vocabulary(data_dir, config.vocab_size())?;
     data.check_context(data_dir, config.max_position_embeddings())?;
+    if let Some(held_out) = &validation {
+        let dir = data_dir.join(crate::tokens::prepare::VALIDATION_DIR);
+        held_out.check_vocabulary(&dir, config.vocab_size())?;
+        held_out.check_context(&dir, config.max_position_embeddings())?;
+    }
     let steps_per_epoch = data.rows.len().div_ceil(global_batch);
     let total_steps = steps_per_epoch * cfg.epochs;
     // Memory first (a machine that cannot hold the model is the harder refusal), then the disk, both before
@@ -583,6 +602,10 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             .map_err(|e| TrainError::State { path: metrics_path.clone(), message: e.to_string() })?;
     } else {
         let _ = std::fs::remove_file(&metrics_path);
+    }
+    let validator = validation.map(|data| Validator::new(data, cfg, &train_dir, steps_per_epoch, show_progress));
+    if let Some(v) = &validator {
+        v.keep_through_resumed(resume.then_some(position.global_step))?;
     }
 
     let warmup = cfg.warmup_steps.unwrap_or_else(|| (cfg.warmup_ratio * total_steps as f64).ceil() as usize);
@@ -623,10 +646,15 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             seconds: elapsed(),
             precision: cfg.precision,
             state_memory,
+            validation_loss: validator.as_ref().and_then(Validator::last_loss),
         };
         write_summary(&train_dir, &summary).map(|()| summary)
     };
 
+    // The base model's, before the first step (a run resumed at step 0 measures it again, recorded once).
+    if let (Some(v), 0) = (&validator, position.global_step) {
+        v.measure(&model, device, 0, Some("base".into()), &bar)?;
+    }
     while position.epoch < cfg.epochs {
         let order = data.order(cfg.seed, position.epoch);
         while position.step_in_epoch < steps_per_epoch {
@@ -703,6 +731,13 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             position.global_step += 1;
             position.optimizer_steps = opt.steps;
             bar.inc(1);
+            // The epoch's last step is measured at the epoch end, as its checkpoint.
+            if let Some(v) = &validator
+                && v.due(position.global_step)
+                && position.step_in_epoch < steps_per_epoch
+            {
+                v.measure(&model, device, position.global_step, None, &bar)?;
+            }
             if cfg.save_state && cfg.save_every.is_some_and(|n| n > 0 && position.global_step % n == 0) {
                 write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;
             }
@@ -712,6 +747,9 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         let out = run_dir.join("checkpoints").join(format!("epoch-{}", position.epoch));
         model.export(model_dir, &out, cfg.export_dtype, crate::models::hf::SHARD_BYTES)?;
         checkpoints.push(out);
+        if let Some(v) = &validator {
+            v.measure(&model, device, position.global_step, Some(format!("epoch-{}", position.epoch)), &bar)?;
+        }
         if cfg.save_state {
             write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;
         }

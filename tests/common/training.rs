@@ -32,14 +32,20 @@ pub fn fixture_shards(dir: &Path, copies: usize) -> PathBuf {
 
 /// The fixture's 12-token rows as documents packed into shard rows of `seq_len` tokens, the rest padding.
 pub fn fixture_shards_packed(dir: &Path, copies: usize, seq_len: usize) -> PathBuf {
+    let out = dir.join("data");
+    write_fixture_shards(&out, copies, seq_len);
+    out
+}
+
+/// The fixture's rows written `copies` times as shards of `seq_len`-token rows into `out`.
+pub fn write_fixture_shards(out: &Path, copies: usize, seq_len: usize) {
     let bytes = std::fs::read(fixture_dir().join("lfm2-tiny/fixture.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let i64s = |k: &str| -> Vec<u32> {
         st.tensor(k).unwrap().data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
     };
     let (ids, mask) = (i64s("input_ids"), i64s("loss_mask"));
-    let out = dir.join("data");
-    let mut w = ShardWriter::new(&out, Layout::Packed, seq_len, 0).unwrap();
+    let mut w = ShardWriter::new(out, Layout::Packed, seq_len, 0).unwrap();
     for c in 0..copies {
         for r in 0..2 {
             let sample = TokenSample {
@@ -51,7 +57,6 @@ pub fn fixture_shards_packed(dir: &Path, copies: usize, seq_len: usize) -> PathB
         }
     }
     w.finish().unwrap();
-    out
 }
 
 /// The settings of the PyTorch run in train_fixture.safetensors: one step per epoch of the fixture batch.

@@ -1,0 +1,293 @@
+//! The validation loss: the held-out split's shards (`data/validation/`, which `kiln prepare` writes at a
+//! `validation_share`), the mean cross-entropy of their supervised tokens under the model as it stands
+//! (forward passes only, no graph kept), and `train/validation.jsonl`: a line for the base model before the
+//! first step, one at every epoch end (for `checkpoints/epoch-<k>`) and one every `validation_every` steps.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::tensor::{Int, Tensor, TensorData};
+use indicatif::ProgressBar;
+use serde::{Deserialize, Serialize};
+
+use super::TrainError;
+use super::data::{TrainData, target_weights};
+use super::linear_ce::LinearCrossEntropy;
+use super::optim::read_scalars;
+use super::step::{MicroBatch, supervised_loss};
+use crate::models::{CausalLm, SequenceLayout};
+use crate::tokens::prepare::VALIDATION_DIR;
+use crate::tokens::shards::Row;
+
+/// One line of `train/validation.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ValidationPoint {
+    /// Optimizer steps taken when it was measured (0: the base model).
+    pub step: usize,
+    /// Epochs done, with the fraction of the current one.
+    pub epoch: f64,
+    /// The checkpoint these weights are: `base`, `epoch-<k>`; none between epoch ends.
+    pub checkpoint: Option<String>,
+    /// Mean next-token cross-entropy over the split's supervised tokens.
+    pub loss: f64,
+    pub supervised_tokens: u64,
+    pub seconds: f64,
+}
+
+/// The validation split under the shards' folder `data_dir`, when prepare held one out; one without a
+/// supervised target is an error (its loss would be no number).
+pub fn load_split(data_dir: &Path) -> Result<Option<TrainData>, TrainError> {
+    let dir = data_dir.join(VALIDATION_DIR);
+    if !dir.is_dir() {
+        return Ok(None);
+    }
+    let data = TrainData::load(&dir)?;
+    if !data.rows.iter().any(|row| target_weights(row).contains(&1.0)) {
+        return Err(TrainError::Data {
+            path: dir,
+            message: "the validation split has no supervised target: prepare again with another validation_share"
+                .into(),
+        });
+    }
+    Ok(Some(data))
+}
+
+/// Measures and records the validation loss of a training run.
+pub struct Validator {
+    data: TrainData,
+    micro_batch: usize,
+    pad_multiple: usize,
+    every: Option<usize>,
+    steps_per_epoch: usize,
+    path: PathBuf,
+    show_progress: bool,
+}
+
+impl Validator {
+    /// For the run configured by `cfg` with `train_dir` as its `train/` folder; `show_progress` prints each
+    /// measure.
+    pub fn new(
+        data: TrainData,
+        cfg: &super::TrainConfig,
+        train_dir: &Path,
+        steps_per_epoch: usize,
+        show_progress: bool,
+    ) -> Self {
+        Validator {
+            data,
+            micro_batch: cfg.micro_batch,
+            pad_multiple: cfg.pad_multiple,
+            every: cfg.validation_every,
+            steps_per_epoch,
+            path: points_path(train_dir),
+            show_progress,
+        }
+    }
+
+    /// Starts the record afresh, or, resuming at `resumed_at`, keeps what was measured through that step.
+    pub fn keep_through_resumed(&self, resumed_at: Option<usize>) -> Result<(), TrainError> {
+        let kept = match resumed_at {
+            Some(step) => keep_through(&self.path, step),
+            None => match std::fs::remove_file(&self.path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
+            },
+        };
+        kept.map_err(|e| self.state_error(e))
+    }
+
+    /// Whether `validation_every` asks for a measure after `step` steps.
+    pub fn due(&self, step: usize) -> bool {
+        self.every.is_some_and(|n| step.is_multiple_of(n))
+    }
+
+    /// The loss of `model` after `step` steps, recorded as `checkpoint` and printed above `bar`. A non-finite
+    /// loss is an error: the weights give no number on held-out data.
+    pub fn measure<B: LinearCrossEntropy>(
+        &self,
+        model: &CausalLm<B>,
+        device: &B::Device,
+        step: usize,
+        checkpoint: Option<String>,
+        bar: &ProgressBar,
+    ) -> Result<ValidationPoint, TrainError> {
+        let started = Instant::now();
+        let (loss, supervised_tokens) = mean_loss(model, &self.data, self.micro_batch, self.pad_multiple, device);
+        let what = checkpoint.as_deref().map_or(format!("step {step}"), |c| format!("{c} (step {step})"));
+        if !loss.is_finite() {
+            return Err(TrainError::Data {
+                path: self.path.clone(),
+                message: format!("the validation loss of {what} is {loss}: the weights give non-finite values"),
+            });
+        }
+        let point = ValidationPoint {
+            step,
+            epoch: step as f64 / self.steps_per_epoch.max(1) as f64,
+            checkpoint,
+            loss,
+            supervised_tokens,
+            seconds: started.elapsed().as_secs_f64(),
+        };
+        record(&self.path, &point).map_err(|e| self.state_error(e))?;
+        if self.show_progress {
+            bar.suspend(|| {
+                eprintln!(
+                    "train: validation loss {loss:.4} at {what} over {supervised_tokens} supervised tokens ({:.1} s)",
+                    point.seconds
+                )
+            });
+        }
+        Ok(point)
+    }
+
+    /// The loss last recorded.
+    pub fn last_loss(&self) -> Option<f64> {
+        read_points(&self.path).ok()?.last().map(|p| p.loss)
+    }
+
+    fn state_error(&self, e: std::io::Error) -> TrainError {
+        TrainError::State { path: self.path.clone(), message: e.to_string() }
+    }
+}
+
+/// The mean cross-entropy of `data`'s supervised targets under `model` and their count, in micro-batches of
+/// `micro_batch` rows in file order, each run at its rows' length rounded up to `pad_multiple`. The passes
+/// run on parameters that take no gradient, so no autodiff graph is built; each batch's sum is read back
+/// and added in f64.
+pub fn mean_loss<B: LinearCrossEntropy>(
+    model: &CausalLm<B>,
+    data: &TrainData,
+    micro_batch: usize,
+    pad_multiple: usize,
+    device: &B::Device,
+) -> (f64, u64) {
+    let model = model.clone().no_grad();
+    let (mut sum, mut supervised) = (0.0f64, 0u64);
+    for rows in data.rows.chunks(micro_batch.max(1)) {
+        let rows: Vec<&Row> = rows.iter().collect();
+        let batch = MicroBatch::from_rows(&rows, pad_multiple);
+        let layout = SequenceLayout::from_doc_lengths(&batch.doc_lengths, batch.seq);
+        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(batch.ids.clone(), [batch.rows, batch.seq]), device);
+        let hidden = model.forward_hidden(input, &layout);
+        let Some(loss) =
+            supervised_loss(hidden, model.head_weight(), model.logit_softcap(), &batch.targets, &batch.weights, 1.0)
+        else {
+            continue;
+        };
+        sum += read_scalars(vec![loss]).first().map_or(f64::NAN, |&l| f64::from(l));
+        supervised += batch.supervised() as u64;
+    }
+    (sum / supervised.max(1) as f64, supervised)
+}
+
+/// `train/validation.jsonl` of a run's `train/` folder.
+pub fn points_path(train_dir: &Path) -> PathBuf {
+    train_dir.join("validation.jsonl")
+}
+
+/// The file's text; none when there is no file.
+fn read_text(path: &Path) -> std::io::Result<Option<String>> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(Some(text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The points of `validation.jsonl` lines; a line that is not a point is an error naming it (`InvalidData`).
+fn parse_points(text: &str) -> std::io::Result<Vec<ValidationPoint>> {
+    text.lines()
+        .enumerate()
+        .map(|(i, line)| {
+            serde_json::from_str(line)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("line {}: {e}", i + 1)))
+        })
+        .collect()
+}
+
+/// The points of a `validation.jsonl`; none when there is no file.
+pub fn read_points(path: &Path) -> std::io::Result<Vec<ValidationPoint>> {
+    read_text(path)?.map_or(Ok(Vec::new()), |text| parse_points(&text))
+}
+
+fn write_points(path: &Path, points: &[ValidationPoint]) -> std::io::Result<()> {
+    let text: String = points.iter().map(|p| serde_json::to_string(p).unwrap_or_default() + "\n").collect();
+    let partial = path.with_extension("jsonl.partial");
+    std::fs::write(&partial, text)?;
+    std::fs::rename(&partial, path)
+}
+
+/// Adds `point`, replacing one of the same step and checkpoint: a resumed run that measures again what a
+/// killed one had measured after its last saved state records it once.
+pub fn record(path: &Path, point: &ValidationPoint) -> std::io::Result<()> {
+    let mut points = read_points(path)?;
+    points.retain(|p| (p.step, &p.checkpoint) != (point.step, &point.checkpoint));
+    points.push(point.clone());
+    write_points(path, &points)
+}
+
+/// On resume, keeps the points measured at or before the saved step: those after it belong to steps the run
+/// takes again (and a line cut off mid-write goes with them).
+pub fn keep_through(path: &Path, step: usize) -> std::io::Result<()> {
+    let Some(text) = read_text(path)? else { return Ok(()) };
+    let complete = &text[..text.rfind('\n').map_or(0, |end| end + 1)];
+    let kept: Vec<ValidationPoint> = parse_points(complete)?.into_iter().filter(|p| p.step <= step).collect();
+    write_points(path, &kept)
+}
+
+/// The checkpoint label of the last point per checkpoint, as `(checkpoint, loss)` in file order.
+pub fn checkpoint_losses(points: &[ValidationPoint]) -> Vec<(String, f64)> {
+    let mut out: Vec<(String, f64)> = Vec::new();
+    for p in points {
+        if let Some(name) = &p.checkpoint {
+            out.retain(|(n, _)| n != name);
+            out.push((name.clone(), p.loss));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point(step: usize, checkpoint: Option<&str>, loss: f64) -> ValidationPoint {
+        ValidationPoint {
+            step,
+            epoch: step as f64 / 4.0,
+            checkpoint: checkpoint.map(str::to_string),
+            loss,
+            supervised_tokens: 10,
+            seconds: 0.1,
+        }
+    }
+
+    /// A point measured again (a resumed run redoing what a killed one had done after its last state) is
+    /// recorded once; a resume keeps the points through its step, drops later ones and a line cut off.
+    #[test]
+    fn points_are_recorded_once_and_a_resume_keeps_those_through_its_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = points_path(dir.path());
+        assert!(read_points(&path).unwrap().is_empty());
+        record(&path, &point(0, Some("base"), 3.0)).unwrap();
+        record(&path, &point(2, None, 2.5)).unwrap();
+        record(&path, &point(4, Some("epoch-1"), 2.0)).unwrap();
+        record(&path, &point(4, Some("epoch-1"), 2.0)).unwrap();
+        assert_eq!(read_points(&path).unwrap().len(), 3);
+        let mut text = std::fs::read_to_string(&path).unwrap();
+        text.push_str("{\"step\": 6, \"epo");
+        std::fs::write(&path, text).unwrap();
+        assert!(read_points(&path).unwrap_err().to_string().starts_with("line 4: "));
+        keep_through(&path, 2).unwrap();
+        let steps: Vec<usize> = read_points(&path).unwrap().iter().map(|p| p.step).collect();
+        assert_eq!(steps, [0, 2]);
+        record(&path, &point(4, Some("epoch-1"), 1.9)).unwrap();
+        record(&path, &point(8, Some("epoch-2"), 1.7)).unwrap();
+        assert_eq!(
+            checkpoint_losses(&read_points(&path).unwrap()),
+            [("base".to_string(), 3.0), ("epoch-1".to_string(), 1.9), ("epoch-2".to_string(), 1.7)]
+        );
+        keep_through(&dir.path().join("none.jsonl"), 3).unwrap();
+    }
+}
