@@ -167,6 +167,16 @@ fn a_validation_share_holds_out_whole_tasks() {
 
     let again = prepare_tiny(&conversations, &out, &["--validation-share", "0.1"]);
     assert_eq!(tasks(&again["validation"]), held_out, "the split moves between runs");
+    // A share that leaves nothing to train on says so.
+    let one = dir.path().join("one");
+    std::fs::write(&one, std::fs::read_to_string(&conversations).unwrap().lines().next().unwrap()).unwrap();
+    let args = ["--quiet", "prepare", "--model", "tiny", "--data", one.to_str().unwrap(), "--out"];
+    let (ok, _, stderr) = run_kiln(
+        &[&args[..], &[out.to_str().unwrap(), "--validation-share", "0.999999"]].concat(),
+        &[],
+        &project_dir(),
+    );
+    assert!(!ok && stderr.contains("were all held out for validation"), "{stderr}");
     let none = prepare_tiny(&conversations, &out, &["--validation-share", "0"]);
     assert!(none["validation"].is_null() && !out.join("validation").exists());
     assert_eq!(n(&none, "samples"), n(&whole, "samples"));

@@ -128,6 +128,13 @@ impl PrepareStats {
             let reasons: Vec<String> = self.dropped.iter().map(|(reason, n)| format!("{n} {reason}")).collect();
             text += &format!(" (dropped: {})", reasons.join(", "));
         }
+        if let Some(v) = &self.validation {
+            text += &format!(
+                "; the {} samples of {} conversations were all held out for validation (a validation_share too large \
+                 for this data)",
+                v.samples, v.conversations
+            );
+        }
         if let (Some(cfg), true) = (&self.config, self.dropped.contains_key("too_long")) {
             text += &format!("; a sample longer than seq_len {} is dropped with truncation = drop", cfg.seq_len);
         }
