@@ -41,9 +41,9 @@ fn setup_model(dir: &Path, model: &str, name: &str) -> (PathBuf, PathBuf) {
         .replace("terminal-synth = 0.4, toolbench-synth = 0.4", "terminal-synth = 0.03, toolbench-synth = 0.03")
         .replace("max_tokens = 256", "max_tokens = 16\nlimit = 3")
         // A share that holds out a few of the few conversations.
-        .replace("validation_share = 0.05", "validation_share = 0.2");
+        .replace("validation_share = 0.05", "validation_share = 0.3");
     assert!(
-        tiny.contains("limit = 3") && tiny.contains("0.03") && tiny.contains("validation_share = 0.2"),
+        tiny.contains("limit = 3") && tiny.contains("0.03") && tiny.contains("validation_share = 0.3"),
         "{model}.toml changed shape: update this test"
     );
     std::fs::write(configs.join(format!("{name}.toml")), tiny).unwrap();
@@ -257,6 +257,22 @@ fn check_card(run: &Path) {
         assert_eq!(p["supervised_tokens"], held["supervised_tokens"], "every held-out target is measured");
     }
     assert!(points[2]["loss"].as_f64().unwrap() < points[0]["loss"].as_f64().unwrap(), "{points:?}");
+    // By source: the held-out terminal and toolbench conversations, their counts adding up, in their own table.
+    let sources = points[0]["sources"].as_object().unwrap();
+    let counts: Vec<u64> = sources.values().map(|s| s["supervised_tokens"].as_u64().unwrap()).collect();
+    assert_eq!(counts.iter().sum::<u64>(), held["supervised_tokens"].as_u64().unwrap());
+    assert_eq!(sources.keys().collect::<Vec<_>>(), ["terminal", "toolbench"]);
+    let header = md.lines().skip_while(|l| !l.starts_with("The validation loss by data source")).nth(2).unwrap();
+    let expected: Vec<String> = std::iter::once("checkpoint".to_string())
+        .chain(counts.iter().zip(sources.keys()).map(|(n, s)| format!("{s} ({n} tokens)")))
+        .collect();
+    assert_eq!(header, format!("| {} |", expected.join(" | ")));
+    let by_source: Vec<&str> = md.lines().skip_while(|l| *l != header).skip(2).take(3).collect();
+    for (line, p) in by_source.iter().zip(&points) {
+        let cells: Vec<String> =
+            sources.keys().map(|s| format!("{:.4}", p["sources"][s]["loss"].as_f64().unwrap())).collect();
+        assert_eq!(*line, format!("| {} | {} |", p["checkpoint"].as_str().unwrap(), cells.join(" | ")));
+    }
     assert!(md.contains("](card/loss.png)") && md.contains("](card/scores.png)") && md.contains("report/index.html"));
     assert!(md.contains("kiln --quiet sft --model fast --device cpu"), "the reproduce command");
     for png in ["loss", "scores"] {

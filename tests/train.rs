@@ -241,8 +241,8 @@ fn epoch_checkpoints_reload_to_the_trained_model_and_a_batch_overfits() {
 
 /// The validation loss of the base model, every `validation_every` steps and each epoch end is the reference
 /// loss (full logits, log-softmax, the supervised targets' mean) of the base model and of each epoch's
-/// exported checkpoint on the held-out rows (two documents packed in a row, then padding); a run stopped and
-/// resumed records the same points once each.
+/// exported checkpoint on the held-out rows (two documents of two sources packed in a row, then padding),
+/// over both and for each source; a run stopped and resumed records the same points once each.
 #[test]
 fn the_validation_loss_is_the_reference_loss_of_each_checkpoint() {
     use kiln::train::data::TrainData;
@@ -251,7 +251,7 @@ fn the_validation_loss_is_the_reference_loss_of_each_checkpoint() {
 
     let dir = tempfile::tempdir().unwrap();
     let data = fixture_shards(dir.path(), 2);
-    common::training::write_fixture_shards(&data.join("validation"), 1, 35);
+    common::training::write_fixture_shards(&data.join("validation"), 1, 35, &["terminal", "toolbench"]);
     let cfg = TrainConfig { epochs: 2, validation_every: Some(1), ..parity_config() };
     let (summary, _) = run::<CpuTrain>(&cfg, &data, &dir.path().join("straight"), false, None);
     let points = read_points(&points_path(&dir.path().join("straight/train"))).unwrap();
@@ -267,11 +267,17 @@ fn the_validation_loss_is_the_reference_loss_of_each_checkpoint() {
     let batch = MicroBatch::from_rows(&rows.iter().collect::<Vec<_>>(), 0);
     assert_eq!((batch.rows, batch.doc_lengths.clone()), (1, vec![vec![12, 12]]));
     let device = Default::default();
-    let reference = |model_dir: &std::path::Path| -> f64 {
+    // The second document's positions are 12..24; the first's, the rest.
+    let toolbench: Vec<f32> = batch.weights.iter().enumerate().map(|(i, &w)| if i >= 12 { w } else { 0.0 }).collect();
+    let terminal: Vec<f32> = batch.weights.iter().zip(&toolbench).map(|(w, t)| w - t).collect();
+    let count = |w: &[f32]| w.iter().sum::<f32>();
+    // The mean loss over all targets, over the terminal document's and over the toolbench one's.
+    let reference = |model_dir: &std::path::Path| -> [f64; 3] {
         let (_, model) = kiln::models::load_model::<Cpu>(model_dir, &device).unwrap();
         let ids = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(batch.ids.clone(), [1, batch.seq]), &device);
         let logits = model.forward(ids, &SequenceLayout::from_doc_lengths(&batch.doc_lengths, batch.seq));
-        f64::from(masked_loss(logits, &batch.targets, &batch.weights, batch.supervised()).into_scalar())
+        let mean = |w: &[f32]| f64::from(masked_loss(logits.clone(), &batch.targets, w, count(w)).into_scalar());
+        [mean(&batch.weights), mean(&terminal), mean(&toolbench)]
     };
     let checkpoints = dir.path().join("straight/checkpoints");
     for (point, model_dir) in [
@@ -279,14 +285,17 @@ fn the_validation_loss_is_the_reference_loss_of_each_checkpoint() {
         (&points[2], checkpoints.join("epoch-1")),
         (&points[4], checkpoints.join("epoch-2")),
     ] {
-        let want = reference(&model_dir);
-        assert!(
-            (point.loss - want).abs() <= 1e-5 * want,
-            "{:?}: {} vs the reference {want}",
-            point.checkpoint,
-            point.loss
-        );
+        let [want, want_terminal, want_toolbench] = reference(&model_dir);
+        let close = |got: f64, want: f64, what: &str| {
+            assert!((got - want).abs() <= 1e-5 * want, "{:?} {what}: {got} vs the reference {want}", point.checkpoint)
+        };
+        close(point.loss, want, "all");
+        close(point.sources["terminal"].loss, want_terminal, "terminal");
+        close(point.sources["toolbench"].loss, want_toolbench, "toolbench");
         assert_eq!(point.supervised_tokens, batch.supervised() as u64);
+        assert_eq!(point.sources["terminal"].supervised_tokens, count(&terminal) as u64);
+        assert_eq!(point.sources["toolbench"].supervised_tokens, count(&toolbench) as u64);
+        assert!(count(&terminal) > 0.0 && count(&toolbench) > 0.0);
     }
     assert!(points[4].loss < points[0].loss, "training on the same rows lowers their loss");
 

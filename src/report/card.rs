@@ -197,6 +197,25 @@ const EVAL_HEADERS: [&str; 11] = [
     "rank-eligible",
 ];
 
+/// The validation loss of each checkpoint by data source, when the split holds more than one source.
+fn source_validation_table(md: &mut String, points: &[ValidationPoint]) {
+    let checkpoints: Vec<&ValidationPoint> = points.iter().filter(|p| p.checkpoint.is_some()).collect();
+    let Some(first) = checkpoints.first().filter(|p| p.sources.len() > 1) else { return };
+    let sources: Vec<&String> = first.sources.keys().collect();
+    let headers: Vec<String> = std::iter::once("checkpoint".to_string())
+        .chain(sources.iter().map(|s| format!("{s} ({} tokens)", first.sources[*s].supervised_tokens)))
+        .collect();
+    let rows: Vec<Vec<String>> = checkpoints
+        .iter()
+        .map(|p| {
+            let cells = sources.iter().map(|s| p.sources.get(*s).map_or("-".into(), |l| format!("{:.4}", l.loss)));
+            std::iter::once(p.checkpoint.clone().unwrap_or_default()).chain(cells).collect()
+        })
+        .collect();
+    md.push_str("\nThe validation loss by data source (the held-out split's supervised tokens of each):\n\n");
+    md_table(md, &headers.iter().map(String::as_str).collect::<Vec<_>>(), &rows);
+}
+
 fn md_table(md: &mut String, headers: &[&str], rows: &[Vec<String>]) {
     let _ = writeln!(md, "| {} |", headers.join(" | "));
     let _ = writeln!(md, "|{}", "---|".repeat(headers.len()));
@@ -427,6 +446,7 @@ fn markdown(
         }
     }
     md_table(&mut md, &headers, &rows);
+    source_validation_table(&mut md, &inputs.validation);
     let _ =
         writeln!(md, "\n**Selected: {}.** {}\n\n![per-checkpoint scores](card/scores.png)\n", sel.chosen, sel.reason);
 

@@ -1,8 +1,10 @@
 //! The validation loss: the held-out split's shards (`data/validation/`, which `kiln prepare` writes at a
 //! `validation_share`), the mean cross-entropy of their supervised tokens under the model as it stands
-//! (forward passes only, no graph kept), and `train/validation.jsonl`: a line for the base model before the
-//! first step, one at every epoch end (for `checkpoints/epoch-<k>`) and one every `validation_every` steps.
+//! (forward passes only, no graph kept), over the whole split and per data source, and
+//! `train/validation.jsonl`: a line for the base model before the first step, one at every epoch end (for
+//! `checkpoints/epoch-<k>`) and one every `validation_every` steps.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -32,7 +34,17 @@ pub struct ValidationPoint {
     /// Mean next-token cross-entropy over the split's supervised tokens.
     pub loss: f64,
     pub supervised_tokens: u64,
+    /// The same by the source each document came from (ingest's source names: `terminal`, `toolbench`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sources: BTreeMap<String, SourceLoss>,
     pub seconds: f64,
+}
+
+/// The mean cross-entropy of some supervised targets and their count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct SourceLoss {
+    pub loss: f64,
+    pub supervised_tokens: u64,
 }
 
 /// The validation split under the shards' folder `data_dir`, when prepare held one out; one without a
@@ -113,7 +125,10 @@ impl Validator {
         bar: &ProgressBar,
     ) -> Result<ValidationPoint, TrainError> {
         let started = Instant::now();
-        let (loss, supervised_tokens) = mean_loss(model, &self.data, self.micro_batch, self.pad_multiple, device);
+        let sources = source_losses(model, &self.data, self.micro_batch, self.pad_multiple, device);
+        let supervised_tokens: u64 = sources.values().map(|s| s.supervised_tokens).sum();
+        let sum: f64 = sources.values().map(|s| s.loss * s.supervised_tokens as f64).sum();
+        let loss = sum / supervised_tokens.max(1) as f64;
         let what = checkpoint.as_deref().map_or(format!("step {step}"), |c| format!("{c} (step {step})"));
         if !loss.is_finite() {
             return Err(TrainError::Data {
@@ -127,6 +142,7 @@ impl Validator {
             checkpoint,
             loss,
             supervised_tokens,
+            sources,
             seconds: started.elapsed().as_secs_f64(),
         };
         record(&self.path, &point).map_err(|e| self.state_error(e))?;
@@ -151,34 +167,62 @@ impl Validator {
     }
 }
 
-/// The mean cross-entropy of `data`'s supervised targets under `model` and their count, in micro-batches of
-/// `micro_batch` rows in file order, each run at its rows' length rounded up to `pad_multiple`. The passes
-/// run on parameters that take no gradient, so no autodiff graph is built; each batch's sum is read back
-/// and added in f64.
-pub fn mean_loss<B: LinearCrossEntropy>(
+/// The mean cross-entropy of `data`'s supervised targets under `model` and their count, per source, in
+/// micro-batches of `micro_batch` rows in file order, each run at its rows' length rounded up to
+/// `pad_multiple`. The passes run on parameters that take no gradient, so no autodiff graph is built. A
+/// source's targets go through the fused projection + loss on their own (the sources part the positions,
+/// so this costs what one call would); each batch's sums are read back together and added in f64.
+pub fn source_losses<B: LinearCrossEntropy>(
     model: &CausalLm<B>,
     data: &TrainData,
     micro_batch: usize,
     pad_multiple: usize,
     device: &B::Device,
-) -> (f64, u64) {
+) -> BTreeMap<String, SourceLoss> {
     let model = model.clone().no_grad();
-    let (mut sum, mut supervised) = (0.0f64, 0u64);
+    let mut sums: BTreeMap<String, (f64, u64)> = BTreeMap::new();
     for rows in data.rows.chunks(micro_batch.max(1)) {
         let rows: Vec<&Row> = rows.iter().collect();
         let batch = MicroBatch::from_rows(&rows, pad_multiple);
         let layout = SequenceLayout::from_doc_lengths(&batch.doc_lengths, batch.seq);
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(batch.ids.clone(), [batch.rows, batch.seq]), device);
         let hidden = model.forward_hidden(input, &layout);
-        let Some(loss) =
-            supervised_loss(hidden, model.head_weight(), model.logit_softcap(), &batch.targets, &batch.weights, 1.0)
-        else {
-            continue;
-        };
-        sum += read_scalars(vec![loss]).first().map_or(f64::NAN, |&l| f64::from(l));
-        supervised += batch.supervised() as u64;
+        let mut names = Vec::new();
+        let mut losses = Vec::new();
+        for (source, weights) in source_weights(&rows, &batch) {
+            let (head, cap) = (model.head_weight(), model.logit_softcap());
+            if let Some(loss) = supervised_loss(hidden.clone(), head, cap, &batch.targets, &weights, 1.0) {
+                names.push((source, weights.iter().sum::<f32>() as u64));
+                losses.push(loss);
+            }
+        }
+        for ((source, count), sum) in names.into_iter().zip(read_scalars(losses)) {
+            let entry = sums.entry(source.to_string()).or_default();
+            entry.0 += f64::from(sum);
+            entry.1 += count;
+        }
     }
-    (sum / supervised.max(1) as f64, supervised)
+    sums.into_iter()
+        .map(|(source, (sum, count))| {
+            (source, SourceLoss { loss: sum / count.max(1) as f64, supervised_tokens: count })
+        })
+        .collect()
+}
+
+/// `batch.weights` split by the source of the document each position lies in (`rows` are the batch's).
+fn source_weights<'a>(rows: &[&'a Row], batch: &MicroBatch) -> BTreeMap<&'a str, Vec<f32>> {
+    let mut out: BTreeMap<&str, Vec<f32>> = BTreeMap::new();
+    for (r, row) in rows.iter().enumerate() {
+        let mut start = 0;
+        for (&len, source) in row.doc_lengths.iter().zip(&row.sources) {
+            let (from, to) =
+                (r * batch.seq + start.min(batch.seq), r * batch.seq + (start + len as usize).min(batch.seq));
+            let weights = out.entry(source.as_str()).or_insert_with(|| vec![0.0; batch.weights.len()]);
+            weights[from..to].copy_from_slice(&batch.weights[from..to]);
+            start += len as usize;
+        }
+    }
+    out
 }
 
 /// `train/validation.jsonl` of a run's `train/` folder.
@@ -259,8 +303,35 @@ mod tests {
             checkpoint: checkpoint.map(str::to_string),
             loss,
             supervised_tokens: 10,
+            sources: BTreeMap::new(),
             seconds: 0.1,
         }
+    }
+
+    /// Each position's weight goes to the source of the document it lies in, in rows whose padding the batch
+    /// drops too; together the sources' weights are the batch's.
+    #[test]
+    fn a_batch_s_targets_are_parted_by_source() {
+        let row = |docs: Vec<u32>, sources: Vec<&str>, seq: usize| Row {
+            input_ids: (1..=seq as u32).collect(),
+            loss_mask: vec![1; seq],
+            sample_ids: sources.iter().map(|s| format!("{s}-doc")).collect(),
+            sources: sources.into_iter().map(str::to_string).collect(),
+            doc_lengths: docs,
+        };
+        let rows = [row(vec![3, 4], vec!["a", "b"], 16), row(vec![2, 5, 3], vec!["b", "a", "b"], 16)];
+        let refs: Vec<&Row> = rows.iter().collect();
+        let batch = MicroBatch::from_rows(&refs, 4);
+        assert_eq!(batch.seq, 12);
+        let parts = source_weights(&refs, &batch);
+        assert_eq!(parts.keys().copied().collect::<Vec<_>>(), ["a", "b"]);
+        let ones = |w: &[f32]| w.iter().enumerate().filter(|(_, x)| **x == 1.0).map(|(i, _)| i).collect::<Vec<_>>();
+        // A document's last position has no target in it. Row 0: a = 0..3, b = 3..7; row 1 from 12: b = 12..14,
+        // a = 14..19, b = 19..22.
+        assert_eq!(ones(&parts["a"]), [0, 1, 14, 15, 16, 17]);
+        assert_eq!(ones(&parts["b"]), [3, 4, 5, 12, 19, 20]);
+        let total: Vec<f32> = (0..batch.weights.len()).map(|i| parts["a"][i] + parts["b"][i]).collect();
+        assert_eq!(total, batch.weights);
     }
 
     /// A point measured again (a resumed run redoing what a killed one had done after its last state) is

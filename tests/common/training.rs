@@ -33,12 +33,13 @@ pub fn fixture_shards(dir: &Path, copies: usize) -> PathBuf {
 /// The fixture's 12-token rows as documents packed into shard rows of `seq_len` tokens, the rest padding.
 pub fn fixture_shards_packed(dir: &Path, copies: usize, seq_len: usize) -> PathBuf {
     let out = dir.join("data");
-    write_fixture_shards(&out, copies, seq_len);
+    write_fixture_shards(&out, copies, seq_len, &["fixture"]);
     out
 }
 
-/// The fixture's rows written `copies` times as shards of `seq_len`-token rows into `out`.
-pub fn write_fixture_shards(out: &Path, copies: usize, seq_len: usize) {
+/// The fixture's rows written `copies` times as shards of `seq_len`-token rows into `out`, each document's
+/// source the next of `sources` in turn.
+pub fn write_fixture_shards(out: &Path, copies: usize, seq_len: usize, sources: &[&str]) {
     let bytes = std::fs::read(fixture_dir().join("lfm2-tiny/fixture.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let i64s = |k: &str| -> Vec<u32> {
@@ -53,7 +54,7 @@ pub fn write_fixture_shards(out: &Path, copies: usize, seq_len: usize) {
                 input_ids: ids[r * 12..(r + 1) * 12].to_vec(),
                 loss_mask: mask[r * 12..(r + 1) * 12].iter().map(|&m| m as u8).collect(),
             };
-            w.add(&sample, "fixture").unwrap();
+            w.add(&sample, sources[(c * 2 + r) % sources.len()]).unwrap();
         }
     }
     w.finish().unwrap();
