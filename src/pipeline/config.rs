@@ -553,6 +553,8 @@ mod tests {
             ("train.lr=0", "train.lr is 0"),
             ("data.seq_len=1", "[data] seq_len is 1"),
             ("data.weights.nosuch=1.0", "weights names 'nosuch'"),
+            ("data.validation_share=1", "[data] validation_share is 1: it must be at least 0 and below 1"),
+            ("train.validation_every=0", "train.validation_every is 0"),
             ("train.lr.peak=1", "train.lr is not a table"),
             ("eval.max_tokens=0", "[eval] max_tokens is 0"),
             ("data.seq_len=", "missing field `seq_len`"),
