@@ -1,5 +1,6 @@
 //! How kiln writes into a run folder: the one way the stages write a JSON artifact (pretty-printed,
-//! newline-terminated, parent folders made), and the lock that keeps a run folder to one kiln at a time.
+//! newline-terminated, parent folders made), how a JSON-lines record is read and cut back on resume, and the
+//! lock that keeps a run folder to one kiln at a time.
 
 use std::fs::{File, TryLockError};
 use std::io::{Read, Seek, Write};
@@ -11,6 +12,48 @@ pub fn write_json(path: &Path, value: &impl serde::Serialize) -> std::io::Result
     }
     let text = serde_json::to_string_pretty(value).map_err(std::io::Error::other)? + "\n";
     std::fs::write(path, text)
+}
+
+/// The values of a JSON-lines text; a line that is not one is an error naming its number (`InvalidData`).
+pub fn parse_json_lines<T: serde::de::DeserializeOwned>(text: &str) -> std::io::Result<Vec<T>> {
+    text.lines()
+        .enumerate()
+        .map(|(i, line)| {
+            serde_json::from_str(line)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("line {}: {e}", i + 1)))
+        })
+        .collect()
+}
+
+/// Keeps the lines of the JSON-lines file at `path` whose value `keep` accepts, as they were, and drops a last
+/// line cut off mid-write (no newline after it). The file is rewritten (beside it, then renamed) only when a
+/// line goes, and only once every complete line has been read; a missing file has nothing to keep.
+pub fn retain_json_lines<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    keep: impl Fn(&T) -> bool,
+) -> std::io::Result<()> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let complete = &text[..text.rfind('\n').map_or(0, |end| end + 1)];
+    let values: Vec<T> = parse_json_lines(complete)?;
+    let mut kept = String::with_capacity(complete.len());
+    for (line, value) in complete.lines().zip(&values) {
+        if keep(value) {
+            kept.push_str(line);
+            kept.push('\n');
+        }
+    }
+    if kept.len() != text.len() {
+        let mut partial = path.as_os_str().to_owned();
+        partial.push(".partial");
+        let partial = PathBuf::from(partial);
+        std::fs::write(&partial, kept)?;
+        std::fs::rename(&partial, path)?;
+    }
+    Ok(())
 }
 
 /// The file in a run folder whose lock a kiln holds while it writes there.

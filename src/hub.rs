@@ -332,11 +332,7 @@ impl Hub {
                         wait.as_secs_f64(),
                         attempt + 1
                     );
-                    if bar.is_hidden() {
-                        eprintln!("{note}")
-                    } else {
-                        bar.println(note)
-                    }
+                    bar.suspend(|| eprintln!("{note}"));
                     std::thread::sleep(wait);
                     attempt += 1;
                 }

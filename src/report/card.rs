@@ -526,7 +526,7 @@ fn markdown(
             "validation split",
             format!(
                 "{} conversations held out by task ({} samples, {} supervised tokens); its loss is measured for the base model and at every epoch end",
-                v.conversations, v.samples, v.supervised_tokens
+                v.conversations, v.counts.samples, v.counts.supervised_tokens
             ),
         ));
     }

@@ -70,7 +70,7 @@ pub fn key_figures(ins: &Inspection) -> Vec<(&'static str, String)> {
             "held out for validation",
             format!(
                 "{} conversations ({} samples, {} tokens; not in the sample and token figures above)",
-                v.conversations, v.samples, v.tokens
+                v.conversations, v.counts.samples, v.counts.tokens
             ),
         ));
     }

@@ -92,20 +92,28 @@ pub struct PrepareStats {
     pub peak_rss_bytes: Option<u64>,
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SourceCounts {
     pub samples: u64,
     pub tokens: u64,
     pub supervised_tokens: u64,
 }
 
+impl SourceCounts {
+    fn add(&mut self, sample: &super::TokenSample) {
+        self.samples += 1;
+        self.tokens += sample.input_ids.len() as u64;
+        self.supervised_tokens += sample.supervised() as u64;
+    }
+}
+
 /// The conversations held out for the validation loss and the shards made of them.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ValidationSplit {
     pub conversations: u64,
-    pub samples: u64,
-    pub tokens: u64,
-    pub supervised_tokens: u64,
+    /// Its samples, tokens and supervised tokens (at the top level of the JSON).
+    #[serde(flatten)]
+    pub counts: SourceCounts,
     pub padding_tokens: u64,
     pub rows: u64,
     pub shards: Vec<PathBuf>,
@@ -132,7 +140,7 @@ impl PrepareStats {
             text += &format!(
                 "; the {} samples of {} conversations were all held out for validation (a validation_share too large \
                  for this data)",
-                v.samples, v.conversations
+                v.counts.samples, v.conversations
             );
         }
         if let (Some(cfg), true) = (&self.config, self.dropped.contains_key("too_long")) {
@@ -151,10 +159,10 @@ impl PrepareStats {
         let validation = self.validation.as_ref().map_or(String::new(), |v| {
             format!(
                 "; {} conversations held out for validation ({} samples, {} tokens, {} rows)",
-                v.conversations, v.samples, v.tokens, v.rows
+                v.conversations, v.counts.samples, v.counts.tokens, v.rows
             )
         });
-        let all_tokens = self.tokens + self.validation.as_ref().map_or(0, |v| v.tokens);
+        let all_tokens = self.tokens + self.validation.as_ref().map_or(0, |v| v.counts.tokens);
         format!(
             "{} conversations → {} samples, {} tokens ({share:.1}% supervised) in {} rows{validation}; {dropped} dropped, {} truncated; {:.0} conversations/s, {:.0} tokens/s",
             self.conversations,
@@ -305,32 +313,27 @@ pub fn prepare(
                     if dropped_long > 0 {
                         *stats.dropped.entry("too_long".into()).or_default() += dropped_long as u64;
                     }
-                    if let (true, Some(writer)) = (held_out, validation.as_mut()) {
-                        held.conversations += u64::from(!samples.is_empty());
-                        for (sample, truncated) in &samples {
-                            held.samples += 1;
-                            held.tokens += sample.input_ids.len() as u64;
-                            held.supervised_tokens += sample.supervised() as u64;
-                            stats.truncated += u64::from(*truncated);
-                            writer.add(sample, &source)?;
+                    let (shards, counts) = match (held_out, validation.as_mut()) {
+                        (true, Some(held_shards)) => {
+                            held.conversations += u64::from(!samples.is_empty());
+                            (held_shards, &mut held.counts)
                         }
-                        continue;
-                    }
-                    let counts = stats.per_source.entry(source.clone()).or_default();
+                        _ => (&mut writer, stats.per_source.entry(source.clone()).or_default()),
+                    };
                     for (sample, truncated) in &samples {
-                        let supervised = sample.supervised() as u64;
-                        counts.samples += 1;
-                        counts.tokens += sample.input_ids.len() as u64;
-                        counts.supervised_tokens += supervised;
-                        stats.samples += 1;
-                        stats.tokens += sample.input_ids.len() as u64;
-                        stats.supervised_tokens += supervised;
+                        counts.add(sample);
                         stats.truncated += u64::from(*truncated);
-                        writer.add(sample, &source)?;
+                        shards.add(sample, &source)?;
                     }
                 }
             }
         }
+    }
+    // The training split's totals are its sources'.
+    for counts in stats.per_source.values() {
+        stats.samples += counts.samples;
+        stats.tokens += counts.tokens;
+        stats.supervised_tokens += counts.supervised_tokens;
     }
     let shard_stats = writer.finish()?;
     stats.rows = shard_stats.rows;
@@ -341,7 +344,7 @@ pub fn prepare(
         held.rows = written.rows;
         held.padding_tokens = written.padding_tokens;
         held.shards = written.files;
-        if held.samples > 0 {
+        if held.counts.samples > 0 {
             stats.validation = Some(held);
         } else {
             // Too few conversations for the share to catch one: no split, said in the stats by its absence.

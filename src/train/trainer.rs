@@ -280,38 +280,14 @@ pub fn metrics_totals(path: &Path) -> std::io::Result<(u64, u64)> {
 /// The steps of a `metrics.jsonl`. A line that is not a step is an error naming it (`InvalidData`): the card
 /// and the stage counts would otherwise leave its tokens out without a word.
 pub fn read_metrics(path: &Path) -> std::io::Result<Vec<StepMetrics>> {
-    let text = std::fs::read_to_string(path)?;
-    text.lines().enumerate().map(|(i, line)| parse_metrics_line(line, i + 1)).collect()
-}
-
-fn parse_metrics_line(line: &str, number: usize) -> std::io::Result<StepMetrics> {
-    serde_json::from_str(line)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("line {number}: {e}")))
+    crate::files::parse_json_lines(&std::fs::read_to_string(path)?)
 }
 
 /// On resume, `metrics.jsonl` keeps only the steps before the saved position. A run killed rather than
 /// stopped (no state written at the end) runs its steps since the last saved state again, and they must not
 /// be counted twice; a last line cut off mid-write goes with them.
 fn keep_metrics_before(path: &Path, step: usize) -> std::io::Result<()> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    let complete = text.len() - text.rsplit_once('\n').map_or(text.len(), |(_, cut)| cut.len());
-    let mut kept = String::with_capacity(complete);
-    for (i, line) in text[..complete].lines().enumerate() {
-        if parse_metrics_line(line, i + 1)?.step < step {
-            kept.push_str(line);
-            kept.push('\n');
-        }
-    }
-    if kept.len() != text.len() {
-        let partial = path.with_extension("jsonl.partial");
-        std::fs::write(&partial, kept)?;
-        std::fs::rename(&partial, path)?;
-    }
-    Ok(())
+    crate::files::retain_json_lines(path, |m: &StepMetrics| m.step < step)
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -5,6 +5,7 @@
 //! `checkpoints/epoch-<k>`) and one every `validation_every` steps.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -230,54 +231,30 @@ pub fn points_path(train_dir: &Path) -> PathBuf {
     train_dir.join("validation.jsonl")
 }
 
-/// The file's text; none when there is no file.
-fn read_text(path: &Path) -> std::io::Result<Option<String>> {
+/// The points of a `validation.jsonl`; none when there is no file. A line that is not a point is an error
+/// naming it (`InvalidData`).
+pub fn read_points(path: &Path) -> std::io::Result<Vec<ValidationPoint>> {
     match std::fs::read_to_string(path) {
-        Ok(text) => Ok(Some(text)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Ok(text) => crate::files::parse_json_lines(&text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
         Err(e) => Err(e),
     }
-}
-
-/// The points of `validation.jsonl` lines; a line that is not a point is an error naming it (`InvalidData`).
-fn parse_points(text: &str) -> std::io::Result<Vec<ValidationPoint>> {
-    text.lines()
-        .enumerate()
-        .map(|(i, line)| {
-            serde_json::from_str(line)
-                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("line {}: {e}", i + 1)))
-        })
-        .collect()
-}
-
-/// The points of a `validation.jsonl`; none when there is no file.
-pub fn read_points(path: &Path) -> std::io::Result<Vec<ValidationPoint>> {
-    read_text(path)?.map_or(Ok(Vec::new()), |text| parse_points(&text))
-}
-
-fn write_points(path: &Path, points: &[ValidationPoint]) -> std::io::Result<()> {
-    let text: String = points.iter().map(|p| serde_json::to_string(p).unwrap_or_default() + "\n").collect();
-    let partial = path.with_extension("jsonl.partial");
-    std::fs::write(&partial, text)?;
-    std::fs::rename(&partial, path)
 }
 
 /// Adds `point`, replacing one of the same step and checkpoint: a resumed run that measures again what a
 /// killed one had measured after its last saved state records it once.
 pub fn record(path: &Path, point: &ValidationPoint) -> std::io::Result<()> {
-    let mut points = read_points(path)?;
-    points.retain(|p| (p.step, &p.checkpoint) != (point.step, &point.checkpoint));
-    points.push(point.clone());
-    write_points(path, &points)
+    crate::files::retain_json_lines(path, |p: &ValidationPoint| {
+        (p.step, &p.checkpoint) != (point.step, &point.checkpoint)
+    })?;
+    let line = serde_json::to_string(point).map_err(std::io::Error::other)? + "\n";
+    std::fs::OpenOptions::new().create(true).append(true).open(path)?.write_all(line.as_bytes())
 }
 
 /// On resume, keeps the points measured at or before the saved step: those after it belong to steps the run
 /// takes again (and a line cut off mid-write goes with them).
 pub fn keep_through(path: &Path, step: usize) -> std::io::Result<()> {
-    let Some(text) = read_text(path)? else { return Ok(()) };
-    let complete = &text[..text.rfind('\n').map_or(0, |end| end + 1)];
-    let kept: Vec<ValidationPoint> = parse_points(complete)?.into_iter().filter(|p| p.step <= step).collect();
-    write_points(path, &kept)
+    crate::files::retain_json_lines(path, |p: &ValidationPoint| p.step <= step)
 }
 
 /// The checkpoint label of the last point per checkpoint, as `(checkpoint, loss)` in file order.
