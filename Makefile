@@ -10,9 +10,11 @@ RUN ?= $(MODEL)
 SET ?=
 # A checkpoint folder to fine-tune instead of MODEL's own model (kiln sft --base): BASE=runs/tiny/best RUN=tiny-2.
 BASE ?=
+# A Hub repo to push the selected checkpoint to at the end (publish_repo, push = true; HF_TOKEN with write access).
+PUSH ?=
 CARGO ?= cargo
 KILN := target/release/kiln
-SFT = $(KILN) sft --model $(MODEL) --run $(RUN)$(if $(EPOCHS), --epochs $(EPOCHS))$(if $(BASE), --base '$(BASE)')$(if $(SET), $(foreach s,$(SET),--set '$(s)'))
+SFT = $(KILN) sft --model $(MODEL) --run $(RUN)$(if $(EPOCHS), --epochs $(EPOCHS))$(if $(BASE), --base '$(BASE)')$(if $(SET), $(foreach s,$(SET),--set '$(s)'))$(if $(PUSH), --set 'publish_repo=$(PUSH)' --set push=true)
 
 # Build with burn's CUDA backend where a GPU driver or toolkit is present, else CPU only.
 ifneq ($(shell command -v nvcc 2>/dev/null || ls /usr/lib/x86_64-linux-gnu/libcuda.so* 2>/dev/null | head -n1),)
@@ -27,7 +29,7 @@ build:
 	$(CARGO) build --release $(FEATURES)
 
 # The whole pipeline (pipelines/sft.toml): pull → prepare → inspect → train → export → eval → select → card
-# into runs/$(RUN)/. Re-running skips finished stages and resumes an interrupted training. MODEL=tiny (the
+# (→ push, with PUSH=owner/name) into runs/$(RUN)/. Re-running skips finished stages and resumes an interrupted training. MODEL=tiny (the
 # default) needs no network and no GPU; a GPU-sized MODEL stops at once on a machine without one.
 sft: build
 	@test -f $(SAMPLES)/terminal.parquet || $(KILN) synth --out $(SAMPLES)

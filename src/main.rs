@@ -46,10 +46,12 @@ enum Command {
     Render(RenderArgs),
     /// Turn normalized conversations into token shards with assistant-only loss masks, and stats.
     Prepare(PrepareArgs),
-    /// The whole pipeline: pull → prepare → inspect → train → export → eval → select → card, resumable.
+    /// The whole pipeline: pull → prepare → inspect → train → export → eval → select → card (→ push), resumable.
     Sft(SftArgs),
     /// Write the model card (README.md, card/*.png) of a run that has been evaluated and selected.
     Card(CardArgs),
+    /// Upload a checkpoint folder (a run's best/, its card included) to a Hub model repo as one commit (HF_TOKEN).
+    Push(PushArgs),
     /// Write the dataset inspection report of a prepared run (report/index.html, summary.md, summary.json).
     Inspect(InspectArgs),
     /// Train the offline default's byte-level BPE tokenizer on conversations.
@@ -126,6 +128,27 @@ struct SftArgs {
     /// Stop training after N steps as Ctrl-C would (for testing resume).
     #[arg(long, hide = true)]
     halt_after: Option<usize>,
+}
+
+#[derive(Args)]
+struct PushArgs {
+    /// The checkpoint folder: config.json and safetensors weights (runs/<run>/best, a checkpoints/epoch-<k>).
+    dir: PathBuf,
+    /// The model repo to push to (owner/name); created when it does not exist.
+    #[arg(long)]
+    repo: String,
+    /// The branch to commit to; created from the default branch when missing.
+    #[arg(long, default_value = "main")]
+    revision: String,
+    /// Create the repo private (an existing repo keeps its visibility).
+    #[arg(long)]
+    private: bool,
+    /// The commit message (default: "Upload <folder> with kiln").
+    #[arg(long)]
+    message: Option<String>,
+    /// Write the record (commit, files and their sha256, deleted stale weights) here as JSON instead of stdout.
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -657,6 +680,7 @@ fn run(cli: Cli, host_allocator: Option<&str>) -> Result<()> {
         Command::Prepare(args) => prepare_cmd(args, cli.quiet),
         Command::Sft(args) => sft_cmd(args, &cli.datasets_dir, cli.quiet),
         Command::Card(args) => card_cmd(args),
+        Command::Push(args) => push_cmd(args, cli.quiet),
         Command::Inspect(args) => inspect_cmd(args, cli.quiet),
         Command::Tokenizer(args) => tokenizer_cmd(args),
         Command::Logits(args) => on_device(&args.model.device.clone(), Job::Logits(args)),
@@ -804,6 +828,49 @@ fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
         s.selected_score.map_or_else(|| "-".to_string(), |x| format!("{x:.2}")),
         show(&s.report),
         show(&s.card)
+    );
+    if let Some(url) = &s.pushed {
+        eprintln!("sft: pushed as {url}");
+    }
+    Ok(())
+}
+
+fn push_cmd(args: PushArgs, quiet: bool) -> Result<()> {
+    let started = Instant::now();
+    let has_weights = std::fs::read_dir(&args.dir)
+        .with_context(|| format!("reading the checkpoint folder {}", args.dir.display()))?
+        .flatten()
+        .any(|e| e.file_name().to_string_lossy().ends_with(".safetensors"));
+    if !args.dir.join("config.json").is_file() || !has_weights {
+        bail!(
+            "{} is not a checkpoint folder: it needs config.json and safetensors weights (a run's best/, or checkpoints/epoch-<k>/)",
+            args.dir.display()
+        );
+    }
+    let folder = args.dir.canonicalize().with_context(|| format!("resolving {}", args.dir.display()))?;
+    let name = folder.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let spec = kiln::hub::push::PushSpec {
+        repo: args.repo,
+        revision: args.revision,
+        private: args.private,
+        message: args.message.unwrap_or_else(|| format!("Upload {name} with kiln")),
+    };
+    let pushed = hub(quiet)?.push(&args.dir, &spec)?;
+    write_json(args.out.as_deref(), &pushed)?;
+    let bytes: u64 = pushed.files.iter().map(|f| f.size).sum();
+    eprintln!(
+        "push: {} files ({}) to {}@{} as {}{}{} in {:.1}s",
+        pushed.files.len(),
+        indicatif::HumanBytes(bytes),
+        pushed.repo,
+        pushed.revision,
+        pushed.url,
+        if pushed.created_repo { ", a new repo" } else { "" },
+        match pushed.deleted.len() {
+            0 => String::new(),
+            n => format!(", {n} stale weight files deleted"),
+        },
+        started.elapsed().as_secs_f64()
     );
     Ok(())
 }

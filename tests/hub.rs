@@ -1,12 +1,13 @@
-//! `kiln pull` against a loopback server answering the Hub's routes: download, revision pinning, cache
-//! reuse without network, offline mode, gated repos, and the failures a user must be able to act on.
+//! `kiln pull` and `kiln push` against a loopback server answering the Hub's routes: download, revision
+//! pinning, cache reuse without network, offline mode, gated repos; an upload as one commit that creates the
+//! repo or branch and deletes stale weights; and the failures a user must be able to act on.
 
 mod common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{FakeHub, FakeRepo, Tree, project_dir, run_kiln, sha};
+use common::{FakeHub, FakeRepo, READ_TOKEN, Tree, WRITE_TOKEN, project_dir, run_kiln, sha};
 use kiln::hub::{Hub, HubConfig, HubError, RepoKind, RepoSpec};
 use serde_json::Value;
 
@@ -358,6 +359,158 @@ fn a_transfer_that_breaks_off_is_downloaded_again() {
     let want = hex::encode(sha2::Sha256::digest(&repo.commits[&repo.refs["main"]][file]));
     assert_eq!(pulled.files[0].sha256, want);
     assert_eq!(kiln::hub::sha256_file(&pulled.files[0].local).unwrap(), want);
+}
+
+/// A checkpoint folder as the pipeline's `best/` holds it, with a hidden file that is not pushed.
+fn checkpoint_folder(dir: &Path) -> Tree {
+    let files = tree(&[
+        ("config.json", b"{\"model_type\": \"lfm2\"}"),
+        ("model.safetensors", b"new weights"),
+        ("tokenizer.json", b"{}"),
+        ("README.md", b"---\nlicense: apache-2.0\n---\n# tiny terminal\n"),
+        ("card/loss.png", b"png bytes"),
+    ]);
+    for (path, bytes) in &files {
+        std::fs::create_dir_all(dir.join(path).parent().unwrap()).unwrap();
+        std::fs::write(dir.join(path), bytes).unwrap();
+    }
+    std::fs::write(dir.join(".kiln.lock"), b"not pushed").unwrap();
+    files
+}
+
+fn push_env<'a>(server: &'a FakeHub, home: &'a Path, token: Option<&'a str>) -> Vec<(&'a str, &'a str)> {
+    let mut env = vec![("HF_ENDPOINT", server.url.as_str()), ("HF_HOME", home.to_str().unwrap())];
+    env.extend(token.map(|t| ("HF_TOKEN", t)));
+    env
+}
+
+#[test]
+fn kiln_push_creates_the_repo_commits_the_folder_and_deletes_only_stale_weights() {
+    let server = FakeHub::start(BTreeMap::new());
+    let home = tempfile::tempdir().unwrap();
+    let folder = home.path().join("best");
+    let files = checkpoint_folder(&folder);
+    let env = push_env(&server, home.path(), Some(WRITE_TOKEN));
+    let repo = "kiln-org/tiny-terminal";
+    let push = |extra: &[&str]| {
+        let mut args = vec!["--quiet", "push", folder.to_str().unwrap(), "--repo", repo];
+        args.extend(extra);
+        let (ok, stdout, stderr) = run_kiln(&args, &env, home.path());
+        assert!(ok, "{stderr}");
+        serde_json::from_str::<Value>(&stdout).unwrap()
+    };
+
+    // A new repo, created private: every file but the hidden one, in one commit on top of the initial one.
+    let record = push(&["--private"]);
+    assert_eq!((record["created_repo"].as_bool(), record["user"].as_str()), (Some(true), Some("kiln-tester")));
+    let pushed = server.model_tree(repo, "main").unwrap();
+    let mut want = files.clone();
+    want.insert(".gitattributes".into(), pushed[".gitattributes"].clone());
+    assert_eq!(pushed, want);
+    let listed: Vec<(&str, &str)> = record["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["path"].as_str().unwrap(), f["sha256"].as_str().unwrap()))
+        .collect();
+    let hashes: Vec<(String, String)> = files.iter().map(|(p, b)| (p.clone(), kiln::hub::sha256_bytes(b))).collect();
+    assert_eq!(listed, hashes.iter().map(|(p, h)| (p.as_str(), h.as_str())).collect::<Vec<_>>());
+    assert_eq!(record["deleted"], serde_json::json!([]));
+    {
+        let repos = server.repos.lock().unwrap();
+        let served = &repos[&("models".to_string(), repo.to_string())];
+        let head = &served.refs["main"];
+        assert!(served.private);
+        assert_eq!(
+            (record["commit"].as_str(), served.messages[head].as_str()),
+            (Some(head.as_str()), "Upload best with kiln")
+        );
+        assert_eq!(record["url"], format!("{}/{repo}/commit/{head}", server.url));
+    }
+
+    // Over an earlier 2-shard export (and a file the user added on the Hub): the shards and their index go in
+    // the same commit, the user's file stays.
+    let earlier = {
+        let mut repos = server.repos.lock().unwrap();
+        let served = repos.get_mut(&("models".to_string(), repo.to_string())).unwrap();
+        let mut tree = served.commits[&served.refs["main"]].clone();
+        tree.remove("model.safetensors");
+        for shard in ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"] {
+            tree.insert(shard.into(), b"old".to_vec());
+        }
+        tree.insert("model.safetensors.index.json".into(), b"{}".to_vec());
+        tree.insert("LICENSE".into(), b"the user's".to_vec());
+        served.commits.insert(sha("sharded"), tree);
+        served.refs.insert("main".into(), sha("sharded"));
+        sha("sharded")
+    };
+    let record = push(&["--message", "epoch-2 of tiny"]);
+    assert_eq!(record["created_repo"], false);
+    assert_eq!(record["parent"], earlier.as_str());
+    assert_eq!(
+        record["deleted"],
+        serde_json::json!([
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json"
+        ])
+    );
+    let pushed = server.model_tree(repo, "main").unwrap();
+    want.insert("LICENSE".into(), b"the user's".to_vec());
+    assert_eq!(pushed, want);
+
+    // A branch that does not exist is made from main; main stays as it was.
+    let record = push(&["--revision", "epoch-1"]);
+    assert_eq!((record["created_branch"].as_bool(), record["revision"].as_str()), (Some(true), Some("epoch-1")));
+    assert_eq!(server.model_tree(repo, "epoch-1").unwrap(), want);
+    assert_eq!(server.model_tree(repo, "main").unwrap(), want);
+}
+
+#[test]
+fn kiln_push_refuses_clearly_before_uploading() {
+    let server = FakeHub::start(BTreeMap::new());
+    let home = tempfile::tempdir().unwrap();
+    let folder = home.path().join("best");
+    checkpoint_folder(&folder);
+    let push = |repo: &str, env: &[(&str, &str)]| {
+        let (ok, _, stderr) =
+            run_kiln(&["--quiet", "push", folder.to_str().unwrap(), "--repo", repo], env, home.path());
+        assert!(!ok, "{repo} was pushed");
+        stderr
+    };
+    let requests = || server.requests.load(std::sync::atomic::Ordering::SeqCst);
+
+    let stderr = push("kiln-tester/tiny", &push_env(&server, home.path(), None));
+    assert!(stderr.contains("needs a Hub token with write access: set HF_TOKEN"), "{stderr}");
+    let mut offline = push_env(&server, home.path(), Some(WRITE_TOKEN));
+    offline.push(("HF_HUB_OFFLINE", "1"));
+    let stderr = push("kiln-tester/tiny", &offline);
+    assert!(stderr.contains("offline (HF_HUB_OFFLINE=1)"), "{stderr}");
+    let stderr = push("tiny", &push_env(&server, home.path(), Some(WRITE_TOKEN)));
+    assert!(stderr.contains("'tiny' is not a Hub repo id (owner/name)"), "{stderr}");
+    assert_eq!(requests(), 0, "none of these asked the Hub");
+
+    let stderr = push("kiln-tester/tiny", &push_env(&server, home.path(), Some("hf_wrong")));
+    assert!(stderr.contains("the token from HF_TOKEN was refused"), "{stderr}");
+    let stderr = push("someone-else/tiny", &push_env(&server, home.path(), Some(WRITE_TOKEN)));
+    assert!(
+        stderr.contains(
+            "belongs to 'kiln-tester', who may not push to 'someone-else/tiny': it can write to kiln-tester, kiln-org"
+        ),
+        "{stderr}"
+    );
+    let stderr = push("kiln-tester/tiny", &push_env(&server, home.path(), Some(READ_TOKEN)));
+    assert!(
+        stderr.contains("the Hub refused creating the repo for model repo 'kiln-tester/tiny'")
+            && stderr.contains("The token needs write access"),
+        "{stderr}"
+    );
+    assert!(server.repos.lock().unwrap().is_empty(), "nothing was created");
+
+    // Not a checkpoint: no weights.
+    std::fs::remove_file(folder.join("model.safetensors")).unwrap();
+    let stderr = push("kiln-tester/tiny", &push_env(&server, home.path(), Some(WRITE_TOKEN)));
+    assert!(stderr.contains("is not a checkpoint folder: it needs config.json and safetensors weights"), "{stderr}");
 }
 
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {

@@ -7,7 +7,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{FakeHub, FakeRepo, Tree, project_dir, run_kiln, sha};
+use common::{FakeHub, FakeRepo, Tree, WRITE_TOKEN, project_dir, run_kiln, sha};
 use serde_json::Value;
 
 const STAGES: [&str; 8] = ["pull", "prepare", "inspect", "train", "export", "eval", "select", "card"];
@@ -124,11 +124,31 @@ fn a_hub_model_is_pulled_trained_and_carded_with_its_license() {
     std::fs::write(configs.join("hubtiny.toml"), hubtiny).unwrap();
     let home = dir.path().join("hf");
     let (p, c) = (pipeline.to_str().unwrap(), configs.to_str().unwrap());
-    let env = [("HF_ENDPOINT", hub.url.as_str()), ("HF_HOME", home.to_str().unwrap())];
+    let env = [("HF_ENDPOINT", hub.url.as_str()), ("HF_HOME", home.to_str().unwrap()), ("HF_TOKEN", WRITE_TOKEN)];
+    let publish = ["--set", "publish_repo=kiln-tester/hubtiny-terminal", "--set", "push=true"];
     let args = ["--quiet", "sft", "--model", "hubtiny", "--device", "cpu", "--pipeline", p, "--configs-dir", c];
-    let (ok, _, stderr) = run_kiln(&args, &env, &project_dir());
+    let (ok, _, stderr) = run_kiln(&[&args[..], &publish].concat(), &env, &project_dir());
     assert!(ok, "{stderr}");
     let run = dir.path().join("runs/hubtiny");
+
+    // The push stage uploaded the selected checkpoint, its own card (loading from the repo) included.
+    let pushed = hub.model_tree("kiln-tester/hubtiny-terminal", "main").expect("the repo was created");
+    let record = json(&run.join("push.json"));
+    let best_files: Vec<String> =
+        record["files"].as_array().unwrap().iter().map(|f| f["path"].as_str().unwrap().to_string()).collect();
+    assert!(best_files.contains(&"model.safetensors".to_string()) && best_files.contains(&"card/loss.png".to_string()));
+    for path in &best_files {
+        assert_eq!(&pushed[path], &std::fs::read(run.join("best").join(path)).unwrap(), "{path}");
+    }
+    let card = String::from_utf8(pushed["README.md"].clone()).unwrap();
+    assert!(card.contains("path = \"kiln-tester/hubtiny-terminal\""), "{card}");
+    assert!(stderr.contains("sft: pushed as ") && stderr.contains(record["url"].as_str().unwrap()), "{stderr}");
+    // Again: nothing changed, nothing pushed.
+    let served = hub.requests.load(std::sync::atomic::Ordering::SeqCst);
+    let (ok, _, stderr) = run_kiln(&[&args[..], &publish].concat(), &env, &project_dir());
+    assert!(ok && stderr.contains("0 stages run, 9 skipped"), "{stderr}");
+    let whoami_and_pull = hub.requests.load(std::sync::atomic::Ordering::SeqCst) - served;
+    assert_eq!(whoami_and_pull, 1, "the token check alone");
     let pulled = json(&run.join("pull.json"));
     assert_eq!(pulled[0]["commit"], commit.as_str());
     let base = json(&run.join("manifests/pull.json"))["counts"]["base_model"].as_str().unwrap().to_string();
@@ -386,6 +406,12 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     assert!(run_card.contains(&format!("path = \"{}\"", run.join("best").display())), "loads from best/: {run_card}");
     let (ok, stderr) = sft(&pipeline, &configs, &["--set", "publish_repo=fast-sft"]);
     assert!(!ok && stderr.contains("publish_repo 'fast-sft' is not a Hub repo id (owner/name)"), "{stderr}");
+    // A push asked for without a repo, or without a token, stops before any stage runs.
+    let (ok, stderr) = sft(&pipeline, &configs, &["--set", "push=true"]);
+    assert!(!ok && stderr.contains("push = true needs publish_repo"), "{stderr}");
+    let (ok, stderr) = sft(&pipeline, &configs, &["--set", "publish_repo=me/fast-sft", "--set", "push=true"]);
+    assert!(!ok && stderr.contains("stage push: pushing to model repo 'me/fast-sft' needs a Hub token"), "{stderr}");
+    assert!(!stderr.contains("running"), "{stderr}");
 
     // A changed eval setting reruns eval and what follows it, nothing before.
     let text = std::fs::read_to_string(&config).unwrap().replace("limit = 3", "limit = 2");

@@ -163,6 +163,13 @@ pub struct Selection {
     pub reason: String,
 }
 
+/// `<run>/selection.json`, as the select stage wrote it.
+pub fn read_selection(run_dir: &Path) -> Result<Selection, String> {
+    let path = run_dir.join("selection.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e} (run the select stage)", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
 fn key(a: &Aggregate) -> (f64, f64, f64, f64) {
     (a.score, a.avg_command_recall, a.avg_command_precision, a.valid_json_pct)
 }

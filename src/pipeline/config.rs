@@ -164,8 +164,14 @@ pub struct ModelConfig {
     #[serde(default)]
     pub languages: Vec<String>,
     /// The Hub repo the fine-tuned model is to be published as (`owner/name`): the checkpoint's own card loads
-    /// it from there in its quickstart.
+    /// it from there in its quickstart, and the push stage uploads the selected checkpoint there.
     pub publish_repo: Option<String>,
+    /// The push stage uploads the selected checkpoint (`best/`, its card included) to `publish_repo`.
+    #[serde(default)]
+    pub push: bool,
+    /// A `publish_repo` the push creates is private (an existing repo keeps its visibility).
+    #[serde(default)]
+    pub publish_private: bool,
     pub model: ModelSource,
     pub template: TemplatePolicy,
     pub data: DataPlan,
@@ -250,6 +256,9 @@ impl ModelConfig {
         }
         if let Some(repo) = self.publish_repo.as_deref().filter(|r| !crate::hub::is_repo_id(r)) {
             return Err(format!("publish_repo '{repo}' is not a Hub repo id (owner/name)"));
+        }
+        if self.push && self.publish_repo.is_none() {
+            return Err("push = true needs publish_repo, the Hub repo (owner/name) to push to".into());
         }
         if self.data.seq_len < 2 {
             return Err(format!("[data] seq_len is {}: a row needs at least 2 tokens", self.data.seq_len));
@@ -403,7 +412,7 @@ impl PipelineDef {
         if sorted != def.stages {
             return Err(PipelineError::Config {
                 path: path.to_path_buf(),
-                message: "stages must be listed once each, in pipeline order (pull, prepare, inspect, train, export, eval, select, card)".into(),
+                message: "stages must be listed once each, in pipeline order (pull, prepare, inspect, train, export, eval, select, card, push)".into(),
             });
         }
         Ok(def)

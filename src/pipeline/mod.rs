@@ -26,6 +26,7 @@ pub enum Stage {
     Eval,
     Select,
     Card,
+    Push,
 }
 
 impl Stage {
@@ -39,6 +40,7 @@ impl Stage {
             Stage::Eval => "eval",
             Stage::Select => "select",
             Stage::Card => "card",
+            Stage::Push => "push",
         }
     }
 
@@ -53,6 +55,7 @@ impl Stage {
             Stage::Eval => &[Stage::Pull, Stage::Export],
             Stage::Select => &[Stage::Eval],
             Stage::Card => &[Stage::Pull, Stage::Prepare, Stage::Inspect, Stage::Train, Stage::Select],
+            Stage::Push => &[Stage::Select, Stage::Card],
         }
     }
 }
@@ -194,6 +197,8 @@ pub struct SftSummary {
     pub selected_score: Option<f64>,
     pub report: Option<PathBuf>,
     pub card: Option<PathBuf>,
+    /// The commit the push stage made, when it ran.
+    pub pushed: Option<String>,
     pub wall_seconds: f64,
 }
 
@@ -283,10 +288,15 @@ pub fn run_sft(req: &SftRequest, stop: &crate::train::StopRequest) -> Result<Sft
         selected_score: None,
         report: None,
         card: None,
+        pushed: None,
         wall_seconds: 0.0,
     };
     let total = def.stages.iter().filter(|s| req.until.is_none_or(|u| **s <= u)).count();
     for (i, &stage) in def.stages.iter().filter(|s| req.until.is_none_or(|u| **s <= u)).enumerate() {
+        if let Some(why) = stages::off(&ctx, stage) {
+            eprintln!("[{}/{total}] {:<8} off: {why}", i + 1, stage.name());
+            continue;
+        }
         let forced = req.from.is_some_and(|f| stage >= f);
         let plan = stages::plan(&ctx, stage)?;
         let fp = fingerprint(stage, &plan.params, &plan.inputs);
@@ -335,14 +345,16 @@ pub fn run_sft(req: &SftRequest, stop: &crate::train::StopRequest) -> Result<Sft
         eprintln!("[{}/{total}] {:<8} done in {wall:.1}s: {}", i + 1, stage.name(), outcome.summary);
         summary.stages_run.push(stage);
     }
-    if let Ok(text) = std::fs::read_to_string(run_dir.join("selection.json"))
-        && let Ok(sel) = serde_json::from_str::<crate::eval::select::Selection>(&text)
-    {
+    if let Ok(sel) = crate::eval::select::read_selection(&run_dir) {
         summary.selected_score = sel.candidates.iter().find(|c| c.name == sel.chosen).map(|c| c.score);
         summary.selected = Some(sel.chosen);
     }
     summary.report = Some(run_dir.join("report/index.html")).filter(|p| p.is_file());
     summary.card = Some(run_dir.join("README.md")).filter(|p| p.is_file());
+    summary.pushed = std::fs::read_to_string(run_dir.join("push.json"))
+        .ok()
+        .and_then(|text| serde_json::from_str::<crate::hub::push::PushedRepo>(&text).ok())
+        .map(|p| p.url);
     summary.wall_seconds = started.elapsed().as_secs_f64();
     Ok(summary)
 }

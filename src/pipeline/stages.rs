@@ -9,7 +9,8 @@ use serde_json::{Value, json};
 use super::config::{ModelConfig, PipelineDef};
 use super::{PipelineError, SftRequest, Stage, StageOutcome, StagePlan, manifest_path};
 use crate::data::{EvalIndex, Recipe};
-use crate::hub::{Hub, HubConfig, PulledRepo, RepoKind, RepoSpec};
+use crate::hub::push::PushSpec;
+use crate::hub::{Hub, HubConfig, HubError, PulledRepo, RepoKind, RepoSpec};
 use crate::train::state::TrainSource;
 
 pub struct Context<'a> {
@@ -127,7 +128,31 @@ pub fn preflight(ctx: &Context) -> Result<(), PipelineError> {
     if runs(Stage::Eval) {
         replay_steps(ctx)?;
     }
+    if runs(Stage::Push) && ctx.config.push {
+        check_push(ctx)?;
+    }
     Ok(())
+}
+
+/// Why a stage of the pipeline is left out of this run, when it is.
+pub fn off(ctx: &Context, stage: Stage) -> Option<&'static str> {
+    (stage == Stage::Push && !ctx.config.push)
+        .then_some("not asked for (--set publish_repo=owner/name --set push=true)")
+}
+
+/// The push's token, checked before anything is trained: missing, refused, or not allowed to write to the
+/// repo's namespace stops the run now. A Hub that cannot be reached now is only noted: the push tries at
+/// the end.
+fn check_push(ctx: &Context) -> Result<(), PipelineError> {
+    let Some(repo) = &ctx.config.publish_repo else { return Ok(()) };
+    match hub(ctx)?.check_push(repo) {
+        Ok(_) => Ok(()),
+        Err(e @ HubError::PushFailed { .. }) => {
+            eprintln!("note: the push's token could not be checked now ({e}); the push stage tries at the end");
+            Ok(())
+        }
+        Err(e) => Err(fail(Stage::Push)(&e)),
+    }
 }
 
 /// Whether `dir` is a checkpoint of `config`'s architecture that can be fine-tuned: its config.json loads,
@@ -256,6 +281,17 @@ pub fn plan(ctx: &Context, stage: Stage) -> Result<StagePlan, PipelineError> {
             }
             json!({"model": c.name, "command": ctx.req.command, "publish_repo": c.publish_repo})
         }
+        Stage::Push => {
+            // What is pushed: the selected checkpoint as it is now, its card included.
+            let best = ctx.run_dir.join("best");
+            if best.is_dir() {
+                let files = crate::hub::push::folder_files(&best).map_err(|e| fail(Stage::Push)(&e))?;
+                for (file, _) in files {
+                    inputs.insert(format!("best/{}", file.path), file.sha256);
+                }
+            }
+            json!({"publish_repo": c.publish_repo, "private": c.publish_private})
+        }
     };
     Ok(StagePlan { params, inputs })
 }
@@ -270,6 +306,7 @@ pub fn run(ctx: &Context, stage: Stage) -> Result<StageOutcome, PipelineError> {
         Stage::Eval => eval(ctx),
         Stage::Select => select(ctx),
         Stage::Card => card(ctx),
+        Stage::Push => push(ctx),
     }
 }
 
@@ -625,6 +662,44 @@ fn card(ctx: &Context) -> Result<StageOutcome, PipelineError> {
             card.path.display(),
             card.checkpoint_card.display(),
             card.figures
+        ),
+    })
+}
+
+fn push(ctx: &Context) -> Result<StageOutcome, PipelineError> {
+    let err = fail(Stage::Push);
+    let repo = ctx.config.publish_repo.clone().ok_or_else(|| err(&"push = true needs publish_repo"))?;
+    let selection = crate::eval::select::read_selection(ctx.run_dir).map_err(|e| err(&e))?;
+    let score = selection.candidates.iter().find(|c| c.name == selection.chosen).map(|c| c.score);
+    let run_name = ctx.run_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let spec = PushSpec {
+        repo,
+        revision: "main".into(),
+        private: ctx.config.publish_private,
+        message: format!(
+            "kiln sft {run_name}: {}{} of {}",
+            selection.chosen,
+            score.map(|s| format!(" (TB2-lite score {s:.2})")).unwrap_or_default(),
+            ctx.config.name
+        ),
+    };
+    let pushed = hub(ctx)?.push(&ctx.run_dir.join("best"), &spec).map_err(|e| err(&e))?;
+    super::write_json(&ctx.run_dir.join("push.json"), &pushed)?;
+    let bytes: u64 = pushed.files.iter().map(|f| f.size).sum();
+    let deleted = match pushed.deleted.len() {
+        0 => String::new(),
+        n => format!(", {n} stale weight files deleted"),
+    };
+    Ok(StageOutcome {
+        outputs: vec!["push.json".into()],
+        counts: json!({"files": pushed.files.len(), "bytes": bytes, "deleted": pushed.deleted.len(), "commit": pushed.commit}),
+        summary: format!(
+            "{} ({}) as {} files ({}){deleted}: {}",
+            pushed.repo,
+            selection.chosen,
+            pushed.files.len(),
+            indicatif::HumanBytes(bytes),
+            pushed.url
         ),
     })
 }

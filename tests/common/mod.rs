@@ -48,6 +48,10 @@ pub struct FakeRepo {
     /// Paths whose next N downloads break off: redirected to a server that announces the whole length,
     /// sends a few bytes and closes the connection, as a dropped transfer does.
     pub cut_short: BTreeMap<String, usize>,
+    /// Commit → its message, for the commits pushed to the repo.
+    pub messages: BTreeMap<String, String>,
+    /// Set when a push created the repo private.
+    pub private: bool,
 }
 
 impl FakeRepo {
@@ -60,6 +64,11 @@ impl FakeRepo {
     }
 }
 
+/// A token of the account `kiln-tester` (member of `kiln-org`) with write access.
+pub const WRITE_TOKEN: &str = "hf_kiln_writer";
+/// A read-only token of the same account: whoami answers, every write is refused (403).
+pub const READ_TOKEN: &str = "hf_kiln_reader";
+
 pub fn sha(label: &str) -> String {
     let digest = hex::encode(Sha256::digest(label.as_bytes()));
     digest[..40].to_string()
@@ -70,6 +79,8 @@ pub fn sha(label: &str) -> String {
 pub struct FakeHub {
     pub url: String,
     pub requests: Arc<AtomicUsize>,
+    /// The repos as served: pushes change them.
+    pub repos: Arc<Mutex<BTreeMap<(String, String), FakeRepo>>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     broken_cdn: Option<JoinHandle<()>>,
@@ -84,16 +95,180 @@ impl FakeHub {
         let requests = Arc::new(AtomicUsize::new(0));
         let repos = Arc::new(Mutex::new(repos));
         let (cdn, broken_cdn) = broken_cdn(stop.clone());
-        let (stop2, requests2) = (stop.clone(), requests.clone());
+        let (stop2, requests2, repos2, base) = (stop.clone(), requests.clone(), repos.clone(), url.clone());
         let thread = std::thread::spawn(move || {
             while !stop2.load(Ordering::SeqCst) {
-                let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(50)) else { continue };
+                let Ok(Some(mut req)) = server.recv_timeout(Duration::from_millis(50)) else { continue };
                 requests2.fetch_add(1, Ordering::SeqCst);
-                let response = answer(&mut repos.lock().unwrap(), &req, &cdn);
+                let mut body = Vec::new();
+                let _ = std::io::Read::read_to_end(req.as_reader(), &mut body);
+                let mut repos = repos2.lock().unwrap();
+                let response = match write_route(&mut repos, &req, &body, &base) {
+                    Some(response) => response,
+                    None => answer(&mut repos, &req, &cdn),
+                };
+                drop(repos);
                 let _ = req.respond(response);
             }
         });
-        FakeHub { url, requests, stop, thread: Some(thread), broken_cdn: Some(broken_cdn) }
+        FakeHub { url, requests, repos, stop, thread: Some(thread), broken_cdn: Some(broken_cdn) }
+    }
+
+    /// The files of `repo` (a model) at the head of `branch`.
+    pub fn model_tree(&self, repo: &str, branch: &str) -> Option<Tree> {
+        let repos = self.repos.lock().unwrap();
+        let r = repos.get(&("models".to_string(), repo.to_string()))?;
+        r.commits.get(r.refs.get(branch)?).cloned()
+    }
+}
+
+fn bearer(req: &tiny_http::Request) -> Option<String> {
+    req.headers()
+        .iter()
+        .find(|h| h.field.equiv("Authorization"))
+        .and_then(|h| h.value.as_str().strip_prefix("Bearer ").map(str::to_string))
+}
+
+fn json_response(value: serde_json::Value) -> Response {
+    tiny_http::Response::from_data(value.to_string().into_bytes())
+        .with_header(header("Content-Type", "application/json"))
+}
+
+/// The Hub's routes a push takes: whoami, repo and branch creation, preupload, the LFS batch (which offers
+/// no Xet transfer, so hf-hub sends every file inline) and the NDJSON commit, checked against its parent.
+/// `None` for the read routes.
+fn write_route(
+    repos: &mut BTreeMap<(String, String), FakeRepo>,
+    req: &tiny_http::Request,
+    body: &[u8],
+    base: &str,
+) -> Option<Response> {
+    let path = req.url().split('?').next().unwrap_or("").to_string();
+    let parts: Vec<String> = path.trim_start_matches('/').split('/').map(decode).collect();
+    let token = bearer(req);
+    let user = match token.as_deref() {
+        Some(WRITE_TOKEN) | Some(READ_TOKEN) => Some("kiln-tester"),
+        _ => None,
+    };
+    let may_write =
+        |namespace: &str| token.as_deref() == Some(WRITE_TOKEN) && ["kiln-tester", "kiln-org"].contains(&namespace);
+    let denied = || error(403, "Forbidden", "You don't have the rights to write to this repo");
+    if parts == ["api", "whoami-v2"] {
+        return Some(match user {
+            Some(name) => {
+                json_response(serde_json::json!({"type": "user", "name": name, "orgs": [{"name": "kiln-org"}]}))
+            }
+            None => error(401, "Unauthorized", "Invalid credentials in Authorization header"),
+        });
+    }
+    if req.method() != &tiny_http::Method::Post {
+        return None;
+    }
+    let json_body = || serde_json::from_slice::<serde_json::Value>(body).unwrap_or_default();
+    if parts == ["api", "repos", "create"] {
+        let b = json_body();
+        let namespace = b["organization"].as_str().unwrap_or("kiln-tester").to_string();
+        if !may_write(&namespace) {
+            return Some(denied());
+        }
+        let key = ("models".to_string(), format!("{namespace}/{}", b["name"].as_str().unwrap_or("")));
+        if repos.contains_key(&key) {
+            return Some(error(409, "Conflict", "You already created this model repo"));
+        }
+        let initial = sha(&format!("initial {}", key.1));
+        let mut repo =
+            FakeRepo::single(&initial, [(".gitattributes".to_string(), b"*.safetensors filter=lfs\n".to_vec())].into());
+        repo.private = b["private"].as_bool().unwrap_or(false);
+        repos.insert(key.clone(), repo);
+        return Some(json_response(serde_json::json!({"url": format!("{base}/{}", key.1)})));
+    }
+    // /<owner>/<name>.git/info/lfs/objects/batch
+    if parts.len() == 6 && parts[1].ends_with(".git") && parts[2..] == ["info", "lfs", "objects", "batch"] {
+        return Some(json_response(serde_json::json!({"transfer": "basic", "objects": []})));
+    }
+    // /api/models/<owner>/<name>/{branch,preupload,commit}/<rev>
+    if parts.len() < 6 || parts[0] != "api" || parts[1] != "models" {
+        return None;
+    }
+    let key = ("models".to_string(), format!("{}/{}", parts[2], parts[3]));
+    let rev = parts[5..].join("/");
+    let Some(repo) = repos.get_mut(&key) else { return Some(error(404, "RepoNotFound", "Repository not found")) };
+    match parts[4].as_str() {
+        "preupload" => {
+            let files = json_body()["files"].as_array().cloned().unwrap_or_default();
+            let modes: Vec<_> = files
+                .iter()
+                .map(|f| {
+                    let path = f["path"].as_str().unwrap_or("");
+                    let mode = if path.ends_with(".safetensors") { "lfs" } else { "regular" };
+                    serde_json::json!({"path": path, "uploadMode": mode, "shouldIgnore": false})
+                })
+                .collect();
+            Some(json_response(serde_json::json!({"files": modes})))
+        }
+        "branch" => {
+            if !may_write(&parts[2]) {
+                return Some(denied());
+            }
+            let Some(head) = repo.refs.get("main").cloned() else {
+                return Some(error(404, "RevisionNotFound", "no main"));
+            };
+            repo.refs.insert(rev, head);
+            Some(json_response(serde_json::json!({})))
+        }
+        "commit" => {
+            if !may_write(&parts[2]) {
+                return Some(denied());
+            }
+            let Some(head) = repo.refs.get(&rev).cloned() else {
+                return Some(error(404, "RevisionNotFound", "Invalid rev id"));
+            };
+            let mut tree = repo.commits[&head].clone();
+            let mut message = String::new();
+            for line in body.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+                let op: serde_json::Value = serde_json::from_slice(line).unwrap_or_default();
+                let value = &op["value"];
+                let file = value["path"].as_str().unwrap_or("").to_string();
+                match op["key"].as_str().unwrap_or("") {
+                    "header" => {
+                        message = value["summary"].as_str().unwrap_or("").to_string();
+                        if value["parentCommit"].as_str().is_some_and(|p| p != head) {
+                            return Some(error(
+                                412,
+                                "PreconditionFailed",
+                                "A commit has happened since. Please refresh and try again.",
+                            ));
+                        }
+                    }
+                    "file" => {
+                        use base64::Engine;
+                        let content = value["content"].as_str().unwrap_or("");
+                        let Ok(bytes) = base64::engine::general_purpose::STANDARD.decode(content) else {
+                            return Some(error(400, "BadRequest", "content is not base64"));
+                        };
+                        tree.insert(file, bytes);
+                    }
+                    "deletedFile" => {
+                        if tree.remove(&file).is_none() {
+                            return Some(error(404, "EntryNotFound", "no such file to delete"));
+                        }
+                    }
+                    other => return Some(error(400, "BadRequest", &format!("unexpected commit line '{other}'"))),
+                }
+            }
+            let digest: Vec<String> =
+                tree.iter().map(|(p, b)| format!("{p}:{}", hex::encode(Sha256::digest(b)))).collect();
+            let commit = sha(&format!("{head}\n{message}\n{}", digest.join("\n")));
+            repo.commits.insert(commit.clone(), tree);
+            repo.messages.insert(commit.clone(), message);
+            repo.refs.insert(rev, commit.clone());
+            Some(json_response(serde_json::json!({
+                "success": true,
+                "commitOid": commit,
+                "commitUrl": format!("{base}/{}/commit/{commit}", key.1),
+            })))
+        }
+        _ => None,
     }
 }
 

@@ -1,7 +1,7 @@
 //! Hugging Face Hub access through hf-hub: endpoint and token from the environment, a revision resolved to
 //! its commit and recorded, files selected by glob, the standard HF cache layout (shared with Python tools),
 //! and `HF_HUB_OFFLINE=1` served from that cache alone. A transfer that breaks off is started again (three
-//! attempts in all). Every failure names the repo, revision and file.
+//! attempts in all). Every failure names the repo, revision and file. Uploads: `push`.
 
 use std::fmt;
 use std::io::Read;
@@ -15,6 +15,8 @@ use hf_hub::{HFClientBuilder, HFClientSync, HFError, HFRepositorySync, RepoType}
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+
+pub mod push;
 
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 
@@ -120,6 +122,33 @@ pub enum HubError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("Hub client setup failed: {0}")]
     Setup(String),
+    #[error("offline (HF_HUB_OFFLINE=1): nothing can be pushed to model repo '{repo}'; unset HF_HUB_OFFLINE")]
+    PushOffline { repo: String },
+    #[error(
+        "pushing to model repo '{repo}' needs a Hub token with write access: set HF_TOKEN, or write the token to {}",
+        token_file.display()
+    )]
+    NoToken { repo: String, token_file: PathBuf },
+    #[error("'{repo}' is not a Hub repo id (owner/name)")]
+    BadRepoId { repo: String },
+    #[error(
+        "the token from {token_from} was refused by {endpoint}: check that it is valid (huggingface.co/settings/tokens)"
+    )]
+    TokenRefused { token_from: String, endpoint: String },
+    #[error(
+        "the token from {token_from} belongs to '{user}', who may not push to '{repo}': it can write to {namespaces}. Use a repo id under one of them, or a token of the repo's owner"
+    )]
+    NotYourNamespace { repo: String, token_from: String, user: String, namespaces: String },
+    #[error(
+        "the Hub refused {doing} for model repo '{repo}' (branch '{revision}') with the token from {token_from}: {message}. The token needs write access to the repo"
+    )]
+    WriteDenied { repo: String, revision: String, doing: String, token_from: String, message: String },
+    #[error("pushing to model repo '{repo}' (branch '{revision}') failed while {doing} at {endpoint}: {message}")]
+    PushFailed { repo: String, revision: String, doing: String, endpoint: String, message: String },
+    #[error("model repo '{repo}' (branch '{revision}'): the Hub answered {what}")]
+    PushUnexpected { repo: String, revision: String, what: String },
+    #[error("{}: no file to push", folder.display())]
+    NothingToPush { folder: PathBuf },
 }
 
 /// Settings read from the environment, the same variables the Python `huggingface_hub` reads.

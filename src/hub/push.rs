@@ -1,0 +1,377 @@
+//! Uploading a checkpoint folder to a Hub model repo (`kiln push`, the sft pipeline's push stage). The token
+//! is checked before anything else (and, by the pipeline, before any training): it must be there, valid, and
+//! its account must own the repo's namespace or belong to it. The repo, and the branch, are created when
+//! missing. The upload is one commit, made on top of the commit it was planned against: it adds every file of
+//! the folder and deletes the weight files of that commit the folder does not hold, so a repo never mixes two
+//! exports (a 2-shard export over a 3-shard one would otherwise keep a stale third shard). Other files a user
+//! added on the Hub stay. The new commit is listed back to confirm every file is there.
+
+use std::path::{Path, PathBuf};
+
+use hf_hub::progress::{ProgressEvent, ProgressHandler, UploadEvent};
+use hf_hub::repository::CommitOperation;
+use hf_hub::{HFError, HFRepositorySync, RepoTypeModel};
+use indicatif::ProgressBar;
+use serde::{Deserialize, Serialize};
+
+use super::{Hub, HubError, RepoInfo, error_code, is_commit_hash, is_repo_id, name, owner, sha256_file};
+
+/// Where and how to push.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PushSpec {
+    /// `owner/name` of a model repo.
+    pub repo: String,
+    /// The branch the commit goes to; created from the default branch when missing.
+    pub revision: String,
+    /// Create the repo private when it does not exist yet (an existing repo keeps its visibility).
+    pub private: bool,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PushedFile {
+    /// Path inside the repo.
+    pub path: String,
+    pub size: u64,
+    pub sha256: String,
+}
+
+/// The record of one push, as written to `push.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PushedRepo {
+    pub repo: String,
+    pub revision: String,
+    pub endpoint: String,
+    /// The account the token belongs to.
+    pub user: String,
+    /// The folder pushed (symbolic links resolved).
+    pub folder: PathBuf,
+    pub created_repo: bool,
+    pub created_branch: bool,
+    /// The commit the push was planned against: the new commit's parent.
+    pub parent: String,
+    pub commit: String,
+    pub url: String,
+    pub files: Vec<PushedFile>,
+    /// Weight files of the parent commit that the folder does not hold, deleted by the same commit.
+    pub deleted: Vec<String>,
+}
+
+/// The token's account and the namespaces it may create repos in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Account {
+    pub user: String,
+    pub orgs: Vec<String>,
+}
+
+impl Account {
+    pub fn may_write(&self, repo: &str) -> bool {
+        let namespace = owner(repo);
+        namespace == self.user || self.orgs.iter().any(|o| o == namespace)
+    }
+}
+
+/// Whether a repo file is (part of) a model's weights, as transformers and vLLM look for them: a stale one
+/// beside a new export would be loaded, or its index followed.
+pub fn is_weights_file(path: &str) -> bool {
+    let file = path.rsplit('/').next().unwrap_or(path);
+    file.ends_with(".safetensors")
+        || file.ends_with(".safetensors.index.json")
+        || (file.starts_with("pytorch_model") && (file.ends_with(".bin") || file.ends_with(".bin.index.json")))
+}
+
+/// The weight files of `remote` that `local` does not hold.
+pub fn stale_weights(remote: &[String], local: &[PushedFile]) -> Vec<String> {
+    remote.iter().filter(|path| is_weights_file(path) && !local.iter().any(|f| &f.path == *path)).cloned().collect()
+}
+
+/// Every file under `folder` with its repo path (`/`-separated), size and sha256, sorted by path. Entries
+/// whose name starts with a dot (`.git`, an editor's swap file, a lock) are left out.
+pub fn folder_files(folder: &Path) -> Result<Vec<(PushedFile, PathBuf)>, HubError> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<(PushedFile, PathBuf)>) -> Result<(), HubError> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| HubError::Io { path, source }
+        };
+        for entry in std::fs::read_dir(dir).map_err(io(dir))? {
+            let path = entry.map_err(io(dir))?.path();
+            if path.file_name().is_none_or(|n| n.to_string_lossy().starts_with('.')) {
+                continue;
+            }
+            let meta = std::fs::metadata(&path).map_err(io(&path))?;
+            if meta.is_dir() {
+                walk(root, &path, out)?;
+            } else if meta.is_file() {
+                let relative = path.strip_prefix(root).unwrap_or(&path);
+                let repo_path = relative.components().map(|c| c.as_os_str().to_string_lossy()).collect::<Vec<_>>();
+                let sha256 = sha256_file(&path).map_err(io(&path))?;
+                out.push((PushedFile { path: repo_path.join("/"), size: meta.len(), sha256 }, path));
+            }
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    walk(folder, folder, &mut out)?;
+    out.sort_by(|a, b| a.0.path.cmp(&b.0.path));
+    Ok(out)
+}
+
+impl Hub {
+    fn push_client(&self, repo: &str) -> Result<&hf_hub::HFClientSync, HubError> {
+        let client = self.client.as_ref().ok_or_else(|| HubError::PushOffline { repo: repo.to_string() })?;
+        if self.config.token_source.is_none() {
+            return Err(HubError::NoToken { repo: repo.to_string(), token_file: hf_hub::hf_home().join("token") });
+        }
+        if !is_repo_id(repo) {
+            return Err(HubError::BadRepoId { repo: repo.to_string() });
+        }
+        Ok(client)
+    }
+
+    /// The account behind the token, refused when it may not write to `repo`'s namespace. The pipeline asks
+    /// this before it trains, so that a missing or wrong token is not found out hours later.
+    pub fn check_push(&self, repo: &str) -> Result<Account, HubError> {
+        let client = self.push_client(repo)?;
+        let source = self.config.token_source.clone().unwrap_or_default();
+        let user = client.whoami().send().map_err(|e| match e {
+            HFError::AuthRequired { .. } | HFError::Forbidden { .. } => {
+                HubError::TokenRefused { token_from: source.clone(), endpoint: self.config.endpoint.clone() }
+            }
+            other => self.push_error(other, repo, "main", "checking the token (whoami)"),
+        })?;
+        let account = Account {
+            user: user.username,
+            orgs: user.orgs.unwrap_or_default().into_iter().filter_map(|o| o.name).collect(),
+        };
+        if !account.may_write(repo) {
+            let mut namespaces = vec![account.user.clone()];
+            namespaces.extend(account.orgs.iter().cloned());
+            return Err(HubError::NotYourNamespace {
+                repo: repo.to_string(),
+                token_from: source,
+                user: account.user,
+                namespaces: namespaces.join(", "),
+            });
+        }
+        Ok(account)
+    }
+
+    /// Pushes the files of `folder` to `spec` as one commit and lists them back.
+    pub fn push(&self, folder: &Path, spec: &PushSpec) -> Result<PushedRepo, HubError> {
+        let account = self.check_push(&spec.repo)?;
+        let client = self.push_client(&spec.repo)?;
+        let folder = folder.canonicalize().map_err(|source| HubError::Io { path: folder.to_path_buf(), source })?;
+        let files = folder_files(&folder)?;
+        if files.is_empty() {
+            return Err(HubError::NothingToPush { folder });
+        }
+        let repo = client.model(owner(&spec.repo), name(&spec.repo));
+        let fail = |e: HFError, doing: &str| self.push_error(e, &spec.repo, &spec.revision, doing);
+
+        let (mut created_repo, mut created_branch) = (false, false);
+        let (parent, remote) = match repo.commit_and_files(&spec.revision) {
+            Ok(found) => found,
+            Err(e) if is_not_found(&e, "RepoNotFound") => {
+                client
+                    .create_repository()
+                    .repo_id(&spec.repo)
+                    .repo_type(RepoTypeModel)
+                    .private(spec.private)
+                    .exist_ok(true)
+                    .send()
+                    .map_err(|e| fail(e, "creating the repo"))?;
+                created_repo = true;
+                self.branch_head(&repo, spec, &mut created_branch)?
+            }
+            Err(e) if is_not_found(&e, "RevisionNotFound") => self.branch_head(&repo, spec, &mut created_branch)?,
+            Err(e) => return Err(fail(e, "reading the repo")),
+        };
+        if !is_commit_hash(&parent) {
+            return Err(fail_unexpected(spec, format!("a head commit '{parent}', which is not a commit hash")));
+        }
+        let local: Vec<PushedFile> = files.iter().map(|(f, _)| f.clone()).collect();
+        let deleted = stale_weights(&remote, &local);
+        let mut operations: Vec<CommitOperation> =
+            files.iter().map(|(f, path)| CommitOperation::add_file(f.path.clone(), path.clone())).collect();
+        operations.extend(deleted.iter().map(CommitOperation::delete));
+
+        let bar = self.upload_bar(&spec.repo, &local);
+        let info = repo
+            .create_commit()
+            .operations(operations)
+            .commit_message(spec.message.clone())
+            .revision(spec.revision.clone())
+            .parent_commit(parent.clone())
+            .progress(UploadBar { bar: bar.clone() })
+            .send()
+            .map_err(|e| fail(e, "committing"));
+        bar.finish_and_clear();
+        let info = info?;
+        let commit = info
+            .commit_oid
+            .filter(|c| is_commit_hash(c))
+            .ok_or_else(|| fail_unexpected(spec, "no commit hash for the upload".to_string()))?;
+        // Listed back at the new commit: everything sent is there, nothing deleted is.
+        let (_, listed) = repo.commit_and_files(&commit).map_err(|e| fail(e, "listing the new commit"))?;
+        if let Some(missing) = local.iter().find(|f| !listed.contains(&f.path)) {
+            return Err(fail_unexpected(spec, format!("commit {commit} without the pushed file '{}'", missing.path)));
+        }
+        if let Some(kept) = deleted.iter().find(|p| listed.contains(p)) {
+            return Err(fail_unexpected(spec, format!("commit {commit} still holding the stale file '{kept}'")));
+        }
+        let url = info.commit_url.unwrap_or_else(|| format!("{}/{}/commit/{commit}", self.config.endpoint, spec.repo));
+        Ok(PushedRepo {
+            repo: spec.repo.clone(),
+            revision: spec.revision.clone(),
+            endpoint: self.config.endpoint.clone(),
+            user: account.user,
+            folder,
+            created_repo,
+            created_branch,
+            parent,
+            commit,
+            url,
+            files: local,
+            deleted,
+        })
+    }
+
+    /// The head of `spec.revision` and its files, the branch made from the default branch when missing.
+    fn branch_head(
+        &self,
+        repo: &HFRepositorySync<RepoTypeModel>,
+        spec: &PushSpec,
+        created: &mut bool,
+    ) -> Result<(String, Vec<String>), HubError> {
+        let fail = |e: HFError, doing: &str| self.push_error(e, &spec.repo, &spec.revision, doing);
+        match repo.commit_and_files(&spec.revision) {
+            Err(e) if is_not_found(&e, "RevisionNotFound") => {
+                repo.create_branch().branch(&spec.revision).send().map_err(|e| fail(e, "creating the branch"))?;
+                *created = true;
+                repo.commit_and_files(&spec.revision).map_err(|e| fail(e, "reading the new branch"))
+            }
+            found => found.map_err(|e| fail(e, "reading the repo")),
+        }
+    }
+
+    fn push_error(&self, err: HFError, repo: &str, revision: &str, doing: &str) -> HubError {
+        let (repo, revision, doing) = (repo.to_string(), revision.to_string(), doing.to_string());
+        match err {
+            HFError::AuthRequired { .. } | HFError::Forbidden { .. } => HubError::WriteDenied {
+                repo,
+                revision,
+                doing,
+                token_from: self.config.token_source.clone().unwrap_or_default(),
+                message: err.to_string(),
+            },
+            other => HubError::PushFailed {
+                repo,
+                revision,
+                doing,
+                endpoint: self.config.endpoint.clone(),
+                message: other.to_string(),
+            },
+        }
+    }
+
+    fn upload_bar(&self, repo: &str, files: &[PushedFile]) -> ProgressBar {
+        if !self.config.show_progress {
+            return ProgressBar::hidden();
+        }
+        let bytes: u64 = files.iter().map(|f| f.size).sum();
+        let bar = self.file_bar();
+        bar.set_length(bytes);
+        bar.set_message(format!("{repo}: {} files", files.len()));
+        bar
+    }
+}
+
+fn fail_unexpected(spec: &PushSpec, what: String) -> HubError {
+    HubError::PushUnexpected { repo: spec.repo.clone(), revision: spec.revision.clone(), what }
+}
+
+/// A 404 the Hub marks with `code` (RepoNotFound, RevisionNotFound), or hf-hub's own variant of it.
+fn is_not_found(err: &HFError, code: &str) -> bool {
+    match (err, error_code(err).as_deref()) {
+        (_, Some(c)) => c == code,
+        (HFError::RepoNotFound { .. }, None) => code == "RepoNotFound",
+        (HFError::RevisionNotFound { .. }, None) => code == "RevisionNotFound",
+        _ => false,
+    }
+}
+
+/// Feeds hf-hub's upload events (byte progress comes from its Xet transfers) into one indicatif bar.
+struct UploadBar {
+    bar: ProgressBar,
+}
+
+impl ProgressHandler for UploadBar {
+    fn on_progress(&self, event: &ProgressEvent) {
+        let ProgressEvent::Upload(event) = event else { return };
+        match event {
+            UploadEvent::Start { total_bytes, .. } => self.bar.set_length(*total_bytes),
+            UploadEvent::Progress { bytes_completed, .. } => self.bar.set_position(*bytes_completed),
+            UploadEvent::Committing => {
+                self.bar.set_position(self.bar.length().unwrap_or(0));
+                self.bar.set_message(format!("{} (committing)", self.bar.message()));
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(path: &str) -> PushedFile {
+        PushedFile { path: path.into(), size: 1, sha256: String::new() }
+    }
+
+    #[test]
+    fn weight_files_are_those_loaders_pick_up() {
+        for path in ["model.safetensors", "model-00002-of-00003.safetensors", "model.safetensors.index.json"] {
+            assert!(is_weights_file(path), "{path}");
+        }
+        for path in ["pytorch_model.bin", "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json"] {
+            assert!(is_weights_file(path), "{path}");
+        }
+        for path in ["config.json", "README.md", "tokenizer.json", "card/loss.png", "LICENSE", "training_args.bin"] {
+            assert!(!is_weights_file(path), "{path}");
+        }
+    }
+
+    #[test]
+    fn only_weights_the_folder_lacks_are_stale() {
+        let remote: Vec<String> = ["model-00001-of-00002.safetensors", "model.safetensors", "LICENSE", "notes.md"]
+            .into_iter()
+            .map(String::from)
+            .collect();
+        assert_eq!(
+            stale_weights(&remote, &[file("model.safetensors"), file("config.json")]),
+            ["model-00001-of-00002.safetensors"]
+        );
+    }
+
+    #[test]
+    fn an_account_writes_to_its_own_and_its_orgs_namespaces() {
+        let account = Account { user: "ada".into(), orgs: vec!["lab".into()] };
+        assert!(account.may_write("ada/tiny") && account.may_write("lab/tiny"));
+        assert!(!account.may_write("other/tiny") && !account.may_write("adalab/tiny"));
+    }
+
+    #[test]
+    fn folder_files_are_sorted_repo_paths_without_hidden_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("card")).unwrap();
+        std::fs::create_dir_all(dir.path().join(".cache")).unwrap();
+        for (path, text) in [("config.json", "{}"), ("card/loss.png", "png"), (".kiln.lock", "x"), (".cache/a", "y")] {
+            std::fs::write(dir.path().join(path), text).unwrap();
+        }
+        let files = folder_files(dir.path()).unwrap();
+        let paths: Vec<&str> = files.iter().map(|(f, _)| f.path.as_str()).collect();
+        assert_eq!(paths, ["card/loss.png", "config.json"]);
+        assert_eq!(files[1].0.sha256, crate::hub::sha256_bytes(b"{}"));
+        assert_eq!(files[1].0.size, 2);
+    }
+}
