@@ -855,7 +855,7 @@ fn push_cmd(args: PushArgs, quiet: bool) -> Result<()> {
         private: args.private,
         message: args.message.unwrap_or_else(|| format!("Upload {name} with kiln")),
     };
-    let pushed = hub(quiet)?.push(&args.dir, &spec)?;
+    let pushed = hub(quiet)?.push(&args.dir, &spec, None)?;
     write_json(args.out.as_deref(), &pushed)?;
     let bytes: u64 = pushed.files.iter().map(|f| f.size).sum();
     eprintln!(

@@ -149,6 +149,20 @@ fn a_hub_model_is_pulled_trained_and_carded_with_its_license() {
     assert!(ok && stderr.contains("0 stages run, 9 skipped"), "{stderr}");
     let whoami_and_pull = hub.requests.load(std::sync::atomic::Ordering::SeqCst) - served;
     assert_eq!(whoami_and_pull, 1, "the token check alone");
+    // A card written again is pushed again, as a commit on top of the first.
+    let (ok, _, stderr) = run_kiln(&[&args[..], &publish, &["--from", "card"]].concat(), &env, &project_dir());
+    assert!(ok && stderr.contains("2 stages run, 7 skipped"), "{stderr}");
+    let again = json(&run.join("push.json"));
+    assert_eq!((&again["parent"], &again["deleted"]), (&record["commit"], &serde_json::json!([])));
+    assert_ne!(again["commit"], record["commit"]);
+    // Pushed again with nothing changed: no empty commit.
+    let (ok, _, stderr) = run_kiln(&[&args[..], &publish, &["--from", "push"]].concat(), &env, &project_dir());
+    assert!(ok && stderr.contains("already holds these files at its head"), "{stderr}");
+    let same = json(&run.join("push.json"));
+    assert_eq!((&same["commit"], &same["unchanged"]), (&again["commit"], &Value::Bool(true)));
+    let key = ("models".to_string(), "kiln-tester/hubtiny-terminal".to_string());
+    let head = hub.repos.lock().unwrap()[&key].refs["main"].clone();
+    assert_eq!(head, again["commit"].as_str().unwrap(), "no new commit");
     let pulled = json(&run.join("pull.json"));
     assert_eq!(pulled[0]["commit"], commit.as_str());
     let base = json(&run.join("manifests/pull.json"))["counts"]["base_model"].as_str().unwrap().to_string();

@@ -55,6 +55,9 @@ pub struct PushedRepo {
     pub files: Vec<PushedFile>,
     /// Weight files of the parent commit that the folder does not hold, deleted by the same commit.
     pub deleted: Vec<String>,
+    /// The branch's head was the earlier push of these same files: no commit was made (`commit` is that push's).
+    #[serde(default)]
+    pub unchanged: bool,
 }
 
 /// The token's account and the namespaces it may create repos in.
@@ -85,10 +88,10 @@ pub fn stale_weights(remote: &[String], local: &[PushedFile]) -> Vec<String> {
     remote.iter().filter(|path| is_weights_file(path) && !local.iter().any(|f| &f.path == *path)).cloned().collect()
 }
 
-/// Every file under `folder` with its repo path (`/`-separated), size and sha256, sorted by path. Entries
-/// whose name starts with a dot (`.git`, an editor's swap file, a lock) are left out.
-pub fn folder_files(folder: &Path) -> Result<Vec<(PushedFile, PathBuf)>, HubError> {
-    fn walk(root: &Path, dir: &Path, out: &mut Vec<(PushedFile, PathBuf)>) -> Result<(), HubError> {
+/// Every file under `folder` with its repo path (`/`-separated), sorted by path. Entries whose name starts
+/// with a dot (`.git`, an editor's swap file, a lock) are left out.
+pub fn folder_paths(folder: &Path) -> Result<Vec<(String, PathBuf)>, HubError> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf)>) -> Result<(), HubError> {
         let io = |path: &Path| {
             let path = path.to_path_buf();
             move |source| HubError::Io { path, source }
@@ -103,16 +106,27 @@ pub fn folder_files(folder: &Path) -> Result<Vec<(PushedFile, PathBuf)>, HubErro
                 walk(root, &path, out)?;
             } else if meta.is_file() {
                 let relative = path.strip_prefix(root).unwrap_or(&path);
-                let repo_path = relative.components().map(|c| c.as_os_str().to_string_lossy()).collect::<Vec<_>>();
-                let sha256 = sha256_file(&path).map_err(io(&path))?;
-                out.push((PushedFile { path: repo_path.join("/"), size: meta.len(), sha256 }, path));
+                let parts: Vec<_> = relative.components().map(|c| c.as_os_str().to_string_lossy()).collect();
+                out.push((parts.join("/"), path));
             }
         }
         Ok(())
     }
     let mut out = Vec::new();
     walk(folder, folder, &mut out)?;
-    out.sort_by(|a, b| a.0.path.cmp(&b.0.path));
+    out.sort();
+    Ok(out)
+}
+
+/// `folder_paths` with each file's size and sha256.
+pub fn folder_files(folder: &Path) -> Result<Vec<(PushedFile, PathBuf)>, HubError> {
+    let mut out = Vec::new();
+    for (repo_path, path) in folder_paths(folder)? {
+        let io = |source| HubError::Io { path: path.clone(), source };
+        let size = std::fs::metadata(&path).map_err(io)?.len();
+        let sha256 = sha256_file(&path).map_err(io)?;
+        out.push((PushedFile { path: repo_path, size, sha256 }, path));
+    }
     Ok(out)
 }
 
@@ -156,8 +170,10 @@ impl Hub {
         Ok(account)
     }
 
-    /// Pushes the files of `folder` to `spec` as one commit and lists them back.
-    pub fn push(&self, folder: &Path, spec: &PushSpec) -> Result<PushedRepo, HubError> {
+    /// Pushes the files of `folder` to `spec` as one commit and lists them back. Where `previous` (the record
+    /// of an earlier push) is the branch's head and holds the same files, nothing is committed: the Hub would
+    /// record an empty commit.
+    pub fn push(&self, folder: &Path, spec: &PushSpec, previous: Option<&PushedRepo>) -> Result<PushedRepo, HubError> {
         let account = self.check_push(&spec.repo)?;
         let client = self.push_client(&spec.repo)?;
         let folder = folder.canonicalize().map_err(|source| HubError::Io { path: folder.to_path_buf(), source })?;
@@ -190,6 +206,12 @@ impl Hub {
             return Err(fail_unexpected(spec, format!("a head commit '{parent}', which is not a commit hash")));
         }
         let local: Vec<PushedFile> = files.iter().map(|(f, _)| f.clone()).collect();
+        if let Some(previous) = previous.filter(|p| {
+            (p.repo.as_str(), p.revision.as_str(), p.commit.as_str()) == (&spec.repo, &spec.revision, &parent)
+                && p.files == local
+        }) {
+            return Ok(PushedRepo { unchanged: true, ..previous.clone() });
+        }
         let deleted = stale_weights(&remote, &local);
         let mut operations: Vec<CommitOperation> =
             files.iter().map(|(f, path)| CommitOperation::add_file(f.path.clone(), path.clone())).collect();
@@ -233,6 +255,7 @@ impl Hub {
             url,
             files: local,
             deleted,
+            unchanged: false,
         })
     }
 

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use super::config::{ModelConfig, PipelineDef};
 use super::{PipelineError, SftRequest, Stage, StageOutcome, StagePlan, manifest_path};
 use crate::data::{EvalIndex, Recipe};
-use crate::hub::push::PushSpec;
+use crate::hub::push::{PushSpec, PushedRepo};
 use crate::hub::{Hub, HubConfig, HubError, PulledRepo, RepoKind, RepoSpec};
 use crate::train::state::TrainSource;
 
@@ -282,12 +282,15 @@ pub fn plan(ctx: &Context, stage: Stage) -> Result<StagePlan, PipelineError> {
             json!({"model": c.name, "command": ctx.req.command, "publish_repo": c.publish_repo})
         }
         Stage::Push => {
-            // What is pushed: the selected checkpoint as it is now, its card included.
+            // What is pushed: the selected checkpoint as it is now, its card included; the weights sampled as
+            // the pull stage samples a checkpoint's, so that deciding reads no gigabytes.
             let best = ctx.run_dir.join("best");
             if best.is_dir() {
-                let files = crate::hub::push::folder_files(&best).map_err(|e| fail(Stage::Push)(&e))?;
-                for (file, _) in files {
-                    inputs.insert(format!("best/{}", file.path), file.sha256);
+                let sampled = TrainSource::of(&best, &[]).map_err(|e| fail(Stage::Push)(&e))?;
+                inputs.insert("best/config.json+*.safetensors".into(), sampled.model);
+                let files = crate::hub::push::folder_paths(&best).map_err(|e| fail(Stage::Push)(&e))?;
+                for (repo_path, path) in files.iter().filter(|(p, _)| !p.ends_with(".safetensors")) {
+                    inputs.insert(format!("best/{repo_path}"), hash_file(path)?);
                 }
             }
             json!({"publish_repo": c.publish_repo, "private": c.publish_private})
@@ -683,8 +686,21 @@ fn push(ctx: &Context) -> Result<StageOutcome, PipelineError> {
             ctx.config.name
         ),
     };
-    let pushed = hub(ctx)?.push(&ctx.run_dir.join("best"), &spec).map_err(|e| err(&e))?;
-    super::write_json(&ctx.run_dir.join("push.json"), &pushed)?;
+    let record = ctx.run_dir.join("push.json");
+    let previous: Option<PushedRepo> =
+        std::fs::read_to_string(&record).ok().and_then(|text| serde_json::from_str(&text).ok());
+    let pushed = hub(ctx)?.push(&ctx.run_dir.join("best"), &spec, previous.as_ref()).map_err(|e| err(&e))?;
+    super::write_json(&record, &pushed)?;
+    if pushed.unchanged {
+        return Ok(StageOutcome {
+            outputs: vec!["push.json".into()],
+            counts: json!({"files": pushed.files.len(), "commit": pushed.commit, "unchanged": true}),
+            summary: format!(
+                "{} already holds these files at its head, {}: nothing to commit",
+                pushed.repo, pushed.url
+            ),
+        });
+    }
     let bytes: u64 = pushed.files.iter().map(|f| f.size).sum();
     let deleted = match pushed.deleted.len() {
         0 => String::new(),
