@@ -830,7 +830,7 @@ fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
         show(&s.card)
     );
     if let Some(url) = &s.pushed {
-        eprintln!("sft: pushed as {url}");
+        eprintln!("sft: the selected checkpoint is on the Hub as {url}");
     }
     Ok(())
 }
@@ -857,21 +857,7 @@ fn push_cmd(args: PushArgs, quiet: bool) -> Result<()> {
     };
     let pushed = hub(quiet)?.push(&args.dir, &spec, None)?;
     write_json(args.out.as_deref(), &pushed)?;
-    let bytes: u64 = pushed.files.iter().map(|f| f.size).sum();
-    eprintln!(
-        "push: {} files ({}) to {}@{} as {}{}{} in {:.1}s",
-        pushed.files.len(),
-        indicatif::HumanBytes(bytes),
-        pushed.repo,
-        pushed.revision,
-        pushed.url,
-        if pushed.created_repo { ", a new repo" } else { "" },
-        match pushed.deleted.len() {
-            0 => String::new(),
-            n => format!(", {n} stale weight files deleted"),
-        },
-        started.elapsed().as_secs_f64()
-    );
+    eprintln!("push: {} in {:.1}s", pushed.describe(), started.elapsed().as_secs_f64());
     Ok(())
 }
 

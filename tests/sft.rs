@@ -142,7 +142,11 @@ fn a_hub_model_is_pulled_trained_and_carded_with_its_license() {
     }
     let card = String::from_utf8(pushed["README.md"].clone()).unwrap();
     assert!(card.contains("path = \"kiln-tester/hubtiny-terminal\""), "{card}");
-    assert!(stderr.contains("sft: pushed as ") && stderr.contains(record["url"].as_str().unwrap()), "{stderr}");
+    assert!(
+        stderr.contains("sft: the selected checkpoint is on the Hub as ")
+            && stderr.contains(record["url"].as_str().unwrap()),
+        "{stderr}"
+    );
     // Again: nothing changed, nothing pushed.
     let served = hub.requests.load(std::sync::atomic::Ordering::SeqCst);
     let (ok, _, stderr) = run_kiln(&[&args[..], &publish].concat(), &env, &project_dir());
@@ -157,7 +161,7 @@ fn a_hub_model_is_pulled_trained_and_carded_with_its_license() {
     assert_ne!(again["commit"], record["commit"]);
     // Pushed again with nothing changed: no empty commit.
     let (ok, _, stderr) = run_kiln(&[&args[..], &publish, &["--from", "push"]].concat(), &env, &project_dir());
-    assert!(ok && stderr.contains("already holds these files at its head"), "{stderr}");
+    assert!(ok && stderr.contains("already holds these") && stderr.contains("files at its head"), "{stderr}");
     let same = json(&run.join("push.json"));
     assert_eq!((&same["commit"], &same["unchanged"]), (&again["commit"], &Value::Bool(true)));
     let key = ("models".to_string(), "kiln-tester/hubtiny-terminal".to_string());

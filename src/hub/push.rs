@@ -60,6 +60,32 @@ pub struct PushedRepo {
     pub unchanged: bool,
 }
 
+impl PushedRepo {
+    /// One line for the terminal.
+    pub fn describe(&self) -> String {
+        let target = format!("{}@{}", self.repo, self.revision);
+        if self.unchanged {
+            return format!(
+                "{target} already holds these {} files at its head, {}: nothing committed",
+                self.files.len(),
+                self.url
+            );
+        }
+        let bytes: u64 = self.files.iter().map(|f| f.size).sum();
+        let mut line =
+            format!("{} files ({}) to {target} as {}", self.files.len(), indicatif::HumanBytes(bytes), self.url);
+        for (done, what) in [(self.created_repo, "a new repo"), (self.created_branch, "a new branch")] {
+            if done {
+                line += &format!(", {what}");
+            }
+        }
+        if !self.deleted.is_empty() {
+            line += &format!(", {} stale weight files deleted", self.deleted.len());
+        }
+        line
+    }
+}
+
 /// The token's account and the namespaces it may create repos in.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Account {

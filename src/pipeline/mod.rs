@@ -197,7 +197,7 @@ pub struct SftSummary {
     pub selected_score: Option<f64>,
     pub report: Option<PathBuf>,
     pub card: Option<PathBuf>,
-    /// The commit the push stage made, when it ran.
+    /// The commit of the selected checkpoint on the Hub, where the push stage ran or was up to date.
     pub pushed: Option<String>,
     pub wall_seconds: f64,
 }
@@ -351,8 +351,11 @@ pub fn run_sft(req: &SftRequest, stop: &crate::train::StopRequest) -> Result<Sft
     }
     summary.report = Some(run_dir.join("report/index.html")).filter(|p| p.is_file());
     summary.card = Some(run_dir.join("README.md")).filter(|p| p.is_file());
+    // An earlier run's record says nothing of this one unless its push stage ran or was up to date.
+    let pushes = summary.stages_run.contains(&Stage::Push) || summary.stages_skipped.contains(&Stage::Push);
     summary.pushed = std::fs::read_to_string(run_dir.join("push.json"))
         .ok()
+        .filter(|_| pushes)
         .and_then(|text| serde_json::from_str::<crate::hub::push::PushedRepo>(&text).ok())
         .map(|p| p.url);
     summary.wall_seconds = started.elapsed().as_secs_f64();

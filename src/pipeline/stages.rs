@@ -691,31 +691,15 @@ fn push(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         std::fs::read_to_string(&record).ok().and_then(|text| serde_json::from_str(&text).ok());
     let pushed = hub(ctx)?.push(&ctx.run_dir.join("best"), &spec, previous.as_ref()).map_err(|e| err(&e))?;
     super::write_json(&record, &pushed)?;
-    if pushed.unchanged {
-        return Ok(StageOutcome {
-            outputs: vec!["push.json".into()],
-            counts: json!({"files": pushed.files.len(), "commit": pushed.commit, "unchanged": true}),
-            summary: format!(
-                "{} already holds these files at its head, {}: nothing to commit",
-                pushed.repo, pushed.url
-            ),
-        });
-    }
-    let bytes: u64 = pushed.files.iter().map(|f| f.size).sum();
-    let deleted = match pushed.deleted.len() {
-        0 => String::new(),
-        n => format!(", {n} stale weight files deleted"),
-    };
     Ok(StageOutcome {
         outputs: vec!["push.json".into()],
-        counts: json!({"files": pushed.files.len(), "bytes": bytes, "deleted": pushed.deleted.len(), "commit": pushed.commit}),
-        summary: format!(
-            "{} ({}) as {} files ({}){deleted}: {}",
-            pushed.repo,
-            selection.chosen,
-            pushed.files.len(),
-            indicatif::HumanBytes(bytes),
-            pushed.url
-        ),
+        counts: json!({
+            "files": pushed.files.len(),
+            "bytes": pushed.files.iter().map(|f| f.size).sum::<u64>(),
+            "deleted": pushed.deleted.len(),
+            "commit": pushed.commit,
+            "unchanged": pushed.unchanged,
+        }),
+        summary: format!("{} ({}): {}", ctx.config.name, selection.chosen, pushed.describe()),
     })
 }
