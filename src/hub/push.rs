@@ -117,11 +117,16 @@ pub fn stale_weights(remote: &[String], local: &[PushedFile]) -> Vec<String> {
 /// Every file under `folder` with its repo path (`/`-separated), sorted by path. Entries whose name starts
 /// with a dot (`.git`, an editor's swap file, a lock) are left out.
 pub fn folder_paths(folder: &Path) -> Result<Vec<(String, PathBuf)>, HubError> {
-    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf)>) -> Result<(), HubError> {
+    fn walk(root: &Path, dir: &Path, depth: usize, out: &mut Vec<(String, PathBuf)>) -> Result<(), HubError> {
         let io = |path: &Path| {
             let path = path.to_path_buf();
             move |source| HubError::Io { path, source }
         };
+        // Symbolic links are followed (a folder of the HF cache is links to blobs); one that loops is not.
+        if depth > 32 {
+            let loop_error = std::io::Error::other("folders nested over 32 deep: a symbolic link loop?");
+            return Err(io(dir)(loop_error));
+        }
         for entry in std::fs::read_dir(dir).map_err(io(dir))? {
             let path = entry.map_err(io(dir))?.path();
             if path.file_name().is_none_or(|n| n.to_string_lossy().starts_with('.')) {
@@ -129,7 +134,7 @@ pub fn folder_paths(folder: &Path) -> Result<Vec<(String, PathBuf)>, HubError> {
             }
             let meta = std::fs::metadata(&path).map_err(io(&path))?;
             if meta.is_dir() {
-                walk(root, &path, out)?;
+                walk(root, &path, depth + 1, out)?;
             } else if meta.is_file() {
                 let relative = path.strip_prefix(root).unwrap_or(&path);
                 let parts: Vec<_> = relative.components().map(|c| c.as_os_str().to_string_lossy()).collect();
@@ -139,7 +144,7 @@ pub fn folder_paths(folder: &Path) -> Result<Vec<(String, PathBuf)>, HubError> {
         Ok(())
     }
     let mut out = Vec::new();
-    walk(folder, folder, &mut out)?;
+    walk(folder, folder, 0, &mut out)?;
     out.sort();
     Ok(out)
 }
@@ -422,5 +427,9 @@ mod tests {
         assert_eq!(paths, ["card/loss.png", "config.json"]);
         assert_eq!(files[1].0.sha256, crate::hub::sha256_bytes(b"{}"));
         assert_eq!(files[1].0.size, 2);
+        // A link back up is followed until it is plainly a loop, then refused.
+        std::os::unix::fs::symlink(dir.path(), dir.path().join("card/up")).unwrap();
+        let err = folder_paths(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("a symbolic link loop?"), "{err}");
     }
 }
