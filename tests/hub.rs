@@ -400,8 +400,12 @@ fn kiln_push_creates_the_repo_commits_the_folder_and_deletes_only_stale_weights(
         serde_json::from_str::<Value>(&stdout).unwrap()
     };
 
+    let requests = || server.requests.load(std::sync::atomic::Ordering::SeqCst);
     // A new repo, created private: every file but the hidden one, in one commit on top of the initial one.
+    // Requests: whoami, the branch (not found), the repo created, the branch, preupload, LFS batch, the commit,
+    // the new commit listed back.
     let record = push(&["--private"]);
+    assert_eq!(requests(), 8);
     assert_eq!((record["created_repo"].as_bool(), record["user"].as_str()), (Some(true), Some("kiln-tester")));
     let pushed = server.model_tree(repo, "main").unwrap();
     let mut want = files.clone();
@@ -445,6 +449,7 @@ fn kiln_push_creates_the_repo_commits_the_folder_and_deletes_only_stale_weights(
         sha("sharded")
     };
     let record = push(&["--message", "epoch-2 of tiny"]);
+    assert_eq!(requests(), 8 + 6, "whoami, the branch, preupload, LFS batch, the commit, the listing");
     assert_eq!(record["created_repo"], false);
     assert_eq!(record["parent"], earlier.as_str());
     assert_eq!(
@@ -461,9 +466,20 @@ fn kiln_push_creates_the_repo_commits_the_folder_and_deletes_only_stale_weights(
 
     // A branch that does not exist is made from main; main stays as it was.
     let record = push(&["--revision", "epoch-1"]);
+    assert_eq!(requests(), 14 + 8, "as a new repo's, the branch made instead of the repo");
     assert_eq!((record["created_branch"].as_bool(), record["revision"].as_str()), (Some(true), Some("epoch-1")));
     assert_eq!(server.model_tree(repo, "epoch-1").unwrap(), want);
     assert_eq!(server.model_tree(repo, "main").unwrap(), want);
+
+    // A new repo and a new branch at once: the repo, then the branch from its initial commit.
+    let args = ["--quiet", "push", folder.to_str().unwrap(), "--repo", "kiln-tester/other", "--revision", "dev"];
+    let (ok, stdout, stderr) = run_kiln(&args, &env, home.path());
+    assert!(ok, "{stderr}");
+    let record: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!((record["created_repo"].as_bool(), record["created_branch"].as_bool()), (Some(true), Some(true)));
+    assert_eq!(requests(), 22 + 10);
+    assert_eq!(server.model_tree("kiln-tester/other", "main").unwrap().keys().collect::<Vec<_>>(), [".gitattributes"]);
+    assert_eq!(server.model_tree("kiln-tester/other", "dev").unwrap().len(), files.len() + 1);
 }
 
 #[test]

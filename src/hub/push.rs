@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use hf_hub::progress::{ProgressEvent, ProgressHandler, UploadEvent};
 use hf_hub::repository::CommitOperation;
-use hf_hub::{HFError, HFRepositorySync, RepoTypeModel};
+use hf_hub::{HFError, RepoTypeModel};
 use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};
 
@@ -215,9 +215,8 @@ impl Hub {
         let repo = client.model(owner(&spec.repo), name(&spec.repo));
         let fail = |e: HFError, doing: &str| self.push_error(e, &spec.repo, &spec.revision, doing);
 
-        let (mut created_repo, mut created_branch) = (false, false);
-        let (parent, remote) = match repo.commit_and_files(&spec.revision) {
-            Ok(found) => found,
+        let mut created_repo = false;
+        let head = match repo.commit_and_files(&spec.revision) {
             Err(e) if is_not_found(&e, "RepoNotFound") => {
                 client
                     .create_repository()
@@ -228,9 +227,18 @@ impl Hub {
                     .send()
                     .map_err(|e| fail(e, "creating the repo"))?;
                 created_repo = true;
-                self.branch_head(&repo, spec, &mut created_branch)?
+                repo.commit_and_files(&spec.revision)
             }
-            Err(e) if is_not_found(&e, "RevisionNotFound") => self.branch_head(&repo, spec, &mut created_branch)?,
+            found => found,
+        };
+        let mut created_branch = false;
+        let (parent, remote) = match head {
+            Ok(found) => found,
+            Err(e) if is_not_found(&e, "RevisionNotFound") => {
+                repo.create_branch().branch(&spec.revision).send().map_err(|e| fail(e, "creating the branch"))?;
+                created_branch = true;
+                repo.commit_and_files(&spec.revision).map_err(|e| fail(e, "reading the new branch"))?
+            }
             Err(e) => return Err(fail(e, "reading the repo")),
         };
         if !is_commit_hash(&parent) {
@@ -288,24 +296,6 @@ impl Hub {
             deleted,
             unchanged: false,
         })
-    }
-
-    /// The head of `spec.revision` and its files, the branch made from the default branch when missing.
-    fn branch_head(
-        &self,
-        repo: &HFRepositorySync<RepoTypeModel>,
-        spec: &PushSpec,
-        created: &mut bool,
-    ) -> Result<(String, Vec<String>), HubError> {
-        let fail = |e: HFError, doing: &str| self.push_error(e, &spec.repo, &spec.revision, doing);
-        match repo.commit_and_files(&spec.revision) {
-            Err(e) if is_not_found(&e, "RevisionNotFound") => {
-                repo.create_branch().branch(&spec.revision).send().map_err(|e| fail(e, "creating the branch"))?;
-                *created = true;
-                repo.commit_and_files(&spec.revision).map_err(|e| fail(e, "reading the new branch"))
-            }
-            found => found.map_err(|e| fail(e, "reading the repo")),
-        }
     }
 
     fn push_error(&self, err: HFError, repo: &str, revision: &str, doing: &str) -> HubError {
