@@ -29,8 +29,9 @@ build:
 	$(CARGO) build --release $(FEATURES)
 
 # The whole pipeline (pipelines/sft.toml): pull → prepare → inspect → train → export → eval → select → card
-# (→ push, with PUSH=owner/name) into runs/$(RUN)/. Re-running skips finished stages and resumes an interrupted training. MODEL=tiny (the
-# default) needs no network and no GPU; a GPU-sized MODEL stops at once on a machine without one.
+# (→ push, with PUSH=owner/name) into runs/$(RUN)/. Re-running skips finished stages and resumes an
+# interrupted training. MODEL=tiny (the default) needs no network and no GPU; a GPU-sized MODEL stops at once
+# on a machine without one.
 sft: build
 	@test -f $(SAMPLES)/terminal.parquet || $(KILN) synth --out $(SAMPLES)
 	$(SFT)
