@@ -149,13 +149,20 @@ pub fn folder_paths(folder: &Path) -> Result<Vec<(String, PathBuf)>, HubError> {
     Ok(out)
 }
 
-/// `folder_paths` with each file's size and sha256.
-pub fn folder_files(folder: &Path) -> Result<Vec<(PushedFile, PathBuf)>, HubError> {
-    let mut out = Vec::new();
-    for (repo_path, path) in folder_paths(folder)? {
-        let io = |source| HubError::Io { path: path.clone(), source };
-        let size = std::fs::metadata(&path).map_err(io)?.len();
-        let sha256 = sha256_file(&path).map_err(io)?;
+/// `folder_paths` with each file's size and sha256; `bar` advances by each file's bytes (a 16 GB checkpoint
+/// takes a while to hash).
+pub fn folder_files(folder: &Path, bar: &ProgressBar) -> Result<Vec<(PushedFile, PathBuf)>, HubError> {
+    let paths = folder_paths(folder)?;
+    let mut sized = Vec::with_capacity(paths.len());
+    for (repo_path, path) in paths {
+        let size = std::fs::metadata(&path).map_err(|source| HubError::Io { path: path.clone(), source })?.len();
+        sized.push((repo_path, path, size));
+    }
+    bar.set_length(sized.iter().map(|(_, _, size)| size).sum());
+    let mut out = Vec::with_capacity(sized.len());
+    for (repo_path, path, size) in sized {
+        let sha256 = sha256_file(&path).map_err(|source| HubError::Io { path: path.clone(), source })?;
+        bar.inc(size);
         out.push((PushedFile { path: repo_path, size, sha256 }, path));
     }
     Ok(out)
@@ -208,7 +215,10 @@ impl Hub {
         let account = self.check_push(&spec.repo)?;
         let client = self.push_client(&spec.repo)?;
         let folder = folder.canonicalize().map_err(|source| HubError::Io { path: folder.to_path_buf(), source })?;
-        let files = folder_files(&folder)?;
+        let hashing = self.bar(format!("{}: hashing", spec.repo));
+        let files = folder_files(&folder, &hashing);
+        hashing.finish_and_clear();
+        let files = files?;
         if files.is_empty() {
             return Err(HubError::NothingToPush { folder });
         }
@@ -256,7 +266,8 @@ impl Hub {
             files.iter().map(|(f, path)| CommitOperation::add_file(f.path.clone(), path.clone())).collect();
         operations.extend(deleted.iter().map(CommitOperation::delete));
 
-        let bar = self.upload_bar(&spec.repo, &local);
+        let bar = self.bar(format!("{}: {} files", spec.repo, local.len()));
+        bar.set_length(local.iter().map(|f| f.size).sum());
         let info = repo
             .create_commit()
             .operations(operations)
@@ -318,14 +329,9 @@ impl Hub {
         }
     }
 
-    fn upload_bar(&self, repo: &str, files: &[PushedFile]) -> ProgressBar {
-        if !self.config.show_progress {
-            return ProgressBar::hidden();
-        }
-        let bytes: u64 = files.iter().map(|f| f.size).sum();
+    fn bar(&self, message: String) -> ProgressBar {
         let bar = self.file_bar();
-        bar.set_length(bytes);
-        bar.set_message(format!("{repo}: {} files", files.len()));
+        bar.set_message(message);
         bar
     }
 }
@@ -412,7 +418,9 @@ mod tests {
         for (path, text) in [("config.json", "{}"), ("card/loss.png", "png"), (".kiln.lock", "x"), (".cache/a", "y")] {
             std::fs::write(dir.path().join(path), text).unwrap();
         }
-        let files = folder_files(dir.path()).unwrap();
+        let bar = ProgressBar::hidden();
+        let files = folder_files(dir.path(), &bar).unwrap();
+        assert_eq!((bar.position(), bar.length()), (5, Some(5)), "the bar counts the bytes hashed");
         let paths: Vec<&str> = files.iter().map(|(f, _)| f.path.as_str()).collect();
         assert_eq!(paths, ["card/loss.png", "config.json"]);
         assert_eq!(files[1].0.sha256, crate::hub::sha256_bytes(b"{}"));
