@@ -289,7 +289,8 @@ fn limitations(
 }
 
 /// Where a card is read: the run folder's overview, or the selected checkpoint's own card, which travels with
-/// its weights to the Hub (`hf upload owner/name runs/<run>/best`) and so links nothing outside the folder.
+/// its weights to the Hub (`kiln push runs/<run>/best --repo owner/name`, the push stage) and so links
+/// nothing outside the folder.
 #[derive(Clone, Copy, PartialEq)]
 enum Place {
     Run,
