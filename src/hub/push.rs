@@ -169,22 +169,16 @@ pub fn folder_files(folder: &Path, bar: &ProgressBar) -> Result<Vec<(PushedFile,
 }
 
 impl Hub {
-    fn push_client(&self, repo: &str) -> Result<&hf_hub::HFClientSync, HubError> {
+    /// The client and the token's account, refused when the token is missing or refused, or its account may not
+    /// write to `repo`'s namespace.
+    fn client_for_push(&self, repo: &str) -> Result<(&hf_hub::HFClientSync, Account), HubError> {
         let client = self.client.as_ref().ok_or_else(|| HubError::PushOffline { repo: repo.to_string() })?;
-        if self.config.token_source.is_none() {
+        let Some(source) = self.config.token_source.clone() else {
             return Err(HubError::NoToken { repo: repo.to_string(), token_file: hf_hub::hf_home().join("token") });
-        }
+        };
         if !is_repo_id(repo) {
             return Err(HubError::BadRepoId { repo: repo.to_string() });
         }
-        Ok(client)
-    }
-
-    /// The account behind the token, refused when it may not write to `repo`'s namespace. The pipeline asks
-    /// this before it trains, so that a missing or wrong token is not found out hours later.
-    pub fn check_push(&self, repo: &str) -> Result<Account, HubError> {
-        let client = self.push_client(repo)?;
-        let source = self.config.token_source.clone().unwrap_or_default();
         let user = client.whoami().send().map_err(|e| match e {
             HFError::AuthRequired { .. } | HFError::Forbidden { .. } => {
                 HubError::TokenRefused { token_from: source.clone(), endpoint: self.config.endpoint.clone() }
@@ -205,15 +199,20 @@ impl Hub {
                 namespaces: namespaces.join(", "),
             });
         }
-        Ok(account)
+        Ok((client, account))
+    }
+
+    /// The account behind the token, refused when it may not write to `repo`'s namespace. The pipeline asks
+    /// this before it trains, so that a missing or wrong token is not found out hours later.
+    pub fn check_push(&self, repo: &str) -> Result<Account, HubError> {
+        self.client_for_push(repo).map(|(_, account)| account)
     }
 
     /// Pushes the files of `folder` to `spec` as one commit and lists them back. Where `previous` (the record
     /// of an earlier push) is the branch's head and holds the same files, nothing is committed: the Hub would
     /// record an empty commit.
     pub fn push(&self, folder: &Path, spec: &PushSpec, previous: Option<&PushedRepo>) -> Result<PushedRepo, HubError> {
-        let account = self.check_push(&spec.repo)?;
-        let client = self.push_client(&spec.repo)?;
+        let (client, account) = self.client_for_push(&spec.repo)?;
         let folder = folder.canonicalize().map_err(|source| HubError::Io { path: folder.to_path_buf(), source })?;
         let hashing = self.bar(format!("{}: hashing", spec.repo));
         let files = folder_files(&folder, &hashing);

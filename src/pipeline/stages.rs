@@ -184,23 +184,34 @@ fn check_base(dir: &Path, config: &ModelConfig) -> Result<(), String> {
     Ok(())
 }
 
-/// A checkpoint folder's files by content for the pull stage's inputs: the small ones whole, the weights as
-/// `TrainSource` samples them (name, size, first and last MiB), so that deciding whether a run is current
-/// reads no gigabytes.
-fn fingerprint_checkpoint(dir: &Path, inputs: &mut BTreeMap<String, String>) -> Result<(), PipelineError> {
-    let sampled = TrainSource::of(dir, &[]).map_err(|e| fail(Stage::Pull)(&e))?;
-    inputs.insert("checkpoint/config.json+*.safetensors".into(), sampled.model);
-    let entries = std::fs::read_dir(dir).map_err(|e| PipelineError::io(dir, e))?;
-    for path in entries.flatten().map(|e| e.path()) {
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        // Its card is documentation (a card rewritten in the run it came from retrains nothing here); the card
-        // stage, which reads the card's license and origin, hashes it for itself.
-        let card = crate::models::hf::CARD_ENTRIES.contains(&name.as_str());
-        if path.is_file() && !name.ends_with(".safetensors") && !card {
-            inputs.insert(format!("checkpoint/{name}"), hash_file(&path)?);
-        }
+/// A checkpoint folder's `files` (repo path, path) by content, as `stage`'s inputs under `prefix`: the small
+/// ones whole, the weights as `TrainSource` samples them (name, size, first and last MiB), so that deciding
+/// whether a run is current reads no gigabytes.
+fn fingerprint_checkpoint(
+    stage: Stage,
+    dir: &Path,
+    prefix: &str,
+    files: &[(String, PathBuf)],
+    inputs: &mut BTreeMap<String, String>,
+) -> Result<(), PipelineError> {
+    let sampled = TrainSource::of(dir, &[]).map_err(|e| fail(stage)(&e))?;
+    inputs.insert(format!("{prefix}config.json+*.safetensors"), sampled.model);
+    for (name, path) in files.iter().filter(|(name, _)| !name.ends_with(".safetensors")) {
+        inputs.insert(format!("{prefix}{name}"), hash_file(path)?);
     }
     Ok(())
+}
+
+/// The files directly in a base checkpoint folder, its card left out: the card is documentation (a card
+/// rewritten in the run it came from retrains nothing here); the card stage, which reads the card's license and
+/// origin, hashes it for itself.
+fn base_checkpoint_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, PipelineError> {
+    let entries = std::fs::read_dir(dir).map_err(|e| PipelineError::io(dir, e))?;
+    Ok(entries
+        .flatten()
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
+        .filter(|(name, path)| path.is_file() && !crate::models::hf::CARD_ENTRIES.contains(&name.as_str()))
+        .collect())
 }
 
 /// The base checkpoint of a run: the random-init folder of a local model, a checkpoint folder as it is, or
@@ -238,7 +249,7 @@ pub fn plan(ctx: &Context, stage: Stage) -> Result<StagePlan, PipelineError> {
                 hash_dir(local, "model/", &mut inputs)?;
             }
             if let Some(dir) = &c.model.checkpoint {
-                fingerprint_checkpoint(dir, &mut inputs)?;
+                fingerprint_checkpoint(Stage::Pull, dir, "checkpoint/", &base_checkpoint_files(dir)?, &mut inputs)?;
             }
             json!({"model": c.model, "recipes": c.data.recipes})
         }
@@ -286,12 +297,8 @@ pub fn plan(ctx: &Context, stage: Stage) -> Result<StagePlan, PipelineError> {
             // the pull stage samples a checkpoint's, so that deciding reads no gigabytes.
             let best = ctx.run_dir.join("best");
             if best.is_dir() {
-                let sampled = TrainSource::of(&best, &[]).map_err(|e| fail(Stage::Push)(&e))?;
-                inputs.insert("best/config.json+*.safetensors".into(), sampled.model);
                 let files = crate::hub::push::folder_paths(&best).map_err(|e| fail(Stage::Push)(&e))?;
-                for (repo_path, path) in files.iter().filter(|(p, _)| !p.ends_with(".safetensors")) {
-                    inputs.insert(format!("best/{repo_path}"), hash_file(path)?);
-                }
+                fingerprint_checkpoint(Stage::Push, &best, "best/", &files, &mut inputs)?;
             }
             json!({"publish_repo": c.publish_repo, "private": c.publish_private})
         }
