@@ -23,7 +23,7 @@ endif
 
 SAMPLES := datasets/samples
 
-.PHONY: sft build inspect eval card samples test bench gpu-carry clean
+.PHONY: sft build plan inspect eval card samples test bench gpu-carry clean
 
 build:
 	$(CARGO) build --release $(FEATURES)
@@ -35,6 +35,11 @@ build:
 sft: build
 	@test -f $(SAMPLES)/terminal.parquet || $(KILN) synth --out $(SAMPLES)
 	$(SFT)
+
+# What `make sft` with the same settings would run and skip, and why (kiln sft --dry-run): nothing is run or
+# written; the plan as JSON on stdout.
+plan: build
+	$(SFT) --dry-run
 
 # The dataset inspection report of a prepared run (runs/$(RUN)/report/index.html).
 inspect: build

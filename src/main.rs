@@ -128,6 +128,10 @@ struct SftArgs {
     /// Stop training after N steps as Ctrl-C would (for testing resume).
     #[arg(long, hide = true)]
     halt_after: Option<usize>,
+    /// Say which stages would run and why (what changed since their manifests), and which are up to date;
+    /// run nothing, write nothing. The plan as JSON on stdout.
+    #[arg(long)]
+    dry_run: bool,
 }
 
 #[derive(Args)]
@@ -795,7 +799,8 @@ fn lock_run(run: &Path) -> Result<Option<kiln::files::RunLock>> {
 }
 
 fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
-    let command = command_line();
+    let args_given: Vec<String> = std::iter::once("kiln".to_string()).chain(std::env::args().skip(1)).collect();
+    let command = kiln::pipeline::reproduce_command(&args_given);
     let req = kiln::pipeline::SftRequest {
         model: args.model,
         overrides: args.set,
@@ -816,6 +821,9 @@ fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
         show_progress: !quiet,
         command,
     };
+    if args.dry_run {
+        return sft_dry_run(&req);
+    }
     let stop = stop_on_ctrl_c();
     let s = kiln::pipeline::run_sft(&req, &stop)?;
     let show = |p: &Option<PathBuf>| p.as_ref().map_or_else(|| "-".to_string(), |p| p.display().to_string());
@@ -832,6 +840,40 @@ fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
     if let Some(url) = &s.pushed {
         eprintln!("sft: the selected checkpoint is on the Hub as {url}");
     }
+    Ok(())
+}
+
+/// `kiln sft --dry-run`: each stage and why it would run, the plan as JSON on stdout.
+fn sft_dry_run(req: &kiln::pipeline::SftRequest) -> Result<()> {
+    use kiln::pipeline::Decision;
+    let plan = kiln::pipeline::plan_sft(req)?;
+    let total = plan.stages.len();
+    let mut running = 0;
+    for (i, s) in plan.stages.iter().enumerate() {
+        let what = match &s.decision {
+            Decision::Off { why } => format!("off: {why}"),
+            Decision::Skip { fingerprint } => {
+                format!("up to date (manifest {})", &fingerprint[..fingerprint.len().min(12)])
+            }
+            Decision::Run { reasons } => {
+                running += 1;
+                match reasons.as_slice() {
+                    [one] => format!("would run: {one}"),
+                    many => format!(
+                        "would run:\n{}",
+                        many.iter().map(|r| format!("          {r}")).collect::<Vec<_>>().join("\n")
+                    ),
+                }
+            }
+        };
+        eprintln!("[{}/{total}] {:<8} {what}", i + 1, s.stage.name());
+    }
+    eprintln!(
+        "sft --dry-run: {running} of {total} stages would run in {} on {}; nothing was run or written",
+        plan.run_dir.display(),
+        plan.device
+    );
+    println!("{}", serde_json::to_string_pretty(&plan)?);
     Ok(())
 }
 

@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{FakeHub, FakeRepo, Tree, WRITE_TOKEN, project_dir, run_kiln, sha};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 const STAGES: [&str; 8] = ["pull", "prepare", "inspect", "train", "export", "eval", "select", "card"];
 
@@ -153,14 +153,15 @@ fn a_hub_model_is_pulled_trained_and_carded_with_its_license() {
     assert!(ok && stderr.contains("0 stages run, 9 skipped"), "{stderr}");
     let whoami_and_pull = hub.requests.load(std::sync::atomic::Ordering::SeqCst) - served;
     assert_eq!(whoami_and_pull, 1, "the token check alone");
-    // A card written again is pushed again, as a commit on top of the first.
-    let (ok, _, stderr) = run_kiln(&[&args[..], &publish, &["--from", "card"]].concat(), &env, &project_dir());
+    // A card written again (its reproduce command changed) is pushed again, as a commit on top of the first.
+    let rewritten = [&args[..], &publish, &["--set", "eval.scorer=\"v2\""]].concat();
+    let (ok, _, stderr) = run_kiln(&rewritten, &env, &project_dir());
     assert!(ok && stderr.contains("2 stages run, 7 skipped"), "{stderr}");
     let again = json(&run.join("push.json"));
     assert_eq!((&again["parent"], &again["deleted"]), (&record["commit"], &serde_json::json!([])));
     assert_ne!(again["commit"], record["commit"]);
     // Pushed again with nothing changed: no empty commit.
-    let (ok, _, stderr) = run_kiln(&[&args[..], &publish, &["--from", "push"]].concat(), &env, &project_dir());
+    let (ok, _, stderr) = run_kiln(&[&rewritten[..], &["--from", "push"]].concat(), &env, &project_dir());
     assert!(ok && stderr.contains("already holds these") && stderr.contains("files at its head"), "{stderr}");
     let same = json(&run.join("push.json"));
     assert_eq!((&same["commit"], &same["unchanged"]), (&again["commit"], &Value::Bool(true)));
@@ -197,6 +198,27 @@ fn sft(pipeline: &Path, configs: &Path, extra: &[&str]) -> (bool, String) {
     args.extend(extra);
     let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
     (ok, stderr)
+}
+
+/// `kiln sft --dry-run`'s plan (stdout), after checking that its stderr says nothing was run or written.
+fn dry_run(pipeline: &Path, configs: &Path, extra: &[&str]) -> Value {
+    let mut args = vec!["sft", "--model", "fast", "--device", "cpu", "--dry-run"];
+    let (p, c) = (pipeline.to_str().unwrap(), configs.to_str().unwrap());
+    args.extend(["--pipeline", p, "--configs-dir", c]);
+    args.extend(extra);
+    let (ok, stdout, stderr) = run_kiln(&args, &[], &project_dir());
+    assert!(ok && stderr.contains("nothing was run or written"), "{stderr}");
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+/// The stages of a dry run's plan with the action `action`, each with its reasons (null where it has none).
+fn planned(plan: &Value, action: &str) -> Vec<(String, Value)> {
+    let stages = plan["stages"].as_array().unwrap();
+    stages
+        .iter()
+        .filter(|s| s["action"] == action)
+        .map(|s| (s["stage"].as_str().unwrap().to_string(), s["reasons"].clone()))
+        .collect()
 }
 
 fn json(path: &Path) -> Value {
@@ -312,7 +334,9 @@ fn check_card(run: &Path) {
         assert_eq!(*line, format!("| {} | {} |", p["checkpoint"].as_str().unwrap(), cells.join(" | ")));
     }
     assert!(md.contains("](card/loss.png)") && md.contains("](card/scores.png)") && md.contains("report/index.html"));
-    assert!(md.contains("kiln --quiet sft --model fast --device cpu"), "the reproduce command");
+    // The command that makes the whole run: not how the last invocation chose its stages or its output.
+    let reproduce = md.lines().skip_while(|l| *l != "## Reproduce").nth(3).unwrap_or_default();
+    assert!(reproduce.starts_with("kiln sft --model fast --device cpu --pipeline "), "{md}");
     for png in ["loss", "scores"] {
         let file = std::fs::File::open(run.join("card").join(format!("{png}.png"))).unwrap();
         let info = png::Decoder::new(std::io::BufReader::new(file)).read_info().unwrap().info().clone();
@@ -325,6 +349,13 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     let dir = tempfile::tempdir().unwrap();
     let (pipeline, configs) = setup(dir.path());
     let run = dir.path().join("runs/fast");
+
+    // A dry run of a new run: every stage would run for the first time; nothing is written.
+    let plan = dry_run(&pipeline, &configs, &[]);
+    let first: Vec<(String, Value)> = STAGES.iter().map(|s| (s.to_string(), json!(["not run here before"]))).collect();
+    assert_eq!(planned(&plan, "run"), first, "{plan}");
+    assert_eq!(plan["stages"][8]["action"], "off", "push: {plan}");
+    assert!(!dir.path().join("runs").exists(), "a dry run writes nothing");
 
     // A state trained from another base model (here the run folder's first model had another init seed) is
     // not resumed: the training starts over.
@@ -393,7 +424,9 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     assert!(prepare["inputs"].as_object().unwrap().keys().any(|k| k.starts_with("source/")), "{prepare}");
     check_card(&run);
 
-    // Nothing changed: every stage is skipped.
+    // Nothing changed: every stage is skipped, as the dry run says.
+    let plan = dry_run(&pipeline, &configs, &[]);
+    assert_eq!(planned(&plan, "skip").len(), 8, "{plan}");
     let (ok, stderr) = sft(&pipeline, &configs, &[]);
     assert!(ok && stderr.contains("0 stages run, 8 skipped"), "{stderr}");
 
@@ -431,11 +464,57 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     assert!(!ok && stderr.contains("stage push: pushing to model repo 'me/fast-sft' needs a Hub token"), "{stderr}");
     assert!(!stderr.contains("running"), "{stderr}");
 
-    // A changed eval setting reruns eval and what follows it, nothing before.
+    // A changed eval setting reruns eval and what follows it, nothing before; the dry run and the run say why,
+    // and the dry run leaves every manifest as it was.
     let text = std::fs::read_to_string(&config).unwrap().replace("limit = 3", "limit = 2");
     std::fs::write(&config, text).unwrap();
+    let manifests = |run: &Path| -> Vec<Vec<u8>> {
+        STAGES.iter().map(|s| std::fs::read(run.join("manifests").join(format!("{s}.json"))).unwrap()).collect()
+    };
+    let before = manifests(&run);
+    let plan = dry_run(&pipeline, &configs, &[]);
+    let mut why = planned(&plan, "run");
+    // The card runs for what the last run set, too: the published repo, in the command and on its own.
+    let card = why.pop().unwrap();
+    assert_eq!(
+        (card.0.as_str(), &card.1[0], &card.1[2]),
+        ("card", &json!("select runs first"), &json!("publish_repo \"me/fast-sft\" → null"))
+    );
+    let command = card.1[1].as_str().unwrap();
+    assert!(
+        command.starts_with("command \"…") && command.contains("--set 'publish_repo=me/fast-sft'\" → \"…"),
+        "{plan}"
+    );
+    let why_not_card = [("eval", json!(["eval.limit 3 → 2"])), ("select", json!(["eval runs first"]))];
+    assert_eq!(why, why_not_card.map(|(s, r)| (s.to_string(), r)), "{plan}");
+    assert_eq!(manifests(&run), before);
     let (ok, stderr) = sft(&pipeline, &configs, &[]);
     assert!(ok && stderr.contains("3 stages run, 5 skipped"), "{stderr}");
+    for line in
+        ["eval     running: eval.limit 3 → 2", "select   running: eval ran again", "card     running: select ran again"]
+    {
+        assert!(stderr.contains(line), "{line}: {stderr}");
+    }
+    // `--from` forces its stage and those after it; a stage before it whose settings changed since it ran is
+    // refused (the run would document settings its outputs were not made with), before anything is written.
+    let plan = dry_run(&pipeline, &configs, &["--from", "export"]);
+    let forced = planned(&plan, "run");
+    assert_eq!(forced.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(), ["export", "eval", "select", "card"]);
+    assert_eq!(
+        (&forced[0].1, &forced[1].1),
+        (&json!(["--from export"]), &json!(["--from export", "export runs first"]))
+    );
+    let kept = (manifests(&run), std::fs::read(run.join("sft.json")).unwrap());
+    for dry in [true, false] {
+        let mut args = vec!["sft", "--model", "fast", "--device", "cpu", "--from", "export", "--set", "train.lr=0.001"];
+        args.extend(["--pipeline", pipeline.to_str().unwrap(), "--configs-dir", configs.to_str().unwrap()]);
+        args.extend(dry.then_some("--dry-run"));
+        let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
+        let refusal = "stage train: has changed since it ran in";
+        let why = "(train.lr 0.004 → 0.001): --from export would build on what it made then";
+        assert!(!ok && stderr.contains(refusal) && stderr.contains(why) && !stderr.contains("running"), "{stderr}");
+    }
+    assert_eq!((manifests(&run), std::fs::read(run.join("sft.json")).unwrap()), kept);
     assert_eq!(json(&run.join("eval/base.json"))["aggregate"]["steps"], 2);
 
     // A stage forced by --from that fails leaves no manifest to vouch for what it was rewriting: the next

@@ -1,10 +1,12 @@
 //! `kiln sft`: the stage runner. Runs a pipeline definition's stages in order into `runs/<run>/`, each
 //! writing `manifests/<stage>.json` (what went in, by content hash; parameters; counts; wall time). A
 //! stage whose inputs fingerprint equals its manifest's, and whose outputs are all present, is skipped, so
-//! a re-run resumes where it stopped; an interrupted train stage resumes from its saved state.
+//! a re-run resumes where it stopped; an interrupted train stage resumes from its saved state. A dry run
+//! (`kiln sft --dry-run`) decides every stage the same way and writes nothing.
 
 pub mod config;
 pub mod stages;
+pub mod status;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -14,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub use config::{ConfigOverride, ModelConfig, PipelineDef, known_models};
+pub use status::Decision;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -183,8 +186,32 @@ pub struct SftRequest {
     /// Stop training after this many steps, as Ctrl-C would (tests of resume).
     pub halt_after: Option<usize>,
     pub show_progress: bool,
-    /// The command line that reproduces the run, for the card.
+    /// The command line that reproduces the run, for the card (`reproduce_command`).
     pub command: String,
+}
+
+/// The command line that reproduces a run from `args` (the program's name first): the flags that choose
+/// which of its stages run now or how they report (`--from`, `--until`, `--dry-run`, `--quiet`, the tests'
+/// `--halt-after`) are left out, so that a run finished with `--from card` documents the command that makes
+/// it whole, and rerunning with another of them does not rewrite the card.
+pub fn reproduce_command(args: &[String]) -> String {
+    const ALONE: [&str; 2] = ["--quiet", "--dry-run"];
+    const WITH_VALUE: [&str; 3] = ["--from", "--until", "--halt-after"];
+    let mut kept: Vec<&str> = Vec::with_capacity(args.len());
+    let mut rest = args.iter().map(String::as_str);
+    while let Some(arg) = rest.next() {
+        let flag = arg.split_once('=').map_or(arg, |(flag, _)| flag);
+        if ALONE.contains(&arg) || (WITH_VALUE.contains(&flag) && flag != arg) {
+            continue;
+        }
+        if WITH_VALUE.contains(&arg) {
+            rest.next();
+            continue;
+        }
+        kept.push(arg);
+    }
+    // Quoting fails only on a NUL byte, which no argument can hold.
+    shlex::try_join(kept.iter().copied()).unwrap_or_else(|_| kept.join(" "))
 }
 
 /// The end of a run: what was chosen and where everything is.
@@ -231,9 +258,8 @@ fn check_flag_agrees(
     }
 }
 
-/// Runs the pipeline for `req`; a Ctrl-C that `stop` defers to the training saves its state and stops the run.
-pub fn run_sft(req: &SftRequest, stop: &crate::train::StopRequest) -> Result<SftSummary, PipelineError> {
-    let started = Instant::now();
+/// The pipeline, the effective model config, the device and the run folder of `req`, every setting checked.
+fn resolve(req: &SftRequest) -> Result<(PipelineDef, ModelConfig, String, PathBuf), PipelineError> {
     let def = PipelineDef::load(&req.pipeline)?;
     // The pipeline's epochs where the model config names none; `--set`, then the flags, over both.
     let default_epochs: ConfigOverride = format!("train.epochs={}", def.defaults.epochs)
@@ -272,8 +298,103 @@ pub fn run_sft(req: &SftRequest, stop: &crate::train::StopRequest) -> Result<Sft
     }
     let run_name = req.run.clone().unwrap_or_else(|| config.name.clone());
     let run_dir = def.defaults.runs_dir.join(&run_name);
+    Ok((def, config, device, run_dir))
+}
+
+/// The stages `req` goes through, in order (those after `--until` left out).
+fn stages_of<'a>(def: &'a PipelineDef, req: &'a SftRequest) -> impl Iterator<Item = Stage> + 'a {
+    def.stages.iter().copied().filter(|s| req.until.is_none_or(|u| *s <= u))
+}
+
+/// What `stage` would compute from now (its plan and fingerprint; none for a stage left out), and whether the
+/// run folder already holds it. `upstream_running`: the stages it reads that a dry run found would run first.
+fn judge(
+    ctx: &stages::Context,
+    stage: Stage,
+    upstream_running: Vec<Stage>,
+) -> Result<(Decision, StagePlan, String), PipelineError> {
+    if let Some(why) = stages::off(ctx, stage) {
+        let nothing = StagePlan { params: Value::Null, inputs: BTreeMap::new() };
+        return Ok((Decision::Off { why: why.to_string() }, nothing, String::new()));
+    }
+    let plan = stages::plan(ctx, stage)?;
+    let fp = fingerprint(stage, &plan.params, &plan.inputs);
+    let previous = read_manifest(ctx.run_dir, stage);
+    let missing_outputs =
+        previous.iter().flat_map(|m| m.outputs.iter()).filter(|o| !ctx.run_dir.join(o).exists()).cloned().collect();
+    let decision = status::decide(&status::Judgement {
+        stage,
+        previous: previous.as_ref(),
+        plan: &plan,
+        fingerprint: &fp,
+        missing_outputs,
+        from: ctx.req.from,
+        upstream_running,
+    });
+    // `--from` takes the stages before it as they are, so they must be there, made as this run would make them.
+    if let (Decision::Run { reasons }, Some(from)) = (&decision, ctx.req.from.filter(|f| stage < *f)) {
+        let message = match reasons.as_slice() {
+            [first] if first == status::FIRST_RUN => {
+                format!("has not run in {} (--from needs the stages before it done)", ctx.run_dir.display())
+            }
+            _ => format!(
+                "has changed since it ran in {} ({}): --from {} would build on what it made then; run without --from (or --from {})",
+                ctx.run_dir.display(),
+                status::brief(reasons),
+                from.name(),
+                stage.name()
+            ),
+        };
+        return Err(PipelineError::Stage { stage: stage.name(), message });
+    }
+    Ok((decision, plan, fp))
+}
+
+/// A stage and what a run does with it.
+#[derive(Debug, Clone, Serialize)]
+pub struct StageStatus {
+    pub stage: Stage,
+    #[serde(flatten)]
+    pub decision: Decision,
+}
+
+/// A dry run's answer: what `kiln sft` with the same arguments would run and skip, and why.
+#[derive(Debug, Clone, Serialize)]
+pub struct SftPlan {
+    pub run_dir: PathBuf,
+    pub device: String,
+    pub stages: Vec<StageStatus>,
+}
+
+/// Decides every stage of `req` as `run_sft` would, after the same checks, and writes nothing: a stage that
+/// reads one that would run would run too.
+pub fn plan_sft(req: &SftRequest) -> Result<SftPlan, PipelineError> {
+    let (def, config, device, run_dir) = resolve(req)?;
+    let stop = crate::train::StopRequest::default();
+    let ctx = stages::Context { req, def: &def, config: &config, run_dir: &run_dir, device: &device, stop: &stop };
+    stages::preflight(&ctx)?;
+    let mut planned: Vec<StageStatus> = Vec::new();
+    for stage in stages_of(&def, req) {
+        let runs = |up: &Stage| planned.iter().any(|p| p.stage == *up && matches!(p.decision, Decision::Run { .. }));
+        let running = stage.upstream().iter().copied().filter(runs).collect();
+        let decision = judge(&ctx, stage, running)?.0;
+        planned.push(StageStatus { stage, decision });
+    }
+    Ok(SftPlan { run_dir, device, stages: planned })
+}
+
+/// Runs the pipeline for `req`; a Ctrl-C that `stop` defers to the training saves its state and stops the run.
+pub fn run_sft(req: &SftRequest, stop: &crate::train::StopRequest) -> Result<SftSummary, PipelineError> {
+    let started = Instant::now();
+    let (def, config, device, run_dir) = resolve(req)?;
     let ctx = stages::Context { req, def: &def, config: &config, run_dir: &run_dir, device: &device, stop };
     stages::preflight(&ctx)?;
+    // The stages before `--from` are only read: judged before anything is written, so that one that is missing
+    // or changed stops the run with the run folder as it was.
+    let mut judged = BTreeMap::new();
+    for stage in stages_of(&def, req).filter(|s| req.from.is_some_and(|f| *s < f)) {
+        judged.insert(stage, judge(&ctx, stage, Vec::new())?);
+    }
     std::fs::create_dir_all(run_dir.join("manifests")).map_err(|e| PipelineError::io(&run_dir, e))?;
     let _lock = crate::files::RunLock::acquire(&run_dir, &req.command)?;
     let effective = serde_json::json!({"model": req.model, "command": req.command, "device": device, "config": config});
@@ -291,38 +412,27 @@ pub fn run_sft(req: &SftRequest, stop: &crate::train::StopRequest) -> Result<Sft
         pushed: None,
         wall_seconds: 0.0,
     };
-    let total = def.stages.iter().filter(|s| req.until.is_none_or(|u| **s <= u)).count();
-    for (i, &stage) in def.stages.iter().filter(|s| req.until.is_none_or(|u| **s <= u)).enumerate() {
-        if let Some(why) = stages::off(&ctx, stage) {
-            eprintln!("[{}/{total}] {:<8} off: {why}", i + 1, stage.name());
-            continue;
+    let total = stages_of(&def, req).count();
+    for (i, stage) in stages_of(&def, req).enumerate() {
+        let line = |what: &str| eprintln!("[{}/{total}] {:<8} {what}", i + 1, stage.name());
+        let (decision, plan, fp) = match judged.remove(&stage) {
+            Some(before_from) => before_from,
+            None => judge(&ctx, stage, Vec::new())?,
+        };
+        match decision {
+            Decision::Off { why } => {
+                line(&format!("off: {why}"));
+                continue;
+            }
+            Decision::Skip { fingerprint } => {
+                line(&format!("up to date (manifest {}), skipped", &fingerprint[..fingerprint.len().min(12)]));
+                summary.stages_skipped.push(stage);
+                continue;
+            }
+            // A first run needs no reason given; a rerun says what changed.
+            Decision::Run { reasons } if reasons == [status::FIRST_RUN] => line("running"),
+            Decision::Run { reasons } => line(&format!("running: {}", status::brief(&reasons))),
         }
-        let forced = req.from.is_some_and(|f| stage >= f);
-        let plan = stages::plan(&ctx, stage)?;
-        let fp = fingerprint(stage, &plan.params, &plan.inputs);
-        let previous = read_manifest(&run_dir, stage);
-        let before_from = req.from.is_some_and(|f| stage < f);
-        if let Some(m) = &previous
-            && !forced
-            && (m.fingerprint == fp || before_from)
-            && m.outputs.iter().all(|o| run_dir.join(o).exists())
-        {
-            eprintln!(
-                "[{}/{total}] {:<8} up to date (manifest {}), skipped",
-                i + 1,
-                stage.name(),
-                &m.fingerprint[..12]
-            );
-            summary.stages_skipped.push(stage);
-            continue;
-        }
-        if before_from {
-            return Err(PipelineError::Stage {
-                stage: stage.name(),
-                message: format!("has not run in {} (--from needs the stages before it done)", run_dir.display()),
-            });
-        }
-        eprintln!("[{}/{total}] {:<8} running", i + 1, stage.name());
         // Until the stage ends, no manifest may vouch for outputs it is rewriting: a stage forced by
         // `--from` that fails would otherwise be skipped by the next run, its old manifest still matching.
         remove_manifest(&run_dir, stage)?;
@@ -360,4 +470,25 @@ pub fn run_sft(req: &SftRequest, stop: &crate::train::StopRequest) -> Result<Sft
         .map(|p| p.url);
     summary.wall_seconds = started.elapsed().as_secs_f64();
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reproduced(line: &str) -> String {
+        reproduce_command(&line.split(' ').map(String::from).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn the_reproduce_command_leaves_out_what_only_chooses_the_stages_run_now() {
+        assert_eq!(
+            reproduced("kiln --quiet sft --model tiny --from card --until=card --set train.lr=1e-5 --dry-run"),
+            "kiln sft --model tiny --set 'train.lr=1e-5'"
+        );
+        assert_eq!(reproduced("kiln sft --halt-after 2 --epochs 1 --from=train"), "kiln sft --epochs 1");
+        // A value that holds one of the flags is kept.
+        assert_eq!(reproduced("kiln sft --set x=--quiet --run --from-b"), "kiln sft --set 'x=--quiet' --run --from-b");
+        assert_eq!(reproduced("kiln sft --model a'b"), "kiln sft --model \"a'b\"");
+    }
 }
