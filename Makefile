@@ -37,7 +37,7 @@ sft: build
 	$(SFT)
 
 # What `make sft` with the same settings would run and skip, and why (kiln sft --dry-run): nothing is run or
-# written; the plan as JSON on stdout.
+# written; the plan as JSON on stdout (`make -s plan > plan.json` leaves make's own echo out of it).
 plan: build
 	$(SFT) --dry-run
 
