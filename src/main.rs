@@ -783,8 +783,13 @@ fn stop_on_ctrl_c() -> std::sync::Arc<kiln::train::StopRequest> {
 
 /// This invocation as a shell would take it again (the card's reproduce line, the run lock's holder), each
 /// argument quoted where it needs it (`--set 'data.recipes=["terminal"]'`).
+/// This process's arguments, with the program named `kiln` whatever its path.
+fn arguments() -> Vec<String> {
+    std::iter::once("kiln".to_string()).chain(std::env::args().skip(1)).collect()
+}
+
 fn command_line() -> String {
-    let args: Vec<String> = std::iter::once("kiln".to_string()).chain(std::env::args().skip(1)).collect();
+    let args = arguments();
     // Quoting fails only on a NUL byte, which no argument can hold.
     shlex::try_join(args.iter().map(String::as_str)).unwrap_or_else(|_| args.join(" "))
 }
@@ -799,8 +804,7 @@ fn lock_run(run: &Path) -> Result<Option<kiln::files::RunLock>> {
 }
 
 fn sft_cmd(args: SftArgs, datasets_dir: &Path, quiet: bool) -> Result<()> {
-    let args_given: Vec<String> = std::iter::once("kiln".to_string()).chain(std::env::args().skip(1)).collect();
-    let command = kiln::pipeline::reproduce_command(&args_given);
+    let command = kiln::pipeline::reproduce_command(&arguments());
     let req = kiln::pipeline::SftRequest {
         model: args.model,
         overrides: args.set,

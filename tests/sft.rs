@@ -510,7 +510,7 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
         args.extend(["--pipeline", pipeline.to_str().unwrap(), "--configs-dir", configs.to_str().unwrap()]);
         args.extend(dry.then_some("--dry-run"));
         let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
-        let refusal = "stage train: has changed since it ran in";
+        let refusal = "stage train: is out of date in";
         let why = "(train.lr 0.004 → 0.001): --from export would build on what it made then";
         assert!(!ok && stderr.contains(refusal) && stderr.contains(why) && !stderr.contains("running"), "{stderr}");
     }

@@ -338,7 +338,7 @@ fn judge(
                 format!("has not run in {} (--from needs the stages before it done)", ctx.run_dir.display())
             }
             _ => format!(
-                "has changed since it ran in {} ({}): --from {} would build on what it made then; run without --from (or --from {})",
+                "is out of date in {} ({}): --from {} would build on what it made then; run without --from (or --from {})",
                 ctx.run_dir.display(),
                 status::brief(reasons),
                 from.name(),

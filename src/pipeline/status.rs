@@ -15,7 +15,8 @@ pub const FIRST_RUN: &str = "not run here before";
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "action", rename_all = "lowercase")]
 pub enum Decision {
-    /// Up to date: its manifest's fingerprint (or, before `--from`, its manifest alone) vouches for it.
+    /// Up to date: its manifest vouches for it (the same fingerprint; before `--from`, the same settings and
+    /// inputs, whichever kiln wrote it).
     Skip {
         fingerprint: String,
     },
