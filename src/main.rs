@@ -50,7 +50,8 @@ enum Command {
     Sft(SftArgs),
     /// Write the model card (README.md, card/*.png) of a run that has been evaluated and selected.
     Card(CardArgs),
-    /// Upload a checkpoint folder (a run's best/, its card included) to a Hub model repo as one commit (HF_TOKEN).
+    /// Upload a checkpoint folder (a run's best/, its card included) to a Hub model repo as one commit of the
+    /// files that changed (HF_TOKEN).
     Push(PushArgs),
     /// Write the dataset inspection report of a prepared run (report/index.html, summary.md, summary.json).
     Inspect(InspectArgs),
@@ -901,7 +902,7 @@ fn push_cmd(args: PushArgs, quiet: bool) -> Result<()> {
         private: args.private,
         message: args.message.unwrap_or_else(|| format!("Upload {name} with kiln")),
     };
-    let pushed = hub(quiet)?.push(&args.dir, &spec, None)?;
+    let pushed = hub(quiet)?.push(&args.dir, &spec)?;
     write_json(args.out.as_deref(), &pushed)?;
     eprintln!("push: {} in {:.1}s", pushed.describe(), started.elapsed().as_secs_f64());
     Ok(())

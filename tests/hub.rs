@@ -420,6 +420,7 @@ fn kiln_push_creates_the_repo_commits_the_folder_and_deletes_only_stale_weights(
     let hashes: Vec<(String, String)> = files.iter().map(|(p, b)| (p.clone(), kiln::hub::sha256_bytes(b))).collect();
     assert_eq!(listed, hashes.iter().map(|(p, h)| (p.as_str(), h.as_str())).collect::<Vec<_>>());
     assert_eq!(record["deleted"], serde_json::json!([]));
+    assert_eq!(record["sent"], serde_json::json!(files.keys().collect::<Vec<_>>()), "a new repo: every file");
     {
         let repos = server.repos.lock().unwrap();
         let served = &repos[&("models".to_string(), repo.to_string())];
@@ -433,7 +434,8 @@ fn kiln_push_creates_the_repo_commits_the_folder_and_deletes_only_stale_weights(
     }
 
     // Over an earlier 2-shard export (and a file the user added on the Hub): the shards and their index go in
-    // the same commit, the user's file stays.
+    // the same commit, the user's file stays; the files the head holds as they are (by git object id, the
+    // tree's listing) are not sent again.
     let earlier = {
         let mut repos = server.repos.lock().unwrap();
         let served = repos.get_mut(&("models".to_string(), repo.to_string())).unwrap();
@@ -449,8 +451,9 @@ fn kiln_push_creates_the_repo_commits_the_folder_and_deletes_only_stale_weights(
         sha("sharded")
     };
     let record = push(&["--message", "epoch-2 of tiny"]);
-    assert_eq!(requests(), 8 + 6, "whoami, the branch, preupload, LFS batch, the commit, the listing");
+    assert_eq!(requests(), 8 + 7, "whoami, the branch, its tree, preupload, LFS batch, the commit, the listing");
     assert_eq!(record["created_repo"], false);
+    assert_eq!(record["sent"], serde_json::json!(["model.safetensors"]));
     assert_eq!(record["parent"], earlier.as_str());
     assert_eq!(
         record["deleted"],
@@ -464,12 +467,36 @@ fn kiln_push_creates_the_repo_commits_the_folder_and_deletes_only_stale_weights(
     want.insert("LICENSE".into(), b"the user's".to_vec());
     assert_eq!(pushed, want);
 
-    // A branch that does not exist is made from main; main stays as it was.
+    let head = |branch: &str| {
+        let repos = server.repos.lock().unwrap();
+        repos[&("models".to_string(), repo.to_string())].refs[branch].clone()
+    };
+    // Pushed again as it is: no commit (the Hub would record an empty one), whoami, the branch and its tree.
+    let main_head = head("main");
+    let record = push(&[]);
+    assert_eq!(requests(), 15 + 3);
+    assert_eq!((record["unchanged"].as_bool(), record["commit"].as_str()), (Some(true), Some(main_head.as_str())));
+    assert_eq!((record["sent"].as_array().unwrap().len(), head("main")), (0, main_head.clone()));
+
+    // A changed card alone: the card alone is sent, in a commit on top.
+    std::fs::write(folder.join("README.md"), "---\nlicense: apache-2.0\n---\n# tiny terminal, epoch 2\n").unwrap();
+    let record = push(&[]);
+    assert_eq!(record["sent"], serde_json::json!(["README.md"]));
+    assert_eq!((record["parent"].as_str(), record["unchanged"].as_bool()), (Some(main_head.as_str()), Some(false)));
+    want.insert("README.md".into(), std::fs::read(folder.join("README.md")).unwrap());
+    assert_eq!(server.model_tree(repo, "main").unwrap(), want);
+    let after_card = requests();
+    assert_eq!(after_card, 18 + 6, "whoami, the branch, its tree, preupload, the commit, the listing: no LFS batch");
+
+    // A branch that does not exist is made from main; main stays as it was. It holds the folder already:
+    // nothing committed.
     let record = push(&["--revision", "epoch-1"]);
-    assert_eq!(requests(), 14 + 8, "as a new repo's, the branch made instead of the repo");
+    assert_eq!(requests(), after_card + 5, "whoami, the branch (not found), made, read again, its tree");
     assert_eq!((record["created_branch"].as_bool(), record["revision"].as_str()), (Some(true), Some("epoch-1")));
+    assert_eq!(record["unchanged"], true);
     assert_eq!(server.model_tree(repo, "epoch-1").unwrap(), want);
     assert_eq!(server.model_tree(repo, "main").unwrap(), want);
+    let after_branch = requests();
 
     // A new repo and a new branch at once: the repo, then the branch from its initial commit.
     let args = ["--quiet", "push", folder.to_str().unwrap(), "--repo", "kiln-tester/other", "--revision", "dev"];
@@ -477,7 +504,7 @@ fn kiln_push_creates_the_repo_commits_the_folder_and_deletes_only_stale_weights(
     assert!(ok, "{stderr}");
     let record: Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!((record["created_repo"].as_bool(), record["created_branch"].as_bool()), (Some(true), Some(true)));
-    assert_eq!(requests(), 22 + 10);
+    assert_eq!(requests(), after_branch + 10, "no tree to compare with in a new repo");
     assert_eq!(server.model_tree("kiln-tester/other", "main").unwrap().keys().collect::<Vec<_>>(), [".gitattributes"]);
     assert_eq!(server.model_tree("kiln-tester/other", "dev").unwrap().len(), files.len() + 1);
 }

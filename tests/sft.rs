@@ -160,6 +160,7 @@ fn a_hub_model_is_pulled_trained_and_carded_with_its_license() {
     let again = json(&run.join("push.json"));
     assert_eq!((&again["parent"], &again["deleted"]), (&record["commit"], &serde_json::json!([])));
     assert_ne!(again["commit"], record["commit"]);
+    assert_eq!(again["sent"], serde_json::json!(["README.md"]), "the card alone, not the weights again");
     // Pushed again with nothing changed: no empty commit.
     let (ok, _, stderr) = run_kiln(&[&rewritten[..], &["--from", "push"]].concat(), &env, &project_dir());
     assert!(ok && stderr.contains("already holds these") && stderr.contains("files at its head"), "{stderr}");

@@ -2,17 +2,23 @@
 //! is checked before anything else (and, by the pipeline, before any training): it must be there, valid, and
 //! its account must own the repo's namespace or belong to it. The repo, and the branch, are created when
 //! missing. The upload is one commit, made on top of the commit it was planned against: it adds every file of
-//! the folder and deletes the weight files of that commit the folder does not hold, so a repo never mixes two
-//! exports (a 2-shard export over a 3-shard one would otherwise keep a stale third shard). Other files a user
-//! added on the Hub stay. The new commit is listed back to confirm every file is there.
+//! the folder that commit does not already hold as it is (compared by git object id, as the Hub lists them:
+//! a new card is sent without the gigabytes of unchanged weights) and deletes the weight files of that commit
+//! the folder does not hold, so a repo never mixes two exports (a 2-shard export over a 3-shard one would
+//! otherwise keep a stale third shard). Other files a user added on the Hub stay. With nothing to add or
+//! delete, nothing is committed. The new commit is listed back to confirm every file is there.
 
+use std::collections::BTreeMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use hf_hub::progress::{ProgressEvent, ProgressHandler, UploadEvent};
-use hf_hub::repository::CommitOperation;
-use hf_hub::{HFError, RepoTypeModel};
+use hf_hub::repository::{CommitOperation, RepoTreeEntry};
+use hf_hub::{HFError, HFRepositorySync, RepoTypeModel};
 use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};
+use sha1::Sha1;
+use sha2::Digest;
 
 use super::{Hub, HubError, RepoInfo, error_code, is_commit_hash, is_repo_id, name, owner, sha256_file};
 
@@ -53,9 +59,13 @@ pub struct PushedRepo {
     pub commit: String,
     pub url: String,
     pub files: Vec<PushedFile>,
+    /// The files this commit sent: those the parent did not hold as they are.
+    #[serde(default)]
+    pub sent: Vec<String>,
     /// Weight files of the parent commit that the folder does not hold, deleted by the same commit.
     pub deleted: Vec<String>,
-    /// The branch's head was the earlier push of these same files: no commit was made (`commit` is that push's).
+    /// The branch's head already held every file as it is, and no stale weights: no commit was made (`commit`
+    /// is that head).
     #[serde(default)]
     pub unchanged: bool,
 }
@@ -71,9 +81,19 @@ impl PushedRepo {
                 self.url
             );
         }
-        let bytes: u64 = self.files.iter().map(|f| f.size).sum();
-        let mut line =
-            format!("{} files ({}) to {target} as {}", self.files.len(), indicatif::HumanBytes(bytes), self.url);
+        let sent: Vec<&PushedFile> = self.files.iter().filter(|f| self.sent.contains(&f.path)).collect();
+        let bytes = indicatif::HumanBytes(sent.iter().map(|f| f.size).sum());
+        let mut line = if sent.len() == self.files.len() {
+            format!("{} files ({bytes}) to {target} as {}", sent.len(), self.url)
+        } else {
+            let kept = self.files.len() - sent.len();
+            format!(
+                "{} of {} files ({bytes}) to {target} as {}, {kept} already there",
+                sent.len(),
+                self.files.len(),
+                self.url
+            )
+        };
         for (done, what) in [(self.created_repo, "a new repo"), (self.created_branch, "a new branch")] {
             if done {
                 line += &format!(", {what}");
@@ -112,6 +132,47 @@ pub fn is_weights_file(path: &str) -> bool {
 /// The weight files of `remote` that `local` does not hold.
 pub fn stale_weights(remote: &[String], local: &[PushedFile]) -> Vec<String> {
     remote.iter().filter(|path| is_weights_file(path) && !local.iter().any(|f| &f.path == *path)).cloned().collect()
+}
+
+/// The git object id of a blob of `len` bytes read from `content`: what the Hub's tree lists as a file's `oid`.
+fn git_blob_id(len: u64, mut content: impl Read) -> std::io::Result<String> {
+    let mut hasher = Sha1::new();
+    hasher.update(format!("blob {len}\0").as_bytes());
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = content.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hex::encode(hasher.finalize()))
+}
+
+/// The Git LFS pointer that git holds for a file stored in LFS (or Xet) on the Hub.
+pub fn lfs_pointer(sha256: &str, size: u64) -> String {
+    format!("version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n")
+}
+
+/// A file of a commit as the Hub's tree lists it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteFile {
+    /// The git object id: of the content, or of its LFS pointer for a file stored in LFS.
+    pub oid: String,
+    pub lfs: bool,
+}
+
+/// Whether `remote` is `file` as it is: the same git object id, of the content or of the LFS pointer its
+/// sha256 and size make (read from `local` only for a file git holds whole, the small ones).
+pub fn already_there(file: &PushedFile, local: &Path, remote: Option<&RemoteFile>) -> std::io::Result<bool> {
+    let Some(remote) = remote else { return Ok(false) };
+    let ours = if remote.lfs {
+        let pointer = lfs_pointer(&file.sha256, file.size);
+        git_blob_id(pointer.len() as u64, pointer.as_bytes())?
+    } else {
+        git_blob_id(file.size, std::fs::File::open(local)?)?
+    };
+    Ok(ours == remote.oid)
 }
 
 /// Every file under `folder` with its repo path (`/`-separated), sorted by path. Entries whose name starts
@@ -208,10 +269,10 @@ impl Hub {
         self.client_for_push(repo).map(|(_, account)| account)
     }
 
-    /// Pushes the files of `folder` to `spec` as one commit and lists them back. Where `previous` (the record
-    /// of an earlier push) is the branch's head and holds the same files, nothing is committed: the Hub would
-    /// record an empty commit.
-    pub fn push(&self, folder: &Path, spec: &PushSpec, previous: Option<&PushedRepo>) -> Result<PushedRepo, HubError> {
+    /// Pushes the files of `folder` to `spec` as one commit and lists them back; files the branch's head already
+    /// holds as they are are not sent, and where that is all of them (and no stale weights are there) nothing is
+    /// committed: the Hub would record an empty commit.
+    pub fn push(&self, folder: &Path, spec: &PushSpec) -> Result<PushedRepo, HubError> {
         let (client, account) = self.client_for_push(&spec.repo)?;
         let folder = folder.canonicalize().map_err(|source| HubError::Io { path: folder.to_path_buf(), source })?;
         let hashing = self.bar(format!("{}: hashing", spec.repo));
@@ -254,19 +315,47 @@ impl Hub {
             return Err(fail_unexpected(spec, format!("a head commit '{parent}', which is not a commit hash")));
         }
         let local: Vec<PushedFile> = files.iter().map(|(f, _)| f.clone()).collect();
-        if let Some(previous) = previous.filter(|p| {
-            (p.repo.as_str(), p.revision.as_str(), p.commit.as_str()) == (&spec.repo, &spec.revision, &parent)
-                && p.files == local
-        }) {
-            return Ok(PushedRepo { unchanged: true, ..previous.clone() });
+        // A repo created just now holds only the Hub's .gitattributes: nothing to compare with.
+        let present = if created_repo {
+            BTreeMap::new()
+        } else {
+            remote_files(&repo, &parent).map_err(|e| fail(e, "listing the head's files"))?
+        };
+        let mut to_send = Vec::new();
+        for (file, path) in &files {
+            let same = already_there(file, path, present.get(&file.path))
+                .map_err(|source| HubError::Io { path: path.clone(), source })?;
+            if !same {
+                to_send.push((file, path));
+            }
         }
         let deleted = stale_weights(&remote, &local);
+        let record = |commit: String, url: String, sent: Vec<String>| PushedRepo {
+            repo: spec.repo.clone(),
+            revision: spec.revision.clone(),
+            endpoint: self.config.endpoint.clone(),
+            user: account.user.clone(),
+            folder: folder.clone(),
+            created_repo,
+            created_branch,
+            parent: parent.clone(),
+            unchanged: sent.is_empty() && deleted.is_empty(),
+            commit,
+            url,
+            files: local.clone(),
+            sent,
+            deleted: deleted.clone(),
+        };
+        if to_send.is_empty() && deleted.is_empty() {
+            let url = format!("{}/{}/commit/{parent}", self.config.endpoint, spec.repo);
+            return Ok(record(parent.clone(), url, Vec::new()));
+        }
         let mut operations: Vec<CommitOperation> =
-            files.iter().map(|(f, path)| CommitOperation::add_file(f.path.clone(), path.clone())).collect();
+            to_send.iter().map(|(f, path)| CommitOperation::add_file(f.path.clone(), (*path).clone())).collect();
         operations.extend(deleted.iter().map(CommitOperation::delete));
 
-        let bar = self.bar(format!("{}: {} files", spec.repo, local.len()));
-        bar.set_length(local.iter().map(|f| f.size).sum());
+        let bar = self.bar(format!("{}: {} files", spec.repo, to_send.len()));
+        bar.set_length(to_send.iter().map(|(f, _)| f.size).sum());
         let info = repo
             .create_commit()
             .operations(operations)
@@ -291,23 +380,23 @@ impl Hub {
             return Err(fail_unexpected(spec, format!("commit {commit} still holding the stale file '{kept}'")));
         }
         let url = info.commit_url.unwrap_or_else(|| format!("{}/{}/commit/{commit}", self.config.endpoint, spec.repo));
-        Ok(PushedRepo {
-            repo: spec.repo.clone(),
-            revision: spec.revision.clone(),
-            endpoint: self.config.endpoint.clone(),
-            user: account.user,
-            folder,
-            created_repo,
-            created_branch,
-            parent,
-            commit,
-            url,
-            files: local,
-            deleted,
-            unchanged: false,
-        })
+        Ok(record(commit, url, to_send.iter().map(|(f, _)| f.path.clone()).collect()))
     }
+}
 
+/// The files of `commit` by path, as the Hub's tree lists them.
+fn remote_files(repo: &HFRepositorySync<RepoTypeModel>, commit: &str) -> Result<BTreeMap<String, RemoteFile>, HFError> {
+    let entries = repo.list_tree().revision(commit.to_string()).recursive(true).send()?;
+    Ok(entries
+        .into_iter()
+        .filter_map(|entry| match entry {
+            RepoTreeEntry::File { oid, path, lfs, .. } => Some((path, RemoteFile { oid, lfs: lfs.is_some() })),
+            RepoTreeEntry::Directory { .. } => None,
+        })
+        .collect())
+}
+
+impl Hub {
     fn push_error(&self, err: HFError, repo: &str, revision: &str, doing: &str) -> HubError {
         let (repo, revision, doing) = (repo.to_string(), revision.to_string(), doing.to_string());
         match err {
@@ -375,6 +464,35 @@ mod tests {
 
     fn file(path: &str) -> PushedFile {
         PushedFile { path: path.into(), size: 1, sha256: String::new() }
+    }
+
+    #[test]
+    fn files_are_compared_by_git_object_id_of_the_content_or_of_the_lfs_pointer() {
+        // Ids as `git hash-object` gives them.
+        assert_eq!(git_blob_id(0, &b""[..]).unwrap(), "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391");
+        assert_eq!(git_blob_id(6, &b"hello\n"[..]).unwrap(), "ce013625030ba8dba906f756967f9e9ca394464a");
+        let dir = tempfile::tempdir().unwrap();
+        let (small, weights) = (dir.path().join("config.json"), dir.path().join("model.safetensors"));
+        std::fs::write(&small, "hello\n").unwrap();
+        std::fs::write(&weights, "abc").unwrap();
+        let describe = |path: &Path, name: &str| PushedFile {
+            path: name.into(),
+            size: std::fs::metadata(path).unwrap().len(),
+            sha256: sha256_file(path).unwrap(),
+        };
+        let (config, model) = (describe(&small, "config.json"), describe(&weights, "model.safetensors"));
+        let held = |oid: &str, lfs: bool| RemoteFile { oid: oid.into(), lfs };
+        assert!(
+            already_there(&config, &small, Some(&held("ce013625030ba8dba906f756967f9e9ca394464a", false))).unwrap()
+        );
+        assert!(
+            !already_there(&config, &small, Some(&held("e69de29bb2d1d6434b8b29ae775ad8c2e48c5391", false))).unwrap()
+        );
+        assert!(!already_there(&config, &small, None).unwrap());
+        // In LFS, git holds the pointer: `git hash-object` of the pointer for "abc" (3 bytes).
+        let pointer = "80d7d501c2b256023dc42e46d958b9ac2ec283ee";
+        assert!(already_there(&model, &weights, Some(&held(pointer, true))).unwrap());
+        assert!(!already_there(&model, &weights, Some(&held(pointer, false))).unwrap(), "not the content's id");
     }
 
     #[test]

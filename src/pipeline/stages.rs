@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use super::config::{ModelConfig, PipelineDef};
 use super::{PipelineError, SftRequest, Stage, StageOutcome, StagePlan, manifest_path};
 use crate::data::{EvalIndex, Recipe};
-use crate::hub::push::{PushSpec, PushedRepo};
+use crate::hub::push::PushSpec;
 use crate::hub::{Hub, HubConfig, HubError, PulledRepo, RepoKind, RepoSpec};
 use crate::train::state::TrainSource;
 
@@ -694,15 +694,14 @@ fn push(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         ),
     };
     let record = ctx.run_dir.join("push.json");
-    let previous: Option<PushedRepo> =
-        std::fs::read_to_string(&record).ok().and_then(|text| serde_json::from_str(&text).ok());
-    let pushed = hub(ctx)?.push(&ctx.run_dir.join("best"), &spec, previous.as_ref()).map_err(|e| err(&e))?;
+    let pushed = hub(ctx)?.push(&ctx.run_dir.join("best"), &spec).map_err(|e| err(&e))?;
     super::write_json(&record, &pushed)?;
     Ok(StageOutcome {
         outputs: vec!["push.json".into()],
         counts: json!({
             "files": pushed.files.len(),
             "bytes": pushed.files.iter().map(|f| f.size).sum::<u64>(),
+            "sent": pushed.sent.len(),
             "deleted": pushed.deleted.len(),
             "commit": pushed.commit,
             "unchanged": pushed.unchanged,

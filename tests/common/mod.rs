@@ -345,6 +345,42 @@ fn answer(repos: &mut BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Req
             .iter()
             .any(|h| h.field.equiv("Authorization") && h.value.as_str() == format!("Bearer {token}")),
     };
+    // API: /api/<plural>/<owner>/<name>/tree/<rev>?recursive=true: files by git object id (of the LFS pointer
+    // for an LFS file: safetensors, as preupload says), folders too, as the Hub lists them.
+    if parts.len() >= 6 && parts[0] == "api" && parts[4] == "tree" {
+        let key = (parts[1].to_string(), format!("{}/{}", parts[2], parts[3]));
+        let Some(repo) = repos.get(&key) else { return error(404, "RepoNotFound", "Repository not found") };
+        let Some(commit) = resolve(repo, &decode(&parts[5..].join("/"))) else {
+            return error(404, "RevisionNotFound", "Invalid rev id");
+        };
+        let blob_id = |bytes: &[u8]| {
+            let mut hasher = sha1::Sha1::new();
+            hasher.update(format!("blob {}\0", bytes.len()).as_bytes());
+            hasher.update(bytes);
+            hex::encode(hasher.finalize())
+        };
+        let mut entries = Vec::new();
+        let mut folders = std::collections::BTreeSet::new();
+        for (path, bytes) in &repo.commits[&commit] {
+            let mut folder = path.as_str();
+            while let Some((parent, _)) = folder.rsplit_once('/') {
+                folders.insert(parent.to_string());
+                folder = parent;
+            }
+            let size = bytes.len();
+            let entry = if path.ends_with(".safetensors") {
+                let sha256 = hex::encode(Sha256::digest(bytes));
+                let pointer = format!("version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n");
+                serde_json::json!({"type": "file", "oid": blob_id(pointer.as_bytes()), "size": size, "path": path,
+                    "lfs": {"oid": sha256, "size": size, "pointerSize": pointer.len()}})
+            } else {
+                serde_json::json!({"type": "file", "oid": blob_id(bytes), "size": size, "path": path})
+            };
+            entries.push(entry);
+        }
+        entries.extend(folders.iter().map(|f| serde_json::json!({"type": "directory", "oid": sha(f), "path": f})));
+        return json_response(serde_json::Value::Array(entries));
+    }
     // API: /api/<plural>/<owner>/<name>/revision/<rev>
     if parts.len() >= 6 && parts[0] == "api" && parts[4] == "revision" {
         let key = (parts[1].to_string(), format!("{}/{}", parts[2], parts[3]));
