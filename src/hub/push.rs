@@ -130,8 +130,12 @@ pub fn is_weights_file(path: &str) -> bool {
 }
 
 /// The weight files of `remote` that `local` does not hold.
-pub fn stale_weights(remote: &[String], local: &[PushedFile]) -> Vec<String> {
-    remote.iter().filter(|path| is_weights_file(path) && !local.iter().any(|f| &f.path == *path)).cloned().collect()
+pub fn stale_weights<'a>(remote: impl IntoIterator<Item = &'a String>, local: &[PushedFile]) -> Vec<String> {
+    remote
+        .into_iter()
+        .filter(|path| is_weights_file(path) && !local.iter().any(|f| &f.path == *path))
+        .cloned()
+        .collect()
 }
 
 /// The git object id of a blob of `len` bytes read from `content`: what the Hub's tree lists as a file's `oid`.
@@ -302,7 +306,7 @@ impl Hub {
             found => found,
         };
         let mut created_branch = false;
-        let (parent, remote) = match head {
+        let (parent, _) = match head {
             Ok(found) => found,
             Err(e) if is_not_found(&e, "RevisionNotFound") => {
                 repo.create_branch().branch(&spec.revision).send().map_err(|e| fail(e, "creating the branch"))?;
@@ -315,7 +319,8 @@ impl Hub {
             return Err(fail_unexpected(spec, format!("a head commit '{parent}', which is not a commit hash")));
         }
         let local: Vec<PushedFile> = files.iter().map(|(f, _)| f.clone()).collect();
-        // A repo created just now holds only the Hub's .gitattributes: nothing to compare with.
+        // What the head holds, by path and git object id: the files not to send again, and the stale weights. A
+        // repo created just now holds only the Hub's .gitattributes: nothing to compare with, no weights.
         let present = if created_repo {
             BTreeMap::new()
         } else {
@@ -329,7 +334,7 @@ impl Hub {
                 to_send.push((file, path));
             }
         }
-        let deleted = stale_weights(&remote, &local);
+        let deleted = stale_weights(present.keys(), &local);
         let record = |commit: String, url: String, sent: Vec<String>| PushedRepo {
             repo: spec.repo.clone(),
             revision: spec.revision.clone(),

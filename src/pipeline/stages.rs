@@ -60,7 +60,7 @@ fn upstream_inputs(ctx: &Context, stage: Stage, inputs: &mut BTreeMap<String, St
     for &up in stage.upstream() {
         let path = manifest_path(ctx.run_dir, up);
         if path.is_file() {
-            inputs.insert(format!("manifests/{}.json", up.name()), hash_file(&path)?);
+            inputs.insert(super::status::upstream_key(up), hash_file(&path)?);
         }
     }
     Ok(())
