@@ -7,7 +7,9 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{FakeHub, FakeRepo, READ_TOKEN, Tree, WRITE_TOKEN, project_dir, run_kiln, sha};
+use common::{
+    FINE_TOKEN, FakeHub, FakeRepo, READ_TOKEN, Tree, UNSTATED_TOKEN, WRITE_TOKEN, project_dir, run_kiln, sha,
+};
 use kiln::hub::{Hub, HubConfig, HubError, RepoKind, RepoSpec};
 use serde_json::Value;
 
@@ -510,6 +512,25 @@ fn kiln_push_creates_the_repo_commits_the_folder_and_deletes_only_stale_weights(
 }
 
 #[test]
+fn a_fine_grained_token_pushes_where_its_scopes_grant_repo_write() {
+    let granted = FakeRepo::single(&sha("granted"), [("README.md".to_string(), b"# granted\n".to_vec())].into());
+    let server = FakeHub::start([(("models".to_string(), "kiln-org/granted".to_string()), granted)].into());
+    let home = tempfile::tempdir().unwrap();
+    let folder = home.path().join("best");
+    let files = checkpoint_folder(&folder);
+    let env = push_env(&server, home.path(), Some(FINE_TOKEN));
+    for (repo, created) in [("kiln-tester/fine", true), ("kiln-org/granted", false)] {
+        let args = ["--quiet", "push", folder.to_str().unwrap(), "--repo", repo];
+        let (ok, stdout, stderr) = run_kiln(&args, &env, home.path());
+        assert!(ok, "{repo}: {stderr}");
+        let record: Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(record["created_repo"].as_bool(), Some(created), "{repo}");
+        let tree = server.model_tree(repo, "main").unwrap();
+        assert!(files.keys().all(|f| tree.contains_key(f)), "{repo}: {:?}", tree.keys());
+    }
+}
+
+#[test]
 fn kiln_push_refuses_clearly_before_uploading() {
     let server = FakeHub::start(BTreeMap::new());
     let home = tempfile::tempdir().unwrap();
@@ -542,7 +563,30 @@ fn kiln_push_refuses_clearly_before_uploading() {
         ),
         "{stderr}"
     );
+    // What the token may write is told by whoami alone (one request each), before anything is sent.
+    let before = requests();
     let stderr = push("kiln-tester/tiny", &push_env(&server, home.path(), Some(READ_TOKEN)));
+    assert!(
+        stderr.contains("the token from HF_TOKEN belongs to 'kiln-tester', who may not push to 'kiln-tester/tiny': it is a read token. Create a token with the write role"),
+        "{stderr}"
+    );
+    let stderr = push("kiln-readers/tiny", &push_env(&server, home.path(), Some(WRITE_TOKEN)));
+    assert!(stderr.contains("'kiln-tester' has the read role in the organization 'kiln-readers'"), "{stderr}");
+    let stderr = push("kiln-org/tiny", &push_env(&server, home.path(), Some(FINE_TOKEN)));
+    assert!(
+        stderr.contains("a fine-grained token that grants repo.write to kiln-tester, kiln-org/granted, not in 'kiln-org'. Add 'kiln-org' to the token's write permissions"),
+        "{stderr}"
+    );
+    assert_eq!(requests(), before + 3, "whoami only");
+    // A token that may write to one repo cannot create it: the repo is looked up, and is not there.
+    let stderr = push("kiln-org/granted", &push_env(&server, home.path(), Some(FINE_TOKEN)));
+    assert!(
+        stderr.contains("may write to 'kiln-org/granted' but not create repos in 'kiln-org', and 'kiln-org/granted' does not exist. Create the repo on the Hub first"),
+        "{stderr}"
+    );
+    assert_eq!(requests(), before + 5, "whoami and the repo's info");
+    // A whoami that does not say what the token may do leaves it to the Hub, which refuses the first write.
+    let stderr = push("kiln-tester/tiny", &push_env(&server, home.path(), Some(UNSTATED_TOKEN)));
     assert!(
         stderr.contains("the Hub refused creating the repo for model repo 'kiln-tester/tiny'")
             && stderr.contains("The token needs write access"),

@@ -7,7 +7,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{FakeHub, FakeRepo, Tree, WRITE_TOKEN, project_dir, run_kiln, sha};
+use common::{FakeHub, FakeRepo, READ_TOKEN, Tree, WRITE_TOKEN, project_dir, run_kiln, sha};
 use serde_json::{Value, json};
 
 const STAGES: [&str; 8] = ["pull", "prepare", "inspect", "train", "export", "eval", "select", "card"];
@@ -127,6 +127,11 @@ fn a_hub_model_is_pulled_trained_and_carded_with_its_license() {
     let env = [("HF_ENDPOINT", hub.url.as_str()), ("HF_HOME", home.to_str().unwrap()), ("HF_TOKEN", WRITE_TOKEN)];
     let publish = ["--set", "publish_repo=kiln-tester/hubtiny-terminal", "--set", "push=true"];
     let args = ["--quiet", "sft", "--model", "hubtiny", "--device", "cpu", "--pipeline", p, "--configs-dir", c];
+    // A token that may not write there stops the run before anything is pulled: whoami says so.
+    let read_only = [env[0], env[1], ("HF_TOKEN", READ_TOKEN)];
+    let (ok, _, stderr) = run_kiln(&[&args[..], &publish].concat(), &read_only, &project_dir());
+    assert!(!ok && stderr.contains("stage push:") && stderr.contains("it is a read token"), "{stderr}");
+    assert_eq!(hub.requests.load(std::sync::atomic::Ordering::SeqCst), 1, "whoami alone");
     let (ok, _, stderr) = run_kiln(&[&args[..], &publish].concat(), &env, &project_dir());
     assert!(ok, "{stderr}");
     let run = dir.path().join("runs/hubtiny");

@@ -16,6 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+pub mod account;
 pub mod push;
 
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
@@ -135,10 +136,8 @@ pub enum HubError {
         "the token from {token_from} was refused by {endpoint}: check that it is valid (huggingface.co/settings/tokens)"
     )]
     TokenRefused { token_from: String, endpoint: String },
-    #[error(
-        "the token from {token_from} belongs to '{user}', who may not push to '{repo}': it can write to {namespaces}. Use a repo id under one of them, or a token of the repo's owner"
-    )]
-    NotYourNamespace { repo: String, token_from: String, user: String, namespaces: String },
+    #[error("the token from {token_from} belongs to '{user}', who may not push to '{repo}': {why}")]
+    CannotWrite { repo: String, token_from: String, user: String, why: Box<account::Refusal> },
     #[error(
         "the Hub refused {doing} for model repo '{repo}' (branch '{revision}') with the token from {token_from}: {message}. The token needs write access to the repo"
     )]
@@ -200,19 +199,24 @@ impl HubConfig {
     }
 }
 
-/// Mirrors hf-hub's own token lookup (HF_TOKEN, HF_TOKEN_PATH, `$HF_HOME/token`) to say where it came from.
 fn token_source() -> Option<String> {
+    read_token().map(|(source, _)| source)
+}
+
+/// hf-hub's own token lookup (HF_TOKEN, HF_TOKEN_PATH, `$HF_HOME/token`): where the token came from, and the
+/// token.
+fn read_token() -> Option<(String, String)> {
     if env_flag("HF_HUB_DISABLE_IMPLICIT_TOKEN") {
         return None;
     }
-    if std::env::var("HF_TOKEN").is_ok_and(|t| !t.is_empty()) {
-        return Some("HF_TOKEN".into());
+    if let Some(token) = std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty()) {
+        return Some(("HF_TOKEN".into(), token));
     }
     let files =
         std::env::var("HF_TOKEN_PATH").ok().map(PathBuf::from).into_iter().chain([hf_hub::hf_home().join("token")]);
     for path in files {
-        if std::fs::read_to_string(&path).is_ok_and(|t| !t.trim().is_empty()) {
-            return Some(path.display().to_string());
+        if let Some(token) = std::fs::read_to_string(&path).ok().filter(|t| !t.trim().is_empty()) {
+            return Some((path.display().to_string(), token.trim().to_string()));
         }
     }
     None

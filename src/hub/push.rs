@@ -1,12 +1,13 @@
 //! Uploading a checkpoint folder to a Hub model repo (`kiln push`, the sft pipeline's push stage). The token
 //! is checked before anything else (and, by the pipeline, before any training): it must be there, valid, and
-//! its account must own the repo's namespace or belong to it. The repo, and the branch, are created when
-//! missing. The upload is one commit, made on top of the commit it was planned against: it adds every file of
-//! the folder that commit does not already hold as it is (compared by git object id, as the Hub lists them:
-//! a new card is sent without the gigabytes of unchanged weights) and deletes the weight files of that commit
-//! the folder does not hold, so a repo never mixes two exports (a 2-shard export over a 3-shard one would
-//! otherwise keep a stale third shard). Other files a user added on the Hub stay. With nothing to add or
-//! delete, nothing is committed. The new commit is listed back to confirm every file is there.
+//! allowed to write to the repo (`account`: the token's role or scopes, the account's namespaces and its role
+//! in the org). The repo, and the branch, are created when missing. The upload is one commit, made on top of
+//! the commit it was planned against: it adds every file of the folder that commit does not already hold as
+//! it is (compared by git object id, as the Hub lists them: a new card is sent without the gigabytes of
+//! unchanged weights) and deletes the weight files of that commit the folder does not hold, so a repo never
+//! mixes two exports (a 2-shard export over a 3-shard one would otherwise keep a stale third shard). Other
+//! files a user added on the Hub stay. With nothing to add or delete, nothing is committed. The new commit is
+//! listed back to confirm every file is there.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -20,7 +21,8 @@ use serde::{Deserialize, Serialize};
 use sha1::Sha1;
 use sha2::Digest;
 
-use super::{Hub, HubError, RepoInfo, error_code, is_commit_hash, is_repo_id, name, owner, sha256_file};
+use super::account::{Account, Refusal, WriteAccess};
+use super::{Hub, HubError, RepoInfo, error_code, is_commit_hash, is_repo_id, name, owner, read_token, sha256_file};
 
 /// Where and how to push.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -103,20 +105,6 @@ impl PushedRepo {
             line += &format!(", {} stale weight files deleted", self.deleted.len());
         }
         line
-    }
-}
-
-/// The token's account and the namespaces it may create repos in.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Account {
-    pub user: String,
-    pub orgs: Vec<String>,
-}
-
-impl Account {
-    pub fn may_write(&self, repo: &str) -> bool {
-        let namespace = owner(repo);
-        namespace == self.user || self.orgs.iter().any(|o| o == namespace)
     }
 }
 
@@ -234,35 +222,33 @@ pub fn folder_files(folder: &Path, bar: &ProgressBar) -> Result<Vec<(PushedFile,
 }
 
 impl Hub {
-    /// The client and the token's account, refused when the token is missing or refused, or its account may not
-    /// write to `repo`'s namespace.
+    /// The client and the token's account, refused when the token is missing or refused, or may not write to
+    /// `repo` (as `account` tells it). A token that may write to `repo` alone (a fine-grained
+    /// one scoped to it) cannot create it: the repo must exist.
     fn client_for_push(&self, repo: &str) -> Result<(&hf_hub::HFClientSync, Account), HubError> {
         let client = self.client.as_ref().ok_or_else(|| HubError::PushOffline { repo: repo.to_string() })?;
-        let Some(source) = self.config.token_source.clone() else {
+        let Some((token_from, token)) = read_token() else {
             return Err(HubError::NoToken { repo: repo.to_string(), token_file: hf_hub::hf_home().join("token") });
         };
         if !is_repo_id(repo) {
             return Err(HubError::BadRepoId { repo: repo.to_string() });
         }
-        let user = client.whoami().send().map_err(|e| match e {
-            HFError::AuthRequired { .. } | HFError::Forbidden { .. } => {
-                HubError::TokenRefused { token_from: source.clone(), endpoint: self.config.endpoint.clone() }
-            }
-            other => self.push_error(other, repo, "main", "checking the token (whoami)"),
-        })?;
-        let account = Account {
-            user: user.username,
-            orgs: user.orgs.unwrap_or_default().into_iter().filter_map(|o| o.name).collect(),
+        let account = self.whoami(&token, &token_from, repo)?;
+        let refuse = |why: Refusal| HubError::CannotWrite {
+            repo: repo.to_string(),
+            token_from: token_from.clone(),
+            user: account.user.clone(),
+            why: Box::new(why),
         };
-        if !account.may_write(repo) {
-            let mut namespaces = vec![account.user.clone()];
-            namespaces.extend(account.orgs.iter().cloned());
-            return Err(HubError::NotYourNamespace {
-                repo: repo.to_string(),
-                token_from: source,
-                user: account.user,
-                namespaces: namespaces.join(", "),
-            });
+        match account.write_access(repo).map_err(refuse)? {
+            WriteAccess::Namespace => {}
+            WriteAccess::ThisRepoOnly => match client.model(owner(repo), name(repo)).info().send() {
+                Ok(_) => {}
+                Err(e) if is_not_found(&e, "RepoNotFound") => {
+                    return Err(refuse(Refusal::NotCreatable { repo: repo.to_string() }));
+                }
+                Err(e) => return Err(self.push_error(e, repo, "main", "looking the repo up")),
+            },
         }
         Ok((client, account))
     }
@@ -523,13 +509,6 @@ mod tests {
             stale_weights(&remote, &[file("model.safetensors"), file("config.json")]),
             ["model-00001-of-00002.safetensors"]
         );
-    }
-
-    #[test]
-    fn an_account_writes_to_its_own_and_its_orgs_namespaces() {
-        let account = Account { user: "ada".into(), orgs: vec!["lab".into()] };
-        assert!(account.may_write("ada/tiny") && account.may_write("lab/tiny"));
-        assert!(!account.may_write("other/tiny") && !account.may_write("adalab/tiny"));
     }
 
     #[test]

@@ -141,7 +141,7 @@ pub fn off(ctx: &Context, stage: Stage) -> Option<&'static str> {
 }
 
 /// The push's token, checked before anything is trained: missing, refused, or not allowed to write to the
-/// repo's namespace stops the run now. A Hub that cannot be reached now is only noted: the push tries at
+/// repo (hub::account) stops the run now. A Hub that cannot be reached now is only noted: the push tries at
 /// the end.
 fn check_push(ctx: &Context) -> Result<(), PipelineError> {
     let Some(repo) = &ctx.config.publish_repo else { return Ok(()) };

@@ -64,10 +64,54 @@ impl FakeRepo {
     }
 }
 
-/// A token of the account `kiln-tester` (member of `kiln-org`) with write access.
+/// A token of the account `kiln-tester` with the write role. The account has the write role in `kiln-org`
+/// and the read role in `kiln-readers`.
 pub const WRITE_TOKEN: &str = "hf_kiln_writer";
-/// A read-only token of the same account: whoami answers, every write is refused (403).
+/// A token of the same account with the read role: every write is refused (403).
 pub const READ_TOKEN: &str = "hf_kiln_reader";
+/// A fine-grained token of the same account: repo.write on `kiln-tester` and on the repo `kiln-org/granted`,
+/// read alone on `kiln-org`.
+pub const FINE_TOKEN: &str = "hf_kiln_fine";
+/// A token of the same account whose whoami says nothing of its role (as an older server would), and whose
+/// every write is refused: the push finds out.
+pub const UNSTATED_TOKEN: &str = "hf_kiln_unstated";
+
+/// The whoami answer for `token`, as the Hub's `/api/whoami-v2` gives it.
+fn whoami(token: &str) -> Option<serde_json::Value> {
+    let access = match token {
+        WRITE_TOKEN => serde_json::json!({"displayName": "writer", "role": "write"}),
+        READ_TOKEN => serde_json::json!({"displayName": "reader", "role": "read"}),
+        FINE_TOKEN => serde_json::json!({"displayName": "fine", "role": "fineGrained", "fineGrained": {
+        "canReadGatedRepos": true,
+        "global": ["discussion.write"],
+        "scoped": [
+            {"entity": {"_id": "u1", "type": "user", "name": "kiln-tester"},
+             "permissions": ["repo.content.read", "repo.write"]},
+            {"entity": {"_id": "o1", "type": "org", "name": "kiln-org"}, "permissions": ["repo.content.read"]},
+            {"entity": {"_id": "m1", "type": "model", "name": "kiln-org/granted"}, "permissions": ["repo.write"]}
+        ]}}),
+        UNSTATED_TOKEN => serde_json::Value::Null,
+        _ => return None,
+    };
+    let mut answer = serde_json::json!({"type": "user", "name": "kiln-tester", "orgs": [
+        {"type": "org", "name": "kiln-org", "roleInOrg": "write"},
+        {"type": "org", "name": "kiln-readers", "roleInOrg": "read"}
+    ]});
+    if !access.is_null() {
+        answer["auth"] = serde_json::json!({"type": "access_token", "accessToken": access});
+    }
+    Some(answer)
+}
+
+/// Whether `token` may write to `repo` (`owner/name`), creating it when `creating`: what the Hub enforces.
+fn may_write(token: Option<&str>, repo: &str, creating: bool) -> bool {
+    let namespace = repo.split('/').next().unwrap_or("");
+    match token {
+        Some(WRITE_TOKEN) => ["kiln-tester", "kiln-org"].contains(&namespace),
+        Some(FINE_TOKEN) => namespace == "kiln-tester" || (!creating && repo == "kiln-org/granted"),
+        _ => false,
+    }
+}
 
 pub fn sha(label: &str) -> String {
     let digest = hex::encode(Sha256::digest(label.as_bytes()));
@@ -146,18 +190,10 @@ fn write_route(
     let path = req.url().split('?').next().unwrap_or("").to_string();
     let parts: Vec<String> = path.trim_start_matches('/').split('/').map(decode).collect();
     let token = bearer(req);
-    let user = match token.as_deref() {
-        Some(WRITE_TOKEN) | Some(READ_TOKEN) => Some("kiln-tester"),
-        _ => None,
-    };
-    let may_write =
-        |namespace: &str| token.as_deref() == Some(WRITE_TOKEN) && ["kiln-tester", "kiln-org"].contains(&namespace);
     let denied = || error(403, "Forbidden", "You don't have the rights to write to this repo");
     if parts == ["api", "whoami-v2"] {
-        return Some(match user {
-            Some(name) => {
-                json_response(serde_json::json!({"type": "user", "name": name, "orgs": [{"name": "kiln-org"}]}))
-            }
+        return Some(match token.as_deref().and_then(whoami) {
+            Some(answer) => json_response(answer),
             None => error(401, "Unauthorized", "Invalid credentials in Authorization header"),
         });
     }
@@ -168,10 +204,10 @@ fn write_route(
     if parts == ["api", "repos", "create"] {
         let b = json_body();
         let namespace = b["organization"].as_str().unwrap_or("kiln-tester").to_string();
-        if !may_write(&namespace) {
+        let key = ("models".to_string(), format!("{namespace}/{}", b["name"].as_str().unwrap_or("")));
+        if !may_write(token.as_deref(), &key.1, true) {
             return Some(denied());
         }
-        let key = ("models".to_string(), format!("{namespace}/{}", b["name"].as_str().unwrap_or("")));
         if repos.contains_key(&key) {
             return Some(error(409, "Conflict", "You already created this model repo"));
         }
@@ -207,7 +243,7 @@ fn write_route(
             Some(json_response(serde_json::json!({"files": modes})))
         }
         "branch" => {
-            if !may_write(&parts[2]) {
+            if !may_write(token.as_deref(), &key.1, false) {
                 return Some(denied());
             }
             let Some(head) = repo.refs.get("main").cloned() else {
@@ -217,7 +253,7 @@ fn write_route(
             Some(json_response(serde_json::json!({})))
         }
         "commit" => {
-            if !may_write(&parts[2]) {
+            if !may_write(token.as_deref(), &key.1, false) {
                 return Some(denied());
             }
             let Some(head) = repo.refs.get(&rev).cloned() else {
@@ -381,14 +417,14 @@ fn answer(repos: &mut BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Req
         entries.extend(folders.iter().map(|f| serde_json::json!({"type": "directory", "oid": sha(f), "path": f})));
         return json_response(serde_json::Value::Array(entries));
     }
-    // API: /api/<plural>/<owner>/<name>/revision/<rev>
-    if parts.len() >= 6 && parts[0] == "api" && parts[4] == "revision" {
+    // API: /api/<plural>/<owner>/<name>[/revision/<rev>] (the default branch, main, without one)
+    if (parts.len() == 4 || (parts.len() >= 6 && parts[4] == "revision")) && parts[0] == "api" {
         let key = (parts[1].to_string(), format!("{}/{}", parts[2], parts[3]));
         let Some(repo) = repos.get(&key) else { return error(404, "RepoNotFound", "Repository not found") };
         if !authorized(repo) {
             return error(401, "GatedRepo", "Access to this repo is restricted");
         }
-        let rev = decode(&parts[5..].join("/"));
+        let rev = if parts.len() == 4 { "main".to_string() } else { decode(&parts[5..].join("/")) };
         let Some(commit) = resolve(repo, &rev) else { return error(404, "RevisionNotFound", "Invalid rev id") };
         let siblings: Vec<_> = repo.commits[&commit].keys().map(|p| serde_json::json!({"rfilename": p})).collect();
         let body = serde_json::json!({"id": key.1, "sha": commit, "siblings": siblings});
