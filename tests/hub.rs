@@ -225,6 +225,21 @@ fn kiln_pull_dataset_downloads_then_reruns_from_cache_and_fails_clearly_offline(
     let gated = ["--quiet", "pull", "--model", "google/gated-model"];
     let (ok, _, stderr) = run_kiln(&gated, &env, home.path());
     assert!(!ok && stderr.contains("gated") && stderr.contains("HF_TOKEN"), "{stderr}");
+    // With a token the Hub refused there, whoami says which account must accept the terms, or which grant a
+    // fine-grained token lacks.
+    let page = format!("{}/google/gated-model", server.url);
+    for (token, says) in [
+        (
+            WRITE_TOKEN,
+            "the token from HF_TOKEN belongs to 'kiln-tester', who has no access to it yet: accept its terms",
+        ),
+        (FINE_TOKEN, "the token from HF_TOKEN is a fine-grained token of 'kiln-tester' that may not read gated repos"),
+    ] {
+        let refused = [("HF_ENDPOINT", server.url.as_str()), ("HF_HOME", home_str), ("HF_TOKEN", token)];
+        let (ok, _, stderr) = run_kiln(&gated, &refused, home.path());
+        assert!(!ok && stderr.contains(says), "{stderr}");
+        assert!(stderr.contains(&format!("on {page} signed in as 'kiln-tester'")), "{stderr}");
+    }
     let with_token = [("HF_ENDPOINT", server.url.as_str()), ("HF_HOME", home_str), ("HF_TOKEN", "hf_secret")];
     let (ok, stdout, stderr) = run_kiln(&gated, &with_token, home.path());
     assert!(ok, "{stderr}");
@@ -519,9 +534,12 @@ fn a_fine_grained_token_pushes_where_its_scopes_grant_repo_write() {
     let folder = home.path().join("best");
     let files = checkpoint_folder(&folder);
     let env = push_env(&server, home.path(), Some(FINE_TOKEN));
-    for (repo, created) in [("kiln-tester/fine", true), ("kiln-org/granted", false)] {
+    // "0" does not disable the token (as in Python's huggingface_hub; hf-hub alone would read it as set).
+    let mut implicit = env.clone();
+    implicit.push(("HF_HUB_DISABLE_IMPLICIT_TOKEN", "0"));
+    for (repo, created, env) in [("kiln-tester/fine", true, &env), ("kiln-org/granted", false, &implicit)] {
         let args = ["--quiet", "push", folder.to_str().unwrap(), "--repo", repo];
-        let (ok, stdout, stderr) = run_kiln(&args, &env, home.path());
+        let (ok, stdout, stderr) = run_kiln(&args, env, home.path());
         assert!(ok, "{repo}: {stderr}");
         let record: Value = serde_json::from_str(&stdout).unwrap();
         assert_eq!(record["created_repo"].as_bool(), Some(created), "{repo}");

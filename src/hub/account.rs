@@ -1,9 +1,10 @@
-//! The push token's account and what it may write. `/api/whoami-v2` is read whole: hf-hub's `User` keeps the
-//! name and the orgs but drops the token's role, its fine-grained scopes and the account's role in each org,
-//! and those decide whether a push can succeed. A read token, a read-only org membership or a fine-grained
-//! token without `repo.write` where the repo lives is refused when the token is checked (by the pipeline,
-//! before it trains), not by the Hub's 403 at the push hours later. What the Hub does not say (an older
-//! server, an OAuth token) is not guessed at: the push finds out.
+//! The token's account and what it may write and read. `/api/whoami-v2` is read whole: hf-hub's `User` keeps
+//! the name and the orgs but drops the token's role, its fine-grained scopes and the account's role in each
+//! org, and those decide whether a push can succeed. A read token, a read-only org membership or a
+//! fine-grained token without `repo.write` where the repo lives is refused when the token is checked (by the
+//! pipeline, before it trains), not by the Hub's 403 at the push hours later. What the Hub does not say (an
+//! older server, an OAuth token) is not guessed at: the push finds out. A gated repo the Hub refused is
+//! explained the same way: the account that must accept its terms, or the fine-grained token's missing grant.
 
 use std::fmt;
 use std::time::Duration;
@@ -32,14 +33,24 @@ pub struct Membership {
 pub enum TokenAccess {
     Read,
     Write,
-    /// `repo.write` granted for every repo (`global`), per namespace (user and org scopes) or per repo.
-    FineGrained {
-        everywhere: bool,
-        namespaces: Vec<String>,
-        repos: Vec<String>,
-    },
+    FineGrained(Grants),
     /// The Hub did not say: the push finds out.
     Unstated,
+}
+
+/// What a fine-grained token's scopes grant.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Grants {
+    /// `repo.write` on every repo (a global grant).
+    pub write_everywhere: bool,
+    /// Namespaces (user and org scopes) granted `repo.write`.
+    pub write_namespaces: Vec<String>,
+    /// Repos (`owner/name`) granted `repo.write`.
+    pub write_repos: Vec<String>,
+    /// The public gated repos the account was let into (`canReadGatedRepos`).
+    pub read_gated: bool,
+    /// Namespaces and repos granted `repo.content.read`.
+    pub read_scopes: Vec<String>,
 }
 
 /// How a token may write to a repo.
@@ -118,20 +129,7 @@ impl Account {
             Some(t) => match t.role.as_deref() {
                 Some("read") => TokenAccess::Read,
                 Some("write" | "admin") => TokenAccess::Write,
-                Some("fineGrained") => {
-                    let grants = t.fine_grained.unwrap_or_default();
-                    let writes = |permissions: &[String]| permissions.iter().any(|p| p == "repo.write");
-                    let (mut namespaces, mut repos) = (Vec::new(), Vec::new());
-                    for scope in grants.scoped.iter().filter(|s| writes(&s.permissions)) {
-                        let Some(name) = scope.entity.name.clone() else { continue };
-                        match scope.entity.kind.as_deref() {
-                            Some("user" | "org") => namespaces.push(name),
-                            _ if name.contains('/') => repos.push(name),
-                            _ => {}
-                        }
-                    }
-                    TokenAccess::FineGrained { everywhere: writes(&grants.global), namespaces, repos }
-                }
+                Some("fineGrained") => TokenAccess::FineGrained(Grants::from(t.fine_grained.unwrap_or_default())),
                 _ => TokenAccess::Unstated,
             },
         };
@@ -145,9 +143,9 @@ impl Account {
         match &self.token {
             TokenAccess::Read => Vec::new(),
             TokenAccess::Write | TokenAccess::Unstated => namespaces.collect(),
-            TokenAccess::FineGrained { everywhere: true, .. } => namespaces.collect(),
-            TokenAccess::FineGrained { namespaces: granted, .. } => {
-                namespaces.filter(|n| granted.iter().any(|g| same_name(g, n))).collect()
+            TokenAccess::FineGrained(g) if g.write_everywhere => namespaces.collect(),
+            TokenAccess::FineGrained(g) => {
+                namespaces.filter(|n| g.write_namespaces.iter().any(|w| same_name(w, n))).collect()
             }
         }
     }
@@ -166,18 +164,62 @@ impl Account {
             return Err(Refusal::ReadOnlyMember { org: m.org.clone(), user: self.user.clone() });
         }
         match &self.token {
-            TokenAccess::FineGrained { everywhere, namespaces, repos } => {
-                if *everywhere || namespaces.iter().any(|n| same_name(n, namespace)) {
+            TokenAccess::FineGrained(g) => {
+                if g.write_everywhere || g.write_namespaces.iter().any(|n| same_name(n, namespace)) {
                     Ok(WriteAccess::Namespace)
-                } else if repos.iter().any(|r| same_name(r, repo)) {
+                } else if g.write_repos.iter().any(|r| same_name(r, repo)) {
                     Ok(WriteAccess::ThisRepoOnly)
                 } else {
-                    let granted = namespaces.iter().chain(repos).cloned().collect();
+                    let granted = g.write_namespaces.iter().chain(&g.write_repos).cloned().collect();
                     Err(Refusal::NotGranted { namespace: namespace.to_string(), granted })
                 }
             }
             _ => Ok(WriteAccess::Namespace),
         }
+    }
+
+    /// What to do about the gated `repo` (its page at `page`) the Hub refused this token: the sentence after
+    /// "is gated or private: ".
+    pub fn gated_advice(&self, repo: &str, page: &str, token_from: &str) -> String {
+        let user = &self.user;
+        let terms = format!("accept its terms on {page} signed in as '{user}' (or ask its owners for access)");
+        match &self.token {
+            TokenAccess::FineGrained(g)
+                if !g.read_gated && !g.read_scopes.iter().any(|s| same_name(s, repo) || same_name(s, owner(repo))) =>
+            {
+                format!(
+                    "the token from {token_from} is a fine-grained token of '{user}' that may not read gated repos. \
+                     Turn on \"Read access to contents of all public gated repos you can access\" for it \
+                     (huggingface.co/settings/tokens), and {terms}"
+                )
+            }
+            _ => format!("the token from {token_from} belongs to '{user}', who has no access to it yet: {terms}"),
+        }
+    }
+}
+
+impl From<FineGrainedAnswer> for Grants {
+    fn from(answer: FineGrainedAnswer) -> Grants {
+        let has = |permissions: &[String], wanted: &str| permissions.iter().any(|p| p == wanted);
+        let mut grants = Grants {
+            write_everywhere: has(&answer.global, "repo.write"),
+            read_gated: answer.can_read_gated_repos,
+            ..Grants::default()
+        };
+        for scope in &answer.scoped {
+            let Some(name) = scope.entity.name.clone() else { continue };
+            if has(&scope.permissions, "repo.content.read") {
+                grants.read_scopes.push(name.clone());
+            }
+            if has(&scope.permissions, "repo.write") {
+                match scope.entity.kind.as_deref() {
+                    Some("user" | "org") => grants.write_namespaces.push(name),
+                    _ if name.contains('/') => grants.write_repos.push(name),
+                    _ => {}
+                }
+            }
+        }
+        grants
     }
 }
 
@@ -210,7 +252,10 @@ struct TokenAnswer {
 }
 
 #[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
 struct FineGrainedAnswer {
+    #[serde(default)]
+    can_read_gated_repos: bool,
     #[serde(default)]
     global: Vec<String>,
     #[serde(default)]
@@ -336,11 +381,13 @@ mod tests {
         let ada = account(token, ORGS);
         assert_eq!(
             ada.token,
-            TokenAccess::FineGrained {
-                everywhere: false,
-                namespaces: vec!["ada".into(), "club".into()],
-                repos: vec!["lab/granted".into()]
-            }
+            TokenAccess::FineGrained(Grants {
+                write_everywhere: false,
+                write_namespaces: vec!["ada".into(), "club".into()],
+                write_repos: vec!["lab/granted".into()],
+                read_gated: true,
+                read_scopes: vec!["ada".into(), "lab".into()],
+            })
         );
         assert_eq!(ada.writable_namespaces(), ["Ada", "club"]);
         assert_eq!(ada.write_access("Ada/tiny"), Ok(WriteAccess::Namespace));
@@ -366,6 +413,34 @@ mod tests {
             not_creatable.contains("not create repos in 'lab', and 'lab/granted' does not exist"),
             "{not_creatable}"
         );
+    }
+
+    #[test]
+    fn a_refused_gated_repo_names_the_account_and_a_missing_fine_grained_grant() {
+        let page = "https://huggingface.co/google/gemma";
+        let write = account(r#"{"role": "write"}"#, "[]").gated_advice("google/gemma", page, "HF_TOKEN");
+        assert_eq!(
+            write,
+            "the token from HF_TOKEN belongs to 'Ada', who has no access to it yet: accept its terms on \
+             https://huggingface.co/google/gemma signed in as 'Ada' (or ask its owners for access)"
+        );
+        let blind = r#"{"role": "fineGrained", "fineGrained": {"canReadGatedRepos": false, "scoped": []}}"#;
+        let advice = account(blind, "[]").gated_advice("google/gemma", page, "HF_TOKEN");
+        let start = "the token from HF_TOKEN is a fine-grained token of 'Ada' that may not read gated repos. Turn on \
+                     \"Read access to contents of all public gated repos you can access\" for it";
+        assert!(advice.starts_with(start), "{advice}");
+        assert!(
+            advice
+                .ends_with("on https://huggingface.co/google/gemma signed in as 'Ada' (or ask its owners for access)")
+        );
+        // Granted the gated repos, or read on the repo itself: the terms are what is left.
+        let scoped = r#"{"role": "fineGrained", "fineGrained": {"scoped": [
+            {"entity": {"type": "model", "name": "google/gemma"}, "permissions": ["repo.content.read"]}]}}"#;
+        let gated = r#"{"role": "fineGrained", "fineGrained": {"canReadGatedRepos": true}}"#;
+        for token in [scoped, gated] {
+            let advice = account(token, "[]").gated_advice("google/gemma", page, "HF_TOKEN");
+            assert!(advice.contains("belongs to 'Ada', who has no access to it yet"), "{advice}");
+        }
     }
 
     #[test]

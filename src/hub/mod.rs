@@ -236,7 +236,13 @@ impl Hub {
         let client = if config.offline {
             None
         } else {
-            let client = HFClientBuilder::new()
+            // The token kiln found, handed over rather than looked up again: hf-hub reads
+            // HF_HUB_DISABLE_IMPLICIT_TOKEN=0 as set, Python's huggingface_hub (and kiln) as not.
+            let builder = match read_token() {
+                Some((_, token)) => HFClientBuilder::new().token(token),
+                None => HFClientBuilder::new(),
+            };
+            let client = builder
                 .endpoint(config.endpoint.clone())
                 .cache_dir(config.cache_dir.clone())
                 .retry_max_attempts(config.retries.max(1))
@@ -444,7 +450,9 @@ impl Hub {
         let token_hint = self.config.token_hint();
         let file_note = file.map(|f| format!(", file '{f}'")).unwrap_or_default();
         match (&err, code.as_deref()) {
-            (_, Some("GatedRepo")) => HubError::AccessDenied { kind, repo, revision, token_hint },
+            (_, Some("GatedRepo")) => {
+                HubError::AccessDenied { kind, repo, revision, token_hint: self.gated_hint(spec).unwrap_or(token_hint) }
+            }
             (_, Some("RepoNotFound")) | (HFError::RepoNotFound { .. }, _) => {
                 HubError::RepoNotFound { kind, repo, revision, endpoint: self.config.endpoint.clone(), token_hint }
             }
@@ -465,6 +473,18 @@ impl Hub {
                 message: err.to_string(),
             },
         }
+    }
+}
+
+impl Hub {
+    /// What the token's account must do about a gated repo the Hub refused it, from whoami; `None` without a
+    /// token, or where whoami does not answer.
+    fn gated_hint(&self, spec: &RepoSpec) -> Option<String> {
+        let (token_from, token) = read_token()?;
+        let account = self.whoami(&token, &token_from, &spec.repo).ok()?;
+        let folder = if spec.kind == RepoKind::Dataset { "datasets/" } else { "" };
+        let page = format!("{}/{folder}{}", self.config.endpoint, spec.repo);
+        Some(account.gated_advice(&spec.repo, &page, &token_from))
     }
 }
 

@@ -70,7 +70,7 @@ pub const WRITE_TOKEN: &str = "hf_kiln_writer";
 /// A token of the same account with the read role: every write is refused (403).
 pub const READ_TOKEN: &str = "hf_kiln_reader";
 /// A fine-grained token of the same account: repo.write on `kiln-tester` and on the repo `kiln-org/granted`,
-/// read alone on `kiln-org`.
+/// read alone on `kiln-org`, and no read access to gated repos.
 pub const FINE_TOKEN: &str = "hf_kiln_fine";
 /// A token of the same account whose whoami says nothing of its role (as an older server would), and whose
 /// every write is refused: the push finds out.
@@ -82,7 +82,7 @@ fn whoami(token: &str) -> Option<serde_json::Value> {
         WRITE_TOKEN => serde_json::json!({"displayName": "writer", "role": "write"}),
         READ_TOKEN => serde_json::json!({"displayName": "reader", "role": "read"}),
         FINE_TOKEN => serde_json::json!({"displayName": "fine", "role": "fineGrained", "fineGrained": {
-        "canReadGatedRepos": true,
+        "canReadGatedRepos": false,
         "global": ["discussion.write"],
         "scoped": [
             {"entity": {"_id": "u1", "type": "user", "name": "kiln-tester"},
