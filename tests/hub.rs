@@ -537,12 +537,15 @@ fn a_fine_grained_token_pushes_where_its_scopes_grant_repo_write() {
     // "0" does not disable the token (as in Python's huggingface_hub; hf-hub alone would read it as set).
     let mut implicit = env.clone();
     implicit.push(("HF_HUB_DISABLE_IMPLICIT_TOKEN", "0"));
+    // The Hub limits whoami's rate: a 429 is waited out and asked again.
+    server.whoami_throttled.store(2, std::sync::atomic::Ordering::SeqCst);
     for (repo, created, env) in [("kiln-tester/fine", true, &env), ("kiln-org/granted", false, &implicit)] {
         let args = ["--quiet", "push", folder.to_str().unwrap(), "--repo", repo];
         let (ok, stdout, stderr) = run_kiln(&args, env, home.path());
         assert!(ok, "{repo}: {stderr}");
         let record: Value = serde_json::from_str(&stdout).unwrap();
         assert_eq!(record["created_repo"].as_bool(), Some(created), "{repo}");
+        assert_eq!(server.whoami_throttled.load(std::sync::atomic::Ordering::SeqCst), 0);
         let tree = server.model_tree(repo, "main").unwrap();
         assert!(files.keys().all(|f| tree.contains_key(f)), "{repo}: {:?}", tree.keys());
     }

@@ -307,7 +307,8 @@ impl Hub {
                         endpoint: self.config.endpoint.clone(),
                     });
                 }
-                Ok((status, _)) if status.is_server_error() && attempt < attempts => {}
+                // The Hub limits whoami's rate (429) more tightly than other routes.
+                Ok((status, _)) if (status.is_server_error() || status.as_u16() == 429) && attempt < attempts => {}
                 Err(e) if (e.is_connect() || e.is_timeout() || e.is_request()) && attempt < attempts => {}
                 Ok((status, body)) => return Err(failed(format!("HTTP {status}: {}", first_line(&body)))),
                 Err(e) => return Err(failed(e.to_string())),

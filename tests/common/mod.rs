@@ -125,6 +125,8 @@ pub struct FakeHub {
     pub requests: Arc<AtomicUsize>,
     /// The repos as served: pushes change them.
     pub repos: Arc<Mutex<BTreeMap<(String, String), FakeRepo>>>,
+    /// How many whoami requests to answer 429 (too many requests) before answering.
+    pub whoami_throttled: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     broken_cdn: Option<JoinHandle<()>>,
@@ -139,11 +141,19 @@ impl FakeHub {
         let requests = Arc::new(AtomicUsize::new(0));
         let repos = Arc::new(Mutex::new(repos));
         let (cdn, broken_cdn) = broken_cdn(stop.clone());
+        let whoami_throttled = Arc::new(AtomicUsize::new(0));
         let (stop2, requests2, repos2, base) = (stop.clone(), requests.clone(), repos.clone(), url.clone());
+        let throttled = whoami_throttled.clone();
         let thread = std::thread::spawn(move || {
             while !stop2.load(Ordering::SeqCst) {
                 let Ok(Some(mut req)) = server.recv_timeout(Duration::from_millis(50)) else { continue };
                 requests2.fetch_add(1, Ordering::SeqCst);
+                if req.url() == "/api/whoami-v2"
+                    && throttled.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
+                {
+                    let _ = req.respond(error(429, "TooManyRequests", "rate limit reached for whoami"));
+                    continue;
+                }
                 let mut body = Vec::new();
                 let _ = std::io::Read::read_to_end(req.as_reader(), &mut body);
                 let mut repos = repos2.lock().unwrap();
@@ -155,7 +165,7 @@ impl FakeHub {
                 let _ = req.respond(response);
             }
         });
-        FakeHub { url, requests, repos, stop, thread: Some(thread), broken_cdn: Some(broken_cdn) }
+        FakeHub { url, requests, repos, whoami_throttled, stop, thread: Some(thread), broken_cdn: Some(broken_cdn) }
     }
 
     /// The files of `repo` (a model) at the head of `branch`.
