@@ -132,6 +132,12 @@ fn a_hub_model_is_pulled_trained_and_carded_with_its_license() {
     let (ok, _, stderr) = run_kiln(&[&args[..], &publish].concat(), &read_only, &project_dir());
     assert!(!ok && stderr.contains("stage push:") && stderr.contains("it is a read token"), "{stderr}");
     assert_eq!(hub.requests.load(std::sync::atomic::Ordering::SeqCst), 1, "whoami alone");
+    // The plan names the account that will push, and the token.
+    let (ok, _, stderr) = run_kiln(&[&args[1..], &publish, &["--dry-run"]].concat(), &env, &project_dir());
+    assert!(
+        ok && stderr.contains("push: to kiln-tester/hubtiny-terminal as 'kiln-tester' (a write token, from HF_TOKEN)"),
+        "{stderr}"
+    );
     let (ok, _, stderr) = run_kiln(&[&args[..], &publish].concat(), &env, &project_dir());
     assert!(ok, "{stderr}");
     let run = dir.path().join("runs/hubtiny");

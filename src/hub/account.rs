@@ -38,6 +38,18 @@ pub enum TokenAccess {
     Unstated,
 }
 
+impl TokenAccess {
+    /// What kind of token this is, in words.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            TokenAccess::Read => "a read token",
+            TokenAccess::Write => "a write token",
+            TokenAccess::FineGrained(_) => "a fine-grained token",
+            TokenAccess::Unstated => "a token whose role the Hub did not say",
+        }
+    }
+}
+
 /// What a fine-grained token's scopes grant.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Grants {

@@ -145,8 +145,15 @@ pub fn off(ctx: &Context, stage: Stage) -> Option<&'static str> {
 /// the end.
 fn check_push(ctx: &Context) -> Result<(), PipelineError> {
     let Some(repo) = &ctx.config.publish_repo else { return Ok(()) };
-    match hub(ctx)?.check_push(repo) {
-        Ok(_) => Ok(()),
+    let hub = hub(ctx)?;
+    match hub.check_push(repo) {
+        Ok(account) => {
+            if ctx.req.show_progress {
+                let from = hub.config().token_source.as_deref().unwrap_or("?");
+                eprintln!("push: to {repo} as '{}' ({}, from {from})", account.user, account.token.kind());
+            }
+            Ok(())
+        }
         Err(e @ HubError::PushFailed { .. }) => {
             eprintln!("note: the push's token could not be checked now ({e}); the push stage tries at the end");
             Ok(())
