@@ -199,6 +199,7 @@ impl HubConfig {
     }
 }
 
+/// Where the token came from (`HF_TOKEN`, a file's path), for messages.
 fn token_source() -> Option<String> {
     read_token().map(|(source, _)| source)
 }
@@ -474,9 +475,7 @@ impl Hub {
             },
         }
     }
-}
 
-impl Hub {
     /// What the token's account must do about a gated repo the Hub refused it, from whoami; `None` without a
     /// token, or where whoami does not answer.
     fn gated_hint(&self, spec: &RepoSpec) -> Option<String> {

@@ -223,8 +223,8 @@ pub fn folder_files(folder: &Path, bar: &ProgressBar) -> Result<Vec<(PushedFile,
 
 impl Hub {
     /// The client and the token's account, refused when the token is missing or refused, or may not write to
-    /// `repo` (as `account` tells it). A token that may write to `repo` alone (a fine-grained
-    /// one scoped to it) cannot create it: the repo must exist.
+    /// `repo` (as `account` tells it). A token that may write to `repo` alone (a fine-grained one scoped to it)
+    /// cannot create it: the repo must exist.
     fn client_for_push(&self, repo: &str) -> Result<(&hf_hub::HFClientSync, Account), HubError> {
         let client = self.client.as_ref().ok_or_else(|| HubError::PushOffline { repo: repo.to_string() })?;
         let Some((token_from, token)) = read_token() else {

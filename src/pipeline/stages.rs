@@ -149,8 +149,8 @@ fn check_push(ctx: &Context) -> Result<(), PipelineError> {
     match hub.check_push(repo) {
         Ok(account) => {
             if ctx.req.show_progress {
-                let from = hub.config().token_source.as_deref().unwrap_or("?");
-                eprintln!("push: to {repo} as '{}' ({}, from {from})", account.user, account.token.kind());
+                let from = hub.config().token_source.as_ref().map(|s| format!(", from {s}")).unwrap_or_default();
+                eprintln!("push: to {repo} as '{}' ({}{from})", account.user, account.token.kind());
             }
             Ok(())
         }

@@ -81,15 +81,17 @@ fn whoami(token: &str) -> Option<serde_json::Value> {
     let access = match token {
         WRITE_TOKEN => serde_json::json!({"displayName": "writer", "role": "write"}),
         READ_TOKEN => serde_json::json!({"displayName": "reader", "role": "read"}),
-        FINE_TOKEN => serde_json::json!({"displayName": "fine", "role": "fineGrained", "fineGrained": {
-        "canReadGatedRepos": false,
-        "global": ["discussion.write"],
-        "scoped": [
-            {"entity": {"_id": "u1", "type": "user", "name": "kiln-tester"},
-             "permissions": ["repo.content.read", "repo.write"]},
-            {"entity": {"_id": "o1", "type": "org", "name": "kiln-org"}, "permissions": ["repo.content.read"]},
-            {"entity": {"_id": "m1", "type": "model", "name": "kiln-org/granted"}, "permissions": ["repo.write"]}
-        ]}}),
+        FINE_TOKEN => {
+            let scoped = serde_json::json!([
+                {"entity": {"_id": "u1", "type": "user", "name": "kiln-tester"},
+                 "permissions": ["repo.content.read", "repo.write"]},
+                {"entity": {"_id": "o1", "type": "org", "name": "kiln-org"}, "permissions": ["repo.content.read"]},
+                {"entity": {"_id": "m1", "type": "model", "name": "kiln-org/granted"}, "permissions": ["repo.write"]}
+            ]);
+            let grants =
+                serde_json::json!({"canReadGatedRepos": false, "global": ["discussion.write"], "scoped": scoped});
+            serde_json::json!({"displayName": "fine", "role": "fineGrained", "fineGrained": grants})
+        }
         UNSTATED_TOKEN => serde_json::Value::Null,
         _ => return None,
     };
