@@ -4,12 +4,14 @@
 //! readers, normalization, decontamination) → `chat` (native templates, thinking policy, supervised spans)
 //! → `tokens` (tokenizer, token masks, shards, `prepare`). `synth` makes the project's own sample data;
 //! `backend` names the burn backends compiled in, `kernels` holds kiln's CubeCL kernels for the CubeCL ones;
-//! `device_panics` shapes what a panic on one of their device threads shows.
+//! `device_panics` shapes what a panic on one of their device threads shows; `errors` tells an error with
+//! its causes in one line.
 
 pub mod backend;
 pub mod chat;
 pub mod data;
 pub mod device_panics;
+pub mod errors;
 pub mod eval;
 pub mod files;
 pub mod host;

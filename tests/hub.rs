@@ -351,6 +351,19 @@ fn a_download_that_differs_from_its_announced_sha256_is_removed_and_refused() {
     assert_eq!(kiln::hub::sha256_file(&pulled.files[0].local).unwrap(), want);
 }
 
+/// A Hub that cannot be reached: the error names the endpoint, the URL once, and the cause a user acts on.
+#[test]
+fn an_unreachable_hub_is_named_with_the_cause() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let url = format!("http://127.0.0.1:{port}");
+    let cache = tempfile::tempdir().unwrap();
+    let hub = Hub::new(HubConfig { retries: 1, ..config(&url, cache.path(), false) }).unwrap();
+    let text = hub.pull(&dataset_spec("main", &["*"])).unwrap_err().to_string();
+    assert!(text.contains(&format!("could not reach the Hub at {url}")), "{text}");
+    assert!(text.ends_with("tcp connect error: Connection refused (os error 111)"), "{text}");
+    assert_eq!(text.matches("/revision/main").count(), 1, "the URL said once: {text}");
+}
+
 /// A transfer that breaks off midway is downloaded again while attempts remain (`retries`), and the pull
 /// ends with the whole file; with no attempt to spare it fails, naming the file.
 #[test]

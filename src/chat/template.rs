@@ -165,7 +165,7 @@ impl ChatTemplate {
     pub fn new(source: TemplateSource, special: SpecialTokens, clock: PinnedClock) -> Result<Self, ChatError> {
         let (rewritten, has_generation) = env::rewrite_generation_tags(&source.text);
         let env = env::environment(rewritten, clock)
-            .map_err(|e| ChatError::Syntax { origin: source.origin.clone(), message: describe(&e) })?;
+            .map_err(|e| ChatError::Syntax { origin: source.origin.clone(), message: crate::errors::chain(&e) })?;
         Ok(ChatTemplate { source, special, has_generation, env })
     }
 
@@ -203,7 +203,7 @@ impl ChatTemplate {
         ctx.insert("documents".into(), Value::Null);
         ctx.insert("add_generation_prompt".into(), Value::Bool(add_generation_prompt));
         let out = env::render(&self.env, JinjaValue::from(Serde(Value::Object(ctx))))
-            .map_err(|e| ChatError::Render { origin: self.source.origin.clone(), message: describe(&e) })?;
+            .map_err(|e| ChatError::Render { origin: self.source.origin.clone(), message: crate::errors::chain(&e) })?;
         let (text, spans) = env::extract_spans(&out)
             .map_err(|message| ChatError::Render { origin: self.source.origin.clone(), message })?;
         Ok(Rendered { text, spans })
@@ -221,17 +221,6 @@ fn contains_sentinel(v: &Value) -> bool {
         Value::Object(o) => o.values().any(contains_sentinel),
         _ => false,
     }
-}
-
-/// A minijinja error with its template line and the causes, in one line.
-fn describe(e: &minijinja::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        text.push_str(&format!(": {s}"));
-        source = s.source();
-    }
-    text
 }
 
 #[cfg(test)]

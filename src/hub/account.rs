@@ -323,7 +323,7 @@ impl Hub {
                 Ok((status, _)) if (status.is_server_error() || status.as_u16() == 429) && attempt < attempts => {}
                 Err(e) if (e.is_connect() || e.is_timeout() || e.is_request()) && attempt < attempts => {}
                 Ok((status, body)) => return Err(failed(format!("HTTP {status}: {}", first_line(&body)))),
-                Err(e) => return Err(failed(e.to_string())),
+                Err(e) => return Err(failed(crate::errors::chain(&e))),
             }
             std::thread::sleep(Duration::from_millis(200 << attempt.min(6)));
             attempt += 1;

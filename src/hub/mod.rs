@@ -368,7 +368,8 @@ impl Hub {
                 Err(e) if is_transport(&e) && attempt < attempts => {
                     let wait = Duration::from_millis(500 << attempt.min(6));
                     let note = format!(
-                        "  {path}: the transfer broke off ({e}); downloading it again in {:.1} s (attempt {} of {attempts})",
+                        "  {path}: the transfer broke off ({}); downloading it again in {:.1} s (attempt {} of {attempts})",
+                        describe(&e),
                         wait.as_secs_f64(),
                         attempt + 1
                     );
@@ -471,7 +472,7 @@ impl Hub {
                 revision,
                 file: file_note,
                 endpoint: self.config.endpoint.clone(),
-                message: err.to_string(),
+                message: describe(&err),
             },
         }
     }
@@ -531,6 +532,14 @@ fn error_code(err: &HFError) -> Option<String> {
 
 fn is_transport(err: &HFError) -> bool {
     matches!(err, HFError::Request { .. })
+}
+
+/// An hf-hub error in one line with its causes (a transport error's URL said once).
+fn describe(err: &HFError) -> String {
+    match err {
+        HFError::Request { source, .. } => crate::errors::chain(source),
+        other => crate::errors::chain(other),
+    }
 }
 
 pub fn compile_patterns(patterns: &[String]) -> Result<Vec<(String, GlobSet)>, HubError> {

@@ -22,7 +22,9 @@ use sha1::Sha1;
 use sha2::Digest;
 
 use super::account::{Account, Refusal, WriteAccess};
-use super::{Hub, HubError, RepoInfo, error_code, is_commit_hash, is_repo_id, name, owner, read_token, sha256_file};
+use super::{
+    Hub, HubError, RepoInfo, describe, error_code, is_commit_hash, is_repo_id, name, owner, read_token, sha256_file,
+};
 
 /// Where and how to push.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -396,14 +398,14 @@ impl Hub {
                 revision,
                 doing,
                 token_from: self.config.token_source.clone().unwrap_or_default(),
-                message: err.to_string(),
+                message: describe(&err),
             },
             other => HubError::PushFailed {
                 repo,
                 revision,
                 doing,
                 endpoint: self.config.endpoint.clone(),
-                message: other.to_string(),
+                message: describe(&other),
             },
         }
     }
