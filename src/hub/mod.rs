@@ -226,6 +226,8 @@ fn read_token() -> Option<(String, String)> {
 pub struct Hub {
     config: HubConfig,
     client: Option<HFClientSync>,
+    /// Where the token came from, and the token: read once, so that whoami and hf-hub's transfers use the same.
+    token: Option<(String, String)>,
 }
 
 impl Hub {
@@ -234,12 +236,13 @@ impl Hub {
     }
 
     pub fn new(config: HubConfig) -> Result<Hub, HubError> {
+        let token = read_token();
         let client = if config.offline {
             None
         } else {
             // The token kiln found, handed over rather than looked up again: hf-hub reads
             // HF_HUB_DISABLE_IMPLICIT_TOKEN=0 as set, Python's huggingface_hub (and kiln) as not.
-            let builder = match read_token() {
+            let builder = match &token {
                 Some((_, token)) => HFClientBuilder::new().token(token),
                 None => HFClientBuilder::new(),
             };
@@ -253,7 +256,7 @@ impl Hub {
                 .map_err(|e| HubError::Setup(e.to_string()))?;
             Some(client)
         };
-        Ok(Hub { config, client })
+        Ok(Hub { config, client, token })
     }
 
     pub fn config(&self) -> &HubConfig {
@@ -480,11 +483,11 @@ impl Hub {
     /// What the token's account must do about a gated repo the Hub refused it, from whoami; `None` without a
     /// token, or where whoami does not answer.
     fn gated_hint(&self, spec: &RepoSpec) -> Option<String> {
-        let (token_from, token) = read_token()?;
-        let account = self.whoami(&token, &token_from, &spec.repo).ok()?;
+        let (token_from, token) = self.token.as_ref()?;
+        let account = self.whoami(token, token_from, &spec.repo).ok()?;
         let folder = if spec.kind == RepoKind::Dataset { "datasets/" } else { "" };
         let page = format!("{}/{folder}{}", self.config.endpoint, spec.repo);
-        Some(account.gated_advice(&spec.repo, &page, &token_from))
+        Some(account.gated_advice(&spec.repo, &page, token_from))
     }
 }
 

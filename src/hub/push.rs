@@ -22,9 +22,7 @@ use sha1::Sha1;
 use sha2::Digest;
 
 use super::account::{Account, Refusal, WriteAccess};
-use super::{
-    Hub, HubError, RepoInfo, describe, error_code, is_commit_hash, is_repo_id, name, owner, read_token, sha256_file,
-};
+use super::{Hub, HubError, RepoInfo, describe, error_code, is_commit_hash, is_repo_id, name, owner, sha256_file};
 
 /// Where and how to push.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -229,13 +227,13 @@ impl Hub {
     /// cannot create it: the repo must exist.
     fn client_for_push(&self, repo: &str) -> Result<(&hf_hub::HFClientSync, Account), HubError> {
         let client = self.client.as_ref().ok_or_else(|| HubError::PushOffline { repo: repo.to_string() })?;
-        let Some((token_from, token)) = read_token() else {
+        let Some((token_from, token)) = &self.token else {
             return Err(HubError::NoToken { repo: repo.to_string(), token_file: hf_hub::hf_home().join("token") });
         };
         if !is_repo_id(repo) {
             return Err(HubError::BadRepoId { repo: repo.to_string() });
         }
-        let account = self.whoami(&token, &token_from, repo)?;
+        let account = self.whoami(token, token_from, repo)?;
         let refuse = |why: Refusal| HubError::CannotWrite {
             repo: repo.to_string(),
             token_from: token_from.clone(),
