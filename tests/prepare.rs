@@ -348,3 +348,79 @@ fn the_tiny_tokenizer_is_reproducible_from_the_samples() {
     assert!(!ok && stderr.contains("no message content to train a tokenizer on in"), "{stderr}");
     assert!(!small.exists());
 }
+
+/// OpenAI-format function-calling rows (calls with JSON-string arguments, a tools column) go through ingest
+/// and prepare with their calls and tool schemas: the calls are supervised in the template's own format, the
+/// schemas are in the prompt, a row with a broken call is counted out, and a template that ignores
+/// `tool_calls` drops its turns by name instead of training them as empty answers.
+#[test]
+fn function_calling_rows_are_trained_with_their_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let tools = r#"[{\"name\": \"get_weather\", \"description\": \"Weather for a city.\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}}}]"#;
+    let row = |city: &str, args: &str| {
+        format!(
+            r#"{{"id": "{city}", "tools": "{tools}", "messages": [{{"role": "user", "content": "Weather in {city}?"}}, {{"role": "assistant", "content": null, "tool_calls": [{{"id": "c1", "type": "function", "function": {{"name": "get_weather", "arguments": "{args}"}}}}]}}, {{"role": "tool", "tool_call_id": "c1", "content": "cold"}}, {{"role": "assistant", "content": "It is cold in {city}."}}]}}"#
+        )
+    };
+    let rows = [
+        row("Oslo", r#"{\"city\": \"Oslo\"}"#),
+        row("Quito", r#"{\"city\": \"Quito\"}"#),
+        row("Nowhere", "city=Nowhere"),
+    ];
+    std::fs::write(dir.path().join("calls.jsonl"), rows.join("\n")).unwrap();
+    let recipe = dir.path().join("calls.toml");
+    std::fs::write(&recipe, "name = \"calls\"\n[[source]]\nname = \"calls\"\nformat = \"jsonl\"\npath = \"calls.jsonl\"\n[source.schema]\nmessages = \"messages\"\nid = \"id\"\ntools = \"tools\"\n").unwrap();
+    let data = dir.path().join("data");
+    ingest(recipe.to_str().unwrap(), &data);
+    let ingested: Value = serde_json::from_str(&std::fs::read_to_string(data.join("ingest.json")).unwrap()).unwrap();
+    assert_eq!(ingested[0]["sources"][0]["dropped"], serde_json::json!({"bad_tool_call": 1}), "{ingested}");
+    let first: Value = serde_json::from_str(
+        std::fs::read_to_string(data.join("conversations.jsonl")).unwrap().lines().next().unwrap(),
+    )
+    .unwrap();
+    assert_eq!(first["messages"][1]["tool_calls"][0]["function"]["arguments"], serde_json::json!({"city": "Oslo"}));
+    assert_eq!(first["tools"][0]["function"]["name"], "get_weather");
+
+    let conversations = data.join("conversations.jsonl");
+    let stats = prepare_tiny(&conversations, &dir.path().join("tiny"), &["--validation-share", "0"]);
+    assert!(stats["dropped"].as_object().unwrap().is_empty(), "{}", stats["error_examples"]);
+    let tok = kiln::tokens::TextTokenizer::load(
+        &project_dir().join("configs/models/tiny"),
+        &kiln::chat::SpecialTokens::default(),
+        None,
+    )
+    .unwrap();
+    let rows = shard_rows(&stats);
+    let supervised: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            let ids: Vec<u32> =
+                r.input_ids.iter().zip(&r.loss_mask).filter(|(_, m)| **m == 1).map(|(i, _)| *i).collect();
+            tok.decode(&ids)
+        })
+        .collect();
+    let all = supervised.concat();
+    for city in ["Oslo", "Quito"] {
+        let call = format!("<|tool_call_start|>[get_weather(city=\"{city}\")]<|tool_call_end|>");
+        assert!(all.contains(&call), "{call} is not supervised in {all:?}");
+        assert!(all.contains(&format!("It is cold in {city}.")));
+    }
+    let text: String = rows.iter().map(|r| tok.decode(&r.input_ids)).collect();
+    assert!(text.contains("List of tools: <|tool_list_start|>[{\"type\": \"function\""), "{text}");
+    assert!(!all.contains("List of tools") && !all.contains("<|tool_response_start|>"), "prompt text is supervised");
+
+    // LFM2's original template reads calls from the content only: nothing is left to train on, and the error
+    // says why.
+    let lfm2 = project_dir().join("../shared/templates/lfm2.jinja");
+    let out = dir.path().join("lfm2");
+    let args = ["--quiet", "prepare", "--model", "tiny", "--data", conversations.to_str().unwrap()];
+    let more = ["--out", out.to_str().unwrap(), "--template", lfm2.to_str().unwrap(), "--mode", "per-turn"];
+    let (ok, _, stderr) = run_kiln(&[&args[..], &more].concat(), &[], &project_dir());
+    assert!(!ok);
+    assert!(
+        stderr.contains("no sample from 2 conversations (dropped: 2 tool_calls_unrendered)")
+            && stderr
+                .contains("conversation 'Oslo', message 1: the template renders none of the turn's 1 tool call(s)"),
+        "{stderr}"
+    );
+}

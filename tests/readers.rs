@@ -238,3 +238,108 @@ fn caps_and_weights_apply_after_drops() {
     assert_eq!((stats.kept, stats.emitted, stats.capped), (12, 24, true));
     assert_eq!(read[1].id, format!("{}#1", read[0].id));
 }
+
+/// A Hub-style function-calling parquet: messages as list<struct<role, content, tool_calls:
+/// list<struct<id, type, function: struct<name, arguments>>>>> with nulls where a message has no text or no
+/// calls, and tools as a JSON string column.
+#[test]
+fn parquet_function_calls_with_nested_structs_and_nulls() {
+    use std::sync::Arc;
+
+    use arrow::array::{ArrayRef, ListBuilder, RecordBatch, StringBuilder, StructBuilder};
+    use arrow::datatypes::{DataType, Field, Fields};
+
+    let text = |name: &str| Field::new(name, DataType::Utf8, true);
+    let function_fields = Fields::from(vec![text("name"), text("arguments")]);
+    let call_fields = Fields::from(vec![
+        text("id"),
+        text("type"),
+        Field::new("function", DataType::Struct(function_fields.clone()), true),
+    ]);
+    let call_item = Arc::new(Field::new("item", DataType::Struct(call_fields.clone()), true));
+    let message_fields = Fields::from(vec![
+        text("role"),
+        text("content"),
+        Field::new("tool_calls", DataType::List(call_item.clone()), true),
+    ]);
+    let call_builder = StructBuilder::new(
+        call_fields,
+        vec![
+            Box::new(StringBuilder::new()),
+            Box::new(StringBuilder::new()),
+            Box::new(StructBuilder::from_fields(function_fields, 0)),
+        ],
+    );
+    let message_builder = StructBuilder::new(
+        message_fields.clone(),
+        vec![
+            Box::new(StringBuilder::new()),
+            Box::new(StringBuilder::new()),
+            Box::new(ListBuilder::new(call_builder).with_field(call_item)),
+        ],
+    );
+    let mut messages = ListBuilder::new(message_builder).with_field(Arc::new(Field::new(
+        "item",
+        DataType::Struct(message_fields),
+        true,
+    )));
+    let mut tools = StringBuilder::new();
+    type Call<'a> = (&'a str, &'a str, &'a str);
+    let push = |list: &mut ListBuilder<StructBuilder>, role: &str, content: Option<&str>, calls: &[Call]| {
+        let m = list.values();
+        m.field_builder::<StringBuilder>(0).unwrap().append_value(role);
+        m.field_builder::<StringBuilder>(1).unwrap().append_option(content);
+        let call_list = m.field_builder::<ListBuilder<StructBuilder>>(2).unwrap();
+        for (id, name, arguments) in calls {
+            let c = call_list.values();
+            c.field_builder::<StringBuilder>(0).unwrap().append_value(id);
+            c.field_builder::<StringBuilder>(1).unwrap().append_value("function");
+            let f = c.field_builder::<StructBuilder>(2).unwrap();
+            f.field_builder::<StringBuilder>(0).unwrap().append_value(name);
+            f.field_builder::<StringBuilder>(1).unwrap().append_value(arguments);
+            f.append(true);
+            c.append(true);
+        }
+        call_list.append(!calls.is_empty());
+        m.append(true);
+    };
+    push(&mut messages, "user", Some("Weather in Oslo?"), &[]);
+    push(&mut messages, "assistant", None, &[("c1", "get_weather", r#"{"city": "Oslo"}"#)]);
+    push(&mut messages, "tool", Some("cold"), &[]);
+    push(&mut messages, "assistant", Some("Cold."), &[]);
+    messages.append(true);
+    tools.append_value(r#"[{"name": "get_weather", "parameters": {"type": "object"}}]"#);
+    push(&mut messages, "user", Some("hi"), &[]);
+    push(&mut messages, "assistant", Some("hello"), &[]);
+    messages.append(true);
+    tools.append_null();
+    let columns: Vec<(&str, ArrayRef)> =
+        vec![("messages", Arc::new(messages.finish())), ("tools", Arc::new(tools.finish()))];
+    let batch = RecordBatch::try_from_iter(columns).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("calls.parquet");
+    let mut writer =
+        parquet::arrow::ArrowWriter::try_new(std::fs::File::create(&path).unwrap(), batch.schema(), None).unwrap();
+    writer.write(&batch).unwrap();
+    writer.close().unwrap();
+
+    let schema = SchemaMapping { messages: "messages".into(), tools: Some("tools".into()), ..Default::default() };
+    let (stats, read) = run(&source(Format::Parquet, schema), std::slice::from_ref(&path)).unwrap();
+    assert!(stats.dropped.is_empty() && stats.absent_columns.is_empty(), "{stats:?}");
+    let call_turn = &read[0].messages[1];
+    assert_eq!(call_turn.content, "");
+    assert_eq!(call_turn.tool_calls[0].id.as_deref(), Some("c1"));
+    assert_eq!(call_turn.tool_calls[0].function.name, "get_weather");
+    assert_eq!(
+        serde_json::Value::Object(call_turn.tool_calls[0].function.arguments.clone()),
+        serde_json::json!({"city": "Oslo"})
+    );
+    assert!(read[0].messages[2].tool_calls.is_empty() && read[0].messages[2].role == Role::Tool);
+    assert_eq!(
+        read[0].tools,
+        [
+            serde_json::json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}})
+        ]
+    );
+    assert!(read[1].tools.is_empty() && read[1].messages.iter().all(|m| m.tool_calls.is_empty()));
+}

@@ -31,6 +31,10 @@ pub enum ChatError {
     Input { message_index: usize, message: String },
     #[error("{0}")]
     Mask(String),
+    #[error(
+        "the template renders none of the turn's {calls} tool call(s): the text is the same without them, so training it would teach the turn without its calls. This template reads calls from the content (LFM2's does: write them there in the model's format), or render with a template that reads `tool_calls`"
+    )]
+    ToolCallsIgnored { calls: usize },
     #[error("conversation '{id}'{}: {source}", message_index.map(|i| format!(", message {i}")).unwrap_or_default())]
     Sample { id: String, message_index: Option<usize>, source: Box<ChatError> },
 }
@@ -38,5 +42,14 @@ pub enum ChatError {
 impl ChatError {
     pub fn io(path: &Path, source: std::io::Error) -> Self {
         ChatError::Io { path: path.to_path_buf(), source }
+    }
+
+    /// The reason prepare counts a conversation this error drops under.
+    pub fn drop_reason(&self) -> &'static str {
+        match self {
+            ChatError::Sample { source, .. } => source.drop_reason(),
+            ChatError::ToolCallsIgnored { .. } => "tool_calls_unrendered",
+            _ => "template_error",
+        }
     }
 }

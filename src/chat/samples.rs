@@ -74,21 +74,12 @@ impl ChatInput {
 }
 
 impl From<&crate::data::Conversation> for ChatInput {
+    /// The conversation as its JSON line reads back (what prepare renders): messages with their reasoning and
+    /// tool calls, the tools beside them.
     fn from(c: &crate::data::Conversation) -> Self {
-        let messages = c
-            .messages
-            .iter()
-            .map(|m| {
-                let mut obj = Map::new();
-                obj.insert("role".into(), Value::String(m.role.as_str().into()));
-                obj.insert("content".into(), Value::String(m.content.clone()));
-                if let Some(r) = &m.reasoning {
-                    obj.insert("reasoning_content".into(), Value::String(r.clone()));
-                }
-                Value::Object(obj)
-            })
-            .collect();
-        ChatInput { id: c.id.clone(), messages, tools: None, source: Some(c.source.clone()), meta: c.meta.clone() }
+        let messages = c.messages.iter().map(|m| serde_json::to_value(m).expect("a Message serializes")).collect();
+        let tools = (!c.tools.is_empty()).then(|| Value::Array(c.tools.clone()));
+        ChatInput { id: c.id.clone(), messages, tools, source: Some(c.source.clone()), meta: c.meta.clone() }
     }
 }
 
@@ -224,11 +215,12 @@ impl Renderer<'_> {
     fn target_span(&self, messages: &[Value]) -> Result<(Rendered, Range<usize>), ChatError> {
         let full = self.render(messages, false)?;
         let turn = messages.len() - 1;
-        let no_target = |why: &str| ChatError::Sample {
+        let at_turn = |e: ChatError| ChatError::Sample {
             id: self.input.id.clone(),
             message_index: Some(turn),
-            source: Box::new(ChatError::Mask(why.to_string())),
+            source: Box::new(e),
         };
+        let no_target = |why: &str| at_turn(ChatError::Mask(why.to_string()));
         let span = if self.template.has_generation {
             full.spans
                 .last()
@@ -249,6 +241,17 @@ impl Renderer<'_> {
         };
         if span.is_empty() {
             return Err(no_target("the supervised turn renders to no text"));
+        }
+        if let Some(calls) = messages[turn].get("tool_calls").and_then(Value::as_array).filter(|c| !c.is_empty()) {
+            // A template that reads calls only from the content (LFM2's) renders the turn without them: training
+            // it would teach the answer minus its calls.
+            let mut without = messages.to_vec();
+            if let Some(obj) = without[turn].as_object_mut() {
+                obj.remove("tool_calls");
+            }
+            if self.render(&without, false)?.text == full.text {
+                return Err(at_turn(ChatError::ToolCallsIgnored { calls: calls.len() }));
+            }
         }
         Ok((full, span))
     }

@@ -44,11 +44,56 @@ pub struct Message {
     /// Reasoning inline in `content` as `<think>…</think>` stays in `content`; the chat stage decides.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning: Option<String>,
+    /// An assistant turn's structured function calls, in the shape chat templates read.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A tool message's function name, as the source gave it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The call a tool message answers, as the source gave it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl Message {
     pub fn new(role: Role, content: impl Into<String>) -> Self {
-        Message { role, content: content.into(), reasoning: None }
+        Message {
+            role,
+            content: content.into(),
+            reasoning: None,
+            tool_calls: Vec::new(),
+            name: None,
+            tool_call_id: None,
+        }
+    }
+}
+
+/// One function call of an assistant turn, serialized as OpenAI's API and transformers' templates have it:
+/// `{"id", "type": "function", "function": {"name", "arguments": {…}}}`. The arguments are always an
+/// object: templates iterate them (LFM2.5's `.items()`, Qwen3.5's `|items`, Gemma 4's `dictsort`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", default = "function_type")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    pub name: String,
+    #[serde(default)]
+    pub arguments: Map<String, Value>,
+}
+
+fn function_type() -> String {
+    "function".into()
+}
+
+impl ToolCall {
+    pub fn new(id: Option<String>, name: impl Into<String>, arguments: Map<String, Value>) -> Self {
+        ToolCall { id, kind: function_type(), function: FunctionCall { name: name.into(), arguments } }
     }
 }
 
@@ -58,6 +103,10 @@ pub struct Conversation {
     /// Name of the recipe source the conversation came from.
     pub source: String,
     pub messages: Vec<Message>,
+    /// The function schemas offered to the model (`{"type": "function", "function": {name, description,
+    /// parameters}}` each), which templates render into the system prompt.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<Value>,
     /// Source columns carried along (task, episode, trial_name, …), in the source's order.
     #[serde(default, skip_serializing_if = "Map::is_empty")]
     pub meta: Map<String, Value>,
@@ -103,6 +152,7 @@ mod tests {
             id: "a".into(),
             source: "s".into(),
             messages: vec![Message::new(Role::User, "hi")],
+            tools: Vec::new(),
             meta: Map::new(),
         };
         let json = serde_json::to_string(&conv).unwrap();

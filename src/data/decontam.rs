@@ -152,6 +152,7 @@ mod tests {
             id: "c".into(),
             source: "s".into(),
             messages: vec![Message::new(Role::User, first_user), Message::new(Role::Assistant, "ok")],
+            tools: Vec::new(),
             meta,
         }
     }

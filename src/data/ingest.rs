@@ -23,7 +23,8 @@ pub struct SourceStats {
     pub rows_read: u64,
     /// Rows that normalized cleanly and were not contaminated (before the cap and weight).
     pub kept: u64,
-    /// Dropped rows by reason (missing_column, unknown_role, non_string_content, empty_conversation, no_assistant_turn).
+    /// Dropped rows by reason (missing_column, unknown_role, non_string_content, empty_conversation,
+    /// no_assistant_turn, bad_tool_call, bad_tools).
     pub dropped: BTreeMap<String, u64>,
     pub decontamination: DecontamStats,
     /// True when `max_rows` stopped the read early.
@@ -42,7 +43,7 @@ pub struct SourceStats {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AbsentColumn {
     pub column: String,
-    /// What the column feeds: `id`, `task` or `meta`.
+    /// What the column feeds: `id`, `task`, `tools` or `meta`.
     pub feeds: String,
     pub file: String,
     /// Rows of the file read (all of them unless `max_rows` stopped the read).
@@ -56,6 +57,7 @@ impl AbsentColumn {
             "task" => {
                 "its conversations carry no task name, so decontamination matches them by first user message only"
             }
+            "tools" => "its conversations offer the model no function schemas",
             _ => "meta lacks it",
         };
         format!(

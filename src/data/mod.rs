@@ -11,7 +11,7 @@ pub mod schema;
 
 use std::path::PathBuf;
 
-pub use conversation::{Conversation, Message, Role};
+pub use conversation::{Conversation, FunctionCall, Message, Role, ToolCall};
 pub use decontam::EvalIndex;
 pub use readers::Format;
 pub use recipe::Recipe;

@@ -6,7 +6,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::conversation::{Conversation, Message, Role};
+use super::conversation::{Conversation, Message, Role, ToolCall};
 
 /// Which fields of a source row hold what. Defaults fit the Terminus-2 parquet corpora.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -36,6 +36,12 @@ pub struct SchemaMapping {
     /// Extra role aliases of this source, mapped onto system | user | assistant | tool.
     #[serde(default)]
     pub roles: BTreeMap<String, String>,
+    /// Key inside an assistant message holding its structured function calls (OpenAI's `tool_calls`).
+    #[serde(default = "default_tool_calls")]
+    pub tool_calls: String,
+    /// Column holding the function schemas offered to the model: a list, or a JSON string of one.
+    #[serde(default)]
+    pub tools: Option<String>,
 }
 
 fn default_messages() -> String {
@@ -46,6 +52,9 @@ fn default_role() -> String {
 }
 fn default_content() -> String {
     "content".into()
+}
+fn default_tool_calls() -> String {
+    "tool_calls".into()
 }
 fn default_reasoning() -> Vec<String> {
     vec!["reasoning_content".into(), "reasoning".into(), "thinking".into()]
@@ -62,6 +71,8 @@ impl Default for SchemaMapping {
             task: None,
             meta: Vec::new(),
             roles: BTreeMap::new(),
+            tool_calls: default_tool_calls(),
+            tools: None,
         }
     }
 }
@@ -78,6 +89,10 @@ pub enum DropReason {
     /// No messages, or the messages field is not a list of objects.
     EmptyConversation,
     NoAssistantTurn,
+    /// A function call without a name, with arguments that are not a JSON object, or on a non-assistant turn.
+    BadToolCall(String),
+    /// A tools column that is not a list of function schemas with names.
+    BadTools(String),
 }
 
 impl DropReason {
@@ -88,6 +103,8 @@ impl DropReason {
             DropReason::NonStringContent => "non_string_content",
             DropReason::EmptyConversation => "empty_conversation",
             DropReason::NoAssistantTurn => "no_assistant_turn",
+            DropReason::BadToolCall(_) => "bad_tool_call",
+            DropReason::BadTools(_) => "bad_tools",
         }
     }
 }
@@ -97,6 +114,8 @@ impl fmt::Display for DropReason {
         match self {
             DropReason::MissingColumn(c) => write!(f, "missing column '{c}'"),
             DropReason::UnknownRole(r) => write!(f, "unknown role '{r}'"),
+            DropReason::BadToolCall(why) => write!(f, "bad tool call: {why}"),
+            DropReason::BadTools(why) => write!(f, "bad tools: {why}"),
             other => f.write_str(other.label()),
         }
     }
@@ -110,10 +129,15 @@ impl SchemaMapping {
         std::iter::once(self.messages.clone()).chain(optional).collect()
     }
 
-    /// The optional columns the recipe names, each with what it feeds (`id`, `task` or `meta`), in the
+    /// The optional columns the recipe names, each with what it feeds (`id`, `task`, `tools` or `meta`), in the
     /// order of `columns()`. A column named twice is listed under its first use.
     pub fn optional_columns(&self) -> Vec<(String, &'static str)> {
-        let named = self.id.iter().map(|c| (c, "id")).chain(self.task.iter().map(|c| (c, "task")));
+        let named = self
+            .id
+            .iter()
+            .map(|c| (c, "id"))
+            .chain(self.task.iter().map(|c| (c, "task")))
+            .chain(self.tools.iter().map(|c| (c, "tools")));
         let mut out: Vec<(String, &'static str)> = Vec::new();
         for (column, feeds) in named.chain(self.meta.iter().map(|c| (c, "meta"))) {
             if column != &self.messages && !out.iter().any(|(c, _)| c == column) {
@@ -143,6 +167,10 @@ impl SchemaMapping {
             return Err(DropReason::EmptyConversation);
         }
         let messages = list.iter().map(|m| self.message(m)).collect::<Result<Vec<_>, _>>()?;
+        let tools = match self.tools.as_ref().and_then(|c| obj.get(c)) {
+            Some(v) => tools_of(v)?,
+            None => Vec::new(),
+        };
         if !messages.iter().any(|m| m.role == Role::Assistant) {
             return Err(DropReason::NoAssistantTurn);
         }
@@ -165,7 +193,7 @@ impl SchemaMapping {
                 meta.insert(col.clone(), v.clone());
             }
         }
-        Ok(Conversation { id, source: source.to_string(), messages, meta })
+        Ok(Conversation { id, source: source.to_string(), messages, tools, meta })
     }
 
     fn message(&self, m: &Value) -> Result<Message, DropReason> {
@@ -176,7 +204,16 @@ impl SchemaMapping {
             None => return Err(DropReason::MissingColumn(format!("{}.{}", self.messages, self.role))),
         };
         let role = self.role_of(role_name).ok_or_else(|| DropReason::UnknownRole(role_name.clone()))?;
+        let tool_calls = match obj.get(&self.tool_calls) {
+            Some(v) => tool_calls_of(v)?,
+            None => Vec::new(),
+        };
+        if !tool_calls.is_empty() && role != Role::Assistant {
+            return Err(DropReason::BadToolCall(format!("a {} message has tool calls", role.as_str())));
+        }
         let content = match obj.get(&self.content) {
+            // A turn that only calls functions has no text (OpenAI writes null).
+            None | Some(Value::Null) if !tool_calls.is_empty() => String::new(),
             Some(v) => text_of(v).ok_or(DropReason::NonStringContent)?,
             None => return Err(DropReason::MissingColumn(format!("{}.{}", self.messages, self.content))),
         };
@@ -187,8 +224,85 @@ impl SchemaMapping {
             .find_map(|v| v.as_str())
             .filter(|s| !s.is_empty())
             .map(str::to_string);
-        Ok(Message { role, content, reasoning })
+        let field = |key: &str| obj.get(key).and_then(scalar_to_string).filter(|s| !s.is_empty());
+        let (name, tool_call_id) =
+            if role == Role::Tool { (field("name"), field("tool_call_id")) } else { (None, None) };
+        Ok(Message { role, content, reasoning, tool_calls, name, tool_call_id })
     }
+}
+
+/// A message's function calls: a list (or a JSON string of one) of OpenAI-style calls
+/// (`{"id", "type", "function": {"name", "arguments"}}`) or flat ones (`{"name", "arguments"}`, as Hermes and
+/// xLAM-style sets write them).
+fn tool_calls_of(v: &Value) -> Result<Vec<ToolCall>, DropReason> {
+    let bad = |why: &str| DropReason::BadToolCall(why.to_string());
+    let parsed;
+    let calls = match v {
+        Value::Null => return Ok(Vec::new()),
+        Value::String(s) if s.trim().is_empty() => return Ok(Vec::new()),
+        Value::String(s) => {
+            parsed = serde_json::from_str::<Value>(s).map_err(|_| bad("the calls are a string that is not JSON"))?;
+            parsed.as_array().ok_or_else(|| bad("the calls are not a list"))?
+        }
+        Value::Array(calls) => calls,
+        _ => return Err(bad("the calls are not a list")),
+    };
+    calls.iter().map(tool_call).collect()
+}
+
+fn tool_call(v: &Value) -> Result<ToolCall, DropReason> {
+    let obj = v.as_object().ok_or_else(|| DropReason::BadToolCall("a call is not an object".into()))?;
+    let function = match obj.get("function") {
+        Some(Value::Object(f)) => f,
+        _ => obj,
+    };
+    let name = function
+        .get("name")
+        .and_then(Value::as_str)
+        .filter(|n| !n.trim().is_empty())
+        .ok_or_else(|| DropReason::BadToolCall("a call has no function name".into()))?;
+    let not_an_object = || DropReason::BadToolCall(format!("the arguments of '{name}' are not a JSON object"));
+    let arguments = match function.get("arguments").or_else(|| function.get("parameters")) {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(args)) => args.clone(),
+        Some(Value::String(s)) if s.trim().is_empty() => Map::new(),
+        // OpenAI's API sends the arguments as a JSON string; templates iterate them as a mapping.
+        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+            Ok(Value::Object(args)) => args,
+            _ => return Err(not_an_object()),
+        },
+        Some(_) => return Err(not_an_object()),
+    };
+    let id = obj.get("id").and_then(scalar_to_string).filter(|s| !s.is_empty());
+    Ok(ToolCall::new(id, name, arguments))
+}
+
+/// The function schemas of a row, each as `{"type": "function", "function": {…}}`: a bare `{name,
+/// description, parameters}` is wrapped, as OpenAI's API and vLLM hand tools to the template at inference
+/// (LFM2.5's and Gemma 4's templates read `tool.function.name`).
+fn tools_of(v: &Value) -> Result<Vec<Value>, DropReason> {
+    let bad = |why: &str| DropReason::BadTools(why.to_string());
+    let parsed;
+    let list = match v {
+        Value::Null => return Ok(Vec::new()),
+        Value::String(s) if s.trim().is_empty() => return Ok(Vec::new()),
+        Value::String(s) => {
+            parsed = serde_json::from_str::<Value>(s).map_err(|_| bad("a string that is not JSON"))?;
+            parsed.as_array().ok_or_else(|| bad("not a list"))?
+        }
+        Value::Array(list) => list,
+        _ => return Err(bad("not a list")),
+    };
+    let named = |o: &Map<String, Value>| o.get("name").and_then(Value::as_str).is_some_and(|n| !n.trim().is_empty());
+    list.iter()
+        .map(|tool| match tool {
+            Value::Object(o) if o.get("function").and_then(Value::as_object).is_some_and(named) => Ok(tool.clone()),
+            Value::Object(o) if !o.contains_key("function") && named(o) => {
+                Ok(serde_json::json!({"type": "function", "function": tool}))
+            }
+            _ => Err(bad("a tool that is not a function schema with a name")),
+        })
+        .collect()
 }
 
 /// Some exports store the message list as a JSON string; accept that, drop anything else.
@@ -288,6 +402,90 @@ mod tests {
         let conv = m.normalize(&row, "s", "s:0").unwrap();
         assert_eq!(conv.messages[0].content, "ab");
         assert_eq!(conv.messages[1].role, Role::Assistant);
+    }
+
+    #[test]
+    fn function_calls_and_tool_schemas_take_the_shape_templates_read() {
+        let m = SchemaMapping { messages: "messages".into(), tools: Some("tools".into()), ..Default::default() };
+        let row = json!({
+            "tools": "[{\"name\": \"get_weather\", \"parameters\": {\"type\": \"object\"}}, {\"type\": \"function\", \"function\": {\"name\": \"search\"}}]",
+            "messages": [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\", \"unit\": \"C\"}"}},
+                    {"name": "search", "arguments": {"q": "Oslo"}},
+                    {"name": "now", "arguments": ""}]},
+                {"role": "tool", "name": "get_weather", "tool_call_id": "call_1", "content": "-3"},
+                {"role": "assistant", "content": "It is -3°C."}]});
+        let conv = m.normalize(&row, "fc", "fc:0").unwrap();
+        let line = serde_json::to_value(&conv).unwrap();
+        assert_eq!(
+            line["tools"],
+            json!([
+                {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+                {"type": "function", "function": {"name": "search"}}
+            ])
+        );
+        let turn = &line["messages"][1];
+        assert_eq!(turn["content"], "", "a turn of calls only has empty text");
+        assert_eq!(
+            turn["tool_calls"],
+            json!([
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}},
+                {"type": "function", "function": {"name": "search", "arguments": {"q": "Oslo"}}},
+                {"type": "function", "function": {"name": "now", "arguments": {}}}
+            ])
+        );
+        // The arguments keep the source's order, as Python's json.loads would.
+        let keys: Vec<&String> = conv.messages[1].tool_calls[0].function.arguments.keys().collect();
+        assert_eq!(keys, ["city", "unit"]);
+        assert_eq!(
+            (line["messages"][2]["name"].as_str(), line["messages"][2]["tool_call_id"].as_str()),
+            (Some("get_weather"), Some("call_1"))
+        );
+        let back: Conversation = serde_json::from_value(line).unwrap();
+        assert_eq!(back, conv);
+    }
+
+    #[test]
+    fn bad_calls_and_tools_are_dropped_with_their_reason() {
+        let m = SchemaMapping { tools: Some("tools".into()), ..Default::default() };
+        let with = |calls: Value| json!({"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls}]});
+        let cases = [
+            (with(json!([{"function": {"arguments": "{}"}}])), "bad tool call: a call has no function name"),
+            (
+                with(json!([{"name": "f", "arguments": "[1, 2]"}])),
+                "bad tool call: the arguments of 'f' are not a JSON object",
+            ),
+            (
+                with(json!([{"name": "f", "arguments": "{not json"}])),
+                "bad tool call: the arguments of 'f' are not a JSON object",
+            ),
+            (with(json!("call f")), "bad tool call: the calls are a string that is not JSON"),
+            (with(json!({"name": "f"})), "bad tool call: the calls are not a list"),
+            (
+                json!({"conversations": [{"role": "user", "content": "q", "tool_calls": [{"name": "f"}]}, {"role": "assistant", "content": "a"}]}),
+                "bad tool call: a user message has tool calls",
+            ),
+            (
+                json!({"tools": "{\"name\": \"f\"}", "conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}),
+                "bad tools: not a list",
+            ),
+            (
+                json!({"tools": [{"description": "no name"}], "conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}),
+                "bad tools: a tool that is not a function schema with a name",
+            ),
+        ];
+        for (row, want) in cases {
+            let err = m.normalize(&row, "s", "s:0").unwrap_err();
+            assert_eq!(err.to_string(), want, "{row}");
+        }
+        // Null calls or tools are none; a turn without calls still needs its text.
+        let plain = json!({"tools": null, "conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "tool_calls": null}]});
+        assert!(m.normalize(&plain, "s", "s:0").unwrap().messages[1].tool_calls.is_empty());
+        let textless =
+            json!({"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null}]});
+        assert_eq!(m.normalize(&textless, "s", "s:0").unwrap_err().label(), "non_string_content");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::chat::strip_thinking;
-use crate::data::conversation::{Conversation, Role};
+use crate::data::conversation::{Conversation, Message, Role};
 use crate::eval::parse::{ScorerVersion, parse_response_object};
 
 /// Count, mean and nearest-rank percentiles (the smallest value with at least p % of values at or below it).
@@ -139,7 +139,7 @@ pub struct ToolFigures {
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DuplicateFigures {
-    /// Conversations identical (roles, contents, reasoning) to an earlier one, mixing-weight copies included.
+    /// Conversations identical (roles, contents, calls, reasoning, offered tools) to an earlier one, mixing-weight copies included.
     pub duplicate_conversations: u64,
     pub assistant_turns: u64,
     /// Assistant turns whose text equals an earlier assistant turn's.
@@ -264,7 +264,8 @@ pub fn has_thinking(role: Role, content: &str, reasoning: Option<&str>) -> bool 
 }
 
 pub fn classify(conv: &Conversation) -> ConversationKind {
-    let tool_use = conv.messages.iter().any(|m| m.role == Role::Tool)
+    let tool_use = !conv.tools.is_empty()
+        || conv.messages.iter().any(|m| m.role == Role::Tool || !m.tool_calls.is_empty())
         || conv.messages.iter().any(|m| m.role == Role::Assistant && !tool_calls(&m.content).is_empty());
     if tool_use {
         ConversationKind::ToolUse
@@ -379,18 +380,24 @@ pub fn observe(conv: &Conversation) -> ConversationObservation {
         kind,
         ..Default::default()
     };
-    let mut key_parts = Vec::with_capacity(conv.messages.len() * 3);
-    for m in &conv.messages {
-        key_parts.extend([m.role.as_str(), m.content.as_str(), m.reasoning.as_deref().unwrap_or("\u{0}")]);
+    let tools = serde_json::to_string(&conv.tools).unwrap_or_default();
+    let targets: Vec<String> = conv.messages.iter().map(target_text).collect();
+    let mut key_parts = Vec::with_capacity(conv.messages.len() * 3 + 1);
+    key_parts.push(tools.as_str());
+    for (m, target) in conv.messages.iter().zip(&targets) {
+        key_parts.extend([m.role.as_str(), target.as_str(), m.reasoning.as_deref().unwrap_or("\u{0}")]);
         match m.role {
             Role::Tool => obs.tool_messages += 1,
             Role::Assistant => {
                 obs.assistant_turns += 1;
                 obs.turns_with_thinking += u32::from(has_thinking(m.role, &m.content, m.reasoning.as_deref()));
-                obs.targets.push((stable_hash(&[&m.content]), m.content.chars().take(SNIPPET_CHARS).collect()));
+                obs.targets.push((stable_hash(&[target]), target.chars().take(SNIPPET_CHARS).collect()));
                 match kind {
                     ConversationKind::Terminus => obs.actions.push(check_action(&strip_thinking(&m.content).0)),
-                    ConversationKind::ToolUse => obs.tool_calls.extend(tool_calls(&m.content)),
+                    ConversationKind::ToolUse => {
+                        obs.tool_calls.extend(m.tool_calls.iter().map(|c| c.function.name.clone()));
+                        obs.tool_calls.extend(tool_calls(&m.content));
+                    }
                     ConversationKind::Other => {}
                 }
             }
@@ -399,6 +406,17 @@ pub fn observe(conv: &Conversation) -> ConversationObservation {
     }
     obs.key = stable_hash(&key_parts);
     obs
+}
+
+/// A message's text with its structured calls written after it (`name({"arg": …})`), so that two turns
+/// calling different functions with no text are told apart.
+fn target_text(m: &Message) -> String {
+    let mut text = m.content.clone();
+    for call in &m.tool_calls {
+        let args = serde_json::to_string(&call.function.arguments).unwrap_or_default();
+        text += &format!("{}{}({args})", if text.is_empty() { "" } else { "\n" }, call.function.name);
+    }
+    text
 }
 
 /// Supervised tokens of one document, and how many of them lie inside `<think>…</think>`.
@@ -467,6 +485,36 @@ mod tests {
     }
 
     #[test]
+    fn structured_calls_are_counted_and_tell_turns_apart() {
+        let call = |name: &str, city: &str| {
+            let mut m = Message::new(Role::Assistant, "");
+            let args = serde_json::json!({"city": city}).as_object().cloned().unwrap_or_default();
+            m.tool_calls.push(crate::data::ToolCall::new(None, name, args));
+            m
+        };
+        let conv = Conversation {
+            id: "c".into(),
+            source: "calls".into(),
+            messages: vec![
+                Message::new(Role::User, "Weather in Oslo and Quito?"),
+                call("get_weather", "Oslo"),
+                Message::new(Role::Tool, "cold"),
+                call("get_weather", "Quito"),
+            ],
+            tools: vec![serde_json::json!({"type": "function", "function": {"name": "get_weather"}})],
+            meta: Default::default(),
+        };
+        let obs = observe(&conv);
+        assert_eq!(obs.kind, ConversationKind::ToolUse);
+        assert_eq!(obs.tool_calls, ["get_weather", "get_weather"]);
+        assert_eq!(obs.targets[0].1, "get_weather({\"city\":\"Oslo\"})");
+        assert_ne!(obs.targets[0].0, obs.targets[1].0, "turns of calls only are not all the empty text");
+        let mut other_tools = conv.clone();
+        other_tools.tools.clear();
+        assert_ne!(observe(&other_tools).key, obs.key, "the offered tools are part of a conversation's identity");
+    }
+
+    #[test]
     fn terminus_actions_and_thinking() {
         let reply = "<think>look first</think>\n{\"analysis\": \"a\", \"plan\": \"p\", \"commands\": [{\"keystrokes\": \"ls -la\\ncd /app\\n\"}], \"task_complete\": false}";
         let conv = Conversation {
@@ -480,6 +528,7 @@ mod tests {
                 Message::new(Role::User, "screen"),
                 Message::new(Role::Assistant, "I think we are done"),
             ],
+            tools: Vec::new(),
             meta: Default::default(),
         };
         let obs = observe(&conv);

@@ -117,7 +117,7 @@ impl Task {
         meta.insert("trial_name".into(), json!(format!("{task_name}__{id}")));
         meta.insert("source_group".into(), json!(self.group));
         meta.insert("family".into(), json!(self.family));
-        Conversation { id: id.to_string(), source: "terminal".into(), messages, meta }
+        Conversation { id: id.to_string(), source: "terminal".into(), messages, tools: Vec::new(), meta }
     }
 }
 

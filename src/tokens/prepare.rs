@@ -72,7 +72,7 @@ pub struct PrepareStats {
     pub padding_tokens: u64,
     pub rows: u64,
     pub truncated: u64,
-    /// Conversations or samples left out, by reason (template_error, mask_error, too_long).
+    /// Conversations or samples left out, by reason (template_error, tool_calls_unrendered, mask_error, too_long).
     pub dropped: BTreeMap<String, u64>,
     /// The first few errors, so a person can see what went wrong without rerunning.
     pub error_examples: Vec<String>,
@@ -195,7 +195,7 @@ enum Outcome {
 fn process(template: &ChatTemplate, tok: &TextTokenizer, cfg: &PrepareConfig, input: &ChatInput) -> Outcome {
     let samples = match build_samples(template, input, &cfg.policy) {
         Ok(s) => s,
-        Err(e) => return Outcome::Failed { reason: "template_error", message: e.to_string() },
+        Err(e) => return Outcome::Failed { reason: e.drop_reason(), message: e.to_string() },
     };
     let mut out = Vec::with_capacity(samples.len());
     let (mut stripped, mut unlike, mut dropped_long) = (0, 0, 0);
