@@ -274,3 +274,66 @@ fn function_calls_from_the_data_are_supervised_in_each_templates_own_format() {
         "{err}"
     );
 }
+
+#[test]
+fn turns_marked_untrained_are_history_in_every_mode() {
+    let clock = PinnedClock::parse("2026-01-01").unwrap();
+    let messages: Vec<Value> = serde_json::from_str(
+        r#"[{"role": "user", "content": "list files"}, {"role": "assistant", "content": "rm -rf /", "train": false},
+            {"role": "user", "content": "that was wrong"}, {"role": "assistant", "content": "ls -la"},
+            {"role": "user", "content": "and now?"}, {"role": "assistant", "content": "done"}]"#,
+    )
+    .unwrap();
+    let input = ChatInput { id: "c".into(), messages, tools: None, source: None, meta: Default::default() };
+    let lfm: BTreeMap<String, String> =
+        [("bos_token".to_string(), "<|startoftext|>".to_string())].into_iter().collect();
+    let shared = common::project_dir().join("../shared/templates");
+    // A template that prints every message key shows the flag never reaches the template.
+    let keys = TemplateSource::new(
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m | tojson }}\n{% endgeneration %}{% else %}{{ m | tojson }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}A:{% endif %}".into(),
+        "inline".into(),
+    );
+    let templates = [
+        ("lfm2.5 (generation tags)", TemplateSource::from_file(&shared.join("lfm2.5.jinja")).unwrap()),
+        ("qwen3.5 (prefix rule)", TemplateSource::from_file(&shared.join("qwen3_5_small_nothink.jinja")).unwrap()),
+        ("keys", keys),
+    ];
+    for (name, source) in templates {
+        let template = ChatTemplate::new(source, SpecialTokens(lfm.clone()), clock).unwrap();
+        for mode in [SampleMode::Auto, SampleMode::PerTurn, SampleMode::Conversation] {
+            let at = format!("{name} {mode:?}");
+            let samples = build_samples(&template, &input, &SamplePolicy { mode, ..Default::default() })
+                .unwrap_or_else(|e| panic!("{at}: {e}"));
+            let turns: Vec<usize> = samples.iter().flat_map(|s| s.turns.clone()).collect();
+            assert_eq!(turns, [3, 5], "{at}");
+            for s in &samples {
+                assert!(!s.text.contains("\"train\""), "{at}: the flag reached the template");
+                let supervised: String = s.targets.iter().map(|t| &s.text[t.clone()]).collect();
+                assert!(!supervised.contains("rm -rf"), "{at}: the untrained turn is supervised");
+                assert!(s.text.contains("rm -rf /"), "{at}: the untrained turn is not in the history");
+            }
+            let supervised: String =
+                samples.iter().flat_map(|s| s.targets.iter().map(|t| s.text[t.clone()].to_string())).collect();
+            assert!(supervised.contains("done"), "{at}");
+            // Forced conversation mode cannot place a turn the whole conversation renders unlike its own
+            // inference form (Qwen3.5 drops history's empty think block); it counts it instead.
+            let unlike: usize = samples.iter().map(|s| s.turns_unlike_inference).sum();
+            assert!(supervised.contains("ls -la") || (mode == SampleMode::Conversation && unlike > 0), "{at}");
+        }
+    }
+    let none: Vec<Value> = input
+        .messages
+        .iter()
+        .map(|m| {
+            let mut m = m.clone();
+            if m["role"] == "assistant" {
+                m["train"] = Value::Bool(false);
+            }
+            m
+        })
+        .collect();
+    let source = TemplateSource::from_file(&shared.join("lfm2.5.jinja")).unwrap();
+    let template = ChatTemplate::new(source, SpecialTokens(lfm), clock).unwrap();
+    let err = build_samples(&template, &ChatInput { messages: none, ..input }, &SamplePolicy::default()).unwrap_err();
+    assert!(err.to_string().contains("every assistant turn is marked not to be trained on"), "{err}");
+}

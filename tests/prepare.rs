@@ -424,3 +424,56 @@ fn function_calling_rows_are_trained_with_their_calls() {
         "{stderr}"
     );
 }
+
+/// ShareGPT rows with per-turn `weight`s (`schema.train = "weight"`): a turn weighted 0 is in the history of
+/// the later turns' samples but never supervised, and the inspection report counts it.
+#[test]
+fn turns_weighted_zero_are_history_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = [
+        r#"{"id": "a", "conversations": [{"from": "human", "value": "Count the files.", "weight": 0}, {"from": "gpt", "value": "rm -rf data", "weight": 0}, {"from": "human", "value": "That deleted them."}, {"from": "gpt", "value": "ls | wc -l", "weight": 1}]}"#,
+        r#"{"id": "b", "conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "hi"}]}"#,
+        r#"{"id": "c", "conversations": [{"from": "human", "value": "Nothing to learn."}, {"from": "gpt", "value": "skip me", "weight": 0}]}"#,
+    ];
+    std::fs::write(dir.path().join("weighted.jsonl"), rows.join("\n")).unwrap();
+    let recipe = dir.path().join("weighted.toml");
+    std::fs::write(&recipe, "name = \"weighted\"\n[[source]]\nname = \"weighted\"\nformat = \"jsonl\"\npath = \"weighted.jsonl\"\n[source.schema]\nrole = \"from\"\ncontent = \"value\"\nid = \"id\"\ntrain = \"weight\"\n").unwrap();
+    let run = dir.path().join("run");
+    let data = run.join("data");
+    ingest(recipe.to_str().unwrap(), &data);
+    let ingested: Value = serde_json::from_str(&std::fs::read_to_string(data.join("ingest.json")).unwrap()).unwrap();
+    assert_eq!(ingested[0]["sources"][0]["dropped"], serde_json::json!({"no_assistant_turn": 1}), "{ingested}");
+
+    let stats = prepare_tiny(&data.join("conversations.jsonl"), &data, &["--validation-share", "0"]);
+    assert_eq!(stats["samples"], 2, "{stats}");
+    let tok = kiln::tokens::TextTokenizer::load(
+        &project_dir().join("configs/models/tiny"),
+        &kiln::chat::SpecialTokens::default(),
+        None,
+    )
+    .unwrap();
+    let rows = shard_rows(&stats);
+    let decode_where = |keep: fn(u8) -> bool| -> String {
+        rows.iter()
+            .map(|r| {
+                let ids: Vec<u32> =
+                    r.input_ids.iter().zip(&r.loss_mask).filter(|(_, m)| keep(**m)).map(|(i, _)| *i).collect();
+                tok.decode(&ids)
+            })
+            .collect()
+    };
+    let supervised = decode_where(|m| m == 1);
+    let everything = decode_where(|_| true);
+    assert!(supervised.contains("ls | wc -l") && supervised.contains("hi"), "{supervised:?}");
+    assert!(!supervised.contains("rm -rf"), "a turn weighted 0 is supervised: {supervised:?}");
+    assert!(everything.contains("rm -rf data"), "the turn weighted 0 is not in the history");
+
+    let (ok, _, stderr) = run_kiln(&["--quiet", "inspect", "--run", run.to_str().unwrap()], &[], &project_dir());
+    assert!(ok, "{stderr}");
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("report/summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["conversations"]["untrained_turns"], 1);
+    assert_eq!(summary["duplicates"]["assistant_turns"], 2, "target figures cover trained turns only");
+    let md = std::fs::read_to_string(run.join("report/summary.md")).unwrap();
+    assert!(md.contains("| assistant turns not trained on (history only) | 1 (33.3 %) |"), "{md}");
+}

@@ -130,6 +130,27 @@ fn role(m: &Value) -> &str {
     m.get("role").and_then(Value::as_str).unwrap_or("")
 }
 
+/// kiln's per-message flag (`"train": false`, from a recipe's `schema.train`): the turn is history only.
+const TRAIN_FLAG: &str = "train";
+
+/// An assistant turn not marked `"train": false`.
+fn trained(m: &Value) -> bool {
+    role(m) == "assistant" && m.get(TRAIN_FLAG) != Some(&Value::Bool(false))
+}
+
+/// The messages as the template gets them: without kiln's training flag.
+fn without_train_flags(messages: &[Value]) -> Vec<Value> {
+    messages
+        .iter()
+        .map(|m| match m {
+            Value::Object(obj) if obj.contains_key(TRAIN_FLAG) => Value::Object(
+                obj.iter().filter(|(k, _)| *k != TRAIN_FLAG).map(|(k, v)| (k.clone(), v.clone())).collect(),
+            ),
+            other => other.clone(),
+        })
+        .collect()
+}
+
 /// Strips thinking from one message (content and separate reasoning fields); returns blocks removed.
 fn strip_message(m: &mut Value) -> usize {
     let Some(obj) = m.as_object_mut() else { return 0 };
@@ -264,19 +285,27 @@ pub fn build_samples(
     policy: &SamplePolicy,
 ) -> Result<Vec<TextSample>, ChatError> {
     let renderer = Renderer { template, input, kwargs: &policy.kwargs };
-    let turns: Vec<usize> =
-        input.messages.iter().enumerate().filter(|(_, m)| role(m) == "assistant").map(|(i, _)| i).collect();
+    let turns: Vec<usize> = input.messages.iter().enumerate().filter(|(_, m)| trained(m)).map(|(i, _)| i).collect();
+    let assistant_turns = input.messages.iter().filter(|m| role(m) == "assistant").count();
+    let all_messages = without_train_flags(&input.messages);
     if turns.is_empty() {
         return Err(ChatError::Sample {
             id: input.id.clone(),
             message_index: None,
-            source: Box::new(ChatError::Mask("no assistant turn to supervise".into())),
+            source: Box::new(ChatError::Mask(
+                if assistant_turns == 0 {
+                    "no assistant turn to supervise"
+                } else {
+                    "every assistant turn is marked not to be trained on"
+                }
+                .into(),
+            )),
         });
     }
     // Each turn as its own inference-time sample.
     let mut per_turn = Vec::with_capacity(turns.len());
     for &t in &turns {
-        let (messages, stripped) = policy_messages(&input.messages, t, policy.thinking);
+        let (messages, stripped) = policy_messages(&all_messages, t, policy.thinking);
         let (rendered, span) = renderer.target_span(&messages)?;
         per_turn.push(TextSample {
             id: if turns.len() == 1 { input.id.clone() } else { format!("{}@{t}", input.id) },
@@ -291,7 +320,7 @@ pub fn build_samples(
         return Ok(per_turn);
     }
     // The whole conversation: assistant turns before the last user message are history to the template.
-    let (messages, stripped) = conversation_messages(&input.messages, policy.thinking);
+    let (messages, stripped) = conversation_messages(&all_messages, policy.thinking);
     let full = renderer.render(&messages, false)?;
     let identical = per_turn.iter().all(|s| full.text.starts_with(&s.text));
     if identical {
@@ -309,15 +338,24 @@ pub fn build_samples(
         return Ok(per_turn);
     }
     // Forced conversation mode on a template that renders history unlike inference: train it, but count it.
-    let targets = if template.has_generation {
+    let targets = if template.has_generation && turns.len() == assistant_turns {
         full.spans.clone()
     } else {
+        // Some turns are history only: each trained turn's span from the render up to it, where the whole
+        // conversation's render extends that one.
         let mut spans = Vec::new();
         for &t in &turns {
-            let prompt = renderer.render(&messages[..t], true)?;
             let upto = renderer.render(&messages[..=t], false)?;
-            if full.text.starts_with(&upto.text) && upto.text.starts_with(&prompt.text) {
-                spans.push(prompt.text.len()..upto.text.len());
+            if !full.text.starts_with(&upto.text) {
+                continue;
+            }
+            if template.has_generation {
+                spans.extend(upto.spans.last().cloned());
+            } else {
+                let prompt = renderer.render(&messages[..t], true)?;
+                if upto.text.starts_with(&prompt.text) {
+                    spans.push(prompt.text.len()..upto.text.len());
+                }
             }
         }
         spans

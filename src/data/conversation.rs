@@ -53,6 +53,18 @@ pub struct Message {
     /// The call a tool message answers, as the source gave it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+    /// False for an assistant turn the source marks as not to be trained on (`schema.train`): it stays in
+    /// the history of later turns, but is never supervised.
+    #[serde(default = "trained", skip_serializing_if = "is_trained")]
+    pub train: bool,
+}
+
+fn trained() -> bool {
+    true
+}
+
+fn is_trained(train: &bool) -> bool {
+    *train
 }
 
 impl Message {
@@ -64,6 +76,7 @@ impl Message {
             tool_calls: Vec::new(),
             name: None,
             tool_call_id: None,
+            train: true,
         }
     }
 }
@@ -124,6 +137,11 @@ impl Conversation {
 
     pub fn assistant_turns(&self) -> usize {
         self.messages.iter().filter(|m| m.role == Role::Assistant).count()
+    }
+
+    /// Assistant turns that are trained on (not marked otherwise by the source).
+    pub fn trained_turns(&self) -> usize {
+        self.messages.iter().filter(|m| m.role == Role::Assistant && m.train).count()
     }
 }
 

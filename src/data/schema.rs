@@ -42,6 +42,10 @@ pub struct SchemaMapping {
     /// Column holding the function schemas offered to the model: a list, or a JSON string of one.
     #[serde(default)]
     pub tools: Option<String>,
+    /// Key inside a message saying whether an assistant turn is trained on: false or 0 keeps it as history
+    /// only (ShareGPT's `weight`, a `train` flag); true, a nonzero number, null or absent trains it.
+    #[serde(default)]
+    pub train: Option<String>,
 }
 
 fn default_messages() -> String {
@@ -73,6 +77,7 @@ impl Default for SchemaMapping {
             roles: BTreeMap::new(),
             tool_calls: default_tool_calls(),
             tools: None,
+            train: None,
         }
     }
 }
@@ -93,6 +98,8 @@ pub enum DropReason {
     BadToolCall(String),
     /// A tools column that is not a list of function schemas with names.
     BadTools(String),
+    /// A training flag that is neither a boolean, a number nor null.
+    BadTrainFlag,
 }
 
 impl DropReason {
@@ -105,6 +112,7 @@ impl DropReason {
             DropReason::NoAssistantTurn => "no_assistant_turn",
             DropReason::BadToolCall(_) => "bad_tool_call",
             DropReason::BadTools(_) => "bad_tools",
+            DropReason::BadTrainFlag => "bad_train_flag",
         }
     }
 }
@@ -171,7 +179,7 @@ impl SchemaMapping {
             Some(v) => tools_of(v)?,
             None => Vec::new(),
         };
-        if !messages.iter().any(|m| m.role == Role::Assistant) {
+        if !messages.iter().any(|m| m.role == Role::Assistant && m.train) {
             return Err(DropReason::NoAssistantTurn);
         }
 
@@ -227,7 +235,16 @@ impl SchemaMapping {
         let field = |key: &str| obj.get(key).and_then(scalar_to_string).filter(|s| !s.is_empty());
         let (name, tool_call_id) =
             if role == Role::Tool { (field("name"), field("tool_call_id")) } else { (None, None) };
-        Ok(Message { role, content, reasoning, tool_calls, name, tool_call_id })
+        // Only assistant turns are ever supervised; a flag on another role (ShareGPT's weight 0 on human
+        // turns) says nothing.
+        let flag = self.train.as_ref().filter(|_| role == Role::Assistant).and_then(|k| obj.get(k));
+        let train = match flag {
+            None | Some(Value::Null) => true,
+            Some(Value::Bool(b)) => *b,
+            Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+            Some(_) => return Err(DropReason::BadTrainFlag),
+        };
+        Ok(Message { role, content, reasoning, tool_calls, name, tool_call_id, train })
     }
 }
 
@@ -486,6 +503,40 @@ mod tests {
         let textless =
             json!({"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null}]});
         assert_eq!(m.normalize(&textless, "s", "s:0").unwrap_err().label(), "non_string_content");
+    }
+
+    #[test]
+    fn turns_marked_untrained_stay_as_history() {
+        let m = SchemaMapping {
+            role: "from".into(),
+            content: "value".into(),
+            train: Some("weight".into()),
+            ..Default::default()
+        };
+        let row = |weights: [Value; 3]| {
+            json!({"conversations": [
+                {"from": "human", "value": "q", "weight": 0},
+                {"from": "gpt", "value": "a", "weight": weights[0]},
+                {"from": "human", "value": "q2"},
+                {"from": "gpt", "value": "b", "weight": weights[1]},
+                {"from": "gpt", "value": "c", "weight": weights[2]}]})
+        };
+        let conv = m.normalize(&row([json!(0), json!(1), Value::Null]), "s", "s:0").unwrap();
+        let flags: Vec<bool> = conv.messages.iter().map(|msg| msg.train).collect();
+        assert_eq!(flags, [true, false, true, true, true], "a human turn's weight says nothing");
+        assert_eq!(conv.trained_turns(), 2);
+        let line = serde_json::to_value(&conv).unwrap();
+        assert_eq!(line["messages"][1]["train"], false);
+        assert!(line["messages"][3].get("train").is_none(), "trained turns carry no flag");
+        let bools = m.normalize(&row([json!(true), json!(false), json!(0.0)]), "s", "s:0").unwrap();
+        assert_eq!(bools.trained_turns(), 1);
+        let none = m.normalize(&row([json!(0), json!(false), json!(0)]), "s", "s:0").unwrap_err();
+        assert_eq!(none.label(), "no_assistant_turn");
+        let bad = m.normalize(&row([json!("no"), json!(1), json!(1)]), "s", "s:0").unwrap_err();
+        assert_eq!(bad.label(), "bad_train_flag");
+        // Without `schema.train` a weight key is just a key.
+        let plain = SchemaMapping { role: "from".into(), content: "value".into(), ..Default::default() };
+        assert_eq!(plain.normalize(&row([json!(0), json!(0), json!(0)]), "s", "s:0").unwrap().trained_turns(), 3);
     }
 
     #[test]

@@ -66,6 +66,9 @@ pub struct ConversationFigures {
     pub per_source: BTreeMap<String, u64>,
     pub messages: Distribution,
     pub assistant_turns: Distribution,
+    /// Assistant turns the source marks not to be trained on (`schema.train`): history only.
+    #[serde(default)]
+    pub untrained_turns: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -240,13 +243,14 @@ pub struct ConversationObservation {
     pub source: String,
     pub messages: u32,
     pub assistant_turns: u32,
+    pub untrained_turns: u32,
     pub turns_with_thinking: u32,
     pub kind: ConversationKind,
     pub actions: Vec<ActionCheck>,
     pub tool_messages: u32,
     pub tool_calls: Vec<String>,
     pub key: u64,
-    /// (hash, first 120 characters) of each assistant turn's text.
+    /// (hash, first 120 characters) of each trained assistant turn's text.
     pub targets: Vec<(u64, String)>,
 }
 
@@ -385,12 +389,18 @@ pub fn observe(conv: &Conversation) -> ConversationObservation {
     let mut key_parts = Vec::with_capacity(conv.messages.len() * 3 + 1);
     key_parts.push(tools.as_str());
     for (m, target) in conv.messages.iter().zip(&targets) {
-        key_parts.extend([m.role.as_str(), target.as_str(), m.reasoning.as_deref().unwrap_or("\u{0}")]);
+        let train = if m.train { "" } else { "untrained" };
+        key_parts.extend([m.role.as_str(), target.as_str(), m.reasoning.as_deref().unwrap_or("\u{0}"), train]);
         match m.role {
             Role::Tool => obs.tool_messages += 1,
             Role::Assistant => {
                 obs.assistant_turns += 1;
                 obs.turns_with_thinking += u32::from(has_thinking(m.role, &m.content, m.reasoning.as_deref()));
+                if !m.train {
+                    // History only: the target checks are about what is trained.
+                    obs.untrained_turns += 1;
+                    continue;
+                }
                 obs.targets.push((stable_hash(&[target]), target.chars().take(SNIPPET_CHARS).collect()));
                 match kind {
                     ConversationKind::Terminus => obs.actions.push(check_action(&strip_thinking(&m.content).0)),

@@ -59,6 +59,13 @@ pub fn key_figures(ins: &Inspection) -> Vec<(&'static str, String)> {
         ("assistant turns with thinking", count_share(ins.thinking.turns_with_thinking, ins.thinking.assistant_turns)),
         ("thinking tokens in targets", ins.thinking.thinking_tokens_in_targets.to_string()),
     ];
+    if ins.conversations.untrained_turns > 0 {
+        let all = ins.thinking.assistant_turns;
+        rows.push((
+            "assistant turns not trained on (history only)",
+            count_share(ins.conversations.untrained_turns, all),
+        ));
+    }
     if term.assistant_turns > 0 {
         rows.push(("Terminus-2 turns with valid JSON", count_share(term.valid_json, term.assistant_turns)));
     }

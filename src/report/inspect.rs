@@ -231,6 +231,7 @@ fn merge(obs: ConversationObservation, ins: &mut Inspection, values: &mut Values
     *c.per_source.entry(obs.source.clone()).or_default() += 1;
     values.messages_per_conversation.push(obs.messages);
     values.assistant_turns_per_conversation.push(obs.assistant_turns);
+    c.untrained_turns += u64::from(obs.untrained_turns);
 
     ins.thinking.assistant_turns += u64::from(obs.assistant_turns);
     ins.thinking.turns_with_thinking += u64::from(obs.turns_with_thinking);
