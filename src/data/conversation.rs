@@ -68,6 +68,11 @@ fn is_trained(train: &bool) -> bool {
 }
 
 impl Message {
+    /// An assistant turn that is trained on.
+    pub fn is_trained_turn(&self) -> bool {
+        self.role == Role::Assistant && self.train
+    }
+
     pub fn new(role: Role, content: impl Into<String>) -> Self {
         Message {
             role,
@@ -141,7 +146,7 @@ impl Conversation {
 
     /// Assistant turns that are trained on (not marked otherwise by the source).
     pub fn trained_turns(&self) -> usize {
-        self.messages.iter().filter(|m| m.role == Role::Assistant && m.train).count()
+        self.messages.iter().filter(|m| m.is_trained_turn()).count()
     }
 }
 

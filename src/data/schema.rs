@@ -179,7 +179,7 @@ impl SchemaMapping {
             Some(v) => tools_of(v)?,
             None => Vec::new(),
         };
-        if !messages.iter().any(|m| m.role == Role::Assistant && m.train) {
+        if !messages.iter().any(Message::is_trained_turn) {
             return Err(DropReason::NoAssistantTurn);
         }
 
@@ -252,19 +252,24 @@ impl SchemaMapping {
 /// (`{"id", "type", "function": {"name", "arguments"}}`) or flat ones (`{"name", "arguments"}`, as Hermes and
 /// xLAM-style sets write them).
 fn tool_calls_of(v: &Value) -> Result<Vec<ToolCall>, DropReason> {
-    let bad = |why: &str| DropReason::BadToolCall(why.to_string());
-    let parsed;
-    let calls = match v {
-        Value::Null => return Ok(Vec::new()),
-        Value::String(s) if s.trim().is_empty() => return Ok(Vec::new()),
-        Value::String(s) => {
-            parsed = serde_json::from_str::<Value>(s).map_err(|_| bad("the calls are a string that is not JSON"))?;
-            parsed.as_array().ok_or_else(|| bad("the calls are not a list"))?
-        }
-        Value::Array(calls) => calls,
-        _ => return Err(bad("the calls are not a list")),
-    };
+    let calls = list_or_json_list(v).map_err(|why| DropReason::BadToolCall(format!("the calls are {why}")))?;
     calls.iter().map(tool_call).collect()
+}
+
+/// A list given as is or as a JSON string of one (Hub exports do both); null and "" are an empty list.
+/// The error says what the value is instead.
+fn list_or_json_list(v: &Value) -> Result<Vec<Value>, &'static str> {
+    match v {
+        Value::Null => Ok(Vec::new()),
+        Value::String(s) if s.trim().is_empty() => Ok(Vec::new()),
+        Value::String(s) => match serde_json::from_str::<Value>(s) {
+            Ok(Value::Array(list)) => Ok(list),
+            Ok(_) => Err("not a list"),
+            Err(_) => Err("a string that is not JSON"),
+        },
+        Value::Array(list) => Ok(list.clone()),
+        _ => Err("not a list"),
+    }
 }
 
 fn tool_call(v: &Value) -> Result<ToolCall, DropReason> {
@@ -299,21 +304,11 @@ fn tool_call(v: &Value) -> Result<ToolCall, DropReason> {
 /// (LFM2.5's and Gemma 4's templates read `tool.function.name`).
 fn tools_of(v: &Value) -> Result<Vec<Value>, DropReason> {
     let bad = |why: &str| DropReason::BadTools(why.to_string());
-    let parsed;
-    let list = match v {
-        Value::Null => return Ok(Vec::new()),
-        Value::String(s) if s.trim().is_empty() => return Ok(Vec::new()),
-        Value::String(s) => {
-            parsed = serde_json::from_str::<Value>(s).map_err(|_| bad("a string that is not JSON"))?;
-            parsed.as_array().ok_or_else(|| bad("not a list"))?
-        }
-        Value::Array(list) => list,
-        _ => return Err(bad("not a list")),
-    };
+    let list = list_or_json_list(v).map_err(bad)?;
     let named = |o: &Map<String, Value>| o.get("name").and_then(Value::as_str).is_some_and(|n| !n.trim().is_empty());
-    list.iter()
-        .map(|tool| match tool {
-            Value::Object(o) if o.get("function").and_then(Value::as_object).is_some_and(named) => Ok(tool.clone()),
+    list.into_iter()
+        .map(|tool| match &tool {
+            Value::Object(o) if o.get("function").and_then(Value::as_object).is_some_and(named) => Ok(tool),
             Value::Object(o) if !o.contains_key("function") && named(o) => {
                 Ok(serde_json::json!({"type": "function", "function": tool}))
             }

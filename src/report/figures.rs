@@ -142,7 +142,8 @@ pub struct ToolFigures {
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DuplicateFigures {
-    /// Conversations identical (roles, contents, calls, reasoning, offered tools) to an earlier one, mixing-weight copies included.
+    /// Conversations identical (roles, contents, calls, reasoning, training flags, offered tools) to an
+    /// earlier one, mixing-weight copies included.
     pub duplicate_conversations: u64,
     pub assistant_turns: u64,
     /// Assistant turns whose text equals an earlier assistant turn's.
@@ -386,7 +387,7 @@ pub fn observe(conv: &Conversation) -> ConversationObservation {
     };
     let tools = serde_json::to_string(&conv.tools).unwrap_or_default();
     let targets: Vec<String> = conv.messages.iter().map(target_text).collect();
-    let mut key_parts = Vec::with_capacity(conv.messages.len() * 3 + 1);
+    let mut key_parts = Vec::with_capacity(conv.messages.len() * 4 + 1);
     key_parts.push(tools.as_str());
     for (m, target) in conv.messages.iter().zip(&targets) {
         let train = if m.train { "" } else { "untrained" };
