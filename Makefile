@@ -75,10 +75,12 @@ test:
 	XDG_RUNTIME_DIR=$${XDG_RUNTIME_DIR:-$$(mktemp -d)} $(CARGO) test --all-targets $(TEST_FEATURES) -- --test-threads=1
 	$(CARGO) check --all-targets --features cuda
 
-# Benchmarks (figures go to docs/BENCHMARKS.md): prepare throughput, kiln vs transformers; a training step,
+# Benchmarks (figures go to docs/BENCHMARKS.md): prepare throughput, kiln vs transformers (terminal
+# trajectories, and function-calling rows); a training step,
 # kiln vs transformers + PyTorch on the same device (cuda shapes where a GPU is present, tiny ones on the CPU).
 bench: build
 	KILN=$(KILN) tests/bench/prepare.sh
+	KILN=$(KILN) tests/bench/function_calls.sh
 	KILN=$(KILN) tests/bench/train.sh
 
 # The CUDA build packed for a GPU machine without a toolchain (tests/bench/gpu_session.sh unpacks it there):
