@@ -210,6 +210,10 @@ struct IngestArgs {
     /// Eval sets (JSONL replay steps or trajectories) whose tasks must not be trained on (repeatable).
     #[arg(long = "decontaminate")]
     eval_sets: Vec<PathBuf>,
+    /// Drop a conversation identical (messages, calls, reasoning, tools; not its id) to one already kept from
+    /// any of the recipes, counted as `duplicate`.
+    #[arg(long)]
+    dedupe: bool,
     /// Output folder: conversations.jsonl and ingest.json.
     #[arg(long)]
     out: PathBuf,
@@ -959,7 +963,7 @@ fn ingest_cmd(args: IngestArgs, datasets_dir: &Path, quiet: bool) -> Result<()> 
     let hub = if recipes.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some())) { Some(hub(quiet)?) } else { None };
 
     let chosen = recipes.iter().map(|r| Ok((r, r.select(&args.sources)?))).collect::<Result<Vec<_>, DataError>>()?;
-    let all = kiln::data::ingest::ingest_to_dir(&chosen, hub.as_ref(), eval.as_ref(), !quiet, &args.out)?;
+    let all = kiln::data::ingest::ingest_to_dir(&chosen, hub.as_ref(), eval.as_ref(), args.dedupe, !quiet, &args.out)?;
     for warning in all.iter().flat_map(|s| s.warnings()) {
         eprintln!("warning: {warning}");
     }

@@ -72,7 +72,7 @@ fn drops_exactly_the_planted_overlaps() {
         schema: SchemaMapping { task: Some("task".into()), id: Some("trial_name".into()), ..Default::default() },
     };
     let mut kept = Vec::new();
-    let stats = ingest_source(&spec, &[path], Some(&index), 0, &ProgressBar::hidden(), &mut |c| {
+    let stats = ingest_source(&spec, &[path], Some(&index), None, 0, &ProgressBar::hidden(), &mut |c| {
         kept.push(c);
         Ok(())
     })

@@ -477,3 +477,54 @@ fn turns_weighted_zero_are_history_only() {
     let md = std::fs::read_to_string(run.join("report/summary.md")).unwrap();
     assert!(md.contains("| assistant turns not trained on (history only) | 1 (33.3 %) |"), "{md}");
 }
+
+/// `--dedupe` drops a conversation identical to one already kept, within a source and across recipes (ids
+/// do not matter; calls and training flags do), before the cap and the weight.
+#[test]
+fn dedupe_keeps_each_conversation_once_across_recipes() {
+    let dir = tempfile::tempdir().unwrap();
+    let conv = |id: &str, answer: &str| {
+        format!(
+            r#"{{"id": "{id}", "messages": [{{"role": "user", "content": "q"}}, {{"role": "assistant", "content": "{answer}"}}]}}"#
+        )
+    };
+    let call = |id: &str, city: &str| {
+        format!(
+            r#"{{"id": "{id}", "messages": [{{"role": "user", "content": "q"}}, {{"role": "assistant", "content": "", "tool_calls": [{{"name": "w", "arguments": {{"city": "{city}"}}}}]}}]}}"#
+        )
+    };
+    // Release A: a, b, a's repeat under another id, two calls that differ only in their arguments.
+    let a = [conv("a1", "yes"), conv("a2", "no"), conv("a3", "yes"), call("a4", "Oslo"), call("a5", "Quito")];
+    // Release B overlaps A in two conversations and adds one; weighted 2.
+    let b = [conv("b1", "no"), call("b2", "Oslo"), conv("b3", "maybe")];
+    std::fs::write(dir.path().join("a.jsonl"), a.join("\n")).unwrap();
+    std::fs::write(dir.path().join("b.jsonl"), b.join("\n")).unwrap();
+    for (name, weight) in [("a", 1.0), ("b", 2.0)] {
+        std::fs::write(
+            dir.path().join(format!("{name}.toml")),
+            format!("name = \"{name}\"\n[[source]]\nname = \"{name}\"\nformat = \"jsonl\"\npath = \"{name}.jsonl\"\nweight = {weight}\n[source.schema]\nmessages = \"messages\"\nid = \"id\"\n"),
+        )
+        .unwrap();
+    }
+    let recipes = format!("{},{}", dir.path().join("a.toml").display(), dir.path().join("b.toml").display());
+    let run = |extra: &[&str], out: &Path| -> (Value, Vec<String>) {
+        let args = ["--quiet", "ingest", "--dataset", recipes.as_str(), "--out", out.to_str().unwrap()];
+        let (ok, _, stderr) = run_kiln(&[&args[..], extra].concat(), &[], &project_dir());
+        assert!(ok, "{stderr}");
+        let stats: Value = serde_json::from_str(&std::fs::read_to_string(out.join("ingest.json")).unwrap()).unwrap();
+        let ids = std::fs::read_to_string(out.join("conversations.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap()["id"].as_str().unwrap().to_string())
+            .collect();
+        (stats, ids)
+    };
+    let (all, ids) = run(&[], &dir.path().join("all"));
+    assert_eq!(ids.len(), 5 + 2 * 3);
+    assert!(all[0]["sources"][0]["dropped"].as_object().unwrap().is_empty());
+
+    let (once, ids) = run(&["--dedupe"], &dir.path().join("once"));
+    assert_eq!(once[0]["sources"][0]["dropped"], serde_json::json!({"duplicate": 1}), "{once}");
+    assert_eq!(once[1]["sources"][0]["dropped"], serde_json::json!({"duplicate": 2}), "{once}");
+    assert_eq!(ids, ["a1", "a2", "a4", "a5", "b3", "b3#1"], "the first of each is kept, then weighted");
+}

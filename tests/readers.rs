@@ -30,7 +30,7 @@ fn run(
     files: &[PathBuf],
 ) -> Result<(kiln::data::ingest::SourceStats, Vec<Conversation>), DataError> {
     let mut out = Vec::new();
-    let stats = ingest_source(spec, files, None, 0, &ProgressBar::hidden(), &mut |c| {
+    let stats = ingest_source(spec, files, None, None, 0, &ProgressBar::hidden(), &mut |c| {
         out.push(c);
         Ok(())
     })?;

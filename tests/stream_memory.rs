@@ -62,7 +62,7 @@ fn a_300_mb_json_array_streams_in_bounded_memory() {
         },
     };
     let mut seen = 0u64;
-    let stats = ingest_source(&spec, &[path], None, 0, &ProgressBar::hidden(), &mut |_| {
+    let stats = ingest_source(&spec, &[path], None, None, 0, &ProgressBar::hidden(), &mut |_| {
         seen += 1;
         Ok(())
     })

@@ -1,7 +1,7 @@
 //! Ingest: a recipe's sources → normalized, decontaminated, capped and weighted conversations, with
 //! counts of everything read, kept and dropped (by reason) for the stats and the inspection report.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
@@ -16,6 +16,9 @@ use super::readers::{Location, for_each_row, local_files};
 use super::recipe::{Recipe, SourceSpec};
 use crate::hub::{Hub, PulledRepo};
 
+/// The drop reason of a conversation seen before in the same ingest (with dedupe on).
+pub const DUPLICATE: &str = "duplicate";
+
 #[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SourceStats {
     pub name: String,
@@ -24,7 +27,7 @@ pub struct SourceStats {
     /// Rows that normalized cleanly and were not contaminated (before the cap and weight).
     pub kept: u64,
     /// Dropped rows by reason (missing_column, unknown_role, non_string_content, empty_conversation,
-    /// no_assistant_turn, bad_tool_call, bad_tools).
+    /// no_assistant_turn, bad_tool_call, bad_tools, bad_train_flag, duplicate).
     pub dropped: BTreeMap<String, u64>,
     pub decontamination: DecontamStats,
     /// True when `max_rows` stopped the read early.
@@ -103,6 +106,28 @@ impl IngestStats {
     }
 }
 
+/// The conversations an ingest has kept so far, by content (messages with their calls, reasoning and training
+/// flags, and the offered tools; ids and sources aside), to drop exact repeats across all its sources and
+/// recipes: a mix of two releases of one corpus (gyung/LFM2-Terminal-SFT-Processed is a part of
+/// nvidia/Nemotron-Terminal-Corpus) would otherwise train the shared conversations twice.
+#[derive(Debug, Default)]
+pub struct Dedupe {
+    seen: HashSet<[u8; 16]>,
+}
+
+impl Dedupe {
+    /// True the first time a conversation with this content is offered.
+    pub fn first_time(&mut self, conv: &Conversation) -> bool {
+        let mut h = Sha256::new();
+        // Serializing a conversation's own types cannot fail.
+        h.update(serde_json::to_vec(&(&conv.messages, &conv.tools)).unwrap_or_default());
+        let digest = h.finalize();
+        let mut key = [0u8; 16];
+        key.copy_from_slice(&digest[..16]);
+        self.seen.insert(key)
+    }
+}
+
 /// How many times a kept conversation is emitted under `weight`: the whole part always, the fractional
 /// part for a deterministic, seed-dependent subset of ids.
 pub fn copies(weight: f64, id: &str, seed: u64) -> u64 {
@@ -157,11 +182,14 @@ pub fn source_files(
 }
 
 /// Reads one source's files, normalizing, decontaminating, capping and weighting, and hands each
-/// conversation to `sink`. A bad row is counted and skipped; a bad file stops with its error.
+/// conversation to `sink`. A bad row is counted and skipped; a bad file stops with its error. With `dedupe`,
+/// a conversation it has seen before (in this source or an earlier one) is dropped as `duplicate`, before
+/// the cap and the weight.
 pub fn ingest_source(
     spec: &SourceSpec,
     files: &[PathBuf],
     eval: Option<&EvalIndex>,
+    mut dedupe: Option<&mut Dedupe>,
     seed: u64,
     progress: &ProgressBar,
     sink: &mut dyn FnMut(Conversation) -> Result<(), DataError>,
@@ -189,6 +217,12 @@ pub fn ingest_source(
             };
             if let Some(hit) = eval.and_then(|e| e.check(&conv)) {
                 stats.decontamination.record(&hit);
+                return ControlFlow::Continue(());
+            }
+            if let Some(d) = dedupe.as_deref_mut()
+                && !d.first_time(&conv)
+            {
+                *stats.dropped.entry(DUPLICATE.to_string()).or_default() += 1;
                 return ControlFlow::Continue(());
             }
             if spec.max_rows.is_some_and(|cap| stats.kept >= cap) {
@@ -253,6 +287,7 @@ pub fn ingest(
     sources: &[&SourceSpec],
     hub: Option<&Hub>,
     eval: Option<&EvalIndex>,
+    mut dedupe: Option<&mut Dedupe>,
     show_progress: bool,
     sink: &mut dyn FnMut(Conversation) -> Result<(), DataError>,
 ) -> Result<IngestStats, DataError> {
@@ -271,7 +306,7 @@ pub fn ingest(
                 .unwrap_or_else(|_| ProgressStyle::default_spinner()),
         );
         bar.set_message(spec.name.clone());
-        let s = ingest_source(spec, &files, eval, recipe.seed, &bar, sink)?;
+        let s = ingest_source(spec, &files, eval, dedupe.as_deref_mut(), recipe.seed, &bar, sink)?;
         bar.finish_and_clear();
         if show_progress {
             eprintln!(
@@ -290,11 +325,13 @@ pub fn ingest(
 }
 
 /// Ingests each (recipe, chosen sources) into `out/conversations.jsonl` (written to a `.partial` file and
-/// moved into place only when complete) and `out/ingest.json`; returns the per-recipe stats.
+/// moved into place only when complete) and `out/ingest.json`; returns the per-recipe stats. `dedupe` drops
+/// repeats across all of them.
 pub fn ingest_to_dir(
     recipes: &[(&Recipe, Vec<&SourceSpec>)],
     hub: Option<&Hub>,
     eval: Option<&EvalIndex>,
+    dedupe: bool,
     show_progress: bool,
     out: &std::path::Path,
 ) -> Result<Vec<IngestStats>, DataError> {
@@ -309,13 +346,14 @@ pub fn ingest_to_dir(
     let file = std::fs::File::create(&tmp_path).map_err(io(&tmp_path))?;
     let mut writer = std::io::BufWriter::new(file);
     let mut all = Vec::new();
+    let mut seen = dedupe.then(Dedupe::default);
     {
         let mut write = |conv: Conversation| -> Result<(), DataError> {
             serde_json::to_writer(&mut writer, &conv).map_err(|e| io(&tmp_path)(e.into()))?;
             writer.write_all(b"\n").map_err(io(&tmp_path))
         };
         for (recipe, sources) in recipes {
-            let stats = ingest(recipe, sources, hub, eval, show_progress, &mut write)?;
+            let stats = ingest(recipe, sources, hub, eval, seen.as_mut(), show_progress, &mut write)?;
             if show_progress {
                 eprintln!("{}", stats.summary());
             }

@@ -85,6 +85,10 @@ pub struct DataPlan {
     /// Eval sets whose tasks are removed from the training data (relative to the project).
     #[serde(default)]
     pub decontaminate: Vec<PathBuf>,
+    /// Drop conversations identical (messages, calls, reasoning, tools; not their ids) to one already kept
+    /// from any recipe, as `duplicate`: mixes of overlapping releases of one corpus train each once.
+    #[serde(default)]
+    pub dedupe: bool,
     pub seq_len: usize,
     #[serde(default = "default_layout")]
     pub layout: Layout,

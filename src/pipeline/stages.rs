@@ -402,9 +402,15 @@ fn prepare(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     };
     let needs_hub = recipes.iter().any(|r| r.sources.iter().any(|s| s.hub.is_some()));
     let hub = if needs_hub { Some(hub(ctx)?) } else { None };
-    let ingests =
-        crate::data::ingest::ingest_to_dir(&chosen, hub.as_ref(), eval.as_ref(), ctx.req.show_progress, &data_dir)
-            .map_err(|e| err(&e))?;
+    let ingests = crate::data::ingest::ingest_to_dir(
+        &chosen,
+        hub.as_ref(),
+        eval.as_ref(),
+        c.data.dedupe,
+        ctx.req.show_progress,
+        &data_dir,
+    )
+    .map_err(|e| err(&e))?;
     for w in ingests.iter().flat_map(|s| s.warnings()) {
         eprintln!("  warning: {w}");
     }
