@@ -479,7 +479,7 @@ fn turns_weighted_zero_are_history_only() {
 }
 
 /// `--dedupe` drops a conversation identical to one already kept, within a source and across recipes (ids
-/// do not matter; calls and training flags do), before the cap and the weight.
+/// do not matter; call arguments do), before the weight.
 #[test]
 fn dedupe_keeps_each_conversation_once_across_recipes() {
     let dir = tempfile::tempdir().unwrap();
