@@ -25,6 +25,29 @@ fn shard_rows(stats: &Value) -> Vec<Row> {
         .collect()
 }
 
+/// The tiny tokenizer's text of every shard row's tokens (all, or only the supervised ones), concatenated.
+fn tiny_text(stats: &Value, supervised_only: bool) -> String {
+    let tok = kiln::tokens::TextTokenizer::load(
+        &project_dir().join("configs/models/tiny"),
+        &kiln::chat::SpecialTokens::default(),
+        None,
+    )
+    .unwrap();
+    shard_rows(stats)
+        .iter()
+        .map(|r| {
+            let ids: Vec<u32> = r
+                .input_ids
+                .iter()
+                .zip(&r.loss_mask)
+                .filter(|(_, m)| !supervised_only || **m == 1)
+                .map(|(i, _)| *i)
+                .collect();
+            tok.decode(&ids)
+        })
+        .collect()
+}
+
 /// The stats must be what the shards hold.
 fn check_stats_against_shards(stats: &Value, seq_len: Option<usize>) {
     let rows = shard_rows(stats);
@@ -384,28 +407,13 @@ fn function_calling_rows_are_trained_with_their_calls() {
     let conversations = data.join("conversations.jsonl");
     let stats = prepare_tiny(&conversations, &dir.path().join("tiny"), &["--validation-share", "0"]);
     assert!(stats["dropped"].as_object().unwrap().is_empty(), "{}", stats["error_examples"]);
-    let tok = kiln::tokens::TextTokenizer::load(
-        &project_dir().join("configs/models/tiny"),
-        &kiln::chat::SpecialTokens::default(),
-        None,
-    )
-    .unwrap();
-    let rows = shard_rows(&stats);
-    let supervised: Vec<String> = rows
-        .iter()
-        .map(|r| {
-            let ids: Vec<u32> =
-                r.input_ids.iter().zip(&r.loss_mask).filter(|(_, m)| **m == 1).map(|(i, _)| *i).collect();
-            tok.decode(&ids)
-        })
-        .collect();
-    let all = supervised.concat();
+    let all = tiny_text(&stats, true);
     for city in ["Oslo", "Quito"] {
         let call = format!("<|tool_call_start|>[get_weather(city=\"{city}\")]<|tool_call_end|>");
         assert!(all.contains(&call), "{call} is not supervised in {all:?}");
         assert!(all.contains(&format!("It is cold in {city}.")));
     }
-    let text: String = rows.iter().map(|r| tok.decode(&r.input_ids)).collect();
+    let text = tiny_text(&stats, false);
     assert!(text.contains("List of tools: <|tool_list_start|>[{\"type\": \"function\""), "{text}");
     assert!(!all.contains("List of tools") && !all.contains("<|tool_response_start|>"), "prompt text is supervised");
 
@@ -446,24 +454,8 @@ fn turns_weighted_zero_are_history_only() {
 
     let stats = prepare_tiny(&data.join("conversations.jsonl"), &data, &["--validation-share", "0"]);
     assert_eq!(stats["samples"], 2, "{stats}");
-    let tok = kiln::tokens::TextTokenizer::load(
-        &project_dir().join("configs/models/tiny"),
-        &kiln::chat::SpecialTokens::default(),
-        None,
-    )
-    .unwrap();
-    let rows = shard_rows(&stats);
-    let decode_where = |keep: fn(u8) -> bool| -> String {
-        rows.iter()
-            .map(|r| {
-                let ids: Vec<u32> =
-                    r.input_ids.iter().zip(&r.loss_mask).filter(|(_, m)| keep(**m)).map(|(i, _)| *i).collect();
-                tok.decode(&ids)
-            })
-            .collect()
-    };
-    let supervised = decode_where(|m| m == 1);
-    let everything = decode_where(|_| true);
+    let supervised = tiny_text(&stats, true);
+    let everything = tiny_text(&stats, false);
     assert!(supervised.contains("ls | wc -l") && supervised.contains("hi"), "{supervised:?}");
     assert!(!supervised.contains("rm -rf"), "a turn weighted 0 is supervised: {supervised:?}");
     assert!(everything.contains("rm -rf data"), "the turn weighted 0 is not in the history");

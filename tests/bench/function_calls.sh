@@ -10,17 +10,7 @@ KILN=${KILN:-target/release/kiln}
 SHARED=../shared
 ROWS=${ROWS:-2000}
 WORK=runs/bench-function-calls
-VENV=${BENCH_VENV:-.venv-bench}
-rm -rf "$WORK" && mkdir -p "$WORK/model"
-if [[ ! -x "$VENV/bin/python" ]]; then
-    python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q transformers==5.23.0 jinja2
-fi
-TEMPLATE=$SHARED/templates/qwen3_5_think_training.trl.jinja
-TOKENIZER=$SHARED/tokenizers/qwen3.5-derived/tokenizer.json
-cp "$TEMPLATE" "$WORK/model/chat_template.jinja"
-cp "$TOKENIZER" "$WORK/model/tokenizer.json"
-echo '{"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}' > "$WORK/model/tokenizer_config.json"
+source tests/bench/qwen_model.sh
 python3 - "$ROWS" "$WORK/calls.jsonl" <<'PY'
 import json, random, sys
 rows, out = int(sys.argv[1]), sys.argv[2]
