@@ -3,6 +3,7 @@
 //! byte spans each sample supervises — from `{% generation %}` blocks where the template has them, else by
 //! rendering the prompt (with the generation prompt) and the prompt plus the turn and taking the difference.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
@@ -138,17 +139,19 @@ fn trained(m: &Value) -> bool {
     role(m) == "assistant" && m.get(TRAIN_FLAG) != Some(&Value::Bool(false))
 }
 
-/// The messages as the template gets them: without kiln's training flag.
-fn without_train_flags(messages: &[Value]) -> Vec<Value> {
-    messages
-        .iter()
-        .map(|m| match m {
-            Value::Object(obj) if obj.contains_key(TRAIN_FLAG) => Value::Object(
-                obj.iter().filter(|(k, _)| *k != TRAIN_FLAG).map(|(k, v)| (k.clone(), v.clone())).collect(),
-            ),
-            other => other.clone(),
-        })
-        .collect()
+/// The messages as the template gets them: without kiln's training flag (borrowed when none has one, as
+/// almost no conversation does).
+fn without_train_flags(messages: &[Value]) -> Cow<'_, [Value]> {
+    if !messages.iter().any(|m| m.get(TRAIN_FLAG).is_some()) {
+        return Cow::Borrowed(messages);
+    }
+    let mut owned = messages.to_vec();
+    for m in &mut owned {
+        if let Some(obj) = m.as_object_mut() {
+            obj.shift_remove(TRAIN_FLAG);
+        }
+    }
+    Cow::Owned(owned)
 }
 
 /// Strips thinking from one message (content and separate reasoning fields); returns blocks removed.

@@ -119,7 +119,8 @@ impl Dedupe {
     /// True the first time a conversation with this content is offered.
     pub fn first_time(&mut self, conv: &Conversation) -> bool {
         let mut h = Sha256::new();
-        h.update(serde_json::to_vec(&(&conv.messages, &conv.tools)).expect("a Conversation serializes"));
+        // Streamed into the hash, not buffered.
+        serde_json::to_writer(&mut h, &(&conv.messages, &conv.tools)).expect("a Conversation serializes");
         let digest = h.finalize();
         let mut key = [0u8; 16];
         key.copy_from_slice(&digest[..16]);

@@ -3,6 +3,7 @@
 //! document contributes (tokens, supervised tokens, thinking tokens in targets). `inspect` streams the run
 //! through these; `summary.json` is `Inspection` serialized.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 
@@ -386,12 +387,12 @@ pub fn observe(conv: &Conversation) -> ConversationObservation {
         ..Default::default()
     };
     let tools = serde_json::to_string(&conv.tools).unwrap_or_default();
-    let targets: Vec<String> = conv.messages.iter().map(target_text).collect();
+    let targets: Vec<Cow<str>> = conv.messages.iter().map(target_text).collect();
     let mut key_parts = Vec::with_capacity(conv.messages.len() * 4 + 1);
     key_parts.push(tools.as_str());
     for (m, target) in conv.messages.iter().zip(&targets) {
         let train = if m.train { "" } else { "untrained" };
-        key_parts.extend([m.role.as_str(), target.as_str(), m.reasoning.as_deref().unwrap_or("\u{0}"), train]);
+        key_parts.extend([m.role.as_str(), target, m.reasoning.as_deref().unwrap_or("\u{0}"), train]);
         match m.role {
             Role::Tool => obs.tool_messages += 1,
             Role::Assistant => {
@@ -421,13 +422,16 @@ pub fn observe(conv: &Conversation) -> ConversationObservation {
 
 /// A message's text with its structured calls written after it (`name({"arg": …})`), so that two turns
 /// calling different functions with no text are told apart.
-fn target_text(m: &Message) -> String {
+fn target_text(m: &Message) -> Cow<'_, str> {
+    if m.tool_calls.is_empty() {
+        return Cow::Borrowed(&m.content);
+    }
     let mut text = m.content.clone();
     for call in &m.tool_calls {
         let args = serde_json::to_string(&call.function.arguments).unwrap_or_default();
         text += &format!("{}{}({args})", if text.is_empty() { "" } else { "\n" }, call.function.name);
     }
-    text
+    Cow::Owned(text)
 }
 
 /// Supervised tokens of one document, and how many of them lie inside `<think>…</think>`.
