@@ -12,7 +12,7 @@ use kiln::chat::{
     build_samples,
 };
 use kiln::tokens::{TextTokenizer, tokenize_sample};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 fn fixture_conversations() -> Vec<(ChatInput, serde_json::Map<String, Value>)> {
     let path = common::project_dir().join("tests/fixtures/templates/conversations.json");
@@ -273,6 +273,52 @@ fn function_calls_from_the_data_are_supervised_in_each_templates_own_format() {
             .contains("conversation 'calls:0', message 1: the template renders none of the turn's 1 tool call(s)"),
         "{err}"
     );
+}
+
+#[test]
+fn a_template_that_renders_only_some_calls_of_a_turn_is_refused() {
+    let clock = PinnedClock::parse("2026-01-01").unwrap();
+    let call =
+        |id: &str, name: &str| json!({"id": id, "type": "function", "function": {"name": name, "arguments": {}}});
+    let messages = vec![
+        json!({"role": "user", "content": "weather and time in Oslo?"}),
+        json!({"role": "assistant", "content": "", "tool_calls": [call("a", "get_weather"), call("b", "get_time")]}),
+    ];
+    let input = ChatInput { id: "two".into(), messages, tools: None, source: None, meta: Default::default() };
+    let template = |calls: &str| {
+        let text = format!(
+            "{{% for m in messages %}}{{% if m.role == 'assistant' %}}A: {{% generation %}}{{{{ m.content }}}}{calls}<end>{{% endgeneration %}}{{% else %}}U: {{{{ m.content }}}}\n{{% endif %}}{{% endfor %}}{{% if add_generation_prompt %}}A: {{% endif %}}"
+        );
+        ChatTemplate::new(TemplateSource::new(text, "inline".into()), SpecialTokens::default(), clock).unwrap()
+    };
+    let every = template("{% for c in m.tool_calls %}[{{ c.function.name }}]{% endfor %}");
+    let samples = build_samples(&every, &input, &SamplePolicy::default()).unwrap();
+    let first = &samples[0];
+    assert_eq!(&first.text[first.targets[0].clone()], "[get_weather][get_time]<end>");
+    // Only the first call, only the last: the turn would train without the other; both are refused, naming it.
+    for (calls, missing) in [
+        (
+            "{% if m.tool_calls %}[{{ m.tool_calls[0].function.name }}]{% endif %}",
+            "does not render call 1 (`get_time`)",
+        ),
+        (
+            "{% if m.tool_calls %}[{{ m.tool_calls[-1].function.name }}]{% endif %}",
+            "does not render call 0 (`get_weather`)",
+        ),
+    ] {
+        let err = build_samples(&template(calls), &input, &SamplePolicy::default()).unwrap_err();
+        assert_eq!(err.drop_reason(), "tool_calls_unrendered");
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!(
+                "conversation 'two', message 1: the template {missing} of the turn's 2 tool call(s)"
+            )),
+            "{text}"
+        );
+        assert!(text.contains("without all its calls"), "{text}");
+    }
+    let none = build_samples(&template(""), &input, &SamplePolicy::default()).unwrap_err();
+    assert!(none.to_string().contains("renders none of the turn's 2 tool call(s)"), "{none}");
 }
 
 #[test]

@@ -32,11 +32,39 @@ pub enum ChatError {
     #[error("{0}")]
     Mask(String),
     #[error(
-        "the template renders none of the turn's {calls} tool call(s): the text is the same without them, so training it would teach the turn without its calls. This template reads calls from the content (LFM2's does: write them there in the model's format), or render with a template that reads `tool_calls`"
+        "the template {}: the text is the same without {}, so training it would teach the turn without {}. {}",
+        unrendered_calls(ignored, *calls),
+        if ignored.len() == *calls { "them" } else { "it" },
+        if ignored.len() == *calls { "its calls" } else { "all its calls" },
+        if ignored.len() == *calls {
+            "This template reads calls from the content (LFM2's does: write them there in the model's format), or render with a template that reads `tool_calls`"
+        } else {
+            "The template renders only some calls of a turn (the first, say): split such turns, or render with a template that renders every call"
+        }
     )]
-    ToolCallsIgnored { calls: usize },
+    ToolCallsIgnored {
+        calls: usize,
+        /// The calls (index in the turn, function name) whose removal leaves the render unchanged.
+        ignored: Vec<(usize, String)>,
+    },
     #[error("conversation '{id}'{}: {source}", message_index.map(|i| format!(", message {i}")).unwrap_or_default())]
     Sample { id: String, message_index: Option<usize>, source: Box<ChatError> },
+}
+
+/// "renders none of the turn's 2 tool call(s)", or which it leaves out: "does not render call 1 (`search`) of
+/// the turn's 2 tool call(s)", "… calls 1 (`a`) and 2 (`b`) …".
+fn unrendered_calls(ignored: &[(usize, String)], calls: usize) -> String {
+    if ignored.len() == calls {
+        return format!("renders none of the turn's {calls} tool call(s)");
+    }
+    let named: Vec<String> = ignored.iter().map(|(i, name)| format!("{i} (`{name}`)")).collect();
+    let list = match named.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
+        None => String::new(),
+    };
+    let plural = if ignored.len() == 1 { "" } else { "s" };
+    format!("does not render call{plural} {list} of the turn's {calls} tool call(s)")
 }
 
 impl ChatError {
@@ -51,5 +79,27 @@ impl ChatError {
             ChatError::ToolCallsIgnored { .. } => "tool_calls_unrendered",
             _ => "template_error",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unrendered_calls_are_named_in_the_turn_s_order() {
+        let named = |ignored: &[(usize, &str)], calls| {
+            ChatError::ToolCallsIgnored { calls, ignored: ignored.iter().map(|(i, n)| (*i, n.to_string())).collect() }
+                .to_string()
+        };
+        let one = named(&[(2, "ls")], 3);
+        assert!(one.starts_with("the template does not render call 2 (`ls`) of the turn's 3 tool call(s): the text is the same without it, so training it would teach the turn without all its calls. The template renders only some"), "{one}");
+        let three = named(&[(0, "a"), (1, "b"), (3, "d")], 4);
+        assert!(
+            three.starts_with("the template does not render calls 0 (`a`), 1 (`b`) and 3 (`d`) of the turn's 4"),
+            "{three}"
+        );
+        let all = named(&[(0, "a"), (1, "b")], 2);
+        assert!(all.starts_with("the template renders none of the turn's 2 tool call(s): the text is the same without them, so training it would teach the turn without its calls. This template reads calls from the content"), "{all}");
     }
 }

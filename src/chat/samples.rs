@@ -235,6 +235,36 @@ impl Renderer<'_> {
         ChatError::Sample { id: self.input.id.clone(), message_index, source: Box::new(err) }
     }
 
+    /// The calls of the last message, `calls`, that its render `full` does not show: the text is the same with the
+    /// call left out (index in the turn, function name). A template that reads calls only from the content
+    /// (LFM2's) shows none, one that renders only the first shows only that one: training such a turn would
+    /// teach the answer minus its calls. One render per call (most turns make one).
+    fn unrendered_calls(
+        &self,
+        messages: &[Value],
+        calls: &[Value],
+        full: &str,
+    ) -> Result<Vec<(usize, String)>, ChatError> {
+        let turn = messages.len() - 1;
+        let mut without = messages.to_vec();
+        let mut ignored = Vec::new();
+        for (i, call) in calls.iter().enumerate() {
+            let rest: Vec<Value> = calls.iter().enumerate().filter(|&(j, _)| j != i).map(|(_, c)| c.clone()).collect();
+            if let Some(obj) = without[turn].as_object_mut() {
+                if rest.is_empty() {
+                    obj.remove("tool_calls");
+                } else {
+                    obj.insert("tool_calls".into(), Value::Array(rest));
+                }
+            }
+            if self.render(&without, false)?.text == full {
+                let name = call.pointer("/function/name").or_else(|| call.get("name")).and_then(Value::as_str);
+                ignored.push((i, name.unwrap_or("?").to_string()));
+            }
+        }
+        Ok(ignored)
+    }
+
     /// The supervised byte span of the last message (an assistant turn) of `messages`, and the full render.
     fn target_span(&self, messages: &[Value]) -> Result<(Rendered, Range<usize>), ChatError> {
         let full = self.render(messages, false)?;
@@ -267,14 +297,9 @@ impl Renderer<'_> {
             return Err(no_target("the supervised turn renders to no text"));
         }
         if let Some(calls) = messages[turn].get("tool_calls").and_then(Value::as_array).filter(|c| !c.is_empty()) {
-            // A template that reads calls only from the content (LFM2's) renders the turn without them: training
-            // it would teach the answer minus its calls.
-            let mut without = messages.to_vec();
-            if let Some(obj) = without[turn].as_object_mut() {
-                obj.remove("tool_calls");
-            }
-            if self.render(&without, false)?.text == full.text {
-                return Err(at_turn(ChatError::ToolCallsIgnored { calls: calls.len() }));
+            let ignored = self.unrendered_calls(messages, calls, &full.text)?;
+            if !ignored.is_empty() {
+                return Err(at_turn(ChatError::ToolCallsIgnored { calls: calls.len(), ignored }));
             }
         }
         Ok((full, span))
