@@ -160,6 +160,37 @@ fn a_data_parallel_run_resumes_bit_for_bit_and_uneven_shares_are_refused() {
     assert!(!run.exists(), "a refused config left {}", run.display());
 }
 
+/// With data-parallel replicas each measures its share of the validation split's micro-batches, and the sums
+/// are added in batch order: the base model's point (four held-out rows of three sources, a replica's share
+/// two of them) is one device's bit for bit, the later ones within f32 rounding of it (the trained weights
+/// differ by the order of the gradient sums).
+#[test]
+fn replicas_share_the_validation_and_measure_what_one_device_does() {
+    use kiln::train::validation::{points_path, read_points};
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixture_shards(dir.path(), 2);
+    common::training::write_fixture_shards(&data.join("validation"), 2, 12, &["terminal", "toolbench", "ops"]);
+    assert_eq!(kiln::train::data::TrainData::load(&data.join("validation")).unwrap().rows.len(), 4);
+    let points = |devices: usize| {
+        let cfg = TrainConfig { epochs: 2, devices, validation_every: Some(1), ..parity_config() };
+        let run_dir = dir.path().join(format!("run-{devices}"));
+        run::<CpuTrain>(&cfg, &data, &run_dir, false, None);
+        read_points(&points_path(&run_dir.join("train"))).unwrap()
+    };
+    let (one, two) = (points(1), points(2));
+    assert_eq!(one.len(), 5);
+    assert_eq!((one[0].loss.to_bits(), &one[0].sources), (two[0].loss.to_bits(), &two[0].sources));
+    assert_eq!(one[0].sources.len(), 3);
+    for (a, b) in one.iter().zip(&two) {
+        assert_eq!((a.step, &a.checkpoint, a.supervised_tokens), (b.step, &b.checkpoint, b.supervised_tokens));
+        for (source, s) in &a.sources {
+            let t = &b.sources[source];
+            assert_eq!(s.supervised_tokens, t.supervised_tokens);
+            assert!((s.loss - t.loss).abs() <= 1e-6 * s.loss, "step {} {source}: {} vs {}", a.step, s.loss, t.loss);
+        }
+    }
+}
+
 /// Fine-tuning a checkpoint of the run's own `checkpoints/` is refused before anything loads: the epoch's
 /// export would write over it.
 #[test]

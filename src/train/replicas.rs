@@ -21,7 +21,9 @@ use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
 
 use super::TrainError;
+use super::data::TrainData;
 use super::step::MicroBatch;
+use super::validation::BatchSums;
 use crate::backend::zeros_in;
 
 /// The devices of `count` replicas on `device`'s backend: device indices 0..count, or the one device `count`
@@ -199,15 +201,37 @@ pub struct Share {
 /// zeros first).
 pub type ShareOutcome = Result<super::step::ShardOutcome, TrainError>;
 
-/// Splits a step's micro-batches among `count` replicas, round robin: micro-batch `i` goes to replica
-/// `i % count`.
-pub fn split(batches: Vec<MicroBatch>, count: usize) -> Vec<Vec<(usize, MicroBatch)>> {
+/// Splits a step's micro-batches (or the validation's) among `count` replicas, round robin: micro-batch `i`
+/// goes to replica `i % count`, with its index.
+pub fn split<T>(batches: impl IntoIterator<Item = T>, count: usize) -> Vec<Vec<(usize, T)>> {
     let count = count.max(1);
-    let mut shares: Vec<Vec<(usize, MicroBatch)>> = (0..count).map(|_| Vec::new()).collect();
+    let mut shares: Vec<Vec<(usize, T)>> = (0..count).map(|_| Vec::new()).collect();
     for (i, batch) in batches.into_iter().enumerate() {
         shares[i % count].push((i, batch));
     }
     shares
+}
+
+/// A replica's share of a validation measure: the numbers of the split's micro-batches it runs.
+pub struct ValidationShare {
+    pub data: Arc<TrainData>,
+    pub batches: Vec<usize>,
+    pub micro_batch: usize,
+    pub pad_multiple: usize,
+}
+
+/// Each of the share's micro-batches' loss sums by source, with its number.
+pub type ValidationOutcome = Result<Vec<(usize, BatchSums)>, TrainError>;
+
+/// What a replica thread is handed: a step's share, or a validation measure's.
+enum Job {
+    Step(Share),
+    Validate(ValidationShare),
+}
+
+enum JobOutcome {
+    Step(ShareOutcome),
+    Validate(ValidationOutcome),
 }
 
 /// Runs `f`, turning a panic into an error (a replica's share: it must still reach the collective calls).
@@ -223,12 +247,15 @@ pub trait ReplicaWork<B: AutodiffBackend>: Clone + Send + 'static {
     type State;
     fn load(&self, device: &B::Device) -> Result<Self::State, TrainError>;
     fn run(&self, state: &mut Self::State, share: Share, sync: &GradientSync) -> ShareOutcome;
+    /// The validation loss sums of the share's micro-batches under the replica's model (equal to every other
+    /// replica's between steps).
+    fn validate(&self, state: &mut Self::State, share: &ValidationShare) -> ValidationOutcome;
 }
 
 /// The replicas beyond the trainer's own (replica 0): a thread each, fed shares over a channel.
 pub struct Replicas<B: AutodiffBackend> {
-    jobs: Vec<Sender<Share>>,
-    outcomes: Vec<Receiver<ShareOutcome>>,
+    jobs: Vec<Sender<Job>>,
+    outcomes: Vec<Receiver<JobOutcome>>,
     threads: Vec<JoinHandle<()>>,
     /// A replica stopped mid-step: its thread may be waiting in the collective, so it is not joined.
     failed: bool,
@@ -261,8 +288,8 @@ impl<B: AutodiffBackend> Replicas<B> {
         };
         let (mut loaded, mut go) = (Vec::new(), Vec::new());
         for (index, sync) in syncs.enumerate().map(|(i, s)| (i + 1, s)) {
-            let (job_tx, job_rx) = channel::<Share>();
-            let (out_tx, out_rx) = channel::<ShareOutcome>();
+            let (job_tx, job_rx) = channel::<Job>();
+            let (out_tx, out_rx) = channel::<JobOutcome>();
             let (loaded_tx, loaded_rx) = channel::<Result<(), TrainError>>();
             let (go_tx, go_rx) = channel::<()>();
             let device = devices[index].clone();
@@ -282,8 +309,14 @@ impl<B: AutodiffBackend> Replicas<B> {
                     if go_rx.recv().is_err() || sync.register::<B::InnerBackend>(&device, count).is_err() {
                         return;
                     }
-                    while let Ok(share) = job_rx.recv() {
-                        if out_tx.send(work.run(&mut state, share, &sync)).is_err() {
+                    while let Ok(job) = job_rx.recv() {
+                        let outcome = match job {
+                            Job::Step(share) => JobOutcome::Step(work.run(&mut state, share, &sync)),
+                            Job::Validate(share) => JobOutcome::Validate(
+                                catch("the validation", || work.validate(&mut state, &share)).and_then(|r| r),
+                            ),
+                        };
+                        if out_tx.send(outcome).is_err() {
                             break;
                         }
                     }
@@ -317,8 +350,36 @@ impl<B: AutodiffBackend> Replicas<B> {
 
     /// Hands replica `r + 1` its share `shares[r]` of the step.
     pub fn send(&mut self, shares: Vec<Share>) -> Result<(), TrainError> {
-        for (r, (share, jobs)) in shares.into_iter().zip(&self.jobs).enumerate() {
-            if jobs.send(share).is_err() {
+        self.send_jobs(shares.into_iter().map(Job::Step))
+    }
+
+    /// Each replica's outcome of the step last sent.
+    pub fn collect(&mut self) -> Vec<ShareOutcome> {
+        let outcomes = self.collect_jobs(|outcome| match outcome {
+            JobOutcome::Step(outcome) => outcome,
+            JobOutcome::Validate(_) => Err(TrainError::Device("a replica answered a step with a validation".into())),
+        });
+        self.failed |= outcomes.iter().any(Result::is_err);
+        outcomes
+    }
+
+    /// Hands replica `r + 1` its share `shares[r]` of a validation measure.
+    pub fn send_validation(&mut self, shares: Vec<ValidationShare>) -> Result<(), TrainError> {
+        self.send_jobs(shares.into_iter().map(Job::Validate))
+    }
+
+    /// Each replica's outcome of the validation share last sent (a validation makes no collective call, so a
+    /// replica whose share failed waits on nothing).
+    pub fn collect_validation(&self) -> Vec<ValidationOutcome> {
+        self.collect_jobs(|outcome| match outcome {
+            JobOutcome::Validate(outcome) => outcome,
+            JobOutcome::Step(_) => Err(TrainError::Device("a replica answered a validation with a step".into())),
+        })
+    }
+
+    fn send_jobs(&mut self, jobs: impl Iterator<Item = Job>) -> Result<(), TrainError> {
+        for (r, (job, sender)) in jobs.zip(&self.jobs).enumerate() {
+            if sender.send(job).is_err() {
                 self.failed = true;
                 return Err(TrainError::Device(format!("replica {} has stopped", r + 1)));
             }
@@ -326,15 +387,13 @@ impl<B: AutodiffBackend> Replicas<B> {
         Ok(())
     }
 
-    /// Each replica's outcome of the step last sent.
-    pub fn collect(&mut self) -> Vec<ShareOutcome> {
-        let outcomes: Vec<ShareOutcome> = (self.outcomes.iter().enumerate())
-            .map(|(r, rx)| {
-                rx.recv().unwrap_or_else(|_| Err(TrainError::Device(format!("replica {} has stopped", r + 1))))
+    fn collect_jobs<T>(&self, take: impl Fn(JobOutcome) -> Result<T, TrainError>) -> Vec<Result<T, TrainError>> {
+        (self.outcomes.iter().enumerate())
+            .map(|(r, rx)| match rx.recv() {
+                Ok(outcome) => take(outcome),
+                Err(_) => Err(TrainError::Device(format!("replica {} has stopped", r + 1))),
             })
-            .collect();
-        self.failed |= outcomes.iter().any(Result::is_err);
-        outcomes
+            .collect()
     }
 }
 
@@ -370,12 +429,12 @@ mod tests {
 
     #[test]
     fn micro_batches_go_round_robin_with_their_index() {
-        let shares = split((0..5).map(batch).collect(), 2);
+        let shares = split((0..5).map(batch), 2);
         let indices: Vec<Vec<usize>> = shares.iter().map(|s| s.iter().map(|(i, _)| *i).collect()).collect();
         assert_eq!(indices, [vec![0, 2, 4], vec![1, 3]]);
         assert_eq!(shares[1][1].1.tokens, 3);
         // More replicas than micro-batches: the last ones get none.
-        assert_eq!(split((0..1).map(batch).collect(), 3).iter().map(Vec::len).collect::<Vec<_>>(), [1, 0, 0]);
+        assert_eq!(split((0..1).map(batch), 3).iter().map(Vec::len).collect::<Vec<_>>(), [1, 0, 0]);
     }
 
     #[derive(burn::module::Module, Debug)]
@@ -422,6 +481,55 @@ mod tests {
         for result in results {
             assert_eq!(result, [Some(vec![11.0, 22.0, 33.0]), Some(vec![4.0, 5.0]), None]);
         }
+    }
+
+    /// Answers a validation share with its batch numbers, under the name of the thread that ran it.
+    #[derive(Clone)]
+    struct ThreadNames;
+
+    impl<B: AutodiffBackend> ReplicaWork<B> for ThreadNames {
+        type State = ();
+        fn load(&self, _: &B::Device) -> Result<(), TrainError> {
+            Ok(())
+        }
+        fn run(&self, _: &mut (), _: Share, _: &GradientSync) -> ShareOutcome {
+            Err(TrainError::Device("this work takes no step".into()))
+        }
+        fn validate(&self, _: &mut (), share: &ValidationShare) -> ValidationOutcome {
+            let thread = std::thread::current().name().unwrap_or_default().to_string();
+            Ok(share.batches.iter().map(|&b| (b, vec![(thread.clone(), b as f32, 1)])).collect())
+        }
+    }
+
+    /// A validation is shared out as a step is, round robin, and each replica thread answers its own share.
+    #[test]
+    fn each_replica_validates_its_share_of_the_micro_batches() {
+        let device = Default::default();
+        let (mut replicas, _own) =
+            Replicas::<crate::backend::CpuTrain>::start(&[device; 3], ThreadNames).unwrap().unwrap();
+        let shares = split(0..7, 3);
+        assert_eq!(shares[0].iter().map(|(_, b)| *b).collect::<Vec<_>>(), [0, 3, 6]);
+        let data = Arc::new(TrainData { rows: Vec::new(), seq_len: 0, files: Vec::new() });
+        let theirs = shares[1..].iter().map(|share| ValidationShare {
+            data: data.clone(),
+            batches: share.iter().map(|(_, b)| *b).collect(),
+            micro_batch: 1,
+            pad_multiple: 0,
+        });
+        replicas.send_validation(theirs.collect()).unwrap();
+        let answers: Vec<_> = replicas.collect_validation().into_iter().map(Result::unwrap).collect();
+        let by = |thread: &str, b: usize| (b, vec![(thread.to_string(), b as f32, 1)]);
+        assert_eq!(
+            answers,
+            [
+                vec![by("kiln-replica-1", 1), by("kiln-replica-1", 4)],
+                vec![by("kiln-replica-2", 2), by("kiln-replica-2", 5)]
+            ]
+        );
+        // A step after it is answered as a step.
+        let step = |_| Share { batches: Vec::new(), supervised: 0.0, lr: 0.0 };
+        replicas.send((0..2).map(step).collect()).unwrap();
+        assert!(replicas.collect().iter().all(|o| o.as_ref().is_err_and(|e| e.to_string().contains("takes no step"))));
     }
 
     #[test]

@@ -21,7 +21,7 @@ use super::disk::{
 };
 use super::linear_ce::LinearCrossEntropy;
 use super::optim::{AdamW, AdamWConfig, StateMemory};
-use super::replicas::{GradientSync, ReplicaWork, Replicas, Share, ShareOutcome};
+use super::replicas::{GradientSync, ReplicaWork, Replicas, Share, ShareOutcome, ValidationOutcome, ValidationShare};
 use super::schedule::{Decay, Schedule};
 use super::state::{
     Position, TrainSource, is_complete_state, param_names, read_moments, read_position, restore_previous_state,
@@ -477,6 +477,12 @@ impl<B: LinearCrossEntropy + DeviceMemory> ReplicaWork<B> for ReplicaSource {
         state.model = Some(model);
         Ok(outcome)
     }
+
+    fn validate(&self, state: &mut ReplicaState<B>, share: &ValidationShare) -> ValidationOutcome {
+        let model = state.model.as_ref().ok_or_else(|| TrainError::Device("the replica lost its model".into()))?;
+        let ValidationShare { data, batches, micro_batch, pad_multiple } = share;
+        Ok(super::validation::batch_sums(model, data, batches, *micro_batch, *pad_multiple, &state.device))
+    }
 }
 
 /// Trains the checkpoint in `model_dir` on the shards in `data_dir`, writing into `run_dir`.
@@ -629,7 +635,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
 
     // The base model's, before the first step (a run resumed at step 0 measures it again, recorded once).
     if let (Some(v), 0) = (&validator, position.global_step) {
-        v.measure(&model, device, 0, Some("base".into()), &bar)?;
+        v.measure(&model, device, replicas.as_mut().map(|(r, _)| r), 0, Some("base".into()), &bar)?;
     }
     while position.epoch < cfg.epochs {
         let order = data.order(cfg.seed, position.epoch);
@@ -712,7 +718,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
                 && v.due(position.global_step)
                 && position.step_in_epoch < steps_per_epoch
             {
-                v.measure(&model, device, position.global_step, None, &bar)?;
+                v.measure(&model, device, replicas.as_mut().map(|(r, _)| r), position.global_step, None, &bar)?;
             }
             if cfg.save_state && cfg.save_every.is_some_and(|n| n > 0 && position.global_step % n == 0) {
                 write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;
@@ -724,7 +730,8 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         model.export(model_dir, &out, cfg.export_dtype, crate::models::hf::SHARD_BYTES)?;
         checkpoints.push(out);
         if let Some(v) = &validator {
-            v.measure(&model, device, position.global_step, Some(format!("epoch-{}", position.epoch)), &bar)?;
+            let checkpoint = Some(format!("epoch-{}", position.epoch));
+            v.measure(&model, device, replicas.as_mut().map(|(r, _)| r), position.global_step, checkpoint, &bar)?;
         }
         if cfg.save_state {
             write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;

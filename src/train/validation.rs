@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::Module;
@@ -18,6 +19,7 @@ use super::TrainError;
 use super::data::{TrainData, target_weights};
 use super::linear_ce::LinearCrossEntropy;
 use super::optim::read_scalars;
+use super::replicas::{Replicas, ValidationShare, split};
 use super::step::{MicroBatch, supervised_loss};
 use crate::models::{CausalLm, SequenceLayout};
 use crate::tokens::prepare::VALIDATION_DIR;
@@ -66,9 +68,10 @@ pub fn load_split(data_dir: &Path) -> Result<Option<TrainData>, TrainError> {
     Ok(Some(data))
 }
 
-/// Measures and records the validation loss of a training run.
+/// Measures and records the validation loss of a training run; with data-parallel replicas, each runs its
+/// share of the split's micro-batches.
 pub struct Validator {
-    data: TrainData,
+    data: Arc<TrainData>,
     micro_batch: usize,
     pad_multiple: usize,
     every: Option<usize>,
@@ -88,7 +91,7 @@ impl Validator {
         show_progress: bool,
     ) -> Self {
         Validator {
-            data,
+            data: Arc::new(data),
             micro_batch: cfg.micro_batch,
             pad_multiple: cfg.pad_multiple,
             every: cfg.validation_every,
@@ -115,18 +118,23 @@ impl Validator {
         self.every.is_some_and(|n| step.is_multiple_of(n))
     }
 
-    /// The loss of `model` after `step` steps, recorded as `checkpoint` and printed above `bar`. A non-finite
-    /// loss is an error: the weights give no number on held-out data.
+    /// The loss of `model` after `step` steps, recorded as `checkpoint` and printed above `bar`; `replicas`
+    /// (the other data-parallel replicas, whose models equal `model` between steps) take their shares of the
+    /// micro-batches. A non-finite loss is an error: the weights give no number on held-out data.
     pub fn measure<B: LinearCrossEntropy>(
         &self,
         model: &CausalLm<B>,
         device: &B::Device,
+        replicas: Option<&mut Replicas<B>>,
         step: usize,
         checkpoint: Option<String>,
         bar: &ProgressBar,
     ) -> Result<ValidationPoint, TrainError> {
         let started = Instant::now();
-        let sources = source_losses(model, &self.data, self.micro_batch, self.pad_multiple, device);
+        let sources = match replicas {
+            None => source_losses(model, &self.data, self.micro_batch, self.pad_multiple, device),
+            Some(replicas) => self.shared_losses(model, device, replicas)?,
+        };
         let supervised_tokens: u64 = sources.values().map(|s| s.supervised_tokens).sum();
         let sum: f64 = sources.values().map(|s| s.loss * s.supervised_tokens as f64).sum();
         let loss = sum / supervised_tokens.max(1) as f64;
@@ -158,6 +166,32 @@ impl Validator {
         Ok(point)
     }
 
+    /// `source_losses` with micro-batch `i` on replica `i mod N` (round robin, as a step's), this one's share
+    /// run here while the others run theirs; the sums added in batch order, as on one device.
+    fn shared_losses<B: LinearCrossEntropy>(
+        &self,
+        model: &CausalLm<B>,
+        device: &B::Device,
+        replicas: &mut Replicas<B>,
+    ) -> Result<BTreeMap<String, SourceLoss>, TrainError> {
+        let numbers = |share: Vec<(usize, usize)>| share.into_iter().map(|(_, batch)| batch).collect::<Vec<_>>();
+        let mut shares = split(0..batch_count(&self.data, self.micro_batch), replicas.count()).into_iter();
+        let own = numbers(shares.next().unwrap_or_default());
+        let theirs = shares.map(|share| ValidationShare {
+            data: self.data.clone(),
+            batches: numbers(share),
+            micro_batch: self.micro_batch,
+            pad_multiple: self.pad_multiple,
+        });
+        replicas.send_validation(theirs.collect())?;
+        let mut sums = batch_sums(model, &self.data, &own, self.micro_batch, self.pad_multiple, device);
+        // Collected whatever this share gave: every replica must be done before the next job.
+        for outcome in replicas.collect_validation() {
+            sums.extend(outcome?);
+        }
+        Ok(merge_sums(sums))
+    }
+
     /// The loss last recorded.
     pub fn last_loss(&self) -> Option<f64> {
         read_points(&self.path).ok()?.last().map(|p| p.loss)
@@ -168,21 +202,35 @@ impl Validator {
     }
 }
 
-/// The mean cross-entropy of `data`'s supervised targets under `model` and their count, per source, in
-/// micro-batches of `micro_batch` rows in file order, each run at its rows' length rounded up to
-/// `pad_multiple`. The passes run on parameters that take no gradient, so no autodiff graph is built. A
-/// source's targets go through the fused projection + loss on their own (the sources part the positions,
-/// so this costs what one call would); each batch's sums are read back together and added in f64.
-pub fn source_losses<B: LinearCrossEntropy>(
+/// One validation micro-batch's supervised cross-entropy sum and target count, by source.
+pub type BatchSums = Vec<(String, f32, u64)>;
+
+/// The validation micro-batches of `data`: `micro_batch` rows at a time, in file order.
+pub fn batch_count(data: &TrainData, micro_batch: usize) -> usize {
+    data.rows.len().div_ceil(micro_batch.max(1))
+}
+
+/// The sums of the micro-batches numbered `batches` (`batch_count`'s numbering) under `model`, each run at
+/// its rows' length rounded up to `pad_multiple`. The passes run on parameters that take no gradient, so no
+/// autodiff graph is built. A source's targets go through the fused projection + loss on their own (the
+/// sources part the positions, so this costs what one call would); each batch's sums are read back together.
+pub fn batch_sums<B: LinearCrossEntropy>(
     model: &CausalLm<B>,
     data: &TrainData,
+    batches: &[usize],
     micro_batch: usize,
     pad_multiple: usize,
     device: &B::Device,
-) -> BTreeMap<String, SourceLoss> {
+) -> Vec<(usize, BatchSums)> {
     let model = model.clone().no_grad();
-    let mut sums: BTreeMap<String, (f64, u64)> = BTreeMap::new();
-    for rows in data.rows.chunks(micro_batch.max(1)) {
+    let micro_batch = micro_batch.max(1);
+    let mut out = Vec::with_capacity(batches.len());
+    for &index in batches {
+        let start = index * micro_batch;
+        let Some(rows) = data.rows.get(start..(start + micro_batch).min(data.rows.len())).filter(|r| !r.is_empty())
+        else {
+            continue;
+        };
         let rows: Vec<&Row> = rows.iter().collect();
         let batch = MicroBatch::from_rows(&rows, pad_multiple);
         let layout = SequenceLayout::from_doc_lengths(&batch.doc_lengths, batch.seq);
@@ -197,17 +245,41 @@ pub fn source_losses<B: LinearCrossEntropy>(
                 losses.push(loss);
             }
         }
-        for ((source, count), sum) in names.into_iter().zip(read_scalars(losses)) {
-            let entry = sums.entry(source.to_string()).or_default();
-            entry.0 += f64::from(sum);
-            entry.1 += count;
-        }
+        let sums = names.into_iter().zip(read_scalars(losses)).map(|((s, count), sum)| (s.to_string(), sum, count));
+        out.push((index, sums.collect()));
     }
-    sums.into_iter()
+    out
+}
+
+/// The mean loss and target count per source from every batch's sums, added in f64 in batch order (the
+/// order one device adds them in, however the batches were shared out).
+pub fn merge_sums(mut sums: Vec<(usize, BatchSums)>) -> BTreeMap<String, SourceLoss> {
+    sums.sort_by_key(|(index, _)| *index);
+    let mut totals: BTreeMap<String, (f64, u64)> = BTreeMap::new();
+    for (source, sum, count) in sums.into_iter().flat_map(|(_, batch)| batch) {
+        let entry = totals.entry(source).or_default();
+        entry.0 += f64::from(sum);
+        entry.1 += count;
+    }
+    totals
+        .into_iter()
         .map(|(source, (sum, count))| {
             (source, SourceLoss { loss: sum / count.max(1) as f64, supervised_tokens: count })
         })
         .collect()
+}
+
+/// The mean cross-entropy of `data`'s supervised targets under `model` and their count, per source, on one
+/// device.
+pub fn source_losses<B: LinearCrossEntropy>(
+    model: &CausalLm<B>,
+    data: &TrainData,
+    micro_batch: usize,
+    pad_multiple: usize,
+    device: &B::Device,
+) -> BTreeMap<String, SourceLoss> {
+    let all: Vec<usize> = (0..batch_count(data, micro_batch)).collect();
+    merge_sums(batch_sums(model, data, &all, micro_batch, pad_multiple, device))
 }
 
 /// `batch.weights` split by the source of the document each position lies in (`rows` are the batch's).
