@@ -501,7 +501,7 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     assert_eq!(why, why_not_card.map(|(s, r)| (s.to_string(), r)), "{plan}");
     assert_eq!(manifests(&run), before);
     let (ok, stderr) = sft(&pipeline, &configs, &[]);
-    assert!(ok && stderr.contains("3 stages run, 5 skipped"), "{stderr}");
+    assert!(ok && stderr.contains("3 stages run, 5 skipped") && !stderr.contains("kept from before"), "{stderr}");
     for line in
         ["eval     running: eval.limit 3 → 2", "select   running: eval ran again", "card     running: select ran again"]
     {
@@ -580,6 +580,27 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     );
     let md = std::fs::read_to_string(run.join("README.md")).unwrap();
     assert!(md.contains("--set 'eval.limit=1' --set 'eval.scorer=\"v2\"'"), "the reproduce command:\n{md}");
+
+    // An eval stopped midway (here after epoch-1's result) goes on from there: the results whose checkpoint,
+    // replay and settings are unchanged are kept as they are, the missing one is evaluated; `--from eval`
+    // evaluates every candidate again.
+    let same = ["--set", "eval.limit=1", "--set", "eval.scorer=\"v2\""];
+    let results = || ["base", "epoch-1", "epoch-2"].map(|c| std::fs::read(run.join(format!("eval/{c}.json"))).unwrap());
+    let before = results();
+    std::fs::remove_file(run.join("manifests/eval.json")).unwrap();
+    std::fs::remove_file(run.join("eval/epoch-2.json")).unwrap();
+    let (ok, stderr) = sft(&pipeline, &configs, &same);
+    assert!(ok && stderr.contains("3 stages run, 5 skipped") && stderr.contains("(2 kept from before)"), "{stderr}");
+    for (name, kept) in [("base", true), ("epoch-1", true), ("epoch-2", false)] {
+        let line = stderr.lines().find(|l| l.starts_with(&format!("  {name}: Score"))).unwrap_or_default();
+        assert_eq!(line.contains("kept: same checkpoint, replay and settings"), kept, "{name}: {stderr}");
+    }
+    let after = results();
+    assert_eq!(before[..2], after[..2], "kept byte for byte");
+    let aggregate = |bytes: &[u8]| serde_json::from_slice::<Value>(bytes).unwrap()["aggregate"].clone();
+    assert_eq!(aggregate(&before[2]), aggregate(&after[2]), "evaluated again, to the same result");
+    let (ok, stderr) = sft(&pipeline, &configs, &[&same[..], &["--from", "eval"]].concat());
+    assert!(ok && stderr.contains("3 stages run, 5 skipped") && !stderr.contains("kept from before"), "{stderr}");
 
     // A second stage from the first one's selected checkpoint (`--base`), read in place: its base row is the
     // checkpoint's own eval under the same settings, and the card names the checkpoint.

@@ -606,41 +606,113 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let err = fail(Stage::Eval);
     let base = require_base(ctx, Stage::Eval)?;
     let eval_dir = ctx.run_dir.join("eval");
-    if eval_dir.exists() {
-        std::fs::remove_dir_all(&eval_dir).map_err(|e| PipelineError::io(&eval_dir, e))?;
-    }
+    let candidates = crate::eval::select::candidates(ctx.run_dir, Some(&base));
+    // `--from` at or before eval asks for every result afresh; otherwise (the stage was stopped midway, an epoch
+    // was added) a candidate's result stands while its identity does.
+    let fresh = ctx.req.from.is_some_and(|from| from <= Stage::Eval);
+    clear_eval_dir(&eval_dir, if fresh { &[] } else { &candidates })?;
     std::fs::create_dir_all(&eval_dir).map_err(|e| PipelineError::io(&eval_dir, e))?;
     let replay = &ctx.config.eval.replay;
     let opts = ctx.config.eval.options();
     let steps = replay_steps(ctx)?;
+    let replay_hash = hash_file(replay)?;
     let mut lines = Vec::new();
     let mut outputs = Vec::new();
-    for c in crate::eval::select::candidates(ctx.run_dir, Some(&base)) {
-        let result = crate::eval::run::evaluate_on_device(
-            ctx.device,
-            &c.name,
-            &c.path,
-            replay,
-            &steps,
-            &opts,
-            ctx.req.show_progress,
-        )
-        .map_err(|e| err(&format!("{}: {e}", c.name)))?;
+    let mut kept = 0;
+    for c in candidates {
         let path = eval_dir.join(format!("{}.json", c.name));
-        super::write_json(&path, &result)?;
+        let identity_path = eval_dir.join(format!("{}.identity", c.name));
+        let identity = eval_identity(ctx, &c.path, &replay_hash)?;
+        let earlier = std::fs::read_to_string(&identity_path).ok().filter(|id| id.trim() == identity).and_then(|_| {
+            serde_json::from_str::<crate::eval::result::EvalResult>(&std::fs::read_to_string(&path).ok()?).ok()
+        });
+        let was_kept = earlier.is_some();
+        let result = match earlier {
+            Some(result) => {
+                // The result now stands for the checkpoint as it is (same content, perhaps written again since):
+                // `kiln select` trusts a result no older than its checkpoint's files.
+                let touched = std::fs::File::options()
+                    .append(true)
+                    .open(&path)
+                    .and_then(|f| f.set_modified(std::time::SystemTime::now()));
+                touched.map_err(|e| PipelineError::io(&path, e))?;
+                kept += 1;
+                result
+            }
+            None => {
+                // No identity may vouch for a result being rewritten.
+                remove_if_present(&identity_path)?;
+                let result = crate::eval::run::evaluate_on_device(
+                    ctx.device,
+                    &c.name,
+                    &c.path,
+                    replay,
+                    &steps,
+                    &opts,
+                    ctx.req.show_progress,
+                )
+                .map_err(|e| err(&format!("{}: {e}", c.name)))?;
+                super::write_json(&path, &result)?;
+                std::fs::write(&identity_path, format!("{identity}\n"))
+                    .map_err(|e| PipelineError::io(&identity_path, e))?;
+                result
+            }
+        };
         let a = &result.aggregate;
+        let how = if was_kept { ", kept: same checkpoint, replay and settings" } else { "" };
         eprintln!(
-            "  {}: Score {:.2} (P {:.3} R {:.3}, valid JSON {:.1}%, {:.3} s/step)",
+            "  {}: Score {:.2} (P {:.3} R {:.3}, valid JSON {:.1}%, {:.3} s/step{how})",
             c.name, a.score, a.avg_command_precision, a.avg_command_recall, a.valid_json_pct, result.avg_sec_per_step
         );
         lines.push(format!("{} {:.2}", c.name, a.score));
         outputs.push(format!("eval/{}.json", c.name));
     }
+    let summary = match kept {
+        0 => lines.join(", "),
+        n => format!("{} ({n} kept from before)", lines.join(", ")),
+    };
     Ok(StageOutcome {
         outputs,
-        counts: json!({"steps": steps.len(), "candidates": lines.len()}),
-        summary: lines.join(", "),
+        counts: json!({"steps": steps.len(), "candidates": lines.len(), "kept": kept}),
+        summary,
     })
+}
+
+/// What a candidate's eval result depends on, as a hash: the checkpoint's files (the weights sampled as the
+/// pull stage samples them, its card left out), the eval settings, the replay file, the device and kiln's
+/// version. A result written under the same identity is the one evaluating again would give.
+fn eval_identity(ctx: &Context, checkpoint: &Path, replay_hash: &str) -> Result<String, PipelineError> {
+    let mut files = BTreeMap::new();
+    fingerprint_checkpoint(Stage::Eval, checkpoint, "", &base_checkpoint_files(checkpoint)?, &mut files)?;
+    let doc = json!({
+        "checkpoint": files, "eval": ctx.config.eval, "replay": replay_hash, "device": ctx.device,
+        "kiln": env!("CARGO_PKG_VERSION"),
+    });
+    Ok(crate::hub::sha256_bytes(doc.to_string().as_bytes()))
+}
+
+/// Empties `eval_dir` but for the results (and their identities) of `keep`: a result of a checkpoint that is
+/// no longer there (fewer epochs now) must not outlive it.
+fn clear_eval_dir(eval_dir: &Path, keep: &[crate::eval::select::Candidate]) -> Result<(), PipelineError> {
+    let Ok(entries) = std::fs::read_dir(eval_dir) else { return Ok(()) };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let stem = name.strip_suffix(".json").or_else(|| name.strip_suffix(".identity"));
+        if stem.is_some_and(|stem| keep.iter().any(|c| c.name == stem)) {
+            continue;
+        }
+        let path = entry.path();
+        let removed = if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+        removed.map_err(|e| PipelineError::io(&path, e))?;
+    }
+    Ok(())
+}
+
+fn remove_if_present(path: &Path) -> Result<(), PipelineError> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(PipelineError::io(path, e)),
+        _ => Ok(()),
+    }
 }
 
 fn select(ctx: &Context) -> Result<StageOutcome, PipelineError> {
