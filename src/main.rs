@@ -1533,6 +1533,7 @@ fn run_eval(
         &steps,
         &eval.options(),
         !quiet,
+        None,
     );
     result.map_err(anyhow::Error::msg).with_context(|| format!("evaluating {}", checkpoint.display()))
 }

@@ -239,3 +239,54 @@ fn select_without_epochs_names_the_run_and_writes_nothing() {
     assert!(!ok && stderr.contains("no epoch checkpoint") && stderr.contains("empty-run"), "{stderr}");
     assert!(!run.join("selection.json").exists() && !run.join("best").exists());
 }
+
+/// An eval stopped midway goes on from its journal: the batches it holds are taken as recorded (not decoded
+/// again), the rest decoded and recorded after them, and the result is the uninterrupted eval's; a journal of
+/// another identity is started afresh.
+#[test]
+fn a_stopped_eval_goes_on_from_its_finished_batches() {
+    use kiln::eval::journal::Journal;
+    use kiln::eval::run::{EvalOptions, evaluate};
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny");
+    init(&model, "1");
+    let replay = project_dir().join("datasets/samples/replay.jsonl");
+    let steps = kiln::eval::result::read_replay(&replay).unwrap();
+    let opts = EvalOptions { max_tokens: 6, batch_size: 1, limit: Some(4), ..Default::default() };
+    let steps = kiln::eval::run::select_steps(steps, &opts).unwrap();
+    let path = dir.path().join("tiny.partial.jsonl");
+    let eval = |journal: &mut Journal| {
+        let device = Default::default();
+        evaluate::<kiln::backend::Cpu>("tiny", &model, &replay, &steps, &opts, false, 1, Some(journal), &device)
+            .unwrap()
+    };
+    let previews = |r: &kiln::eval::result::EvalResult| -> Vec<String> {
+        r.per_step.iter().map(|s| format!("{} {}", s.pred_preview, s.finish_reason)).collect()
+    };
+    let whole = eval(&mut Journal::open(&path, "a").unwrap());
+    let recorded = std::fs::read_to_string(&path).unwrap();
+    let lines: Vec<&str> = recorded.lines().collect();
+    assert_eq!(lines.len(), 5, "the identity and the four batches: {recorded}");
+
+    // Stopped after two batches, the second's tokens replaced by none, and a third cut off mid-write.
+    let mut second: Value = serde_json::from_str(lines[2]).unwrap();
+    second["ids"] = serde_json::json!([[]]);
+    let stopped_step = second["steps"][0].as_u64().unwrap() as usize;
+    std::fs::write(&path, format!("{}\n{}\n{second}\n{}", lines[0], lines[1], &lines[3][..10])).unwrap();
+    let resumed = eval(&mut Journal::open(&path, "a").unwrap());
+    let (a, b) = (previews(&whole), previews(&resumed));
+    for i in 0..4 {
+        if i == stopped_step {
+            assert_eq!(b[i], " length", "step {i} is the recorded (emptied) batch, not decoded again");
+        } else {
+            assert_eq!(a[i], b[i], "step {i}");
+        }
+    }
+    assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 5, "two kept, two decoded and recorded");
+    // The same journal complete: nothing is decoded, the result is what it holds.
+    let again = eval(&mut Journal::open(&path, "a").unwrap());
+    assert_eq!(previews(&again), b);
+    // Another identity (another checkpoint or settings) decodes everything again.
+    let fresh = eval(&mut Journal::open(&path, "b").unwrap());
+    assert_eq!(previews(&fresh), a);
+}

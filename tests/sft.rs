@@ -599,6 +599,22 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     assert_eq!(before[..2], after[..2], "kept byte for byte");
     let aggregate = |bytes: &[u8]| serde_json::from_slice::<Value>(bytes).unwrap()["aggregate"].clone();
     assert_eq!(aggregate(&before[2]), aggregate(&after[2]), "evaluated again, to the same result");
+    // Stopped within a candidate: the batches its journal holds (here the one step, its reply emptied) are
+    // taken from there, and the journal goes once the result is written.
+    std::fs::remove_file(run.join("manifests/eval.json")).unwrap();
+    std::fs::remove_file(run.join("eval/epoch-2.json")).unwrap();
+    let identity = std::fs::read_to_string(run.join("eval/epoch-2.identity")).unwrap();
+    let journal = run.join("eval/epoch-2.partial.jsonl");
+    let batch = r#"{"steps": [0], "ids": [[]], "seconds": 0.5}"#;
+    std::fs::write(&journal, format!("{}\n{batch}\n", json!({"identity": identity.trim()}))).unwrap();
+    let (ok, stderr) = sft(&pipeline, &configs, &same);
+    assert!(
+        ok && stderr.contains("epoch-2: going on after the 1 batch(es) finished before it was stopped"),
+        "{stderr}"
+    );
+    let resumed = json(&run.join("eval/epoch-2.json"));
+    assert_eq!((&resumed["per_step"][0]["pred_preview"], &resumed["gen_time_sec"]), (&json!(""), &json!(0.5)));
+    assert!(!journal.exists());
     let (ok, stderr) = sft(&pipeline, &configs, &[&same[..], &["--from", "eval"]].concat());
     assert!(ok && stderr.contains("3 stages run, 5 skipped") && !stderr.contains("kept from before"), "{stderr}");
 

@@ -1,7 +1,8 @@
 //! TB2-lite replay evaluation: parsing replies and scoring steps exactly as the reference evaluator
 //! (`parse`, `score`), aggregates and the result JSON (`result`), running a checkpoint on the replay set
-//! (`run`) and choosing the best epoch (`select`).
+//! (`run`, its finished batches recorded by `journal`) and choosing the best epoch (`select`).
 
+pub mod journal;
 pub mod parse;
 pub mod result;
 pub mod run;

@@ -12,6 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
+use super::journal::Journal;
 use super::parse::{ScorerVersion, parse_response};
 use super::result::{EvalResult, ReplayStep, StepRow, aggregate, score_step};
 use crate::chat::{ChatTemplate, PinnedClock, SpecialTokens, strip_thinking};
@@ -111,6 +112,7 @@ pub fn select_steps(steps: Vec<ReplayStep>, opts: &EvalOptions) -> Result<Vec<Re
 }
 
 /// `evaluate` on the named device (`cpu`, or `cuda` in a CUDA build).
+#[allow(clippy::too_many_arguments)]
 pub fn evaluate_on_device(
     device: &str,
     name: &str,
@@ -119,10 +121,21 @@ pub fn evaluate_on_device(
     steps: &[ReplayStep],
     opts: &EvalOptions,
     show_progress: bool,
+    mut journal: Option<&mut Journal>,
 ) -> Result<EvalResult, String> {
     macro_rules! on {
         ($backend:ty, $threads:expr) => {
-            evaluate::<$backend>(name, checkpoint, eval_path, steps, opts, show_progress, $threads, &Default::default())
+            evaluate::<$backend>(
+                name,
+                checkpoint,
+                eval_path,
+                steps,
+                opts,
+                show_progress,
+                $threads,
+                journal.as_deref_mut(),
+                &Default::default(),
+            )
         };
         ($backend:ty) => {
             on!($backend, 1)
@@ -142,7 +155,8 @@ pub fn evaluate_on_device(
 }
 
 /// Evaluates a loaded checkpoint on `steps`, decoding up to `decode_threads` batches at once; returns the
-/// result document (the same whatever the thread count).
+/// result document (the same whatever the thread count). With a `journal`, the batches it holds are taken
+/// from it and every batch decoded is recorded there as it finishes.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate<B: ModelBackend>(
     name: &str,
@@ -152,6 +166,7 @@ pub fn evaluate<B: ModelBackend>(
     opts: &EvalOptions,
     show_progress: bool,
     decode_threads: usize,
+    mut journal: Option<&mut Journal>,
     device: &B::Device,
 ) -> Result<EvalResult, String> {
     let load_started = Instant::now();
@@ -222,11 +237,10 @@ pub fn evaluate<B: ModelBackend>(
     let mut rows: Vec<Option<StepRow>> = vec![None; steps.len()];
     let mut f1_sum = 0.0;
     let mut done = 0usize;
-    let batches: Vec<&[usize]> = order.chunks(opts.batch_size.max(1)).collect();
-    decode_batches(&model, &batches, &prompts, opts.max_tokens, &stop, decode_threads, device, |batch, generated| {
+    let mut take = |batch: &[usize], generated: &[Vec<u32>]| {
         for (&i, ids) in batch.iter().zip(generated) {
             let finish = if ids.last().is_some_and(|t| stop.contains(t)) { "stop" } else { "length" };
-            let text = tokenizer.decode_skip_special(&ids);
+            let text = tokenizer.decode_skip_special(ids);
             let parsed = parse_response(&text, opts.scorer);
             let row = score_step(&steps[i], &parsed, &text, finish, opts.scorer);
             f1_sum += row.command_f1;
@@ -235,9 +249,29 @@ pub fn evaluate<B: ModelBackend>(
         }
         bar.set_position(done as u64);
         bar.set_message(format!("Score so far {:.2}", 100.0 * f1_sum / done.max(1) as f64));
+    };
+    let batches: Vec<&[usize]> = order.chunks(opts.batch_size.max(1)).collect();
+    let mut to_decode = Vec::with_capacity(batches.len());
+    for batch in batches {
+        match journal.as_ref().and_then(|j| j.finished(batch)) {
+            Some(generated) => take(batch, generated),
+            None => to_decode.push(batch),
+        }
+    }
+    let seconds_before = journal.as_ref().map_or(0.0, |j| j.seconds_before());
+    let mut unrecorded = None;
+    decode_batches(&model, &to_decode, &prompts, opts.max_tokens, &stop, decode_threads, device, |batch, generated| {
+        if let Some(j) = journal.as_mut().filter(|_| unrecorded.is_none()) {
+            let seconds = seconds_before + gen_started.elapsed().as_secs_f64();
+            unrecorded = j.record(batch, &generated, seconds).err().map(|e| format!("{}: {e}", j.path().display()));
+        }
+        take(batch, &generated);
     });
     bar.finish_and_clear();
-    let gen_time = gen_started.elapsed().as_secs_f64();
+    if let Some(e) = unrecorded {
+        eprintln!("warning: the eval's finished batches could not be recorded ({e}): stopped, it would start over");
+    }
+    let gen_time = seconds_before + gen_started.elapsed().as_secs_f64();
     let rows: Vec<StepRow> = rows.into_iter().flatten().collect();
     let template_status =
         match (status.get("chat_template").copied().unwrap_or(0), status.get("raw_fallback").copied().unwrap_or(0)) {

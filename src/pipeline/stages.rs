@@ -9,6 +9,7 @@ use serde_json::{Value, json};
 use super::config::{ModelConfig, PipelineDef};
 use super::{PipelineError, SftRequest, Stage, StageOutcome, StagePlan, manifest_path};
 use crate::data::{EvalIndex, Recipe};
+use crate::eval::journal::Journal;
 use crate::hub::push::PushSpec;
 use crate::hub::{Hub, HubConfig, HubError, PulledRepo, RepoKind, RepoSpec};
 use crate::train::state::TrainSource;
@@ -607,8 +608,8 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let base = require_base(ctx, Stage::Eval)?;
     let eval_dir = ctx.run_dir.join("eval");
     let candidates = crate::eval::select::candidates(ctx.run_dir, Some(&base));
-    // `--from` at or before eval asks for every result afresh; otherwise (the stage was stopped midway, an epoch
-    // was added) a candidate's result stands while its identity does.
+    // `--from` at or before eval asks for every result afresh; otherwise (the stage was stopped midway, the
+    // export ran again) a candidate's result stands while its identity does.
     let fresh = ctx.req.from.is_some_and(|from| from <= Stage::Eval);
     clear_eval_dir(&eval_dir, if fresh { &[] } else { &candidates })?;
     std::fs::create_dir_all(&eval_dir).map_err(|e| PipelineError::io(&eval_dir, e))?;
@@ -642,6 +643,17 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
             None => {
                 // No identity may vouch for a result being rewritten.
                 remove_if_present(&identity_path)?;
+                // The batches an eval of the same identity finished before it was stopped are taken as they are.
+                let journal_path = eval_dir.join(format!("{}.partial.jsonl", c.name));
+                let mut journal =
+                    Journal::open(&journal_path, &identity).map_err(|e| PipelineError::io(&journal_path, e))?;
+                if journal.finished_batches() > 0 {
+                    eprintln!(
+                        "  {}: going on after the {} batch(es) finished before it was stopped",
+                        c.name,
+                        journal.finished_batches()
+                    );
+                }
                 let result = crate::eval::run::evaluate_on_device(
                     ctx.device,
                     &c.name,
@@ -650,11 +662,13 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
                     &steps,
                     &opts,
                     ctx.req.show_progress,
+                    Some(&mut journal),
                 )
                 .map_err(|e| err(&format!("{}: {e}", c.name)))?;
                 super::write_json(&path, &result)?;
                 std::fs::write(&identity_path, format!("{identity}\n"))
                     .map_err(|e| PipelineError::io(&identity_path, e))?;
+                journal.remove().map_err(|e| PipelineError::io(&journal_path, e))?;
                 result
             }
         };
@@ -691,13 +705,13 @@ fn eval_identity(ctx: &Context, checkpoint: &Path, replay_hash: &str) -> Result<
     Ok(crate::hub::sha256_bytes(doc.to_string().as_bytes()))
 }
 
-/// Empties `eval_dir` but for the results (and their identities) of `keep`: a result of a checkpoint that is
-/// no longer there (fewer epochs now) must not outlive it.
+/// Empties `eval_dir` but for the results (with their identities and unfinished journals) of `keep`: a result
+/// of a checkpoint that is no longer there (fewer epochs now) must not outlive it.
 fn clear_eval_dir(eval_dir: &Path, keep: &[crate::eval::select::Candidate]) -> Result<(), PipelineError> {
     let Ok(entries) = std::fs::read_dir(eval_dir) else { return Ok(()) };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let stem = name.strip_suffix(".json").or_else(|| name.strip_suffix(".identity"));
+        let stem = [".partial.jsonl", ".json", ".identity"].iter().find_map(|suffix| name.strip_suffix(suffix));
         if stem.is_some_and(|stem| keep.iter().any(|c| c.name == stem)) {
             continue;
         }
