@@ -14,6 +14,14 @@ pub fn write_json(path: &Path, value: &impl serde::Serialize) -> std::io::Result
     std::fs::write(path, text)
 }
 
+/// Removes the file at `path`; one that is not there is no error.
+pub fn remove_if_present(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
 /// The values of a JSON-lines text; a line that is not one is an error naming its number (`InvalidData`).
 pub fn parse_json_lines<T: serde::de::DeserializeOwned>(text: &str) -> std::io::Result<Vec<T>> {
     text.lines()

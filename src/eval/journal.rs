@@ -97,10 +97,7 @@ impl Journal {
     /// Removes the journal: the eval's result is written.
     pub fn remove(self) -> std::io::Result<()> {
         drop(self.file);
-        match std::fs::remove_file(&self.path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-            _ => Ok(()),
-        }
+        crate::files::remove_if_present(&self.path)
     }
 }
 

@@ -130,10 +130,7 @@ pub fn manifest_path(run_dir: &Path, stage: Stage) -> PathBuf {
 
 fn remove_manifest(run_dir: &Path, stage: Stage) -> Result<(), PipelineError> {
     let path = manifest_path(run_dir, stage);
-    match std::fs::remove_file(&path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(PipelineError::io(&path, e)),
-        _ => Ok(()),
-    }
+    crate::files::remove_if_present(&path).map_err(|e| PipelineError::io(&path, e))
 }
 
 pub fn read_manifest(run_dir: &Path, stage: Stage) -> Option<Manifest> {

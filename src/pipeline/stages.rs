@@ -642,7 +642,7 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
             }
             None => {
                 // No identity may vouch for a result being rewritten.
-                remove_if_present(&identity_path)?;
+                crate::files::remove_if_present(&identity_path).map_err(|e| PipelineError::io(&identity_path, e))?;
                 // The batches an eval of the same identity finished before it was stopped are taken as they are.
                 let journal_path = eval_dir.join(format!("{}.partial.jsonl", c.name));
                 let mut journal =
@@ -720,13 +720,6 @@ fn clear_eval_dir(eval_dir: &Path, keep: &[crate::eval::select::Candidate]) -> R
         removed.map_err(|e| PipelineError::io(&path, e))?;
     }
     Ok(())
-}
-
-fn remove_if_present(path: &Path) -> Result<(), PipelineError> {
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(PipelineError::io(path, e)),
-        _ => Ok(()),
-    }
 }
 
 fn select(ctx: &Context) -> Result<StageOutcome, PipelineError> {

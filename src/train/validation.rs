@@ -105,10 +105,7 @@ impl Validator {
     pub fn keep_through_resumed(&self, resumed_at: Option<usize>) -> Result<(), TrainError> {
         let kept = match resumed_at {
             Some(step) => keep_through(&self.path, step),
-            None => match std::fs::remove_file(&self.path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-                _ => Ok(()),
-            },
+            None => crate::files::remove_if_present(&self.path),
         };
         kept.map_err(|e| self.state_error(e))
     }
