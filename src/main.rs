@@ -382,6 +382,9 @@ struct EvalOptionArgs {
     /// cpu, cuda (builds with --features cuda) or vulkan (--features vulkan; f32).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Decode on this many GPUs at once (cuda 0..N), each with a copy of the model; the result is the same.
+    #[arg(long, default_value_t = 1)]
+    devices: usize,
 }
 
 impl EvalOptionArgs {
@@ -1527,6 +1530,7 @@ fn run_eval(
     let steps = eval_steps(eval)?;
     let result = kiln::eval::run::evaluate_on_device(
         &eval.device,
+        eval.devices,
         name,
         checkpoint,
         &eval.replay,

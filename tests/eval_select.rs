@@ -99,6 +99,9 @@ fn eval_writes_a_complete_result() {
         &project_dir(),
     );
     assert!(!err.0 && err.2.contains("exceeds the context length 8192"), "{}", err.2);
+    let eval_args = ["eval", "--checkpoint", model.to_str().unwrap(), "--replay", "datasets/samples/replay.jsonl"];
+    let err = run_kiln(&[&eval_args[..], &["--devices", "0"]].concat(), &[], &project_dir());
+    assert!(!err.0 && err.2.contains("eval on 0 devices: it needs at least 1"), "{}", err.2);
 }
 
 /// A result whose aggregate says `score` / `recall`.
@@ -256,9 +259,8 @@ fn a_stopped_eval_goes_on_from_its_finished_batches() {
     let steps = kiln::eval::run::select_steps(steps, &opts).unwrap();
     let path = dir.path().join("tiny.partial.jsonl");
     let eval = |journal: &mut Journal| {
-        let device = Default::default();
-        evaluate::<kiln::backend::Cpu>("tiny", &model, &replay, &steps, &opts, false, 1, Some(journal), &device)
-            .unwrap()
+        let workers = [Default::default()];
+        evaluate::<kiln::backend::Cpu>("tiny", &model, &replay, &steps, &opts, false, &workers, Some(journal)).unwrap()
     };
     let previews = |r: &kiln::eval::result::EvalResult| -> Vec<String> {
         r.per_step.iter().map(|s| format!("{} {}", s.pred_preview, s.finish_reason)).collect()

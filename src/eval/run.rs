@@ -8,6 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
+use burn::module::Module;
+use burn::tensor::backend::{Backend, Device as _, DeviceId, DeviceOps};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
@@ -111,10 +113,13 @@ pub fn select_steps(steps: Vec<ReplayStep>, opts: &EvalOptions) -> Result<Vec<Re
     Ok(steps)
 }
 
-/// `evaluate` on the named device (`cpu`, or `cuda` in a CUDA build).
+/// `evaluate` on the named device (`cpu`, or `cuda` in a CUDA build), decoding batches on `devices` GPUs at
+/// once (cuda 0..N: each holds a copy of the model and takes the next batch as it finishes one). On the CPU
+/// the batches run on every core, whatever `devices` says.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate_on_device(
     device: &str,
+    devices: usize,
     name: &str,
     checkpoint: &Path,
     eval_path: &Path,
@@ -123,8 +128,11 @@ pub fn evaluate_on_device(
     show_progress: bool,
     mut journal: Option<&mut Journal>,
 ) -> Result<EvalResult, String> {
+    if devices == 0 {
+        return Err("eval on 0 devices: it needs at least 1".into());
+    }
     macro_rules! on {
-        ($backend:ty, $threads:expr) => {
+        ($backend:ty, $workers:expr) => {
             evaluate::<$backend>(
                 name,
                 checkpoint,
@@ -132,18 +140,20 @@ pub fn evaluate_on_device(
                 steps,
                 opts,
                 show_progress,
-                $threads,
+                &$workers,
                 journal.as_deref_mut(),
-                &Default::default(),
             )
         };
         ($backend:ty) => {
-            on!($backend, 1)
+            decoding_devices::<$backend>(device, devices).and_then(|workers| on!($backend, workers))
         };
     }
     match device {
         // One batch's decoding keeps about one core busy on the CPU, so batches run side by side there.
-        "cpu" => on!(crate::backend::Cpu, std::thread::available_parallelism().map_or(1, |n| n.get())),
+        "cpu" => on!(
+            crate::backend::Cpu,
+            vec![Default::default(); std::thread::available_parallelism().map_or(1, |n| n.get())]
+        ),
         #[cfg(feature = "cuda")]
         "cuda" if crate::backend::cuda_choice(true)? => on!(crate::backend::Gpu),
         #[cfg(feature = "cuda")]
@@ -154,8 +164,24 @@ pub fn evaluate_on_device(
     }
 }
 
-/// Evaluates a loaded checkpoint on `steps`, decoding up to `decode_threads` batches at once; returns the
-/// result document (the same whatever the thread count). With a `journal`, the batches it holds are taken
+/// The devices `count` decoding workers run on: indices 0..count of the backend's default device type, or
+/// that one device `count` times where the backend has a single device (a Vulkan GPU: the workers share it).
+fn decoding_devices<B: Backend>(name: &str, count: usize) -> Result<Vec<B::Device>, String> {
+    let first = B::Device::default();
+    let DeviceId { type_id, index_id } = first.id();
+    let available = B::device_count(type_id);
+    if available <= 1 {
+        return Ok(vec![first; count]);
+    }
+    if usize::from(index_id) + count > available {
+        return Err(format!("eval on {count} {name} devices, but the backend sees {available}"));
+    }
+    Ok((0..count).map(|k| B::Device::from_id(DeviceId { type_id, index_id: index_id + k as u16 })).collect())
+}
+
+/// Evaluates a checkpoint on `steps`, one decoding thread per entry of `workers` (a device each, repeated to
+/// run several threads on one), the model loaded on the first; returns the result document (the same
+/// whatever the workers). With a `journal`, the batches it holds are taken
 /// from it and every batch decoded is recorded there as it finishes.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate<B: ModelBackend>(
@@ -165,11 +191,11 @@ pub fn evaluate<B: ModelBackend>(
     steps: &[ReplayStep],
     opts: &EvalOptions,
     show_progress: bool,
-    decode_threads: usize,
+    workers: &[B::Device],
     mut journal: Option<&mut Journal>,
-    device: &B::Device,
 ) -> Result<EvalResult, String> {
     let load_started = Instant::now();
+    let device = workers.first().ok_or("eval with no decoding device")?;
     let (config, model) = load_model::<B>(checkpoint, device).map_err(|e| e.to_string())?;
     let special = SpecialTokens::load(checkpoint).map_err(|e| e.to_string())?;
     let template = ChatTemplate::load(checkpoint, None, PinnedClock::now()).map_err(|e| e.to_string())?;
@@ -260,7 +286,7 @@ pub fn evaluate<B: ModelBackend>(
     }
     let seconds_before = journal.as_ref().map_or(0.0, |j| j.seconds_before());
     let mut unrecorded = None;
-    decode_batches(&model, &to_decode, &prompts, opts.max_tokens, &stop, decode_threads, device, |batch, generated| {
+    decode_batches(&model, &to_decode, &prompts, opts.max_tokens, &stop, workers, |batch, generated| {
         if let Some(j) = journal.as_mut().filter(|_| unrecorded.is_none()) {
             let seconds = seconds_before + gen_started.elapsed().as_secs_f64();
             unrecorded = j.record(batch, &generated, seconds).err().map(|e| format!("{}: {e}", j.path().display()));
@@ -324,39 +350,45 @@ pub fn sampling(opts: &EvalOptions, max_model_len: usize) -> Value {
 }
 
 /// Greedy decoding of each of `batches` (indices into `prompts`), each batch's output handed to `done` on the
-/// calling thread as it finishes. With `threads` > 1 the batches run side by side, each thread on its own clone
-/// of the model (burn's tensors are shared, not copied); a batch decodes the same whichever thread runs it, so
-/// only the order of the `done` calls changes.
-#[allow(clippy::too_many_arguments)]
+/// calling thread as it finishes. With several `workers` the batches run side by side, a thread per worker
+/// on its device: the model's tensors shared by the threads of `model`'s device (burn's tensors are shared,
+/// not copied), copied once to each other device (through the host). A batch decodes the same whichever worker runs it, so only
+/// the order of the `done` calls changes.
 fn decode_batches<B: ModelBackend>(
     model: &CausalLm<B>,
     batches: &[&[usize]],
     prompts: &[Vec<u32>],
     max_tokens: usize,
     stop: &[u32],
-    threads: usize,
-    device: &B::Device,
+    workers: &[B::Device],
     mut done: impl FnMut(&[usize], Vec<Vec<u32>>),
 ) {
-    let decode = |model: &CausalLm<B>, batch: &[usize]| {
+    let decode = |model: &CausalLm<B>, batch: &[usize], device: &B::Device| {
         let batch_prompts: Vec<Vec<u32>> = batch.iter().map(|&i| prompts[i].clone()).collect();
         model.generate_greedy(&batch_prompts, max_tokens, stop, device)
     };
-    let threads = threads.min(batches.len());
-    if threads <= 1 {
+    // The model as `device` holds it: shared where it lives, copied once to any other device.
+    let on = |device: &B::Device| match model.devices().first() {
+        Some(home) if home != device => model.copied_to(device),
+        _ => model.clone(),
+    };
+    let workers = &workers[..workers.len().min(batches.len())];
+    if let [device] = workers {
+        let model = on(device);
         for batch in batches {
-            done(batch, decode(model, batch));
+            done(batch, decode(&model, batch, device));
         }
         return;
     }
     let next = AtomicUsize::new(0);
     let (sender, finished) = mpsc::channel();
     std::thread::scope(|scope| {
-        for _ in 0..threads {
-            let (model, sender, next, decode) = (model.clone(), sender.clone(), &next, &decode);
+        for device in workers {
+            let (sender, next, decode, on) = (sender.clone(), &next, &decode, &on);
             scope.spawn(move || {
+                let model = on(device);
                 while let Some(batch) = batches.get(next.fetch_add(1, Ordering::Relaxed)) {
-                    if sender.send((*batch, decode(&model, batch))).is_err() {
+                    if sender.send((*batch, decode(&model, batch, device))).is_err() {
                         break;
                     }
                 }
@@ -409,32 +441,54 @@ mod tests {
         }
     }
 
-    /// Batches decoded side by side give each prompt the tokens that one thread gives it.
-    #[test]
-    fn decoding_batches_on_several_threads_gives_each_prompt_its_own_output() {
-        let config =
-            ModelConfig::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/tiny/config.json"))
-                .unwrap();
-        let device = Default::default();
-        let model = random_model::<Cpu>(&config, 3, 0.5, &device).unwrap();
-        // Seven prompts of different lengths and last tokens, in batches of two: four batches (the last one
-        // short) for three threads.
+    /// Each of seven prompts of different lengths and last tokens, decoded in batches of two (four batches,
+    /// the last one short) by `workers`.
+    fn decode_all<B: ModelBackend>(model: &CausalLm<B>, workers: &[B::Device]) -> Vec<Vec<u32>> {
         let prompts: Vec<Vec<u32>> =
             (0..7u32).map(|p| (0..5 + p).map(|t| (p * 37 + t * 11) % 500 + 10).collect()).collect();
         let order: Vec<usize> = (0..prompts.len()).collect();
         let batches: Vec<&[usize]> = order.chunks(2).collect();
-        let decode = |threads| {
-            let mut outputs = vec![Vec::new(); prompts.len()];
-            decode_batches(&model, &batches, &prompts, 5, &[], threads, &device, |batch, generated| {
-                for (&i, ids) in batch.iter().zip(generated) {
-                    outputs[i] = ids;
-                }
-            });
-            outputs
-        };
-        let (one, three) = (decode(1), decode(3));
+        let mut outputs = vec![Vec::new(); prompts.len()];
+        decode_batches(model, &batches, &prompts, 5, &[], workers, |batch, generated| {
+            for (&i, ids) in batch.iter().zip(generated) {
+                outputs[i] = ids;
+            }
+        });
+        outputs
+    }
+
+    fn tiny_config(name: &str) -> ModelConfig {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models").join(name);
+        ModelConfig::from_file(&dir.join("config.json")).unwrap()
+    }
+
+    /// Batches decoded side by side give each prompt the tokens that one thread gives it.
+    #[test]
+    fn decoding_batches_on_several_threads_gives_each_prompt_its_own_output() {
+        let device = Default::default();
+        let model = random_model::<Cpu>(&tiny_config("tiny"), 3, 0.5, &device).unwrap();
+        let one = decode_all(&model, std::slice::from_ref(&device));
         assert!(one.iter().all(|ids| ids.len() == 5), "{one:?}");
         assert!(one.iter().any(|ids| *ids != one[0]), "the prompts' outputs must differ to show whose is whose");
-        assert_eq!(one, three);
+        assert_eq!(one, decode_all(&model, &[device; 3]));
+    }
+
+    /// A worker on another device than the model's decodes on a copy of it, to the same tokens: lavapipe as
+    /// burn's default device and as its CPU device are two devices (two clients of one driver), so the copy
+    /// crosses between them as between GPUs. Alone on the other device, and a worker on each; LFM2, Qwen3.5
+    /// and Gemma 4 (a tensor left behind would fail the decoding).
+    #[cfg(feature = "vulkan")]
+    #[test]
+    fn workers_on_other_devices_decode_a_copy_of_the_model_to_the_same_tokens() {
+        use burn::backend::wgpu::WgpuDevice;
+        crate::backend::vulkan_ready(false).unwrap();
+        let home = WgpuDevice::DefaultDevice;
+        for name in ["tiny", "tiny-qwen3.5", "tiny-gemma4"] {
+            let model = random_model::<crate::backend::Vk>(&tiny_config(name), 3, 0.5, &home).unwrap();
+            let on_home = decode_all(&model, std::slice::from_ref(&home));
+            assert!(on_home.iter().any(|ids| *ids != on_home[0]), "{name}: the prompts' outputs must differ");
+            assert_eq!(decode_all(&model, &[WgpuDevice::Cpu]), on_home, "{name}");
+            assert_eq!(decode_all(&model, &[home.clone(), WgpuDevice::Cpu]), on_home, "{name}");
+        }
     }
 }

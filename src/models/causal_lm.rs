@@ -9,7 +9,7 @@ use std::collections::HashSet;
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Int, Tensor};
+use burn::tensor::{Bool, DType, FloatDType, Int, Tensor};
 
 use super::config::{ModelConfig, outside_text_tower};
 use super::decode::generate_greedy;
@@ -74,6 +74,13 @@ impl<B: Backend> CausalLm<B> {
         let keep: HashSet<ParamId> =
             self.hf_entries().into_iter().filter(|e| kept_in_f32(&e.key)).map(|e| e.id).collect();
         self.map(&mut CastParams { dtype, keep })
+    }
+
+    /// A copy of the model on `device`, its parameters read back to the host and written there. burn-cubecl
+    /// moves a tensor between devices over NCCL, which a machine may lack (and Vulkan has no such path); a
+    /// model copied once for another device's decoding is not worth that dependency.
+    pub fn copied_to(&self, device: &B::Device) -> Self {
+        self.clone().map(&mut ThroughHost { device })
     }
 
     /// Whether a checkpoint tensor belongs to a tower this model does not hold (Qwen3.5's vision tower and
@@ -205,6 +212,24 @@ impl<B: Backend> ModuleMapper<B> for CastParams {
             if require_grad { cast.require_grad() } else { cast }
         };
         Param::from_mapped_value(id, tensor, mapper)
+    }
+}
+
+struct ThroughHost<'a, B: Backend> {
+    device: &'a B::Device,
+}
+
+impl<B: Backend> ModuleMapper<B> for ThroughHost<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        param.map(|t| Tensor::from_data(t.into_data(), self.device))
+    }
+
+    fn map_int<const D: usize>(&mut self, param: Param<Tensor<B, D, Int>>) -> Param<Tensor<B, D, Int>> {
+        param.map(|t| Tensor::from_data(t.into_data(), self.device))
+    }
+
+    fn map_bool<const D: usize>(&mut self, param: Param<Tensor<B, D, Bool>>) -> Param<Tensor<B, D, Bool>> {
+        param.map(|t| Tensor::from_data(t.into_data(), self.device))
     }
 }
 

@@ -656,6 +656,7 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
                 }
                 let result = crate::eval::run::evaluate_on_device(
                     ctx.device,
+                    ctx.config.train.devices,
                     &c.name,
                     &c.path,
                     replay,
