@@ -49,6 +49,8 @@ pub fn check_gpus<B: Backend>(device_name: &str, count: usize) -> Result<(), Tra
     if device_name != "cuda" || count <= 1 {
         return Ok(());
     }
+    #[cfg(feature = "cuda")]
+    check_nccl(count)?;
     let available = B::device_count(B::Device::default().id().type_id);
     if count > available {
         return Err(TrainError::Device(format!(
@@ -56,6 +58,25 @@ pub fn check_gpus<B: Backend>(device_name: &str, count: usize) -> Result<(), Tra
         )));
     }
     Ok(())
+}
+
+/// burn's collective moves the replicas' sums between GPUs with NCCL, which cudarc loads at the first transfer:
+/// missing, a device thread would panic there, after every replica has loaded the model. Looked for first,
+/// by the names cudarc tries.
+#[cfg(feature = "cuda")]
+fn check_nccl(count: usize) -> Result<(), TrainError> {
+    // SAFETY: opens and closes the library by name, as cudarc's own lookup does; nothing of it is called.
+    if unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return Ok(());
+    }
+    let names: Vec<String> =
+        cudarc::get_lib_name_candidates("nccl").into_iter().filter(|n| n.starts_with("libnccl.so")).collect();
+    Err(TrainError::Device(format!(
+        "train.devices = {count} on cuda needs NCCL (burn's collective sums the replicas' gradients with it), and \
+         no library of the names cudarc loads it by is found ({}): install NCCL's development package, or link \
+         libnccl.so to a libnccl.so.2 (PyTorch's nvidia-nccl wheel ships one) in a folder on LD_LIBRARY_PATH",
+        names.join(", ")
+    )))
 }
 
 /// Which parameters had a gradient on any replica this step: the union, taken on the host (the replicas are
