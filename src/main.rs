@@ -879,6 +879,9 @@ fn sft_dry_run(req: &kiln::pipeline::SftRequest) -> Result<()> {
             }
         };
         eprintln!("[{}/{total}] {:<8} {what}", i + 1, s.stage.name());
+        if let Some(candidates) = &s.candidates {
+            eprintln!("          {}", kiln::pipeline::stages::candidates_line(candidates));
+        }
     }
     eprintln!(
         "sft --dry-run: {running} of {total} stages would run in {} on {}; nothing was run or written",

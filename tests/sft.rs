@@ -589,6 +589,17 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     let before = results();
     std::fs::remove_file(run.join("manifests/eval.json")).unwrap();
     std::fs::remove_file(run.join("eval/epoch-2.json")).unwrap();
+    // A dry run says so first.
+    let eval_plan = |extra: &[&str]| dry_run(&pipeline, &configs, &[&same[..], extra].concat())["stages"][5].clone();
+    let planned_eval = eval_plan(&[]);
+    assert_eq!(
+        (&planned_eval["stage"], &planned_eval["candidates"]),
+        (
+            &json!("eval"),
+            &json!([{"name": "base", "action": "keep"}, {"name": "epoch-1", "action": "keep"},
+                {"name": "epoch-2", "action": "evaluate", "finished_batches": 0}])
+        )
+    );
     let (ok, stderr) = sft(&pipeline, &configs, &same);
     assert!(ok && stderr.contains("3 stages run, 5 skipped") && stderr.contains("(2 kept from before)"), "{stderr}");
     for (name, kept) in [("base", true), ("epoch-1", true), ("epoch-2", false)] {
@@ -607,6 +618,14 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     let journal = run.join("eval/epoch-2.partial.jsonl");
     let batch = r#"{"steps": [0], "ids": [[]], "seconds": 0.5}"#;
     std::fs::write(&journal, format!("{}\n{batch}\n", json!({"identity": identity.trim()}))).unwrap();
+    let journal_text = std::fs::read(&journal).unwrap();
+    assert_eq!(
+        eval_plan(&[])["candidates"][2],
+        json!({"name": "epoch-2", "action": "evaluate", "finished_batches": 1})
+    );
+    let forced = eval_plan(&["--from", "eval"])["candidates"].clone();
+    assert!(forced.as_array().unwrap().iter().all(|c| c["action"] == "evaluate"), "{forced}");
+    assert_eq!(std::fs::read(&journal).unwrap(), journal_text, "a dry run writes nothing");
     let (ok, stderr) = sft(&pipeline, &configs, &same);
     assert!(
         ok && stderr.contains("epoch-2: going on after the 1 batch(es) finished before it was stopped"),

@@ -36,22 +36,7 @@ impl Journal {
     /// The journal at `path` for `identity`: the batches a journal of the same identity holds are kept (a line
     /// cut off mid-write, or one that does not parse, ends what is kept), any other journal is started afresh.
     pub fn open(path: &Path, identity: &str) -> std::io::Result<Journal> {
-        let text = match std::fs::read_to_string(path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(e) => return Err(e),
-        };
-        let mut lines = text.lines();
-        let same =
-            lines.next().and_then(|l| serde_json::from_str::<Header>(l).ok()).is_some_and(|h| h.identity == identity);
-        let kept: Vec<BatchLine> = if same {
-            lines
-                .map_while(|l| serde_json::from_str::<BatchLine>(l).ok())
-                .filter(|b| b.steps.len() == b.ids.len())
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let kept = read_kept(path, identity)?;
         // Written again with what is kept, so that new lines follow a complete one.
         let mut out =
             serde_json::to_string(&Header { identity: identity.to_string() }).map_err(std::io::Error::other)?;
@@ -65,6 +50,11 @@ impl Journal {
         let seconds = kept.iter().map(|b| b.seconds).fold(0.0, f64::max);
         let finished = kept.into_iter().map(|b| (b.steps, b.ids)).collect();
         Ok(Journal { path: path.to_path_buf(), file, finished, seconds })
+    }
+
+    /// How many batches the journal at `path` holds for `identity`, read without writing anything.
+    pub fn peek(path: &Path, identity: &str) -> std::io::Result<usize> {
+        read_kept(path, identity).map(|kept| kept.len())
     }
 
     pub fn path(&self) -> &Path {
@@ -101,6 +91,26 @@ impl Journal {
     }
 }
 
+/// The batches the journal at `path` holds for `identity` (none when it is absent or another identity's), up to
+/// a line cut off mid-write or one that does not parse.
+fn read_kept(path: &Path, identity: &str) -> std::io::Result<Vec<BatchLine>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let mut lines = text.lines();
+    let same =
+        lines.next().and_then(|l| serde_json::from_str::<Header>(l).ok()).is_some_and(|h| h.identity == identity);
+    if !same {
+        return Ok(Vec::new());
+    }
+    Ok(lines
+        .map_while(|l| serde_json::from_str::<BatchLine>(l).ok())
+        .filter(|b| b.steps.len() == b.ids.len())
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,6 +130,7 @@ mod tests {
         text.push_str("{\"steps\": [2], \"ids\": [[9");
         std::fs::write(&path, text).unwrap();
 
+        assert_eq!((Journal::peek(&path, "a").unwrap(), Journal::peek(&path, "b").unwrap()), (2, 0));
         let mut journal = Journal::open(&path, "a").unwrap();
         assert_eq!(journal.finished_batches(), 2);
         assert_eq!(journal.finished(&[3, 1]), Some(&[vec![5, 6], vec![7]][..]));

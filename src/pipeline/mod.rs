@@ -353,6 +353,10 @@ pub struct StageStatus {
     pub stage: Stage,
     #[serde(flatten)]
     pub decision: Decision,
+    /// The eval stage's, when it would run with no stage before it running first: each candidate's result
+    /// kept or evaluated (after the batches its journal holds).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub candidates: Option<Vec<stages::EvalCandidate>>,
 }
 
 /// A dry run's answer: what `kiln sft` with the same arguments would run and skip, and why.
@@ -373,9 +377,14 @@ pub fn plan_sft(req: &SftRequest) -> Result<SftPlan, PipelineError> {
     let mut planned: Vec<StageStatus> = Vec::new();
     for stage in stages_of(&def, req) {
         let runs = |up: &Stage| planned.iter().any(|p| p.stage == *up && matches!(p.decision, Decision::Run { .. }));
-        let running = stage.upstream().iter().copied().filter(runs).collect();
+        let running: Vec<Stage> = stage.upstream().iter().copied().filter(runs).collect();
+        let upstream_runs = !running.is_empty();
         let decision = judge(&ctx, stage, running)?.0;
-        planned.push(StageStatus { stage, decision });
+        let candidates = match decision {
+            Decision::Run { .. } if stage == Stage::Eval && !upstream_runs => Some(stages::eval_candidates(&ctx)?),
+            _ => None,
+        };
+        planned.push(StageStatus { stage, decision, candidates });
     }
     Ok(SftPlan { run_dir, device, stages: planned })
 }

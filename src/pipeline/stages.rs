@@ -4,12 +4,15 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use serde::Serialize;
 use serde_json::{Value, json};
 
 use super::config::{ModelConfig, PipelineDef};
 use super::{PipelineError, SftRequest, Stage, StageOutcome, StagePlan, manifest_path};
 use crate::data::{EvalIndex, Recipe};
 use crate::eval::journal::Journal;
+use crate::eval::result::EvalResult;
+use crate::eval::select::Candidate;
 use crate::hub::push::PushSpec;
 use crate::hub::{Hub, HubConfig, HubError, PulledRepo, RepoKind, RepoSpec};
 use crate::train::state::TrainSource;
@@ -608,10 +611,7 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let base = require_base(ctx, Stage::Eval)?;
     let eval_dir = ctx.run_dir.join("eval");
     let candidates = crate::eval::select::candidates(ctx.run_dir, Some(&base));
-    // `--from` at or before eval asks for every result afresh; otherwise (the stage was stopped midway, the
-    // export ran again) a candidate's result stands while its identity does.
-    let fresh = ctx.req.from.is_some_and(|from| from <= Stage::Eval);
-    clear_eval_dir(&eval_dir, if fresh { &[] } else { &candidates })?;
+    clear_eval_dir(&eval_dir, if fresh_eval(ctx) { &[] } else { &candidates })?;
     std::fs::create_dir_all(&eval_dir).map_err(|e| PipelineError::io(&eval_dir, e))?;
     let replay = &ctx.config.eval.replay;
     let opts = ctx.config.eval.options();
@@ -623,10 +623,7 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     for c in candidates {
         let path = eval_dir.join(format!("{}.json", c.name));
         let identity_path = eval_dir.join(format!("{}.identity", c.name));
-        let identity = eval_identity(ctx, &c.path, &replay_hash)?;
-        let earlier = std::fs::read_to_string(&identity_path).ok().filter(|id| id.trim() == identity).and_then(|_| {
-            serde_json::from_str::<crate::eval::result::EvalResult>(&std::fs::read_to_string(&path).ok()?).ok()
-        });
+        let (identity, earlier) = standing_result(ctx, &eval_dir, &c, &replay_hash)?;
         let was_kept = earlier.is_some();
         let result = match earlier {
             Some(result) => {
@@ -644,7 +641,7 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
                 // No identity may vouch for a result being rewritten.
                 crate::files::remove_if_present(&identity_path).map_err(|e| PipelineError::io(&identity_path, e))?;
                 // The batches an eval of the same identity finished before it was stopped are taken as they are.
-                let journal_path = eval_dir.join(format!("{}.partial.jsonl", c.name));
+                let journal_path = journal_path(&eval_dir, &c);
                 let mut journal =
                     Journal::open(&journal_path, &identity).map_err(|e| PipelineError::io(&journal_path, e))?;
                 if journal.finished_batches() > 0 {
@@ -693,6 +690,99 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     })
 }
 
+/// The identity candidate `c` has now (`eval_identity`), and the result of an earlier eval that still stands
+/// for it: `eval/<name>.json` written under that identity.
+fn standing_result(
+    ctx: &Context,
+    eval_dir: &Path,
+    c: &Candidate,
+    replay_hash: &str,
+) -> Result<(String, Option<EvalResult>), PipelineError> {
+    let identity = eval_identity(ctx, &c.path, replay_hash)?;
+    let identity_path = eval_dir.join(format!("{}.identity", c.name));
+    let result_path = eval_dir.join(format!("{}.json", c.name));
+    let earlier = std::fs::read_to_string(&identity_path)
+        .ok()
+        .filter(|id| id.trim() == identity)
+        .and_then(|_| serde_json::from_str::<EvalResult>(&std::fs::read_to_string(&result_path).ok()?).ok());
+    Ok((identity, earlier))
+}
+
+fn journal_path(eval_dir: &Path, c: &Candidate) -> PathBuf {
+    eval_dir.join(format!("{}.partial.jsonl", c.name))
+}
+
+/// What the eval stage would do with a candidate, as a dry run tells it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "action", rename_all = "lowercase")]
+pub enum CandidateAction {
+    /// Its result stands: the same checkpoint, replay and settings.
+    Keep,
+    /// Evaluated, going on after the batches its journal holds.
+    Evaluate { finished_batches: usize },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EvalCandidate {
+    pub name: String,
+    #[serde(flatten)]
+    pub action: CandidateAction,
+}
+
+/// What the eval stage would do with each candidate if it ran now, read without writing anything: only
+/// meaningful when no stage before it runs first (those rewrite the checkpoints).
+pub fn eval_candidates(ctx: &Context) -> Result<Vec<EvalCandidate>, PipelineError> {
+    let base = require_base(ctx, Stage::Eval)?;
+    let eval_dir = ctx.run_dir.join("eval");
+    let replay_hash = hash_file(&ctx.config.eval.replay)?;
+    let mut out = Vec::new();
+    for c in crate::eval::select::candidates(ctx.run_dir, Some(&base)) {
+        let action = if fresh_eval(ctx) {
+            CandidateAction::Evaluate { finished_batches: 0 }
+        } else {
+            match standing_result(ctx, &eval_dir, &c, &replay_hash)? {
+                (_, Some(_)) => CandidateAction::Keep,
+                (identity, None) => {
+                    let path = journal_path(&eval_dir, &c);
+                    let finished_batches = Journal::peek(&path, &identity).map_err(|e| PipelineError::io(&path, e))?;
+                    CandidateAction::Evaluate { finished_batches }
+                }
+            }
+        };
+        out.push(EvalCandidate { name: c.name, action });
+    }
+    Ok(out)
+}
+
+/// A dry run's line for the eval stage's candidates: "keeps base, epoch-1; evaluates epoch-2 (after 2 batch(es)
+/// finished before)".
+pub fn candidates_line(candidates: &[EvalCandidate]) -> String {
+    let kept: Vec<&str> =
+        candidates.iter().filter(|c| c.action == CandidateAction::Keep).map(|c| c.name.as_str()).collect();
+    let evaluated: Vec<String> = candidates
+        .iter()
+        .filter_map(|c| match c.action {
+            CandidateAction::Keep => None,
+            CandidateAction::Evaluate { finished_batches: 0 } => Some(c.name.clone()),
+            CandidateAction::Evaluate { finished_batches: n } => {
+                Some(format!("{} (after {n} batch(es) finished before)", c.name))
+            }
+        })
+        .collect();
+    match (kept.is_empty(), evaluated.is_empty()) {
+        (true, true) => "no candidate".into(),
+        (true, false) => format!("evaluates {}", evaluated.join(", ")),
+        (false, true) => format!("keeps {}", kept.join(", ")),
+        (false, false) => format!("keeps {}; evaluates {}", kept.join(", "), evaluated.join(", ")),
+    }
+}
+
+/// `--from` at or before eval asks for every result afresh; otherwise (the stage was stopped midway, the export
+/// ran again) a candidate's result stands while its identity does.
+fn fresh_eval(ctx: &Context) -> bool {
+    ctx.req.from.is_some_and(|from| from <= Stage::Eval)
+}
+
 /// What a candidate's eval result depends on, as a hash: the checkpoint's files (the weights sampled as the
 /// pull stage samples them, its card left out), the eval settings, the replay file, the device and kiln's
 /// version. A result written under the same identity is the one evaluating again would give.
@@ -708,7 +798,7 @@ fn eval_identity(ctx: &Context, checkpoint: &Path, replay_hash: &str) -> Result<
 
 /// Empties `eval_dir` but for the results (with their identities and unfinished journals) of `keep`: a result
 /// of a checkpoint that is no longer there (fewer epochs now) must not outlive it.
-fn clear_eval_dir(eval_dir: &Path, keep: &[crate::eval::select::Candidate]) -> Result<(), PipelineError> {
+fn clear_eval_dir(eval_dir: &Path, keep: &[Candidate]) -> Result<(), PipelineError> {
     let Ok(entries) = std::fs::read_dir(eval_dir) else { return Ok(()) };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -801,4 +891,22 @@ fn push(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         }),
         summary: format!("{} ({}): {}", ctx.config.name, selection.chosen, pushed.describe()),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_candidates_line_names_what_is_kept_and_what_is_evaluated() {
+        let c = |name: &str, action| EvalCandidate { name: name.into(), action };
+        let evaluate = |n| CandidateAction::Evaluate { finished_batches: n };
+        let line =
+            candidates_line(&[c("base", CandidateAction::Keep), c("epoch-1", evaluate(0)), c("epoch-2", evaluate(2))]);
+        assert_eq!(line, "keeps base; evaluates epoch-1, epoch-2 (after 2 batch(es) finished before)");
+        assert_eq!(candidates_line(&[c("base", CandidateAction::Keep)]), "keeps base");
+        assert_eq!(candidates_line(&[c("base", evaluate(0))]), "evaluates base");
+        let json = serde_json::to_value(c("epoch-2", evaluate(2))).unwrap();
+        assert_eq!(json, json!({"name": "epoch-2", "action": "evaluate", "finished_batches": 2}));
+    }
 }
