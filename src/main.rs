@@ -1529,6 +1529,7 @@ fn run_eval(
     checkpoint: &Path,
     eval: &EvalOptionArgs,
     quiet: bool,
+    journal: Option<&mut kiln::eval::journal::Journal>,
 ) -> Result<kiln::eval::result::EvalResult> {
     let steps = eval_steps(eval)?;
     let result = kiln::eval::run::evaluate_on_device(
@@ -1540,7 +1541,7 @@ fn run_eval(
         &steps,
         &eval.options(),
         !quiet,
-        None,
+        journal,
     );
     result.map_err(anyhow::Error::msg).with_context(|| format!("evaluating {}", checkpoint.display()))
 }
@@ -1549,9 +1550,39 @@ fn eval_cmd(args: EvalArgs, quiet: bool) -> Result<()> {
     let name = args.name.clone().unwrap_or_else(|| {
         args.checkpoint.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
     });
-    let result = run_eval(&name, &args.checkpoint, &args.eval, quiet)?;
     let out = args.out.clone().unwrap_or_else(|| PathBuf::from("eval").join(format!("{name}.json")));
+    // Each finished batch is recorded beside the result, under what the result depends on: a stopped eval
+    // goes on from there (the pipeline's eval stage does the same).
+    let replay_hash = kiln::hub::sha256_file(&args.eval.replay)
+        .with_context(|| format!("reading the replay file {}", args.eval.replay.display()))?;
+    let identity =
+        kiln::pipeline::stages::eval_identity(&args.checkpoint, &args.eval.options(), &replay_hash, &args.eval.device)
+            .with_context(|| format!("evaluating {}", args.checkpoint.display()))?;
+    let journal_path = out.with_extension("partial.jsonl");
+    if let Some(dir) = journal_path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let mut journal = kiln::eval::journal::Journal::open(&journal_path, &identity)
+        .with_context(|| format!("opening the eval's journal {}", journal_path.display()))?;
+    if journal.finished_batches() > 0 {
+        eprintln!(
+            "eval {name}: going on after the {} batch(es) finished before it was stopped ({})",
+            journal.finished_batches(),
+            journal_path.display()
+        );
+    }
+    let result = match run_eval(&name, &args.checkpoint, &args.eval, quiet, Some(&mut journal)) {
+        Ok(result) => result,
+        Err(e) => {
+            // A journal without a finished batch (the model did not load, say) is not left behind.
+            if kiln::eval::journal::Journal::peek(&journal_path, &identity).is_ok_and(|n| n == 0) {
+                let _ = journal.remove();
+            }
+            return Err(e);
+        }
+    };
     write_json(Some(&out), &result)?;
+    journal.remove().with_context(|| format!("removing {}", journal_path.display()))?;
     let a = &result.aggregate;
     eprintln!(
         "eval {name}: Score {:.2} (P {:.4} R {:.4}, first exact {:.1}%, valid JSON {:.1}%) over {} steps, {:.3} s/step → {}",
@@ -1578,7 +1609,7 @@ fn select_cmd(args: SelectArgs, quiet: bool) -> Result<()> {
         &mut |c, why| {
             let why = why.map(|w| format!(": {w}")).unwrap_or_default();
             eprintln!("evaluating {} ({}){why}", c.name, c.path.display());
-            run_eval(&c.name, &c.path, &args.eval, quiet).map_err(|e| format!("{e:#}"))
+            run_eval(&c.name, &c.path, &args.eval, quiet, None).map_err(|e| format!("{e:#}"))
         },
         &mut |name, result| eprintln!("  {name}: Score {:.2}", result.aggregate.score),
     )

@@ -292,3 +292,61 @@ fn a_stopped_eval_goes_on_from_its_finished_batches() {
     let fresh = eval(&mut Journal::open(&path, "b").unwrap());
     assert_eq!(previews(&fresh), a);
 }
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// `kiln eval` killed midway goes on from its journal beside the result (`<out>.partial.jsonl`): the next run
+/// says how many batches it takes from there, ends with the uninterrupted eval's replies, and removes the
+/// journal.
+#[test]
+fn kiln_eval_killed_midway_goes_on_from_its_journal() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny");
+    init(&model, "1");
+    let out = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let (whole, stopped) = (out("whole.json"), out("stopped.json"));
+    let args = |out: &str| {
+        let m = model.to_str().unwrap();
+        ["eval", "--checkpoint", m, "--replay", "datasets/samples/replay.jsonl", "--limit", "8", "--max-tokens", "64"]
+            .into_iter()
+            .chain(["--batch-size", "1", "--out"])
+            .map(String::from)
+            .chain([out.to_string()])
+            .collect::<Vec<_>>()
+    };
+    kiln(&strs(&args(&whole)));
+    assert!(!dir.path().join("whole.partial.jsonl").exists(), "the journal goes once the result is written");
+
+    let journal = dir.path().join("stopped.partial.jsonl");
+    let mut child = std::process::Command::new(common::kiln_bin())
+        .args(args(&stopped))
+        .current_dir(project_dir())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let finished_lines = || std::fs::read_to_string(&journal).map_or(0, |t| t.matches('\n').count());
+    while finished_lines() < 2 {
+        assert!(child.try_wait().unwrap().is_none(), "the eval finished before it could be stopped");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!Path::new(&stopped).exists());
+
+    let stderr = kiln(&strs(&args(&stopped)));
+    let taken: usize = stderr
+        .split("going on after the ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no resume said: {stderr}"));
+    assert!((1..8).contains(&taken), "{taken} of 8 batches taken: {stderr}");
+    let replies = |path: &str| -> Vec<Value> {
+        let r: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        r["per_step"].as_array().unwrap().iter().map(|s| s["pred_preview"].clone()).collect()
+    };
+    assert_eq!(replies(&stopped), replies(&whole));
+    assert!(!journal.exists());
+}

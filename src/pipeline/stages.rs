@@ -698,7 +698,7 @@ fn standing_result(
     c: &Candidate,
     replay_hash: &str,
 ) -> Result<(String, Option<EvalResult>), PipelineError> {
-    let identity = eval_identity(ctx, &c.path, replay_hash)?;
+    let identity = eval_identity(&c.path, &ctx.config.eval, replay_hash, ctx.device)?;
     let identity_path = eval_dir.join(format!("{}.identity", c.name));
     let result_path = eval_dir.join(format!("{}.json", c.name));
     let earlier = std::fs::read_to_string(&identity_path)
@@ -783,14 +783,19 @@ fn fresh_eval(ctx: &Context) -> bool {
     ctx.req.from.is_some_and(|from| from <= Stage::Eval)
 }
 
-/// What a candidate's eval result depends on, as a hash: the checkpoint's files (the weights sampled as the
-/// pull stage samples them, its card left out), the eval settings, the replay file, the device and kiln's
-/// version. A result written under the same identity is the one evaluating again would give.
-fn eval_identity(ctx: &Context, checkpoint: &Path, replay_hash: &str) -> Result<String, PipelineError> {
+/// What an eval result of `checkpoint` depends on, as a hash: the checkpoint's files (the weights sampled as
+/// the pull stage samples them, its card left out), the eval `settings`, the replay file, the device and
+/// kiln's version. A result written under the same identity is the one evaluating again would give.
+pub fn eval_identity(
+    checkpoint: &Path,
+    settings: &impl Serialize,
+    replay_hash: &str,
+    device: &str,
+) -> Result<String, PipelineError> {
     let mut files = BTreeMap::new();
     fingerprint_checkpoint(Stage::Eval, checkpoint, "", &base_checkpoint_files(checkpoint)?, &mut files)?;
     let doc = json!({
-        "checkpoint": files, "eval": ctx.config.eval, "replay": replay_hash, "device": ctx.device,
+        "checkpoint": files, "eval": settings, "replay": replay_hash, "device": device,
         "kiln": env!("CARGO_PKG_VERSION"),
     });
     Ok(crate::hub::sha256_bytes(doc.to_string().as_bytes()))
