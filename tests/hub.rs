@@ -74,6 +74,7 @@ fn config(endpoint: &str, cache: &Path, offline: bool) -> HubConfig {
         token_source: None,
         show_progress: false,
         retries: 1,
+        resume_chunk: 64 << 20,
     }
 }
 
@@ -364,31 +365,75 @@ fn an_unreachable_hub_is_named_with_the_cause() {
     assert_eq!(text.matches("/revision/main").count(), 1, "the URL said once: {text}");
 }
 
-/// A transfer that breaks off midway is downloaded again while attempts remain (`retries`), and the pull
-/// ends with the whole file; with no attempt to spare it fails, naming the file.
+/// A transfer that breaks off midway leaves `blobs/<sha256>.incomplete` with the bytes it got, and the next
+/// attempt (in the same pull while `retries` last, or a later pull) asks only for the rest, in ranges of
+/// `resume_chunk` bytes; a server that answers a range with the whole file has it written over; bytes that
+/// are not the file's start end as a refused sha256. With no attempt to spare the pull fails, naming the file.
 #[test]
-fn a_transfer_that_breaks_off_is_downloaded_again() {
+fn a_transfer_that_breaks_off_goes_on_from_the_bytes_it_has() {
     use sha2::Digest;
-    let mut repos = hub_repos();
     let key = ("datasets".to_string(), TERMINAL.to_string());
     let file = "data/train-00000-of-00001.parquet";
-    repos.get_mut(&key).unwrap().cut_short.insert(file.into(), 1);
-    let cache = tempfile::tempdir().unwrap();
+    let repos = hub_repos();
+    let bytes = repos[&key].commits[&repos[&key].refs["main"]][file].clone();
+    let (want, size, half) = (hex::encode(sha2::Sha256::digest(&bytes)), bytes.len(), bytes.len() / 2);
     let spec = dataset_spec("main", &["data/*.parquet"]);
-    let server = FakeHub::start(repos.clone());
-    let err = Hub::new(config(&server.url, cache.path(), false)).unwrap().pull(&spec).unwrap_err();
-    assert!(matches!(err, HubError::Network { .. }) && err.to_string().contains(file), "{err}");
-    drop(server);
+    let with = |cut: usize, ignores_range: bool| {
+        let mut repos = hub_repos();
+        let repo = repos.get_mut(&key).unwrap();
+        repo.cut_short.insert(file.into(), cut);
+        repo.ignores_range = ignores_range;
+        FakeHub::start(repos)
+    };
+    let asked = |server: &FakeHub| server.repos.lock().unwrap()[&key].ranges_asked.clone();
+    let pull = |server: &FakeHub, cache: &Path, retries: usize, resume_chunk: u64| {
+        let hub = Hub::new(HubConfig { retries, resume_chunk, ..config(&server.url, cache, false) }).unwrap();
+        hub.pull(&spec).map_err(Box::new)
+    };
+    let check = |pulled: kiln::hub::PulledRepo| {
+        assert_eq!(pulled.files[0].sha256, want);
+        assert_eq!(kiln::hub::sha256_file(&pulled.files[0].local).unwrap(), want);
+    };
+    let blobs = |cache: &Path| cache.join("datasets--gyung--LFM2-Terminal-SFT-Processed/blobs");
 
-    let server = FakeHub::start(repos.clone());
-    let hub = Hub::new(HubConfig { retries: 2, ..config(&server.url, cache.path(), false) }).unwrap();
-    let pulled = hub.pull(&spec).unwrap();
-    let requests = server.requests.load(std::sync::atomic::Ordering::SeqCst);
-    assert_eq!(requests, 5, "the revision, then the file's HEAD and GET twice");
-    let repo = &repos[&key];
-    let want = hex::encode(sha2::Sha256::digest(&repo.commits[&repo.refs["main"]][file]));
-    assert_eq!(pulled.files[0].sha256, want);
-    assert_eq!(kiln::hub::sha256_file(&pulled.files[0].local).unwrap(), want);
+    // Stopped with no attempt to spare: the bytes received stay; the next pull asks for the rest alone.
+    let cache = tempfile::tempdir().unwrap();
+    let server = with(1, false);
+    let err = pull(&server, cache.path(), 1, 64 << 20).unwrap_err();
+    assert!(matches!(*err, HubError::Network { .. }) && err.to_string().contains(file), "{err}");
+    let partial = blobs(cache.path()).join(format!("{want}.incomplete"));
+    assert_eq!(std::fs::read(&partial).unwrap(), bytes[..half], "the first half, as received");
+    drop(server);
+    let server = with(0, false);
+    check(pull(&server, cache.path(), 1, 64 << 20).unwrap());
+    assert_eq!(asked(&server), [format!("bytes={half}-{}", size - 1)]);
+    assert!(!partial.exists());
+
+    // Within one pull: the second attempt goes on from the first one's bytes, in ranges of 1,000 bytes.
+    let cache = tempfile::tempdir().unwrap();
+    let server = with(1, false);
+    check(pull(&server, cache.path(), 2, 1000).unwrap());
+    let ranges: Vec<String> =
+        (half..size).step_by(1000).map(|first| format!("bytes={first}-{}", (first + 999).min(size - 1))).collect();
+    assert!(ranges.len() > 1);
+    assert_eq!(asked(&server), ranges);
+
+    // A server without ranges answers with the whole file, which is written from the start.
+    let cache = tempfile::tempdir().unwrap();
+    let server = with(1, true);
+    check(pull(&server, cache.path(), 2, 64 << 20).unwrap());
+    assert_eq!(asked(&server), [format!("bytes={half}-{}", size - 1)]);
+
+    // Bytes left there that are not the file's start: the completed file's sha256 is refused and removed,
+    // and the next pull downloads it whole.
+    let cache = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(blobs(cache.path())).unwrap();
+    std::fs::write(blobs(cache.path()).join(format!("{want}.incomplete")), vec![b'x'; half]).unwrap();
+    let server = with(0, false);
+    let err = pull(&server, cache.path(), 1, 64 << 20).unwrap_err();
+    assert!(matches!(*err, HubError::Corrupt { .. }), "{err}");
+    assert_eq!(std::fs::read_dir(blobs(cache.path())).unwrap().count(), 0, "nothing of it is left");
+    check(pull(&server, cache.path(), 1, 64 << 20).unwrap());
 }
 
 /// A checkpoint folder as the pipeline's `best/` holds it, with a hidden file that is not pushed.

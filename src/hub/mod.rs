@@ -1,10 +1,11 @@
 //! Hugging Face Hub access through hf-hub: endpoint and token from the environment, a revision resolved to
 //! its commit and recorded, files selected by glob, the standard HF cache layout (shared with Python tools),
-//! and `HF_HUB_OFFLINE=1` served from that cache alone. A transfer that breaks off is started again (three
-//! attempts in all). Every failure names the repo, revision and file. Uploads: `push`.
+//! and `HF_HUB_OFFLINE=1` served from that cache alone. A transfer that breaks off is taken up again (three
+//! attempts in all), an LFS file from the bytes it has, as Python's huggingface_hub does, also in a later
+//! pull. Every failure names the repo, revision and file. Uploads: `push`.
 
 use std::fmt;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -160,6 +161,8 @@ pub struct HubConfig {
     pub token_source: Option<String>,
     pub show_progress: bool,
     pub retries: usize,
+    /// Bytes asked for in each ranged request when a download goes on from a partial file.
+    pub resume_chunk: u64,
 }
 
 fn env_flag(name: &str) -> bool {
@@ -183,6 +186,7 @@ impl HubConfig {
             token_source: token_source(),
             show_progress: true,
             retries: 3,
+            resume_chunk: 64 << 20,
         }
     }
 
@@ -347,8 +351,9 @@ impl Hub {
     }
 
     /// Downloads one file of `commit` into the cache. A transfer that breaks off (hf-hub retries only the
-    /// request, not a body cut short) is started again, up to `retries` attempts in all, waiting longer each
-    /// time; other failures are final.
+    /// request, not a body cut short) is taken up again, up to `retries` attempts in all, waiting longer each
+    /// time; an LFS file goes on from the bytes it has (`go_on`), in this attempt or a later pull. Other
+    /// failures are final.
     fn download<T: RepoType>(
         &self,
         repo: &HFRepositorySync<T>,
@@ -360,18 +365,12 @@ impl Hub {
         let attempts = self.config.retries.max(1);
         let mut attempt = 1;
         loop {
-            let sent = repo
-                .download_file()
-                .filename(path.to_string())
-                .revision(commit.to_string())
-                .progress(BarHandler::new(bar.clone(), path))
-                .send();
-            match sent {
+            match self.fetch(repo, spec, commit, path, bar) {
                 Ok(local) => return Ok(local),
                 Err(e) if is_transport(&e) && attempt < attempts => {
                     let wait = Duration::from_millis(500 << attempt.min(6));
                     let note = format!(
-                        "  {path}: the transfer broke off ({}); downloading it again in {:.1} s (attempt {} of {attempts})",
+                        "  {path}: the transfer broke off ({}); taking it up again in {:.1} s (attempt {} of {attempts})",
                         describe(&e),
                         wait.as_secs_f64(),
                         attempt + 1
@@ -383,6 +382,103 @@ impl Hub {
                 Err(e) => return Err(self.map_error(e, spec, Some(path))),
             }
         }
+    }
+
+    /// One attempt at `path`: an LFS file (its blob named by its sha256, which the pull then checks) whose
+    /// earlier transfer left `blobs/<sha256>.incomplete` goes on from there; anything else is hf-hub's
+    /// download, which starts a file over. Xet-stored files are hf-hub's too (its Xet client retries its own
+    /// ranges).
+    fn fetch<T: RepoType>(
+        &self,
+        repo: &HFRepositorySync<T>,
+        spec: &RepoSpec,
+        commit: &str,
+        path: &str,
+        bar: &ProgressBar,
+    ) -> Result<PathBuf, HFError> {
+        let download = || {
+            repo.download_file()
+                .filename(path.to_string())
+                .revision(commit.to_string())
+                .progress(BarHandler::new(bar.clone(), path))
+                .send()
+        };
+        let folder = self.config.cache_dir.join(repo_folder(spec.kind, &spec.repo));
+        if folder.join("snapshots").join(commit).join(path).exists() {
+            return download();
+        }
+        let meta = repo.get_file_metadata().filepath(path.to_string()).revision(commit).send()?;
+        let lfs = meta.etag.len() == 64 && meta.etag.bytes().all(|b| b.is_ascii_hexdigit());
+        let blob = folder.join("blobs").join(&meta.etag);
+        let partial = PathBuf::from(format!("{}.incomplete", blob.display()));
+        if meta.xet_hash.is_some() || !lfs || blob.exists() || !partial.is_file() {
+            return download();
+        }
+        let lock = folder.join(".locks").join(format!("{}.lock", meta.etag));
+        self.go_on(repo, commit, path, meta.file_size, &partial, &lock, bar)?;
+        std::fs::rename(&partial, &blob)?;
+        // The blob is complete: hf-hub finds it and links the snapshot's path to it, as for any cached file.
+        download()
+    }
+
+    /// Appends the rest of `path` (`size` bytes in all) to `partial` by ranged requests of `resume_chunk`
+    /// bytes, each written before the next is asked for, holding `lock` as hf-hub and Python do while they
+    /// write a blob. A server that answers a range with the whole file has it written over from the start.
+    #[allow(clippy::too_many_arguments)]
+    fn go_on<T: RepoType>(
+        &self,
+        repo: &HFRepositorySync<T>,
+        commit: &str,
+        path: &str,
+        size: u64,
+        partial: &Path,
+        lock: &Path,
+        bar: &ProgressBar,
+    ) -> Result<(), HFError> {
+        if let Some(dir) = lock.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let lock = std::fs::File::create(lock)?;
+        lock.lock()?;
+        let mut file = std::fs::OpenOptions::new().append(true).open(partial)?;
+        let mut have = file.metadata()?.len();
+        if have > size {
+            file.set_len(0)?;
+            have = 0;
+        }
+        bar.set_message(path.to_string());
+        bar.set_length(size);
+        bar.set_position(have);
+        bar.suspend(|| eprintln!("  {path}: going on from byte {have} of {size} (left by a transfer that broke off)"));
+        while have < size {
+            let end = (have + self.config.resume_chunk.max(1)).min(size);
+            let bytes = repo
+                .download_file_to_bytes()
+                .filename(path.to_string())
+                .revision(commit.to_string())
+                .range(have..end)
+                .send()?;
+            match bytes.len() as u64 {
+                n if n == end - have => {
+                    file.write_all(&bytes)?;
+                    have = end;
+                }
+                n if n == size => {
+                    file.set_len(0)?;
+                    file.write_all(&bytes)?;
+                    have = size;
+                }
+                n => {
+                    return Err(HFError::malformed_response(format!(
+                        "{n} bytes for the range {have}..{end} of '{path}' ({size} bytes)"
+                    )));
+                }
+            }
+            file.flush()?;
+            bar.set_position(have);
+        }
+        file.sync_all()?;
+        Ok(())
     }
 
     /// Resolves `spec` from the standard cache layout only: refs/<revision> → snapshots/<commit>/….

@@ -46,8 +46,12 @@ pub struct FakeRepo {
     /// Paths whose body arrives with a byte changed while the ETag still names the right content.
     pub corrupt: Vec<String>,
     /// Paths whose next N downloads break off: redirected to a server that announces the whole length,
-    /// sends a few bytes and closes the connection, as a dropped transfer does.
+    /// sends the first half and closes the connection, as a dropped transfer does.
     pub cut_short: BTreeMap<String, usize>,
+    /// The `Range` headers of the downloads asked for, in order (a range is answered 206 with those bytes).
+    pub ranges_asked: Vec<String>,
+    /// Answers a range with the whole file (200), as a server without range support does.
+    pub ignores_range: bool,
     /// Commit → its message, for the commits pushed to the repo.
     pub messages: BTreeMap<String, String>,
     /// Set when a push created the repo private.
@@ -142,7 +146,7 @@ impl FakeHub {
         let stop = Arc::new(AtomicBool::new(false));
         let requests = Arc::new(AtomicUsize::new(0));
         let repos = Arc::new(Mutex::new(repos));
-        let (cdn, broken_cdn) = broken_cdn(stop.clone());
+        let (cdn, broken_cdn) = broken_cdn(stop.clone(), repos.clone());
         let whoami_throttled = Arc::new(AtomicUsize::new(0));
         let (stop2, requests2, repos2, base) = (stop.clone(), requests.clone(), repos.clone(), url.clone());
         let throttled = whoami_throttled.clone();
@@ -320,8 +324,13 @@ fn write_route(
     }
 }
 
-/// A file server whose every transfer breaks: it announces 1 MiB, sends 16 bytes and closes the connection.
-fn broken_cdn(stop: Arc<AtomicBool>) -> (String, JoinHandle<()>) {
+/// A file server whose every transfer breaks: asked for `/broken/<plural>/<owner>/<name>/<commit>/<path>`, it
+/// announces the file's whole length, sends its first half and closes the connection (1 MiB announced and a
+/// few bytes sent for a file it does not know).
+fn broken_cdn(
+    stop: Arc<AtomicBool>,
+    repos: Arc<Mutex<BTreeMap<(String, String), FakeRepo>>>,
+) -> (String, JoinHandle<()>) {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");
     listener.set_nonblocking(true).expect("non-blocking listener");
@@ -334,8 +343,23 @@ fn broken_cdn(stop: Arc<AtomicBool>) -> (String, JoinHandle<()>) {
             };
             let _ = stream.set_nonblocking(false);
             let mut request = [0u8; 4096];
-            let _ = stream.read(&mut request);
-            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n\r\nPAR1 then nothing");
+            let n = stream.read(&mut request).unwrap_or(0);
+            let line = String::from_utf8_lossy(&request[..n]).lines().next().unwrap_or_default().to_string();
+            let target = line.split(' ').nth(1).unwrap_or_default().to_string();
+            let parts: Vec<String> = target.trim_start_matches("/broken/").split('/').map(decode).collect();
+            let bytes = (parts.len() >= 5)
+                .then(|| {
+                    let repos = repos.lock().unwrap();
+                    let repo = repos.get(&(parts[0].clone(), format!("{}/{}", parts[1], parts[2])))?;
+                    repo.commits.get(&parts[3])?.get(&parts[4..].join("/")).cloned()
+                })
+                .flatten();
+            let (announced, sent) = match &bytes {
+                Some(b) => (b.len(), b[..b.len() / 2].to_vec()),
+                None => (1 << 20, b"PAR1 then nothing".to_vec()),
+            };
+            let _ = stream.write_all(format!("HTTP/1.1 200 OK\r\nContent-Length: {announced}\r\n\r\n").as_bytes());
+            let _ = stream.write_all(&sent);
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
     });
@@ -460,9 +484,14 @@ fn answer(repos: &mut BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Req
             && let Some(left) = repos.get_mut(&key).and_then(|r| r.cut_short.get_mut(&file)).filter(|n| **n > 0)
         {
             *left -= 1;
+            let location = format!("{cdn}/broken/{plural}/{}/{}/{commit}/{file}", rest[0], rest[1]);
             return tiny_http::Response::from_data(Vec::new())
                 .with_status_code(302)
-                .with_header(header("Location", &format!("{cdn}/broken")));
+                .with_header(header("Location", &location));
+        }
+        let range = req.headers().iter().find(|h| h.field.equiv("Range")).map(|h| h.value.as_str().to_string());
+        if let (Some(range), tiny_http::Method::Get, Some(repo)) = (&range, req.method(), repos.get_mut(&key)) {
+            repo.ranges_asked.push(range.clone());
         }
         let repo = &repos[&key];
         let tree = &repo.commits[&commit];
@@ -481,6 +510,19 @@ fn answer(repos: &mut BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Req
             && let Some(first) = body.first_mut()
         {
             *first ^= 0xff;
+        }
+        // `bytes=<first>-<last>`, both inclusive, as hf-hub asks.
+        let asked = range.filter(|_| !repo.ignores_range && req.method() == &tiny_http::Method::Get).and_then(|r| {
+            let (first, last) = r.strip_prefix("bytes=")?.split_once('-')?;
+            Some((first.parse::<usize>().ok()?, last.parse::<usize>().ok()?))
+        });
+        let whole = body.len();
+        if let Some((first, last)) = asked.filter(|(first, last)| first <= last && *last < whole) {
+            return tiny_http::Response::from_data(body[first..=last].to_vec())
+                .with_status_code(206)
+                .with_header(header("Content-Range", &format!("bytes {first}-{last}/{whole}")))
+                .with_header(header("ETag", &format!("\"{etag}\"")))
+                .with_header(header("X-Repo-Commit", &commit));
         }
         let mut response = tiny_http::Response::from_data(body)
             .with_header(header("ETag", &format!("\"{etag}\"")))
