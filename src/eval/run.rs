@@ -181,8 +181,8 @@ fn decoding_devices<B: Backend>(name: &str, count: usize) -> Result<Vec<B::Devic
 
 /// Evaluates a checkpoint on `steps`, one decoding thread per entry of `workers` (a device each, repeated to
 /// run several threads on one), the model loaded on the first; returns the result document (the same
-/// whatever the workers). With a `journal`, the batches it holds are taken
-/// from it and every batch decoded is recorded there as it finishes.
+/// whatever the workers). With a `journal`, the batches it holds are taken from it and every batch decoded is
+/// recorded there as it finishes.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate<B: ModelBackend>(
     name: &str,
@@ -352,8 +352,8 @@ pub fn sampling(opts: &EvalOptions, max_model_len: usize) -> Value {
 /// Greedy decoding of each of `batches` (indices into `prompts`), each batch's output handed to `done` on the
 /// calling thread as it finishes. With several `workers` the batches run side by side, a thread per worker
 /// on its device: the model's tensors shared by the threads of `model`'s device (burn's tensors are shared,
-/// not copied), copied once to each other device (through the host). A batch decodes the same whichever worker runs it, so only
-/// the order of the `done` calls changes.
+/// not copied), copied once to each other device (through the host). A batch decodes the same whichever
+/// worker runs it, so only the order of the `done` calls changes.
 fn decode_batches<B: ModelBackend>(
     model: &CausalLm<B>,
     batches: &[&[usize]],

@@ -387,7 +387,7 @@ impl Hub {
     /// One attempt at `path`: an LFS file (its blob named by its sha256, which the pull then checks) whose
     /// earlier transfer left `blobs/<sha256>.incomplete` goes on from there; anything else is hf-hub's
     /// download, which starts a file over. Xet-stored files are hf-hub's too (its Xet client retries its own
-    /// ranges).
+    /// requests).
     fn fetch<T: RepoType>(
         &self,
         repo: &HFRepositorySync<T>,
