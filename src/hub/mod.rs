@@ -364,8 +364,9 @@ impl Hub {
     ) -> Result<PathBuf, HubError> {
         let attempts = self.config.retries.max(1);
         let mut attempt = 1;
+        let folder = self.config.cache_dir.join(repo_folder(spec.kind, &spec.repo));
         loop {
-            match self.fetch(repo, spec, commit, path, bar) {
+            match self.fetch(repo, &folder, commit, path, bar) {
                 Ok(local) => return Ok(local),
                 Err(e) if is_transport(&e) && attempt < attempts => {
                     let wait = Duration::from_millis(500 << attempt.min(6));
@@ -384,14 +385,14 @@ impl Hub {
         }
     }
 
-    /// One attempt at `path`: an LFS file (its blob named by its sha256, which the pull then checks) whose
-    /// earlier transfer left `blobs/<sha256>.incomplete` goes on from there; anything else is hf-hub's
-    /// download, which starts a file over. Xet-stored files are hf-hub's too (its Xet client retries its own
-    /// requests).
+    /// One attempt at `path` of the repo cached in `folder`: an LFS file (its blob named by its sha256, which
+    /// the pull then checks) whose earlier transfer left `blobs/<sha256>.incomplete` goes on from there;
+    /// anything else is hf-hub's download, which starts a file over. Xet-stored files are hf-hub's too (its Xet
+    /// client retries its own requests).
     fn fetch<T: RepoType>(
         &self,
         repo: &HFRepositorySync<T>,
-        spec: &RepoSpec,
+        folder: &Path,
         commit: &str,
         path: &str,
         bar: &ProgressBar,
@@ -403,7 +404,6 @@ impl Hub {
                 .progress(BarHandler::new(bar.clone(), path))
                 .send()
         };
-        let folder = self.config.cache_dir.join(repo_folder(spec.kind, &spec.repo));
         if folder.join("snapshots").join(commit).join(path).exists() {
             return download();
         }
