@@ -8,7 +8,7 @@
 //! differently on the GPU (tests/bf16_device.rs runs the CPU with a bf16 default to catch it).
 
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{Backend, Device as _, DeviceId, DeviceOps};
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 
 use crate::models::attention::{
@@ -868,6 +868,21 @@ pub fn smoke_test<B: Backend>(device: &B::Device) -> Result<(), String> {
     } else {
         Err(format!("matmul gave {got:?}, expected {want:?}"))
     }
+}
+
+/// `count` devices of `first`'s backend from `first` on: device indices i..i+count, or `first` `count` times
+/// where the backend has a single device (the CPU, one Vulkan GPU: the users share it). The devices the
+/// backend sees, when they are too few.
+pub fn consecutive_devices<B: Backend>(first: &B::Device, count: usize) -> Result<Vec<B::Device>, usize> {
+    let DeviceId { type_id, index_id } = first.id();
+    let available = B::device_count(type_id);
+    if available <= 1 {
+        return Ok(vec![first.clone(); count]);
+    }
+    if usize::from(index_id) + count > available {
+        return Err(available);
+    }
+    Ok((0..count).map(|k| B::Device::from_id(DeviceId { type_id, index_id: index_id + k as u16 })).collect())
 }
 
 #[cfg(test)]

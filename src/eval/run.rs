@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::tensor::backend::{Backend, Device as _, DeviceId, DeviceOps};
+use burn::tensor::backend::Backend;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
@@ -164,19 +164,10 @@ pub fn evaluate_on_device(
     }
 }
 
-/// The devices `count` decoding workers run on: indices 0..count of the backend's default device type, or
-/// that one device `count` times where the backend has a single device (a Vulkan GPU: the workers share it).
+/// The devices `count` decoding workers run on: `crate::backend::consecutive_devices` from the default device.
 fn decoding_devices<B: Backend>(name: &str, count: usize) -> Result<Vec<B::Device>, String> {
-    let first = B::Device::default();
-    let DeviceId { type_id, index_id } = first.id();
-    let available = B::device_count(type_id);
-    if available <= 1 {
-        return Ok(vec![first; count]);
-    }
-    if usize::from(index_id) + count > available {
-        return Err(format!("eval on {count} {name} devices, but the backend sees {available}"));
-    }
-    Ok((0..count).map(|k| B::Device::from_id(DeviceId { type_id, index_id: index_id + k as u16 })).collect())
+    crate::backend::consecutive_devices::<B>(&Default::default(), count)
+        .map_err(|available| format!("eval on {count} {name} devices, but the backend sees {available}"))
 }
 
 /// Evaluates a checkpoint on `steps`, one decoding thread per entry of `workers` (a device each, repeated to

@@ -404,7 +404,11 @@ impl Hub {
                 .progress(BarHandler::new(bar.clone(), path))
                 .send()
         };
-        if folder.join("snapshots").join(commit).join(path).exists() {
+        // Cached, or nothing left by a transfer to go on from: hf-hub's download alone (no HEAD of our own).
+        let partials = std::fs::read_dir(folder.join("blobs"))
+            .map(|entries| entries.flatten().any(|e| e.file_name().to_string_lossy().ends_with(".incomplete")))
+            .unwrap_or(false);
+        if folder.join("snapshots").join(commit).join(path).exists() || !partials {
             return download();
         }
         let meta = repo.get_file_metadata().filepath(path.to_string()).revision(commit).send()?;

@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::backend::{AutodiffBackend, Backend, Device as _, DeviceId, DeviceOps};
+use burn::tensor::backend::{AutodiffBackend, Backend, DeviceOps};
 use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
 
@@ -30,17 +30,12 @@ use crate::backend::zeros_in;
 /// times where the backend has a single device (the CPU: replicas there check the data-parallel path, they do
 /// not add compute).
 pub fn replica_devices<B: Backend>(device: &B::Device, count: usize) -> Result<Vec<B::Device>, TrainError> {
-    let DeviceId { type_id, index_id } = device.id();
-    let available = B::device_count(type_id);
-    if available <= 1 {
-        return Ok(vec![device.clone(); count]);
-    }
-    if usize::from(index_id) + count > available {
-        return Err(TrainError::Device(format!(
-            "train.devices = {count} from device index {index_id}, but the backend sees {available} devices"
-        )));
-    }
-    Ok((0..count).map(|r| B::Device::from_id(DeviceId { type_id, index_id: index_id + r as u16 })).collect())
+    crate::backend::consecutive_devices::<B>(device, count).map_err(|available| {
+        TrainError::Device(format!(
+            "train.devices = {count} from device index {}, but the backend sees {available} devices",
+            device.id().index_id
+        ))
+    })
 }
 
 /// On CUDA every replica needs a GPU of its own: `count` must not exceed the GPUs the driver shows (the CPU,
