@@ -1546,23 +1546,24 @@ fn run_eval(
     result.map_err(anyhow::Error::msg).with_context(|| format!("evaluating {}", checkpoint.display()))
 }
 
-fn eval_cmd(args: EvalArgs, quiet: bool) -> Result<()> {
-    let name = args.name.clone().unwrap_or_else(|| {
-        args.checkpoint.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
-    });
-    let out = args.out.clone().unwrap_or_else(|| PathBuf::from("eval").join(format!("{name}.json")));
-    // Each finished batch is recorded beside the result, under what the result depends on: a stopped eval
-    // goes on from there (the pipeline's eval stage does the same).
-    let replay_hash = kiln::hub::sha256_file(&args.eval.replay)
-        .with_context(|| format!("reading the replay file {}", args.eval.replay.display()))?;
-    let identity =
-        kiln::pipeline::stages::eval_identity(&args.checkpoint, &args.eval.options(), &replay_hash, &args.eval.device)
-            .with_context(|| format!("evaluating {}", args.checkpoint.display()))?;
-    let journal_path = out.with_extension("partial.jsonl");
-    if let Some(dir) = journal_path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let mut journal = kiln::eval::journal::Journal::open(&journal_path, &identity)
+fn replay_hash(eval: &EvalOptionArgs) -> Result<String> {
+    kiln::hub::sha256_file(&eval.replay).with_context(|| format!("reading the replay file {}", eval.replay.display()))
+}
+
+/// Evaluates `checkpoint`, each finished batch recorded in `journal_path` under the identity of what the result
+/// depends on (`stages::eval_identity`, as the pipeline's eval stage records it): a stopped eval goes on from
+/// there. The caller removes the journal once it has written the result. Returns the result and its identity.
+fn eval_journaled(
+    name: &str,
+    checkpoint: &Path,
+    eval: &EvalOptionArgs,
+    quiet: bool,
+    replay_hash: &str,
+    journal_path: &Path,
+) -> Result<(kiln::eval::result::EvalResult, String)> {
+    let identity = kiln::pipeline::stages::eval_identity(checkpoint, &eval.options(), replay_hash, &eval.device)
+        .with_context(|| format!("evaluating {}", checkpoint.display()))?;
+    let mut journal = kiln::eval::journal::Journal::open(journal_path, &identity)
         .with_context(|| format!("opening the eval's journal {}", journal_path.display()))?;
     if journal.finished_batches() > 0 {
         eprintln!(
@@ -1571,18 +1572,32 @@ fn eval_cmd(args: EvalArgs, quiet: bool) -> Result<()> {
             journal_path.display()
         );
     }
-    let result = match run_eval(&name, &args.checkpoint, &args.eval, quiet, Some(&mut journal)) {
-        Ok(result) => result,
+    match run_eval(name, checkpoint, eval, quiet, Some(&mut journal)) {
+        Ok(result) => Ok((result, identity)),
         Err(e) => {
             // A journal without a finished batch (the model did not load, say) is not left behind.
-            if kiln::eval::journal::Journal::peek(&journal_path, &identity).is_ok_and(|n| n == 0) {
-                let _ = journal.remove();
+            if kiln::eval::journal::Journal::peek(journal_path, &identity).is_ok_and(|n| n == 0) {
+                let _ = kiln::files::remove_if_present(journal_path);
             }
-            return Err(e);
+            Err(e)
         }
-    };
+    }
+}
+
+fn eval_cmd(args: EvalArgs, quiet: bool) -> Result<()> {
+    let name = args.name.clone().unwrap_or_else(|| {
+        args.checkpoint.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+    });
+    let out = args.out.clone().unwrap_or_else(|| PathBuf::from("eval").join(format!("{name}.json")));
+    let replay_hash = replay_hash(&args.eval)?;
+    // Beside the result, named after it.
+    let journal = out.with_extension("partial.jsonl");
+    if let Some(dir) = journal.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let (result, _) = eval_journaled(&name, &args.checkpoint, &args.eval, quiet, &replay_hash, &journal)?;
     write_json(Some(&out), &result)?;
-    journal.remove().with_context(|| format!("removing {}", journal_path.display()))?;
+    kiln::files::remove_if_present(&journal).with_context(|| format!("removing {}", journal.display()))?;
     let a = &result.aggregate;
     eprintln!(
         "eval {name}: Score {:.2} (P {:.4} R {:.4}, first exact {:.1}%, valid JSON {:.1}%) over {} steps, {:.3} s/step → {}",
@@ -1602,6 +1617,8 @@ fn select_cmd(args: SelectArgs, quiet: bool) -> Result<()> {
     let _lock = lock_run(&args.run)?;
     let expected =
         kiln::eval::select::Measure::planned(&args.eval.replay, &eval_steps(&args.eval)?, &args.eval.options());
+    let replay_hash = replay_hash(&args.eval)?;
+    let eval_dir = args.run.join("eval");
     let selection = kiln::eval::select::select_run(
         &args.run,
         args.base.as_deref(),
@@ -1609,7 +1626,9 @@ fn select_cmd(args: SelectArgs, quiet: bool) -> Result<()> {
         &mut |c, why| {
             let why = why.map(|w| format!(": {w}")).unwrap_or_default();
             eprintln!("evaluating {} ({}){why}", c.name, c.path.display());
-            run_eval(&c.name, &c.path, &args.eval, quiet, None).map_err(|e| format!("{e:#}"))
+            std::fs::create_dir_all(&eval_dir).map_err(|e| format!("creating {}: {e}", eval_dir.display()))?;
+            let journal = kiln::eval::journal::path_in(&eval_dir, &c.name);
+            eval_journaled(&c.name, &c.path, &args.eval, quiet, &replay_hash, &journal).map_err(|e| format!("{e:#}"))
         },
         &mut |name, result| eprintln!("  {name}: Score {:.2}", result.aggregate.score),
     )

@@ -320,33 +320,75 @@ fn kiln_eval_killed_midway_goes_on_from_its_journal() {
     assert!(!dir.path().join("whole.partial.jsonl").exists(), "the journal goes once the result is written");
 
     let journal = dir.path().join("stopped.partial.jsonl");
+    kill_once_a_batch_is_recorded(&args(&stopped), &journal);
+    assert!(!Path::new(&stopped).exists());
+
+    let stderr = kiln(&strs(&args(&stopped)));
+    let taken = batches_taken(&stderr);
+    assert!((1..8).contains(&taken), "{taken} of 8 batches taken: {stderr}");
+    assert_eq!(replies(Path::new(&stopped)), replies(Path::new(&whole)));
+    assert!(!journal.exists());
+}
+
+/// `kiln select` keeps the eval stage's journal (`eval/<name>.partial.jsonl`) for what it evaluates: killed
+/// midway, the next select goes on from it to the uninterrupted eval's replies. The identity beside the result
+/// it replaces is replaced by the one it measured under.
+#[test]
+fn kiln_select_killed_midway_goes_on_from_its_journal() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let epoch = run.join("checkpoints/epoch-1");
+    init(&epoch, "1");
+    let settings =
+        ["--replay", "datasets/samples/replay.jsonl", "--limit", "8", "--max-tokens", "64", "--batch-size", "1"];
+    let whole = dir.path().join("whole.json");
+    let (e, w) = (epoch.to_str().unwrap(), whole.to_str().unwrap());
+    kiln(&[&["eval", "--checkpoint", e, "--out", w][..], &settings].concat());
+
+    let select: Vec<String> =
+        ["select", "--run", run.to_str().unwrap()].iter().chain(&settings).map(|s| s.to_string()).collect();
+    let journal = run.join("eval/epoch-1.partial.jsonl");
+    kill_once_a_batch_is_recorded(&select, &journal);
+    let stale_identity = run.join("eval/epoch-1.identity");
+    std::fs::write(&stale_identity, "an earlier eval stage's result\n").unwrap();
+
+    let stderr = kiln(&strs(&select));
+    let taken = batches_taken(&stderr);
+    assert!((1..8).contains(&taken), "{taken} of 8 batches taken: {stderr}");
+    assert_eq!(replies(&run.join("eval/epoch-1.json")), replies(&whole));
+    assert!(!journal.exists());
+    let identity = std::fs::read_to_string(&stale_identity).unwrap();
+    assert!(identity.trim().len() == 64 && identity.trim().bytes().all(|b| b.is_ascii_hexdigit()), "{identity}");
+}
+
+/// Starts kiln with `args` and kills it once `journal` records a finished batch (its identity line and one more).
+fn kill_once_a_batch_is_recorded(args: &[String], journal: &Path) {
     let mut child = std::process::Command::new(common::kiln_bin())
-        .args(args(&stopped))
+        .args(args)
         .current_dir(project_dir())
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let finished_lines = || std::fs::read_to_string(&journal).map_or(0, |t| t.matches('\n').count());
+    let finished_lines = || std::fs::read_to_string(journal).map_or(0, |t| t.matches('\n').count());
     while finished_lines() < 2 {
         assert!(child.try_wait().unwrap().is_none(), "the eval finished before it could be stopped");
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     child.kill().unwrap();
     child.wait().unwrap();
-    assert!(!Path::new(&stopped).exists());
+}
 
-    let stderr = kiln(&strs(&args(&stopped)));
-    let taken: usize = stderr
+/// How many finished batches a resumed eval said it took from its journal.
+fn batches_taken(stderr: &str) -> usize {
+    stderr
         .split("going on after the ")
         .nth(1)
         .and_then(|rest| rest.split(' ').next())
         .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no resume said: {stderr}"));
-    assert!((1..8).contains(&taken), "{taken} of 8 batches taken: {stderr}");
-    let replies = |path: &str| -> Vec<Value> {
-        let r: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        r["per_step"].as_array().unwrap().iter().map(|s| s["pred_preview"].clone()).collect()
-    };
-    assert_eq!(replies(&stopped), replies(&whole));
-    assert!(!journal.exists());
+        .unwrap_or_else(|| panic!("no resume said: {stderr}"))
+}
+
+fn replies(result: &Path) -> Vec<Value> {
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(result).unwrap()).unwrap();
+    r["per_step"].as_array().unwrap().iter().map(|s| s["pred_preview"].clone()).collect()
 }

@@ -634,6 +634,35 @@ fn the_pipeline_runs_resumes_skips_and_documents() {
     let resumed = json(&run.join("eval/epoch-2.json"));
     assert_eq!((&resumed["per_step"][0]["pred_preview"], &resumed["gen_time_sec"]), (&json!(""), &json!(0.5)));
     assert!(!journal.exists());
+    // `kiln select` with the run's eval settings goes on from the stage's journal and writes the identity the
+    // stage would, so the stage keeps what it measured.
+    std::fs::remove_file(run.join("manifests/eval.json")).unwrap();
+    std::fs::remove_file(run.join("eval/epoch-2.json")).unwrap();
+    std::fs::write(&journal, &journal_text).unwrap();
+    let (replay, run_base) = (project_dir().join("datasets/samples/replay.jsonl"), run.join("base"));
+    let select = [
+        "--quiet",
+        "select",
+        "--run",
+        run.to_str().unwrap(),
+        "--base",
+        run_base.to_str().unwrap(),
+        "--replay",
+        replay.to_str().unwrap(),
+        "--limit",
+        "1",
+        "--max-tokens",
+        "16",
+        "--scorer",
+        "v2",
+    ];
+    let (ok, _, stderr) = run_kiln(&select, &[], &project_dir());
+    assert!(ok && stderr.contains("eval epoch-2: going on after the 1 batch(es)"), "{stderr}");
+    assert_eq!(json(&run.join("eval/epoch-2.json"))["per_step"][0]["pred_preview"], json!(""));
+    assert_eq!(std::fs::read_to_string(run.join("eval/epoch-2.identity")).unwrap(), identity);
+    assert!(!journal.exists());
+    let (ok, stderr) = sft(&pipeline, &configs, &same);
+    assert!(ok && stderr.contains("(3 kept from before)"), "{stderr}");
     let (ok, stderr) = sft(&pipeline, &configs, &[&same[..], &["--from", "eval"]].concat());
     assert!(ok && stderr.contains("3 stages run, 5 skipped") && !stderr.contains("kept from before"), "{stderr}");
 

@@ -91,6 +91,12 @@ impl Journal {
     }
 }
 
+/// Where a run keeps the journal of candidate `name`'s eval (the pipeline's eval stage and `kiln select` alike,
+/// so that either goes on from the other's finished batches when their identities agree).
+pub fn path_in(eval_dir: &Path, name: &str) -> PathBuf {
+    eval_dir.join(format!("{name}.partial.jsonl"))
+}
+
 /// The batches the journal at `path` holds for `identity` (none when it is absent or another identity's), up to
 /// a line cut off mid-write or one that does not parse.
 fn read_kept(path: &Path, identity: &str) -> std::io::Result<Vec<BatchLine>> {

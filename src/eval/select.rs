@@ -221,8 +221,11 @@ pub fn choose(results: &[(Candidate, EvalResult)]) -> Result<Selection, String> 
     Ok(Selection { candidates: entries, chosen: best.name.clone(), chosen_path: best.path.clone(), margin, reason })
 }
 
-/// How `select_run` evaluates a candidate, told why its cached result is not used (None: it has none).
-pub type Evaluate<'a> = dyn FnMut(&Candidate, Option<&str>) -> Result<EvalResult, String> + 'a;
+/// How `select_run` evaluates a candidate, told why its cached result is not used (None: it has none): the
+/// result and the identity it was measured under (`pipeline::stages::eval_identity`), written beside it as the
+/// eval stage writes its own, so that the stage keeps the result where its settings agree. It may keep a
+/// journal at `journal::path_in(run/eval, name)`: `select_run` removes it once the result is written.
+pub type Evaluate<'a> = dyn FnMut(&Candidate, Option<&str>) -> Result<(EvalResult, String), String> + 'a;
 
 /// Evaluates every candidate of `run_dir` that has no usable `eval/<name>.json` (with `evaluate`, told why a
 /// cached one is not used), chooses, and writes `selection.json` and the `best` link. A cached result is used
@@ -237,8 +240,9 @@ pub fn select_run(
 ) -> Result<Selection, String> {
     let mut results: Vec<(Candidate, EvalResult)> = Vec::new();
     let mut first: Option<(PathBuf, Measure)> = None;
+    let eval_dir = run_dir.join("eval");
     for c in candidates(run_dir, base) {
-        let path = run_dir.join("eval").join(format!("{}.json", c.name));
+        let path = eval_dir.join(format!("{}.json", c.name));
         let cached: Option<EvalResult> = if path.is_file() {
             let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
             Some(serde_json::from_str(&text).map_err(|e| format!("{} is not an eval result: {e}", path.display()))?)
@@ -249,8 +253,15 @@ pub fn select_run(
         let result = match cached {
             Some(r) if why.is_none() => r,
             _ => {
-                let r = evaluate(&c, why.as_deref())?;
+                // The identity of the result being replaced must not vouch for the new one while it is written.
+                let identity = eval_dir.join(format!("{}.identity", c.name));
+                crate::files::remove_if_present(&identity).map_err(|e| format!("{}: {e}", identity.display()))?;
+                let (r, measured_as) = evaluate(&c, why.as_deref())?;
                 write_json(&path, &r)?;
+                std::fs::write(&identity, format!("{measured_as}\n"))
+                    .map_err(|e| format!("{}: {e}", identity.display()))?;
+                let journal = crate::eval::journal::path_in(&eval_dir, &c.name);
+                crate::files::remove_if_present(&journal).map_err(|e| format!("{}: {e}", journal.display()))?;
                 r
             }
         };

@@ -641,7 +641,7 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
                 // No identity may vouch for a result being rewritten.
                 crate::files::remove_if_present(&identity_path).map_err(|e| PipelineError::io(&identity_path, e))?;
                 // The batches an eval of the same identity finished before it was stopped are taken as they are.
-                let journal_path = journal_path(&eval_dir, &c);
+                let journal_path = crate::eval::journal::path_in(&eval_dir, &c.name);
                 let mut journal =
                     Journal::open(&journal_path, &identity).map_err(|e| PipelineError::io(&journal_path, e))?;
                 if journal.finished_batches() > 0 {
@@ -698,7 +698,7 @@ fn standing_result(
     c: &Candidate,
     replay_hash: &str,
 ) -> Result<(String, Option<EvalResult>), PipelineError> {
-    let identity = eval_identity(&c.path, &ctx.config.eval, replay_hash, ctx.device)?;
+    let identity = eval_identity(&c.path, &ctx.config.eval.options(), replay_hash, ctx.device)?;
     let identity_path = eval_dir.join(format!("{}.identity", c.name));
     let result_path = eval_dir.join(format!("{}.json", c.name));
     let earlier = std::fs::read_to_string(&identity_path)
@@ -706,10 +706,6 @@ fn standing_result(
         .filter(|id| id.trim() == identity)
         .and_then(|_| serde_json::from_str::<EvalResult>(&std::fs::read_to_string(&result_path).ok()?).ok());
     Ok((identity, earlier))
-}
-
-fn journal_path(eval_dir: &Path, c: &Candidate) -> PathBuf {
-    eval_dir.join(format!("{}.partial.jsonl", c.name))
 }
 
 /// What the eval stage would do with a candidate, as a dry run tells it.
@@ -743,7 +739,7 @@ pub fn eval_candidates(ctx: &Context) -> Result<Vec<EvalCandidate>, PipelineErro
             match standing_result(ctx, &eval_dir, &c, &replay_hash)? {
                 (_, Some(_)) => CandidateAction::Keep,
                 (identity, None) => {
-                    let path = journal_path(&eval_dir, &c);
+                    let path = crate::eval::journal::path_in(&eval_dir, &c.name);
                     let finished_batches = Journal::peek(&path, &identity).map_err(|e| PipelineError::io(&path, e))?;
                     CandidateAction::Evaluate { finished_batches }
                 }
@@ -785,10 +781,11 @@ fn fresh_eval(ctx: &Context) -> bool {
 
 /// What an eval result of `checkpoint` depends on, as a hash: the checkpoint's files (the weights sampled as
 /// the pull stage samples them, its card left out), the eval `settings`, the replay file, the device and
-/// kiln's version. A result written under the same identity is the one evaluating again would give.
+/// kiln's version. A result written under the same identity is the one evaluating again would give; the eval
+/// stage, `kiln eval` and `kiln select` all name their results and journals so.
 pub fn eval_identity(
     checkpoint: &Path,
-    settings: &impl Serialize,
+    settings: &crate::eval::run::EvalOptions,
     replay_hash: &str,
     device: &str,
 ) -> Result<String, PipelineError> {
