@@ -1,5 +1,5 @@
-//! `kiln pull` and `kiln push` against a loopback server answering the Hub's routes: download, revision
-//! pinning, cache reuse without network, offline mode, gated repos; an upload as one commit that creates the
+//! `kiln pull` and `kiln push` against a loopback server answering the Hub's routes: download (over HTTP or
+//! a loopback Xet CAS), revision pinning, cache reuse without network, offline mode, gated repos; an upload as one commit that creates the
 //! repo or branch and deletes stale weights; and the failures a user must be able to act on.
 
 mod common;
@@ -434,6 +434,93 @@ fn a_transfer_that_breaks_off_goes_on_from_the_bytes_it_has() {
     assert!(matches!(*err, HubError::Corrupt { .. }), "{err}");
     assert_eq!(std::fs::read_dir(blobs(cache.path())).unwrap().count(), 0, "nothing of it is left");
     check(pull(&server, cache.path(), 1, 64 << 20).unwrap());
+}
+
+/// A Xet-stored file comes through hf-hub's Xet client (the loopback CAS: a token, a reconstruction, the
+/// xorb's chunks), the resolve URL never asked for its bytes. A transfer the CAS breaks off leaves the file's
+/// start in the blob's `.incomplete` (the client writes in file order), and the next pull reconstructs the rest
+/// alone; bytes there that are not the file's start end as a refused sha256. Through `kiln pull`, with
+/// `HF_HOME` (and so Xet's own cache) in a temporary folder.
+#[test]
+fn a_xet_stored_file_is_pulled_through_the_cas_and_goes_on_from_a_partial_blob() {
+    use sha2::Digest;
+    let repo = "kiln-org/xet-model";
+    let key = ("models".to_string(), repo.to_string());
+    let weights: Vec<u8> = (0..5155u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    let (want, size) = (hex::encode(sha2::Sha256::digest(&weights)), weights.len());
+    assert!(size > 4 * common::XET_CHUNK, "a file of several chunks: {size} bytes");
+    let start = |lost_from: Option<(usize, usize)>| {
+        let mut xet = FakeRepo::single(&sha("X"), tree(&[("config.json", b"{}"), ("model.safetensors", &weights)]));
+        xet.xet.push("model.safetensors".into());
+        xet.xet_lost_from = lost_from;
+        FakeHub::start(BTreeMap::from([(key.clone(), xet)]))
+    };
+    let asked = |server: &FakeHub| {
+        let mut repos = server.repos.lock().unwrap();
+        let xet = repos.get_mut(&key).unwrap();
+        (std::mem::take(&mut xet.xet_asked), std::mem::take(&mut xet.ranges_asked))
+    };
+    let pull = |server: &FakeHub, home: &Path| {
+        let env = [("HF_ENDPOINT", server.url.as_str()), ("HF_HOME", home.to_str().unwrap())];
+        run_kiln(&["--quiet", "pull", "--model", repo, "--files", "model.safetensors"], &env, home)
+    };
+    let pulled = |server: &FakeHub, home: &Path| {
+        let (ok, stdout, stderr) = pull(server, home);
+        assert!(ok, "{stderr}");
+        let record: Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(record[0]["files"][0]["sha256"], want.as_str());
+        let local = record[0]["files"][0]["local"].as_str().unwrap().to_string();
+        assert_eq!(std::fs::read(local).unwrap(), weights);
+        stderr
+    };
+    let blobs = |home: &Path| home.join("hub/models--kiln-org--xet-model/blobs");
+    let partial = |home: &Path| blobs(home).join(format!("{want}.incomplete"));
+    let reconstructed = |first: usize| (vec![format!("bytes={first}-{}", size - 1)], vec![]);
+
+    let server = start(None);
+    let home = tempfile::tempdir().unwrap();
+    pulled(&server, home.path());
+    assert_eq!(asked(&server), reconstructed(0), "one reconstruction of the whole file, through the CAS");
+    assert!(home.path().join("xet").is_dir(), "Xet's cache under HF_HOME");
+
+    // A transfer broken off at 3/4 of the file (the CAS loses the rest) fails the pull, leaving the start the
+    // client wrote; the next pull goes on from its end.
+    let broken = start(Some((size * 3 / 4, 1)));
+    let home = tempfile::tempdir().unwrap();
+    let (ok, _, stderr) = pull(&broken, home.path());
+    assert!(!ok && stderr.contains("model.safetensors") && stderr.contains("Xet download failed"), "{stderr}");
+    let left = std::fs::read(partial(home.path())).unwrap();
+    // What the client had written of the chunks before (most often some of them: it buffers what it writes).
+    let whole_chunks = size * 3 / 4 / common::XET_CHUNK * common::XET_CHUNK;
+    assert!(
+        left.len() <= whole_chunks && weights.starts_with(&left),
+        "{} bytes left, not the start of the file before the chunk lost",
+        left.len()
+    );
+    assert_eq!(asked(&broken), reconstructed(0));
+    let stderr = pulled(&broken, home.path());
+    assert!(stderr.contains(&format!("going on from byte {} of {size}", left.len())), "{stderr}");
+    assert_eq!(asked(&broken), reconstructed(left.len()), "the rest alone");
+    assert!(!partial(home.path()).exists());
+
+    // Half the file left there: the rest alone is reconstructed.
+    let home = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(blobs(home.path())).unwrap();
+    std::fs::write(partial(home.path()), &weights[..size / 2]).unwrap();
+    let stderr = pulled(&server, home.path());
+    assert!(stderr.contains(&format!("going on from byte {} of {size}", size / 2)), "{stderr}");
+    assert_eq!(asked(&server), reconstructed(size / 2));
+
+    // Bytes that are not the file's start: refused by the sha256, nothing left; the next pull takes it whole.
+    let home = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(blobs(home.path())).unwrap();
+    std::fs::write(partial(home.path()), vec![b'x'; size / 2]).unwrap();
+    let (ok, _, stderr) = pull(&server, home.path());
+    assert!(!ok && stderr.contains("not the") && stderr.contains("the Hub announced"), "{stderr}");
+    assert_eq!(asked(&server), reconstructed(size / 2));
+    assert_eq!(std::fs::read_dir(blobs(home.path())).unwrap().count(), 0, "nothing of it is left");
+    pulled(&server, home.path());
+    assert_eq!(asked(&server), reconstructed(0));
 }
 
 /// A checkpoint folder as the pipeline's `best/` holds it, with a hidden file that is not pushed.

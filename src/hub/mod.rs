@@ -1,8 +1,8 @@
 //! Hugging Face Hub access through hf-hub: endpoint and token from the environment, a revision resolved to
 //! its commit and recorded, files selected by glob, the standard HF cache layout (shared with Python tools),
 //! and `HF_HUB_OFFLINE=1` served from that cache alone. A transfer that breaks off is taken up again (three
-//! attempts in all), an LFS file from the bytes it has, as Python's huggingface_hub does, also in a later
-//! pull. Every failure names the repo, revision and file. Uploads: `push`.
+//! attempts in all), an LFS or Xet-stored file from the bytes it has (as Python's huggingface_hub does for
+//! LFS), also in a later pull. Every failure names the repo, revision and file. Uploads: `push`.
 
 use std::fmt;
 use std::io::{Read, Write};
@@ -386,9 +386,10 @@ impl Hub {
     }
 
     /// One attempt at `path` of the repo cached in `folder`: an LFS file (its blob named by its sha256, which
-    /// the pull then checks) whose earlier transfer left `blobs/<sha256>.incomplete` goes on from there;
-    /// anything else is hf-hub's download, which starts a file over. Xet-stored files are hf-hub's too (its Xet
-    /// client retries its own requests).
+    /// the pull then checks) whose earlier transfer left `blobs/<sha256>.incomplete` goes on from there, over
+    /// HTTP ranges or, for a Xet-stored file, ranged reconstructions (hf-hub's Xet client writes a blob in file
+    /// order, so what it left is the file's start); anything else is hf-hub's download, which starts a file
+    /// over.
     fn fetch<T: RepoType>(
         &self,
         repo: &HFRepositorySync<T>,
@@ -415,7 +416,7 @@ impl Hub {
         let lfs = meta.etag.len() == 64 && meta.etag.bytes().all(|b| b.is_ascii_hexdigit());
         let blob = folder.join("blobs").join(&meta.etag);
         let partial = PathBuf::from(format!("{}.incomplete", blob.display()));
-        if meta.xet_hash.is_some() || !lfs || blob.exists() || !partial.is_file() {
+        if !lfs || blob.exists() || !partial.is_file() {
             return download();
         }
         let lock = folder.join(".locks").join(format!("{}.lock", meta.etag));

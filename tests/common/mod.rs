@@ -56,6 +56,14 @@ pub struct FakeRepo {
     pub messages: BTreeMap<String, String>,
     /// Set when a push created the repo private.
     pub private: bool,
+    /// Paths stored in Xet: their HEAD names an `X-Xet-Hash` (here their sha256) and their bytes come from the
+    /// loopback CAS, one xorb of `XET_CHUNK`-byte chunks each, as hf-hub's Xet client asks for them.
+    pub xet: Vec<String>,
+    /// The reconstructions the CAS was asked for these files, in order: the `Range` header.
+    pub xet_asked: Vec<String>,
+    /// The CAS answers 404 for the chunks of a Xet file from this byte on (the next N reconstructions), as a
+    /// transfer broken off there does to hf-hub's Xet client.
+    pub xet_lost_from: Option<(usize, usize)>,
 }
 
 impl FakeRepo {
@@ -134,8 +142,8 @@ pub struct FakeHub {
     /// How many whoami requests to answer 429 (too many requests) before answering.
     pub whoami_throttled: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-    broken_cdn: Option<JoinHandle<()>>,
+    /// The Hub's, the broken CDN's and the Xet CAS's.
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl FakeHub {
@@ -147,6 +155,7 @@ impl FakeHub {
         let requests = Arc::new(AtomicUsize::new(0));
         let repos = Arc::new(Mutex::new(repos));
         let (cdn, broken_cdn) = broken_cdn(stop.clone(), repos.clone());
+        let (cas, xet_cas) = xet_cas_server(stop.clone(), repos.clone());
         let whoami_throttled = Arc::new(AtomicUsize::new(0));
         let (stop2, requests2, repos2, base) = (stop.clone(), requests.clone(), repos.clone(), url.clone());
         let throttled = whoami_throttled.clone();
@@ -165,13 +174,14 @@ impl FakeHub {
                 let mut repos = repos2.lock().unwrap();
                 let response = match write_route(&mut repos, &req, &body, &base) {
                     Some(response) => response,
-                    None => answer(&mut repos, &req, &cdn),
+                    None => answer(&mut repos, &req, &cdn, &cas),
                 };
                 drop(repos);
                 let _ = req.respond(response);
             }
         });
-        FakeHub { url, requests, repos, whoami_throttled, stop, thread: Some(thread), broken_cdn: Some(broken_cdn) }
+        let servers = vec![thread, broken_cdn, xet_cas];
+        FakeHub { url, requests, repos, whoami_throttled, stop, threads: servers }
     }
 
     /// The files of `repo` (a model) at the head of `branch`.
@@ -369,7 +379,7 @@ fn broken_cdn(
 impl Drop for FakeHub {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        for t in [self.thread.take(), self.broken_cdn.take()].into_iter().flatten() {
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }
@@ -407,7 +417,12 @@ fn decode(segment: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn answer(repos: &mut BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Request, cdn: &str) -> Response {
+fn answer(
+    repos: &mut BTreeMap<(String, String), FakeRepo>,
+    req: &tiny_http::Request,
+    cdn: &str,
+    cas: &str,
+) -> Response {
     let path = req.url().split('?').next().unwrap_or("").to_string();
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let authorized = |repo: &FakeRepo| match &repo.gated_token {
@@ -417,6 +432,15 @@ fn answer(repos: &mut BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Req
             .iter()
             .any(|h| h.field.equiv("Authorization") && h.value.as_str() == format!("Bearer {token}")),
     };
+    // API: /api/<plural>/<owner>/<name>/xet-read-token/<rev>: where the CAS is and a token for it.
+    if parts.len() >= 6 && parts[0] == "api" && parts[4] == "xet-read-token" {
+        let key = (parts[1].to_string(), format!("{}/{}", parts[2], parts[3]));
+        let Some(repo) = repos.get(&key) else { return error(404, "RepoNotFound", "Repository not found") };
+        if !authorized(repo) {
+            return error(401, "GatedRepo", "Access to this repo is restricted");
+        }
+        return json_response(serde_json::json!({"accessToken": "xet-read", "exp": 4_000_000_000u64, "casUrl": cas}));
+    }
     // API: /api/<plural>/<owner>/<name>/tree/<rev>?recursive=true: files by git object id (of the LFS pointer
     // for an LFS file: safetensors, as preupload says), folders too, as the Hub lists them.
     if parts.len() >= 6 && parts[0] == "api" && parts[4] == "tree" {
@@ -501,7 +525,7 @@ fn answer(repos: &mut BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Req
         // LFS-style files (parquet, safetensors) carry their sha256 as ETag; small files a git-style id.
         let digest = hex::encode(Sha256::digest(bytes));
         let etag = if file.ends_with(".parquet") || file.ends_with(".safetensors") {
-            digest
+            digest.clone()
         } else {
             digest[..40].to_string()
         };
@@ -529,10 +553,155 @@ fn answer(repos: &mut BTreeMap<(String, String), FakeRepo>, req: &tiny_http::Req
             .with_header(header("X-Repo-Commit", &commit));
         if req.method() == &tiny_http::Method::Head {
             response = response.with_header(header("X-Linked-Size", &bytes.len().to_string()));
+            if repo.xet.contains(&file) {
+                response = response.with_header(header("X-Xet-Hash", &digest));
+            }
         }
         return response;
     }
     error(404, "NotFound", "no such route")
+}
+
+/// The loopback CAS's chunk size: a file's xorb is its bytes in chunks of this many.
+pub const XET_CHUNK: usize = 1024;
+
+/// The loopback Xet CAS, on a server of its own that answers each connection on a thread and closes it (hf-hub's
+/// Xet client asks for chunks side by side): `v2/reconstructions` is not offered (the client falls back to v1),
+/// `v1/reconstructions/<hash>` (a `Range` of the file's bytes) names the xorb chunks that hold them, and
+/// `xorbs/<hash>` serves a xorb's bytes by range.
+fn xet_cas_server(
+    stop: Arc<AtomicBool>,
+    repos: Arc<Mutex<BTreeMap<(String, String), FakeRepo>>>,
+) -> (String, JoinHandle<()>) {
+    use std::io::{BufRead, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+    listener.set_nonblocking(true).expect("non-blocking listener");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    let base = url.clone();
+    let thread = std::thread::spawn(move || {
+        while !stop.load(Ordering::SeqCst) {
+            let Ok((stream, _)) = listener.accept() else {
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            };
+            let (repos, base) = (repos.clone(), base.clone());
+            std::thread::spawn(move || {
+                let _ = stream.set_nonblocking(false);
+                let mut reader = std::io::BufReader::new(&stream);
+                let mut head = Vec::new();
+                let mut line = String::new();
+                while reader.read_line(&mut line).is_ok_and(|n| n > 0) && line != "\r\n" {
+                    head.push(std::mem::take(&mut line).trim_end().to_string());
+                }
+                let target = head.first().and_then(|l| l.split(' ').nth(1)).unwrap_or_default().to_string();
+                let range = head.iter().find_map(|h| {
+                    let (name, value) = h.split_once(':')?;
+                    name.eq_ignore_ascii_case("range").then(|| value.trim().to_string())
+                });
+                let parts: Vec<&str> =
+                    target.split('?').next().unwrap_or_default().trim_start_matches('/').split('/').collect();
+                let (status, extra, body) = xet_cas(&mut repos.lock().unwrap(), &parts, range, &base);
+                let mut stream = &stream;
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status} CAS\r\nContent-Length: {}\r\nConnection: close\r\n{extra}\r\n",
+                    body.len()
+                );
+                let _ = stream.write_all(&body);
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            });
+        }
+    });
+    (url, thread)
+}
+
+/// The CAS's answer to `parts` of a request's path: status, header lines, body.
+fn xet_cas(
+    repos: &mut BTreeMap<(String, String), FakeRepo>,
+    parts: &[&str],
+    range: Option<String>,
+    base: &str,
+) -> (u16, String, Vec<u8>) {
+    let json = |value: serde_json::Value| {
+        (200, "Content-Type: application/json\r\n".to_string(), value.to_string().into_bytes())
+    };
+    let not_found = || (404, String::new(), b"not found".to_vec());
+    // `bytes=<first>-<last>`, both inclusive.
+    let inclusive = |range: &str| -> Option<(usize, usize)> {
+        let (first, last) = range.strip_prefix("bytes=")?.split_once('-')?;
+        Some((first.parse().ok()?, last.parse().ok()?))
+    };
+    let hash = parts.last().copied().unwrap_or_default();
+    let stored = repos.values_mut().find_map(|repo| {
+        let bytes = repo.commits.values().flat_map(|tree| tree.iter()).find_map(|(path, bytes)| {
+            (repo.xet.contains(path) && hex::encode(Sha256::digest(bytes)) == hash).then(|| bytes.clone())
+        })?;
+        Some((repo, bytes))
+    });
+    match parts {
+        ["v1", "reconstructions", _] => {
+            let Some((repo, bytes)) = stored else { return not_found() };
+            repo.xet_asked.push(range.clone().unwrap_or_else(|| "whole".into()));
+            let lost_from = match &mut repo.xet_lost_from {
+                Some((from, left)) if *left > 0 => {
+                    *left -= 1;
+                    Some(*from)
+                }
+                _ => None,
+            };
+            let (first, last) = match range.as_deref().map(inclusive) {
+                None => (0, bytes.len() - 1),
+                Some(Some((first, last))) if first < bytes.len() => (first, last.min(bytes.len() - 1)),
+                Some(_) => return (416, String::new(), Vec::new()),
+            };
+            let (chunk_start, chunk_end) = (first / XET_CHUNK, last / XET_CHUNK + 1);
+            let chunk_len = |c: usize| XET_CHUNK.min(bytes.len() - c * XET_CHUNK);
+            // Each chunk is stored behind an 8-byte header.
+            let xorb_offset = |c: usize| (0..c).map(|k| 8 + chunk_len(k)).sum::<usize>();
+            // A term and a fetch for each chunk; a lost chunk's URL is one the CAS does not know.
+            let chunks = chunk_start..chunk_end;
+            let terms: Vec<_> = chunks
+                .clone()
+                .map(|c| serde_json::json!({"hash": hash, "unpacked_length": chunk_len(c), "range": {"start": c, "end": c + 1}}))
+                .collect();
+            let fetches: Vec<_> = chunks
+                .map(|c| {
+                    let lost = lost_from.is_some_and(|from| (c + 1) * XET_CHUNK > from);
+                    let url = format!("{base}/xorbs/{}", if lost { "lost" } else { hash });
+                    serde_json::json!({"range": {"start": c, "end": c + 1}, "url": url,
+                        "url_range": {"start": xorb_offset(c), "end": xorb_offset(c + 1) - 1}})
+                })
+                .collect();
+            json(serde_json::json!({
+                "offset_into_first_range": first - chunk_start * XET_CHUNK,
+                "terms": terms,
+                "fetch_info": {hash: fetches},
+            }))
+        }
+        ["xorbs", "lost"] => {
+            // Lost after a while, as a transfer that stalls and breaks: the chunks before it arrive first.
+            std::thread::sleep(Duration::from_millis(500));
+            not_found()
+        }
+        ["xorbs", _] => {
+            let Some((_, bytes)) = stored else { return not_found() };
+            let mut xorb = Vec::new();
+            for chunk in bytes.chunks(XET_CHUNK) {
+                let len = (chunk.len() as u32).to_le_bytes();
+                xorb.extend([0, len[0], len[1], len[2], 0, len[0], len[1], len[2]]);
+                xorb.extend_from_slice(chunk);
+            }
+            match range.as_deref().and_then(inclusive).filter(|(first, last)| first <= last && *last < xorb.len()) {
+                Some((first, last)) => (
+                    206,
+                    format!("Content-Range: bytes {first}-{last}/{}\r\n", xorb.len()),
+                    xorb[first..=last].to_vec(),
+                ),
+                None => (200, String::new(), xorb),
+            }
+        }
+        _ => not_found(),
+    }
 }
 
 fn resolve(repo: &FakeRepo, rev: &str) -> Option<String> {
