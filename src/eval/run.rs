@@ -9,7 +9,6 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::tensor::backend::Backend;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
@@ -165,7 +164,8 @@ pub fn evaluate_on_device(
 }
 
 /// The devices `count` decoding workers run on: `crate::backend::consecutive_devices` from the default device.
-fn decoding_devices<B: Backend>(name: &str, count: usize) -> Result<Vec<B::Device>, String> {
+#[cfg(any(feature = "cuda", feature = "vulkan"))]
+fn decoding_devices<B: burn::tensor::backend::Backend>(name: &str, count: usize) -> Result<Vec<B::Device>, String> {
     crate::backend::consecutive_devices::<B>(&Default::default(), count)
         .map_err(|available| format!("eval on {count} {name} devices, but the backend sees {available}"))
 }
