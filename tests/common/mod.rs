@@ -341,39 +341,62 @@ fn broken_cdn(
     stop: Arc<AtomicBool>,
     repos: Arc<Mutex<BTreeMap<(String, String), FakeRepo>>>,
 ) -> (String, JoinHandle<()>) {
-    use std::io::{Read, Write};
+    loopback_server(stop, move |mut stream, _| {
+        use std::io::Write;
+        let head = request_head(&stream);
+        let target = head.first().and_then(|l| l.split(' ').nth(1)).unwrap_or_default();
+        let parts: Vec<String> = target.trim_start_matches("/broken/").split('/').map(decode).collect();
+        let bytes = (parts.len() >= 5)
+            .then(|| {
+                let repos = repos.lock().unwrap();
+                let repo = repos.get(&(parts[0].clone(), format!("{}/{}", parts[1], parts[2])))?;
+                repo.commits.get(&parts[3])?.get(&parts[4..].join("/")).cloned()
+            })
+            .flatten();
+        let (announced, sent) = match &bytes {
+            Some(b) => (b.len(), b[..b.len() / 2].to_vec()),
+            None => (1 << 20, b"PAR1 then nothing".to_vec()),
+        };
+        let _ = stream.write_all(format!("HTTP/1.1 200 OK\r\nContent-Length: {announced}\r\n\r\n").as_bytes());
+        let _ = stream.write_all(&sent);
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    })
+}
+
+/// A server on a loopback port of its own (its URL returned) that hands each connection, on a thread of its
+/// own, to `answer` with the server's URL, until `stop`.
+fn loopback_server(
+    stop: Arc<AtomicBool>,
+    answer: impl Fn(std::net::TcpStream, &str) + Clone + Send + 'static,
+) -> (String, JoinHandle<()>) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");
     listener.set_nonblocking(true).expect("non-blocking listener");
     let url = format!("http://{}", listener.local_addr().expect("address"));
+    let base = url.clone();
     let thread = std::thread::spawn(move || {
         while !stop.load(Ordering::SeqCst) {
-            let Ok((mut stream, _)) = listener.accept() else {
-                std::thread::sleep(Duration::from_millis(20));
+            let Ok((stream, _)) = listener.accept() else {
+                std::thread::sleep(Duration::from_millis(5));
                 continue;
             };
             let _ = stream.set_nonblocking(false);
-            let mut request = [0u8; 4096];
-            let n = stream.read(&mut request).unwrap_or(0);
-            let line = String::from_utf8_lossy(&request[..n]).lines().next().unwrap_or_default().to_string();
-            let target = line.split(' ').nth(1).unwrap_or_default().to_string();
-            let parts: Vec<String> = target.trim_start_matches("/broken/").split('/').map(decode).collect();
-            let bytes = (parts.len() >= 5)
-                .then(|| {
-                    let repos = repos.lock().unwrap();
-                    let repo = repos.get(&(parts[0].clone(), format!("{}/{}", parts[1], parts[2])))?;
-                    repo.commits.get(&parts[3])?.get(&parts[4..].join("/")).cloned()
-                })
-                .flatten();
-            let (announced, sent) = match &bytes {
-                Some(b) => (b.len(), b[..b.len() / 2].to_vec()),
-                None => (1 << 20, b"PAR1 then nothing".to_vec()),
-            };
-            let _ = stream.write_all(format!("HTTP/1.1 200 OK\r\nContent-Length: {announced}\r\n\r\n").as_bytes());
-            let _ = stream.write_all(&sent);
-            let _ = stream.shutdown(std::net::Shutdown::Both);
+            let (answer, base) = (answer.clone(), base.clone());
+            std::thread::spawn(move || answer(stream, &base));
         }
     });
     (url, thread)
+}
+
+/// The request line and header lines of the request on `stream` (its body, if any, left unread).
+fn request_head(stream: &std::net::TcpStream) -> Vec<String> {
+    use std::io::BufRead;
+    let mut reader = std::io::BufReader::new(stream);
+    let mut head = Vec::new();
+    let mut line = String::new();
+    while reader.read_line(&mut line).is_ok_and(|n| n > 0) && line != "\r\n" {
+        head.push(std::mem::take(&mut line).trim_end().to_string());
+    }
+    head
 }
 
 impl Drop for FakeHub {
@@ -573,46 +596,26 @@ fn xet_cas_server(
     stop: Arc<AtomicBool>,
     repos: Arc<Mutex<BTreeMap<(String, String), FakeRepo>>>,
 ) -> (String, JoinHandle<()>) {
-    use std::io::{BufRead, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");
-    listener.set_nonblocking(true).expect("non-blocking listener");
-    let url = format!("http://{}", listener.local_addr().expect("address"));
-    let base = url.clone();
-    let thread = std::thread::spawn(move || {
-        while !stop.load(Ordering::SeqCst) {
-            let Ok((stream, _)) = listener.accept() else {
-                std::thread::sleep(Duration::from_millis(5));
-                continue;
-            };
-            let (repos, base) = (repos.clone(), base.clone());
-            std::thread::spawn(move || {
-                let _ = stream.set_nonblocking(false);
-                let mut reader = std::io::BufReader::new(&stream);
-                let mut head = Vec::new();
-                let mut line = String::new();
-                while reader.read_line(&mut line).is_ok_and(|n| n > 0) && line != "\r\n" {
-                    head.push(std::mem::take(&mut line).trim_end().to_string());
-                }
-                let target = head.first().and_then(|l| l.split(' ').nth(1)).unwrap_or_default().to_string();
-                let range = head.iter().find_map(|h| {
-                    let (name, value) = h.split_once(':')?;
-                    name.eq_ignore_ascii_case("range").then(|| value.trim().to_string())
-                });
-                let parts: Vec<&str> =
-                    target.split('?').next().unwrap_or_default().trim_start_matches('/').split('/').collect();
-                let (status, extra, body) = xet_cas(&mut repos.lock().unwrap(), &parts, range, &base);
-                let mut stream = &stream;
-                let _ = write!(
-                    stream,
-                    "HTTP/1.1 {status} CAS\r\nContent-Length: {}\r\nConnection: close\r\n{extra}\r\n",
-                    body.len()
-                );
-                let _ = stream.write_all(&body);
-                let _ = stream.shutdown(std::net::Shutdown::Both);
-            });
-        }
-    });
-    (url, thread)
+    loopback_server(stop, move |stream, base| {
+        use std::io::Write;
+        let head = request_head(&stream);
+        let target = head.first().and_then(|l| l.split(' ').nth(1)).unwrap_or_default();
+        let range = head.iter().find_map(|h| {
+            let (name, value) = h.split_once(':')?;
+            name.eq_ignore_ascii_case("range").then(|| value.trim().to_string())
+        });
+        let parts: Vec<&str> =
+            target.split('?').next().unwrap_or_default().trim_start_matches('/').split('/').collect();
+        let (status, extra, body) = xet_cas(&mut repos.lock().unwrap(), &parts, range, base);
+        let mut stream = &stream;
+        let _ = write!(
+            stream,
+            "HTTP/1.1 {status} CAS\r\nContent-Length: {}\r\nConnection: close\r\n{extra}\r\n",
+            body.len()
+        );
+        let _ = stream.write_all(&body);
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    })
 }
 
 /// The CAS's answer to `parts` of a request's path: status, header lines, body.
