@@ -1,6 +1,7 @@
 //! `kiln pull` and `kiln push` against a loopback server answering the Hub's routes: download (over HTTP or
-//! a loopback Xet CAS), revision pinning, cache reuse without network, offline mode, gated repos; an upload as one commit that creates the
-//! repo or branch and deletes stale weights; and the failures a user must be able to act on.
+//! a loopback Xet CAS), revision pinning, cache reuse without network, offline mode, gated repos; an upload as
+//! one commit that creates the repo or branch and deletes stale weights; and the failures a user must be able
+//! to act on.
 
 mod common;
 
@@ -437,7 +438,7 @@ fn a_transfer_that_breaks_off_goes_on_from_the_bytes_it_has() {
 }
 
 /// A Xet-stored file comes through hf-hub's Xet client (the loopback CAS: a token, a reconstruction, the
-/// xorb's chunks), the resolve URL never asked for its bytes. A transfer the CAS breaks off leaves the file's
+/// xorb's chunks; the loopback Hub refuses to serve its bytes at the resolve URL). A transfer the CAS breaks off leaves the file's
 /// start in the blob's `.incomplete` (the client writes in file order), and the next pull reconstructs the rest
 /// alone; bytes there that are not the file's start end as a refused sha256. Through `kiln pull`, with
 /// `HF_HOME` (and so Xet's own cache) in a temporary folder.
@@ -455,11 +456,7 @@ fn a_xet_stored_file_is_pulled_through_the_cas_and_goes_on_from_a_partial_blob()
         xet.xet_lost_from = lost_from;
         FakeHub::start(BTreeMap::from([(key.clone(), xet)]))
     };
-    let asked = |server: &FakeHub| {
-        let mut repos = server.repos.lock().unwrap();
-        let xet = repos.get_mut(&key).unwrap();
-        (std::mem::take(&mut xet.xet_asked), std::mem::take(&mut xet.ranges_asked))
-    };
+    let asked = |server: &FakeHub| std::mem::take(&mut server.repos.lock().unwrap().get_mut(&key).unwrap().xet_asked);
     let pull = |server: &FakeHub, home: &Path| {
         let env = [("HF_ENDPOINT", server.url.as_str()), ("HF_HOME", home.to_str().unwrap())];
         run_kiln(&["--quiet", "pull", "--model", repo, "--files", "model.safetensors"], &env, home)
@@ -475,7 +472,7 @@ fn a_xet_stored_file_is_pulled_through_the_cas_and_goes_on_from_a_partial_blob()
     };
     let blobs = |home: &Path| home.join("hub/models--kiln-org--xet-model/blobs");
     let partial = |home: &Path| blobs(home).join(format!("{want}.incomplete"));
-    let reconstructed = |first: usize| (vec![format!("bytes={first}-{}", size - 1)], vec![]);
+    let reconstructed = |first: usize| vec![format!("bytes={first}-{}", size - 1)];
 
     let server = start(None);
     let home = tempfile::tempdir().unwrap();

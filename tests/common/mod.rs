@@ -57,7 +57,7 @@ pub struct FakeRepo {
     /// Set when a push created the repo private.
     pub private: bool,
     /// Paths stored in Xet: their HEAD names an `X-Xet-Hash` (here their sha256) and their bytes come from the
-    /// loopback CAS, one xorb of `XET_CHUNK`-byte chunks each, as hf-hub's Xet client asks for them.
+    /// loopback CAS alone (a GET of their resolve URL is refused), one xorb of `XET_CHUNK`-byte chunks each.
     pub xet: Vec<String>,
     /// The reconstructions the CAS was asked for these files, in order: the `Range` header.
     pub xet_asked: Vec<String>,
@@ -527,6 +527,10 @@ fn answer(
             return error(404, "RevisionNotFound", "Invalid rev id");
         };
         let file = rest[4..].iter().map(|s| decode(s)).collect::<Vec<_>>().join("/");
+        // A Xet-stored file's bytes come from the CAS alone (a download that asked here would fail).
+        if req.method() == &tiny_http::Method::Get && repos.get(&key).is_some_and(|r| r.xet.contains(&file)) {
+            return error(409, "XetStored", "the loopback Hub serves Xet-stored files from its CAS alone");
+        }
         if req.method() == &tiny_http::Method::Get
             && let Some(left) = repos.get_mut(&key).and_then(|r| r.cut_short.get_mut(&file)).filter(|n| **n > 0)
         {
