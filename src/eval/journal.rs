@@ -97,6 +97,12 @@ pub fn path_in(eval_dir: &Path, name: &str) -> PathBuf {
     eval_dir.join(format!("{name}.partial.jsonl"))
 }
 
+/// Where a run keeps the identity `eval/<name>.json` was measured under (`pipeline::stages::eval_identity`, the
+/// journal's too), written after the result by the eval stage and `kiln select`.
+pub fn identity_path_in(eval_dir: &Path, name: &str) -> PathBuf {
+    eval_dir.join(format!("{name}.identity"))
+}
+
 /// The batches the journal at `path` holds for `identity` (none when it is absent or another identity's), up to
 /// a line cut off mid-write or one that does not parse.
 fn read_kept(path: &Path, identity: &str) -> std::io::Result<Vec<BatchLine>> {

@@ -254,7 +254,7 @@ pub fn select_run(
             Some(r) if why.is_none() => r,
             _ => {
                 // The identity of the result being replaced must not vouch for the new one while it is written.
-                let identity = eval_dir.join(format!("{}.identity", c.name));
+                let identity = crate::eval::journal::identity_path_in(&eval_dir, &c.name);
                 crate::files::remove_if_present(&identity).map_err(|e| format!("{}: {e}", identity.display()))?;
                 let (r, measured_as) = evaluate(&c, why.as_deref())?;
                 write_json(&path, &r)?;

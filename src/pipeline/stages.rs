@@ -622,7 +622,7 @@ fn eval(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let mut kept = 0;
     for c in candidates {
         let path = eval_dir.join(format!("{}.json", c.name));
-        let identity_path = eval_dir.join(format!("{}.identity", c.name));
+        let identity_path = crate::eval::journal::identity_path_in(&eval_dir, &c.name);
         let (identity, earlier) = standing_result(ctx, &eval_dir, &c, &replay_hash)?;
         let was_kept = earlier.is_some();
         let result = match earlier {
@@ -699,7 +699,7 @@ fn standing_result(
     replay_hash: &str,
 ) -> Result<(String, Option<EvalResult>), PipelineError> {
     let identity = eval_identity(&c.path, &ctx.config.eval.options(), replay_hash, ctx.device)?;
-    let identity_path = eval_dir.join(format!("{}.identity", c.name));
+    let identity_path = crate::eval::journal::identity_path_in(eval_dir, &c.name);
     let result_path = eval_dir.join(format!("{}.json", c.name));
     let earlier = std::fs::read_to_string(&identity_path)
         .ok()
