@@ -343,3 +343,53 @@ fn parquet_function_calls_with_nested_structs_and_nulls() {
     );
     assert!(read[1].tools.is_empty() && read[1].messages.iter().all(|m| m.tool_calls.is_empty()));
 }
+
+/// A function-calling set uploaded through Hugging Face `datasets` (tests/fixtures/datasets/make_fixtures.py):
+/// the parquet's structs hold the union of every row's keys, so row 0's call is stored as `{"city": "Oslo",
+/// "origin": null, "date": null, "filters": null, "unit": null}` and each tool's properties likewise. Read back,
+/// the parquet must give the rows as written (the JSON lines of the same rows): a null struct field is a key
+/// the row did not have, and a template would print it (`get_weather(city="Oslo", origin=null, …)`) in the
+/// very calls the model learns to make.
+#[test]
+fn parquet_from_hf_datasets_reads_back_as_its_rows_without_the_unions_nulls() {
+    use arrow::datatypes::DataType;
+
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/datasets");
+    let parquet = dir.join("function_calls.parquet");
+    let schema = SchemaMapping { messages: "messages".into(), tools: Some("tools".into()), ..Default::default() };
+
+    // The fixture holds the union: the calls' arguments are one struct of all five argument names.
+    let file = std::fs::File::open(&parquet).unwrap();
+    let arrow_schema =
+        parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file).unwrap().schema().clone();
+    let field_names = |dt: &DataType| match dt {
+        DataType::Struct(fields) => fields.iter().map(|f| f.name().as_str()).collect::<Vec<_>>().join(","),
+        other => panic!("not a struct: {other}"),
+    };
+    let item = |dt: &DataType| match dt {
+        DataType::List(item) | DataType::LargeList(item) => item.data_type().clone(),
+        other => panic!("not a list: {other}"),
+    };
+    let child = |dt: &DataType, name: &str| match dt {
+        DataType::Struct(fields) => fields.iter().find(|f| f.name() == name).unwrap().data_type().clone(),
+        other => panic!("not a struct: {other}"),
+    };
+    let message = item(arrow_schema.field_with_name("messages").unwrap().data_type());
+    let arguments = child(&child(&item(&child(&message, "tool_calls")), "function"), "arguments");
+    assert_eq!(field_names(&arguments), "city,origin,date,filters,unit");
+
+    let (parquet_stats, from_parquet) = run(&source(Format::Parquet, schema.clone()), &[parquet]).unwrap();
+    let (jsonl_stats, from_jsonl) =
+        run(&source(Format::Jsonl, schema), &[dir.join("function_calls.jsonl")]).unwrap();
+    assert_eq!((parquet_stats.kept, jsonl_stats.kept), (4, 4), "{parquet_stats:?} {jsonl_stats:?}");
+    for (p, j) in from_parquet.iter().zip(&from_jsonl) {
+        // Byte for byte, key order included: a template renders what it is given in that order.
+        assert_eq!(serde_json::to_string(&p.messages).unwrap(), serde_json::to_string(&j.messages).unwrap());
+        assert_eq!(serde_json::to_string(&p.tools).unwrap(), serde_json::to_string(&j.tools).unwrap());
+    }
+    let call = &from_parquet[0].messages[1].tool_calls[0];
+    assert_eq!(serde_json::Value::Object(call.function.arguments.clone()), serde_json::json!({"city": "Oslo"}));
+    let nested = &from_parquet[2].messages[2].tool_calls[1].function.arguments["filters"];
+    assert_eq!(nested, &serde_json::json!({"airline": "SK"}));
+    assert!(from_parquet[3].tools.is_empty());
+}

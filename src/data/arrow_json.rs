@@ -1,4 +1,10 @@
 //! Arrow values → serde_json values, so parquet rows enter the same normalization path as JSON rows.
+//!
+//! A struct's null fields are left out. Arrow gives a struct the union of the keys every row has (Hugging Face
+//! `datasets` writes nested dicts so, and so does pyarrow's inference), so a null field is almost always a key
+//! the row never had: kept, `{"city": "Oslo"}` of one call would come back with every other call's argument
+//! names as nulls, and templates print them into the calls the model learns (TRL's `remove_none_values`
+//! exists for the same reason). A map's entries are the row's own, nulls included.
 
 use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::datatypes::{DataType, *};
@@ -47,10 +53,19 @@ pub fn value_at(array: &dyn Array, row: usize) -> Value {
         DataType::Struct(fields) => {
             let s = array.as_struct();
             let mut obj = Map::with_capacity(fields.len());
-            for (field, child) in fields.iter().zip(s.columns()) {
+            for (field, child) in fields.iter().zip(s.columns()).filter(|(_, child)| !null_at(child.as_ref(), row)) {
                 obj.insert(field.name().clone(), value_at(child.as_ref(), row));
             }
             Value::Object(obj)
+        }
+        DataType::Map(_, _) => {
+            let entries = array.as_map().value(row);
+            let (keys, values) = (entries.column(0), entries.column(1));
+            let key = |i: usize| match value_at(keys.as_ref(), i) {
+                Value::String(k) => k,
+                other => other.to_string(),
+            };
+            Value::Object((0..entries.len()).map(|i| (key(i), value_at(values.as_ref(), i))).collect())
         }
         DataType::Dictionary(_, _) => {
             let dict = array.as_any_dictionary();
@@ -64,6 +79,12 @@ pub fn value_at(array: &dyn Array, row: usize) -> Value {
     }
 }
 
+/// Null at `row`, also in a column of Arrow's null type (no validity buffer: every value null), which pyarrow
+/// infers for a key no row gives a value.
+fn null_at(array: &dyn Array, row: usize) -> bool {
+    array.is_null(row) || *array.data_type() == DataType::Null
+}
+
 fn list(values: &dyn Array) -> Value {
     Value::Array((0..values.len()).map(|i| value_at(values, i)).collect())
 }
@@ -71,7 +92,7 @@ fn list(values: &dyn Array) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arrow::array::{ArrayRef, Int64Array, ListArray, StringArray, StructArray};
+    use arrow::array::{ArrayRef, Int64Array, Int64Builder, ListArray, StringArray, StringBuilder, StructArray};
     use arrow::buffer::OffsetBuffer;
     use std::sync::Arc;
 
@@ -98,6 +119,38 @@ mod tests {
             row_to_json(&batch, 0),
             serde_json::json!({"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "id": 7})
         );
-        assert_eq!(row_to_json(&batch, 1)["conversations"][0]["content"], Value::Null);
+        // The second row's message has no content: the key is left out, as the row never had it.
+        assert_eq!(row_to_json(&batch, 1)["conversations"], serde_json::json!([{"role": "user"}]));
+    }
+
+    #[test]
+    fn a_structs_null_fields_are_left_out_and_a_maps_entries_kept() {
+        use arrow::array::{MapBuilder, NullArray};
+
+        // Arguments stored as the union of two calls' keys: {city, unit} and {city: null, unit}, and a key
+        // no row has a value for (Arrow's null type).
+        let city: ArrayRef = Arc::new(StringArray::from(vec![Some("Oslo"), None]));
+        let unit: ArrayRef = Arc::new(StringArray::from(vec![None, Some("celsius")]));
+        let never: ArrayRef = Arc::new(NullArray::new(2));
+        let fields = Fields::from(vec![
+            Field::new("city", DataType::Utf8, true),
+            Field::new("unit", DataType::Utf8, true),
+            Field::new("never", DataType::Null, true),
+        ]);
+        let arguments = StructArray::new(fields, vec![city, unit, never], None);
+        assert_eq!(value_at(&arguments, 0), serde_json::json!({"city": "Oslo"}));
+        assert_eq!(value_at(&arguments, 1), serde_json::json!({"unit": "celsius"}));
+
+        let mut map = MapBuilder::new(None, StringBuilder::new(), Int64Builder::new());
+        map.keys().append_value("b");
+        map.values().append_value(2);
+        map.keys().append_value("a");
+        map.values().append_null();
+        map.append(true).unwrap();
+        map.append(false).unwrap();
+        let map = map.finish();
+        // In the map's own order, with its null value: a map holds only the row's entries.
+        assert_eq!(serde_json::to_string(&value_at(&map, 0)).unwrap(), r#"{"b":2,"a":null}"#);
+        assert_eq!(value_at(&map, 1), Value::Null);
     }
 }
