@@ -433,6 +433,58 @@ fn function_calling_rows_are_trained_with_their_calls() {
     );
 }
 
+/// The function-calling rows of tests/fixtures/datasets, made by Hugging Face `datasets`. Read from their
+/// parquet, the calls are trained as the rows have them and the report finds every call on its schema. Read
+/// from `datasets`' JSON export of that parquet (the union's nulls written out, which no reader can tell from
+/// the row's own), the report counts the calls passing null for arguments their tool does not declare, and
+/// warns.
+#[test]
+fn the_report_checks_calls_against_their_schemas_and_tells_a_unions_nulls() {
+    let fixtures = project_dir().join("tests/fixtures/datasets");
+    let dir = tempfile::tempdir().unwrap();
+    let mut checked = Vec::new();
+    for (format, file) in [("parquet", "function_calls.parquet"), ("jsonl", "function_calls.to_json.jsonl")] {
+        let recipe = dir.path().join(format!("{format}.toml"));
+        let source = fixtures.join(file);
+        let schema = "[source.schema]\nmessages = \"messages\"\ntools = \"tools\"\n";
+        let text = format!(
+            "name = \"fc\"\n[[source]]\nname = \"fc\"\nformat = \"{format}\"\npath = \"{}\"\n{schema}",
+            source.display()
+        );
+        std::fs::write(&recipe, text).unwrap();
+        let run = dir.path().join(format);
+        let data = run.join("data");
+        ingest(recipe.to_str().unwrap(), &data);
+        let stats = prepare_tiny(&data.join("conversations.jsonl"), &data, &["--validation-share", "0"]);
+        let supervised = tiny_text(&stats, true);
+        let (ok, _, stderr) = run_kiln(&["--quiet", "inspect", "--run", run.to_str().unwrap()], &[], &project_dir());
+        assert!(ok, "{stderr}");
+        let summary: Value =
+            serde_json::from_str(&std::fs::read_to_string(run.join("report/summary.json")).unwrap()).unwrap();
+        let md = std::fs::read_to_string(run.join("report/summary.md")).unwrap();
+        checked.push((supervised, summary["tools"]["checks"].clone(), summary["warnings"].clone(), md));
+    }
+    let [(parquet, parquet_checks, parquet_warnings, _), (exported, exported_checks, exported_warnings, md)] =
+        &checked[..]
+    else {
+        unreachable!()
+    };
+    assert!(parquet.contains("[get_weather(city=\"Oslo\")]") && !parquet.contains("null"), "{parquet}");
+    let counts = |c: &Value| {
+        ["calls", "no_tools_offered", "off_schema", "unoffered", "undeclared_arguments", "null_arguments", "undeclared_nulls"]
+            .map(|k| c[k].as_u64().unwrap())
+    };
+    assert_eq!(counts(parquet_checks), [4, 0, 0, 0, 0, 0, 0], "{parquet_checks}");
+    assert_eq!(parquet_warnings, &serde_json::json!([]));
+
+    assert!(exported.contains("origin=null"), "the exported nulls are trained: {exported}");
+    assert_eq!(counts(exported_checks), [4, 0, 4, 0, 4, 4, 4], "{exported_checks}");
+    assert_eq!(exported_checks["examples"][0], "fc/function_calls.to_json.jsonl#l1: get_weather: origin: not in its schema; origin: null");
+    let warning = exported_warnings[0].as_str().unwrap();
+    assert!(warning.starts_with("4 tool call(s) pass null for arguments their function's schema does not declare"));
+    assert!(md.contains("| structured calls off their offered schema | 4 (100.0 %) |"), "{md}");
+}
+
 /// ShareGPT rows with per-turn `weight`s (`schema.train = "weight"`): a turn weighted 0 is in the history of
 /// the later turns' samples but never supervised, and the inspection report counts it.
 #[test]

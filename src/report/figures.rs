@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::chat::strip_thinking;
-use crate::data::conversation::{Conversation, Message, Role};
+use crate::data::conversation::{Conversation, Message, Role, ToolCall};
 use crate::eval::parse::{ScorerVersion, parse_response_object};
 
 /// Count, mean and nearest-rank percentiles (the smallest value with at least p % of values at or below it).
@@ -139,6 +139,117 @@ pub struct ToolFigures {
     pub tool_calls: u64,
     pub calls_per_conversation: Distribution,
     pub top_tools: Vec<(String, u64)>,
+    /// The trained turns' structured calls checked against the schemas their conversation offers.
+    #[serde(default)]
+    pub checks: CallChecks,
+}
+
+/// How the structured calls of trained turns agree with the function schemas offered in their conversation
+/// (text-format calls, ReAct or Hermes, name tools the prompt describes in prose: they are not checked).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CallChecks {
+    /// Structured calls in trained turns.
+    pub calls: u64,
+    /// Of them, calls in a conversation that offers no tools: the prompt never shows what they call.
+    pub no_tools_offered: u64,
+    /// Calls with any of the problems below (a call may have several).
+    pub off_schema: u64,
+    /// Calls to a function the conversation does not offer.
+    pub unoffered: u64,
+    /// Calls passing an argument the function's schema does not declare (`parameters.properties`).
+    pub undeclared_arguments: u64,
+    /// Calls leaving out an argument the schema requires.
+    pub missing_required: u64,
+    /// Calls passing null for an argument.
+    pub null_arguments: u64,
+    /// Calls passing null for an argument the schema does not declare: the mark of a parquet union's keys
+    /// written out as JSON (a `datasets` export to JSON lines), which trains calls with other tools' names.
+    pub undeclared_nulls: u64,
+    /// The first calls off their schema: `conversation id: function(argument): what`.
+    pub examples: Vec<String>,
+}
+
+/// How many calls off their schema `CallChecks::examples` keeps.
+const CALL_EXAMPLES: usize = 5;
+
+impl CallChecks {
+    pub fn add(&mut self, other: CallChecks) {
+        self.calls += other.calls;
+        self.no_tools_offered += other.no_tools_offered;
+        self.off_schema += other.off_schema;
+        self.unoffered += other.unoffered;
+        self.undeclared_arguments += other.undeclared_arguments;
+        self.missing_required += other.missing_required;
+        self.null_arguments += other.null_arguments;
+        self.undeclared_nulls += other.undeclared_nulls;
+        let room = CALL_EXAMPLES.saturating_sub(self.examples.len());
+        self.examples.extend(other.examples.into_iter().take(room));
+    }
+
+    /// Checks one call against the functions `offered` (name → its `parameters` schema, or null).
+    fn check(&mut self, conversation: &str, call: &ToolCall, offered: &HashMap<&str, &Value>) {
+        self.calls += 1;
+        if offered.is_empty() {
+            self.no_tools_offered += 1;
+            return;
+        }
+        let name = call.function.name.as_str();
+        let args = &call.function.arguments;
+        let Some(parameters) = offered.get(name) else {
+            self.unoffered += 1;
+            self.off_schema += 1;
+            self.example(conversation, name, "not offered");
+            return;
+        };
+        // A schema that lists its properties declares them all, unless it admits others.
+        let declared = parameters
+            .get("properties")
+            .and_then(Value::as_object)
+            .filter(|_| parameters.get("additionalProperties").is_none_or(|extra| extra == &Value::Bool(false)));
+        // A property whose schema is null is no schema: a parquet union's key written out, as in the calls.
+        let undeclared: Vec<&String> = declared
+            .map(|d| args.keys().filter(|k| d.get(*k).is_none_or(Value::is_null)).collect())
+            .unwrap_or_default();
+        let nulls: Vec<&String> = args.iter().filter(|(_, v)| v.is_null()).map(|(k, _)| k).collect();
+        let required: Vec<&str> = parameters
+            .get("required")
+            .and_then(Value::as_array)
+            .map(|r| r.iter().filter_map(Value::as_str).filter(|k| !args.contains_key(*k)).collect())
+            .unwrap_or_default();
+        self.undeclared_arguments += u64::from(!undeclared.is_empty());
+        self.missing_required += u64::from(!required.is_empty());
+        self.null_arguments += u64::from(!nulls.is_empty());
+        self.undeclared_nulls += u64::from(undeclared.iter().any(|k| args[k.as_str()].is_null()));
+        let mut problems = Vec::new();
+        if let Some(k) = undeclared.first() {
+            problems.push(format!("{k}: not in its schema"));
+        }
+        if let Some(k) = required.first() {
+            problems.push(format!("{k}: required, left out"));
+        }
+        if let Some(k) = nulls.first() {
+            problems.push(format!("{k}: null"));
+        }
+        if !problems.is_empty() {
+            self.off_schema += 1;
+            self.example(conversation, name, &problems.join("; "));
+        }
+    }
+
+    fn example(&mut self, conversation: &str, function: &str, what: &str) {
+        if self.examples.len() < CALL_EXAMPLES {
+            self.examples.push(format!("{conversation}: {function}: {what}"));
+        }
+    }
+}
+
+/// The functions a conversation offers: name → its `parameters` schema (null where it has none).
+fn offered_functions(tools: &[Value]) -> HashMap<&str, &Value> {
+    tools
+        .iter()
+        .filter_map(|t| t.get("function"))
+        .filter_map(|f| Some((f.get("name")?.as_str()?, f.get("parameters").unwrap_or(&Value::Null))))
+        .collect()
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -251,6 +362,7 @@ pub struct ConversationObservation {
     pub actions: Vec<ActionCheck>,
     pub tool_messages: u32,
     pub tool_calls: Vec<String>,
+    pub call_checks: CallChecks,
     pub key: u64,
     /// (hash, first 120 characters) of each trained assistant turn's text.
     pub targets: Vec<(u64, String)>,
@@ -387,6 +499,7 @@ pub fn observe(conv: &Conversation) -> ConversationObservation {
         ..Default::default()
     };
     let tools = serde_json::to_string(&conv.tools).unwrap_or_default();
+    let offered = offered_functions(&conv.tools);
     let targets: Vec<Cow<str>> = conv.messages.iter().map(target_text).collect();
     let mut key_parts = Vec::with_capacity(conv.messages.len() * 4 + 1);
     key_parts.push(tools.as_str());
@@ -408,6 +521,9 @@ pub fn observe(conv: &Conversation) -> ConversationObservation {
                     ConversationKind::Terminus => obs.actions.push(check_action(&strip_thinking(&m.content).0)),
                     ConversationKind::ToolUse => {
                         obs.tool_calls.extend(m.tool_calls.iter().map(|c| c.function.name.clone()));
+                        for call in &m.tool_calls {
+                            obs.call_checks.check(&conv.id, call, &offered);
+                        }
                         obs.tool_calls.extend(tool_calls(&m.content));
                     }
                     ConversationKind::Other => {}
@@ -527,6 +643,67 @@ mod tests {
         let mut other_tools = conv.clone();
         other_tools.tools.clear();
         assert_ne!(observe(&other_tools).key, obs.key, "the offered tools are part of a conversation's identity");
+    }
+
+    #[test]
+    fn structured_calls_are_checked_against_the_offered_schemas() {
+        let call = |name: &str, args: Value| {
+            let mut m = Message::new(Role::Assistant, "");
+            m.tool_calls.push(crate::data::ToolCall::new(None, name, args.as_object().cloned().unwrap_or_default()));
+            m
+        };
+        let weather = serde_json::json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}, "origin": null},
+            "required": ["city"]}}});
+        let open = serde_json::json!({"type": "function", "function": {"name": "search", "parameters": {
+            "type": "object", "properties": {"q": {}}, "additionalProperties": true}}});
+        let conv = |id: &str, tools: Vec<Value>, messages: Vec<Message>| Conversation {
+            id: id.into(),
+            source: "calls".into(),
+            messages: [vec![Message::new(Role::User, "go")], messages].concat(),
+            tools,
+            meta: Default::default(),
+        };
+        let offered = conv(
+            "a",
+            vec![weather, open],
+            vec![
+                call("get_weather", serde_json::json!({"city": "Oslo"})),
+                // A parquet union's keys written out as JSON.
+                call("get_weather", serde_json::json!({"city": "Oslo", "origin": null, "unit": null})),
+                call("get_weather", serde_json::json!({"unit": "celsius"})),
+                call("book_flight", serde_json::json!({})),
+                // The schema admits other properties.
+                call("search", serde_json::json!({"q": "x", "lang": "no"})),
+            ],
+        );
+        let bare = conv("b", vec![], vec![call("get_weather", serde_json::json!({"city": "Oslo"}))]);
+        let mut checks = observe(&offered).call_checks;
+        checks.add(observe(&bare).call_checks);
+        let counts = (
+            checks.calls,
+            checks.no_tools_offered,
+            checks.off_schema,
+            checks.unoffered,
+            checks.undeclared_arguments,
+            checks.missing_required,
+            checks.null_arguments,
+            checks.undeclared_nulls,
+        );
+        assert_eq!(counts, (6, 1, 3, 1, 1, 1, 1, 1));
+        assert_eq!(
+            checks.examples,
+            [
+                "a: get_weather: origin: not in its schema; origin: null",
+                "a: get_weather: city: required, left out",
+                "a: book_flight: not offered"
+            ]
+        );
+        // Untrained turns are history: not checked.
+        let mut history = offered.clone();
+        history.messages.iter_mut().for_each(|m| m.train = false);
+        history.messages.push(Message::new(Role::Assistant, "done"));
+        assert_eq!(observe(&history).call_checks, CallChecks::default());
     }
 
     #[test]

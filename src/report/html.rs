@@ -4,7 +4,7 @@
 use std::fmt::Write;
 
 use super::ReportError;
-use super::figures::{Distribution, Inspection, share};
+use super::figures::{CallChecks, Distribution, Inspection, share};
 use super::inspect::{InspectResult, Piece};
 use super::plots::histogram_svg;
 
@@ -71,6 +71,10 @@ pub fn key_figures(ins: &Inspection) -> Vec<(&'static str, String)> {
     }
     if ins.tools.conversations > 0 {
         rows.push(("tool calls", ins.tools.tool_calls.to_string()));
+    }
+    let checks = &ins.tools.checks;
+    if checks.calls > 0 {
+        rows.push(("structured calls off their offered schema", count_share(checks.off_schema, checks.calls)));
     }
     if let Some(v) = &ins.validation {
         rows.push((
@@ -367,11 +371,36 @@ fn targets_section(page: &mut Page, result: &InspectResult) -> Result<(), Report
         ));
         page.table(&DIST_HEADERS, &[dist_row("tool calls per conversation", &tools.calls_per_conversation)]);
         page.ranked(&["tool", "calls"], &tools.top_tools);
+        call_checks(page, &tools.checks);
     }
     if t.conversations == 0 && tools.conversations == 0 {
         page.p("No Terminus-2 or tool-use conversations: no target checks apply.");
     }
     Ok(())
+}
+
+fn call_checks(page: &mut Page, c: &CallChecks) {
+    if c.calls == 0 {
+        return;
+    }
+    page.p(&format!(
+        "The {} structured calls of trained turns, each against the function schemas its conversation offers (a call with several problems counts in each row):",
+        c.calls
+    ));
+    let n = c.calls;
+    page.pairs(&[
+        ("in conversations that offer no tools", count_share(c.no_tools_offered, n)),
+        ("off their schema", count_share(c.off_schema, n)),
+        ("calling a function not offered", count_share(c.unoffered, n)),
+        ("passing an argument the schema does not declare", count_share(c.undeclared_arguments, n)),
+        ("leaving out a required argument", count_share(c.missing_required, n)),
+        ("passing null", count_share(c.null_arguments, n)),
+        ("passing null for an undeclared argument", count_share(c.undeclared_nulls, n)),
+    ]);
+    if !c.examples.is_empty() {
+        let rows: Vec<Vec<&str>> = c.examples.iter().map(|e| vec![e.as_str()]).collect();
+        page.table(&["the first calls off their schema (conversation: function: what)"], &rows);
+    }
 }
 
 fn duplicates_section(page: &mut Page, ins: &Inspection) {

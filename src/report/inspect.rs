@@ -222,6 +222,16 @@ fn observe_conversations(
         .map(|(hash, snippet)| (snippet, tallies.target_counts.get(&hash).copied().unwrap_or(0)))
         .collect();
     ins.duplicates.top_repeated_targets = top_k(repeated, 5);
+    let checks = &ins.tools.checks;
+    if checks.undeclared_nulls > 0 {
+        ins.warnings.push(format!(
+            "{} tool call(s) pass null for arguments their function's schema does not declare (examples under Targets): \
+             the mark of a parquet file's union of keys written out as JSON (a `datasets` export); templates print these nulls \
+             into the trained calls. Read the parquet itself (kiln leaves a struct's null fields out) or drop the \
+             nulls in the source",
+            checks.undeclared_nulls
+        ));
+    }
     Ok(())
 }
 
@@ -267,6 +277,7 @@ fn merge(obs: ConversationObservation, ins: &mut Inspection, values: &mut Values
             for name in obs.tool_calls {
                 *t.tools.entry(name).or_default() += 1;
             }
+            tools.checks.add(obs.call_checks);
         }
         ConversationKind::Other => {}
     }
