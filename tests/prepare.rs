@@ -443,20 +443,27 @@ fn the_report_checks_calls_against_their_schemas_and_tells_a_unions_nulls() {
     let fixtures = project_dir().join("tests/fixtures/datasets");
     let dir = tempfile::tempdir().unwrap();
     let mut checked = Vec::new();
-    for (format, file) in [("parquet", "function_calls.parquet"), ("jsonl", "function_calls.to_json.jsonl")] {
-        let recipe = dir.path().join(format!("{format}.toml"));
+    let mut conversations = Vec::new();
+    let sources = [
+        ("parquet", "function_calls.parquet", ""),
+        ("jsonl", "function_calls.to_json.jsonl", ""),
+        ("jsonl", "function_calls.to_json.jsonl", "drop_nulls = true\n"),
+    ];
+    for (i, (format, file, drop_nulls)) in sources.into_iter().enumerate() {
+        let recipe = dir.path().join(format!("{i}.toml"));
         let source = fixtures.join(file);
-        let schema = "[source.schema]\nmessages = \"messages\"\ntools = \"tools\"\n";
+        let schema = format!("[source.schema]\nmessages = \"messages\"\ntools = \"tools\"\n{drop_nulls}");
         let text = format!(
             "name = \"fc\"\n[[source]]\nname = \"fc\"\nformat = \"{format}\"\npath = \"{}\"\n{schema}",
             source.display()
         );
         std::fs::write(&recipe, text).unwrap();
-        let run = dir.path().join(format);
+        let run = dir.path().join(i.to_string());
         let data = run.join("data");
         ingest(recipe.to_str().unwrap(), &data);
         let stats = prepare_tiny(&data.join("conversations.jsonl"), &data, &["--validation-share", "0"]);
         let supervised = tiny_text(&stats, true);
+        conversations.push(conversation_bodies(&data.join("conversations.jsonl")));
         let (ok, _, stderr) = run_kiln(&["--quiet", "inspect", "--run", run.to_str().unwrap()], &[], &project_dir());
         assert!(ok, "{stderr}");
         let summary: Value =
@@ -464,7 +471,7 @@ fn the_report_checks_calls_against_their_schemas_and_tells_a_unions_nulls() {
         let md = std::fs::read_to_string(run.join("report/summary.md")).unwrap();
         checked.push((supervised, summary["tools"]["checks"].clone(), summary["warnings"].clone(), md));
     }
-    let [(parquet, parquet_checks, parquet_warnings, _), (exported, exported_checks, exported_warnings, md)] =
+    let [(parquet, parquet_checks, parquet_warnings, _), (exported, exported_checks, exported_warnings, md), dropped] =
         &checked[..]
     else {
         unreachable!()
@@ -483,6 +490,22 @@ fn the_report_checks_calls_against_their_schemas_and_tells_a_unions_nulls() {
     let warning = exported_warnings[0].as_str().unwrap();
     assert!(warning.starts_with("4 tool call(s) pass null for arguments their function's schema does not declare"));
     assert!(md.contains("| structured calls off their offered schema | 4 (100.0 %) |"), "{md}");
+
+    // `drop_nulls = true` reads the export back as the parquet: the same conversations, calls and report.
+    assert_eq!(conversations[2], conversations[0]);
+    assert_eq!((&dropped.0, &dropped.1, &dropped.2), (parquet, parquet_checks, parquet_warnings));
+}
+
+/// A run's conversations without their ids and sources (which name the file they came from).
+fn conversation_bodies(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut rows: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    for row in &mut rows {
+        let row = row.as_object_mut().unwrap();
+        row.remove("id");
+        row.remove("source");
+    }
+    rows
 }
 
 /// ShareGPT rows with per-turn `weight`s (`schema.train = "weight"`): a turn weighted 0 is in the history of

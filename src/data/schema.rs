@@ -46,6 +46,11 @@ pub struct SchemaMapping {
     /// only (ShareGPT's `weight`, a `train` flag); true, a nonzero number, null or absent trains it.
     #[serde(default)]
     pub train: Option<String>,
+    /// Leave out null-valued keys of calls' arguments and of tool schemas, at every depth: for JSON written
+    /// from a parquet file's union of keys (`datasets`' `to_json`), where every call carries the other calls'
+    /// argument names as nulls. Parquet sources need it not (their reader leaves a struct's null fields out).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub drop_nulls: bool,
 }
 
 fn default_messages() -> String {
@@ -78,6 +83,7 @@ impl Default for SchemaMapping {
             tool_calls: default_tool_calls(),
             tools: None,
             train: None,
+            drop_nulls: false,
         }
     }
 }
@@ -175,10 +181,13 @@ impl SchemaMapping {
             return Err(DropReason::EmptyConversation);
         }
         let messages = list.iter().map(|m| self.message(m)).collect::<Result<Vec<_>, _>>()?;
-        let tools = match self.tools.as_ref().and_then(|c| obj.get(c)) {
+        let mut tools = match self.tools.as_ref().and_then(|c| obj.get(c)) {
             Some(v) => tools_of(v)?,
             None => Vec::new(),
         };
+        if self.drop_nulls {
+            tools.iter_mut().for_each(drop_null_keys);
+        }
         if !messages.iter().any(Message::is_trained_turn) {
             return Err(DropReason::NoAssistantTurn);
         }
@@ -212,10 +221,13 @@ impl SchemaMapping {
             None => return Err(DropReason::MissingColumn(format!("{}.{}", self.messages, self.role))),
         };
         let role = self.role_of(role_name).ok_or_else(|| DropReason::UnknownRole(role_name.clone()))?;
-        let tool_calls = match obj.get(&self.tool_calls) {
+        let mut tool_calls = match obj.get(&self.tool_calls) {
             Some(v) => tool_calls_of(v)?,
             None => Vec::new(),
         };
+        if self.drop_nulls {
+            tool_calls.iter_mut().for_each(|call| drop_null_keys_in(&mut call.function.arguments));
+        }
         if !tool_calls.is_empty() && role != Role::Assistant {
             return Err(DropReason::BadToolCall(format!("a {} message has tool calls", role.as_str())));
         }
@@ -315,6 +327,21 @@ fn tools_of(v: &Value) -> Result<Vec<Value>, DropReason> {
             _ => Err(bad("a tool that is not a function schema with a name")),
         })
         .collect()
+}
+
+/// Removes the null-valued keys of every object in `value`, at every depth (a list's null elements stay: a
+/// list has no keys to be unioned).
+fn drop_null_keys(value: &mut Value) {
+    match value {
+        Value::Object(map) => drop_null_keys_in(map),
+        Value::Array(items) => items.iter_mut().for_each(drop_null_keys),
+        _ => {}
+    }
+}
+
+fn drop_null_keys_in(map: &mut Map<String, Value>) {
+    map.retain(|_, v| !v.is_null());
+    map.values_mut().for_each(drop_null_keys);
 }
 
 /// Some exports store the message list as a JSON string; accept that, drop anything else.
@@ -498,6 +525,36 @@ mod tests {
         let textless =
             json!({"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null}]});
         assert_eq!(m.normalize(&textless, "s", "s:0").unwrap_err().label(), "non_string_content");
+    }
+
+    #[test]
+    fn drop_nulls_leaves_out_null_keys_of_arguments_and_tool_schemas_only() {
+        let row = json!({
+            "messages": [
+                {"role": "user", "content": "Weather?", "tool_calls": null},
+                {"role": "assistant", "content": null, "tool_calls": [{"type": "function", "function": {"name": "w",
+                    "arguments": {"city": "Oslo", "origin": null, "filters": {"max": 5, "airline": null}, "days": [1, null]}}}]},
+                {"role": "assistant", "content": "Cold."}],
+            "tools": [{"type": "function", "function": {"name": "w", "description": null, "parameters": {"type": "object",
+                "properties": {"city": {"type": "string", "enum": null}, "origin": null}, "required": ["city"]}}}]
+        });
+        let mut m = SchemaMapping { messages: "messages".into(), tools: Some("tools".into()), ..Default::default() };
+        let kept = m.normalize(&row, "s", "s:0").unwrap();
+        assert_eq!(kept.messages[1].tool_calls[0].function.arguments["origin"], Value::Null);
+        assert!(kept.messages[1].tool_calls[0].function.arguments.contains_key("origin"), "kept as written by default");
+        m.drop_nulls = true;
+        let conv = m.normalize(&row, "s", "s:0").unwrap();
+        assert_eq!(
+            Value::Object(conv.messages[1].tool_calls[0].function.arguments.clone()),
+            json!({"city": "Oslo", "filters": {"max": 5}, "days": [1, null]})
+        );
+        assert_eq!(
+            conv.tools,
+            [json!({"type": "function", "function": {"name": "w", "parameters": {"type": "object",
+                "properties": {"city": {"type": "string"}}, "required": ["city"]}}})]
+        );
+        // Serialized without the flag when it is off, so existing recipes hash as before.
+        assert!(!serde_json::to_string(&SchemaMapping::default()).unwrap().contains("drop_nulls"));
     }
 
     #[test]

@@ -227,8 +227,8 @@ fn observe_conversations(
         ins.warnings.push(format!(
             "{} tool call(s) pass null for arguments their function's schema does not declare (examples under Targets): \
              the mark of a parquet file's union of keys written out as JSON (a `datasets` export); templates print these nulls \
-             into the trained calls. Read the parquet itself (kiln leaves a struct's null fields out) or drop the \
-             nulls in the source",
+             into the trained calls. Read the parquet itself (kiln leaves a struct's null fields out), or set \
+             `drop_nulls = true` in the source's [source.schema] (docs/RECIPES.md)",
             checks.undeclared_nulls
         ));
     }
