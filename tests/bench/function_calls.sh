@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Function-calling data through kiln ingest + prepare, beside transformers' apply_chat_template on the same
-# conversations: OpenAI-format rows (calls with JSON-string arguments, a tools column of bare schemas) made
+# conversations (then the same rows as parquet structs, below): OpenAI-format rows (calls with JSON-string arguments, a tools column of bare schemas) made
 # here with a fixed seed, TRL's Qwen3.5 training template (it has {% generation %}), the Qwen3.5-derived
 # tokenizer, one sample per assistant turn. Samples, tokens and supervised tokens must agree; kiln's time
 # includes its check that every supervised turn's calls are rendered (one more render per turn with calls).
@@ -59,3 +59,45 @@ PY
 import json, sys
 s = json.loads(sys.stdin.read())
 print(f\"| transformers | {s['conversations']} | {s['samples']} | {s['tokens']} | {s['supervised_tokens']} | {s['conversations_per_s']:.1f} | {s['tokens_per_s']:,.0f} | {s['peak_rss_bytes']/2**20:.0f} | {s['wall_seconds']:.2f} |\")"
+
+# The same rows as the Hub holds them once uploaded through Hugging Face `datasets`: arguments and tool
+# schemas as nested dicts in a parquet (Arrow gives each struct the union of every row's keys, so each call
+# carries the other tools' argument names as nulls), and that parquet's `to_json` export, read as is and with
+# `drop_nulls`. kiln must read the parquet, and the export with `drop_nulls`, as the rows above.
+# (-P: the project's own datasets/ folder must not shadow the package.)
+"$VENV/bin/python" -P -c "import datasets" 2>/dev/null || "$VENV/bin/pip" install -q datasets==5.2.0
+"$VENV/bin/python" -P - "$WORK/calls.jsonl" "$WORK" <<'PY'
+import json, sys, datasets
+datasets.disable_progress_bars()
+rows = []
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    r["tools"] = json.loads(r["tools"])
+    for m in r["messages"]:
+        for c in m.get("tool_calls") or []:
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    rows.append(r)
+datasets.Dataset.from_list(rows).to_parquet(f"{sys.argv[2]}/union.parquet")
+datasets.Dataset.from_parquet(f"{sys.argv[2]}/union.parquet").to_json(f"{sys.argv[2]}/union.to_json.jsonl")
+PY
+printf '\n| source | calls with a null argument | tokens | supervised | calls off their schema | report warnings |\n|---|---|---|---|---|---|\n'
+for case in "parquet union.parquet" "jsonl union.to_json.jsonl" "jsonl union.to_json.jsonl drop_nulls"; do
+    read -r format file drop <<< "$case"
+    name=${file%.*}${drop:+-$drop}
+    printf 'name = "%s"\n[[source]]\nname = "calls"\nformat = "%s"\npath = "%s"\n[source.schema]\nmessages = "messages"\nid = "id"\ntools = "tools"\n%s\n' \
+        "$name" "$format" "$file" "${drop:+drop_nulls = true}" > "$WORK/$name.toml"
+    "$KILN" --quiet ingest --dataset "$WORK/$name.toml" --out "$WORK/$name/data" 2> "$WORK/$name.log"
+    "$KILN" --quiet prepare --model "$WORK/model" --data "$WORK/$name/data/conversations.jsonl" --out "$WORK/$name/data" \
+        --mode per-turn --thinking keep --seq-len 65536 --layout bucketed --validation-share 0 --date 2026-01-01 2>/dev/null
+    "$KILN" --quiet inspect --run "$WORK/$name" >/dev/null 2>> "$WORK/$name.log"
+    python3 - "$WORK/$name" "$file${drop:+, drop_nulls}" <<'PY'
+import json, sys
+run, label = sys.argv[1], sys.argv[2]
+s = json.load(open(f"{run}/data/stats.json"))
+r = json.load(open(f"{run}/report/summary.json"))
+calls = [c for l in open(f"{run}/data/conversations.jsonl") for m in json.loads(l)["messages"] for c in m.get("tool_calls", [])]
+nulls = sum(any(v is None for v in c["function"]["arguments"].values()) for c in calls)
+c = r["tools"]["checks"]
+print(f"| {label} | {nulls} of {len(calls)} | {s['tokens']} | {s['supervised_tokens']} | {c['off_schema']} | {len(r['warnings'])} |")
+PY
+done
