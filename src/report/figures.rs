@@ -165,7 +165,7 @@ pub struct CallChecks {
     /// Calls passing null for an argument the schema does not declare: the mark of a parquet union's keys
     /// written out as JSON (a `datasets` export to JSON lines), which trains calls with other tools' names.
     pub undeclared_nulls: u64,
-    /// The first calls off their schema: `conversation id: function(argument): what`.
+    /// The first calls off their schema, as `conversation id: function: what is wrong`.
     pub examples: Vec<String>,
 }
 
