@@ -469,6 +469,12 @@ fn the_report_checks_calls_against_their_schemas_and_tells_a_unions_nulls() {
         let summary: Value =
             serde_json::from_str(&std::fs::read_to_string(run.join("report/summary.json")).unwrap()).unwrap();
         let md = std::fs::read_to_string(run.join("report/summary.md")).unwrap();
+        // The page stays well-formed, and shows the checks as a table of their own.
+        let html = std::fs::read_to_string(run.join("report/index.html")).unwrap();
+        let options = roxmltree::ParsingOptions { allow_dtd: true, ..Default::default() };
+        let page = roxmltree::Document::parse_with_options(&html, options).unwrap();
+        let cells: Vec<&str> = page.descendants().filter(|n| n.has_tag_name("td")).filter_map(|n| n.text()).collect();
+        assert!(cells.contains(&"passing null for an undeclared argument"), "{cells:?}");
         checked.push((supervised, summary["tools"]["checks"].clone(), summary["warnings"].clone(), md));
     }
     let [(parquet, parquet_checks, parquet_warnings, _), (exported, exported_checks, exported_warnings, md), dropped] =
