@@ -172,6 +172,11 @@ fn check_against_conversations(ins: &Inspection, run: &Path) {
     let toolbench = ins.conversations.per_source["toolbench"];
     assert_eq!(ins.tools.conversations, toolbench);
     assert!(ins.tools.top_tools.contains(&("Finish".to_string(), toolbench)));
+    // Its ReAct calls are read from the text and checked against the JSON list its system prompt prints.
+    let checks = &ins.tools.checks;
+    assert_eq!(checks.calls, ins.tools.tool_calls);
+    assert_eq!((checks.from_text, checks.against_prompt_list), (checks.calls, checks.calls));
+    assert_eq!((checks.off_schema, checks.no_tools_offered), (0, 0), "{:?}", checks.examples);
 }
 
 fn check_against_stats(ins: &Inspection, run: &Path) {

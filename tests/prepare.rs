@@ -484,18 +484,31 @@ fn the_report_checks_calls_against_their_schemas_and_tells_a_unions_nulls() {
     };
     assert!(parquet.contains("[get_weather(city=\"Oslo\")]") && !parquet.contains("null"), "{parquet}");
     let counts = |c: &Value| {
-        ["calls", "no_tools_offered", "off_schema", "unoffered", "undeclared_arguments", "null_arguments", "undeclared_nulls"]
-            .map(|k| c[k].as_u64().unwrap())
+        [
+            "calls",
+            "from_text",
+            "no_tools_offered",
+            "off_schema",
+            "unoffered",
+            "unreadable",
+            "undeclared_arguments",
+            "null_arguments",
+            "undeclared_nulls",
+        ]
+        .map(|k| c[k].as_u64().unwrap())
     };
-    assert_eq!(counts(parquet_checks), [4, 0, 0, 0, 0, 0, 0], "{parquet_checks}");
+    assert_eq!(counts(parquet_checks), [4, 0, 0, 0, 0, 0, 0, 0, 0], "{parquet_checks}");
     assert_eq!(parquet_warnings, &serde_json::json!([]));
 
     assert!(exported.contains("origin=null"), "the exported nulls are trained: {exported}");
-    assert_eq!(counts(exported_checks), [4, 0, 4, 0, 4, 4, 4], "{exported_checks}");
-    assert_eq!(exported_checks["examples"][0], "fc/function_calls.to_json.jsonl#l1: get_weather: origin: not in its schema; origin: null");
+    assert_eq!(counts(exported_checks), [4, 0, 0, 4, 0, 0, 4, 4, 4], "{exported_checks}");
+    assert_eq!(
+        exported_checks["examples"][0],
+        "fc/function_calls.to_json.jsonl#l1: get_weather: origin: not in its schema; origin: null"
+    );
     let warning = exported_warnings[0].as_str().unwrap();
     assert!(warning.starts_with("4 tool call(s) pass null for arguments their function's schema does not declare"));
-    assert!(md.contains("| structured calls off their offered schema | 4 (100.0 %) |"), "{md}");
+    assert!(md.contains("| tool calls off their offered schema | 4 (100.0 %) |"), "{md}");
 
     // `drop_nulls = true` reads the export back as the parquet: the same conversations, calls and report.
     assert_eq!(conversations[2], conversations[0]);

@@ -379,8 +379,7 @@ fn parquet_from_hf_datasets_reads_back_as_its_rows_without_the_unions_nulls() {
     assert_eq!(field_names(&arguments), "city,origin,date,filters,unit");
 
     let (parquet_stats, from_parquet) = run(&source(Format::Parquet, schema.clone()), &[parquet]).unwrap();
-    let (jsonl_stats, from_jsonl) =
-        run(&source(Format::Jsonl, schema), &[dir.join("function_calls.jsonl")]).unwrap();
+    let (jsonl_stats, from_jsonl) = run(&source(Format::Jsonl, schema), &[dir.join("function_calls.jsonl")]).unwrap();
     assert_eq!((parquet_stats.kept, jsonl_stats.kept), (4, 4), "{parquet_stats:?} {jsonl_stats:?}");
     for (p, j) in from_parquet.iter().zip(&from_jsonl) {
         // Byte for byte, key order included: a template renders what it is given in that order.

@@ -1,6 +1,7 @@
-//! Python's text forms of template values, so minijinja renders what Jinja2 under transformers renders:
+//! Python's text forms of values. Written, so minijinja renders what Jinja2 under transformers renders:
 //! `json.dumps` (the `tojson` filter), `str()` / `repr()` (the `string` filter and `{{ list }}`), and
-//! `repr(float)`.
+//! `repr(float)`. Read back, as `ast.literal_eval` reads them: data sets print tool lists and call arguments
+//! with Python's `str()` (ToolBench's API lists, LFM's pythonic calls).
 
 use minijinja::value::{Value, ValueKind};
 
@@ -250,6 +251,235 @@ fn write_json(v: &Value, style: &JsonStyle, level: usize, out: &mut String) {
     }
 }
 
+/// Reads the Python literal at the start of `text` (white space before it skipped) as `ast.literal_eval`
+/// would: dicts, lists, tuples (as lists), quoted strings with Python's escapes, numbers, `True` / `False` /
+/// `None`, and JSON's spellings (`true` / `false` / `null`, `\uXXXX` surrogate pairs) too, so that one reader
+/// takes either. Returns the value as JSON and the bytes read; the text after it is left alone.
+pub fn literal_eval(text: &str) -> Result<(serde_json::Value, usize), String> {
+    let mut reader = LiteralReader { text, pos: 0 };
+    let value = reader.value(0)?;
+    Ok((value, reader.pos))
+}
+
+/// How deep containers may nest: a bound on the recursion, far above any tool schema.
+const LITERAL_DEPTH: usize = 128;
+
+struct LiteralReader<'a> {
+    text: &'a str,
+    pos: usize,
+}
+
+impl LiteralReader<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.text.as_bytes().get(self.pos).copied()
+    }
+
+    fn skip_space(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.pos += 1;
+        }
+    }
+
+    fn error(&self, what: &str) -> String {
+        format!("{what} at byte {}", self.pos)
+    }
+
+    fn value(&mut self, depth: usize) -> Result<serde_json::Value, String> {
+        use serde_json::Value as Json;
+        if depth > LITERAL_DEPTH {
+            return Err(self.error("containers nested too deep"));
+        }
+        self.skip_space();
+        match self.peek() {
+            None => Err(self.error("a value expected, the text ended")),
+            Some(b'{') => self.dict(depth),
+            Some(b'[') => {
+                self.pos += 1;
+                Ok(Json::Array(self.items(b']', depth)?.0))
+            }
+            Some(b'(') => {
+                self.pos += 1;
+                let (mut items, comma) = self.items(b')', depth)?;
+                // `(x)` is x; `(x,)` and `(x, y)` are tuples.
+                Ok(if items.len() == 1 && !comma { items.remove(0) } else { Json::Array(items) })
+            }
+            Some(q @ (b'\'' | b'"')) => Ok(Json::String(self.string(q)?)),
+            Some(b'-' | b'+' | b'.' | b'0'..=b'9') => self.number(),
+            Some(c) if c.is_ascii_alphabetic() => {
+                let start = self.pos;
+                while self.peek().is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_') {
+                    self.pos += 1;
+                }
+                match &self.text[start..self.pos] {
+                    "True" | "true" => Ok(Json::Bool(true)),
+                    "False" | "false" => Ok(Json::Bool(false)),
+                    "None" | "null" => Ok(Json::Null),
+                    word => {
+                        self.pos = start;
+                        Err(self.error(&format!("`{word}` is not a literal")))
+                    }
+                }
+            }
+            Some(_) => Err(self.error("a value expected")),
+        }
+    }
+
+    /// The items up to `close` (already past the opening bracket), and whether a comma followed the last.
+    fn items(&mut self, close: u8, depth: usize) -> Result<(Vec<serde_json::Value>, bool), String> {
+        let mut items = Vec::new();
+        let mut comma = false;
+        loop {
+            self.skip_space();
+            if self.peek() == Some(close) {
+                self.pos += 1;
+                return Ok((items, comma));
+            }
+            items.push(self.value(depth + 1)?);
+            self.skip_space();
+            comma = self.peek() == Some(b',');
+            if comma {
+                self.pos += 1;
+            } else if self.peek().is_none() {
+                return Err(self.error(&format!("the text ended before `{}`", close as char)));
+            } else if self.peek() != Some(close) {
+                return Err(self.error(&format!("`,` or `{}` expected", close as char)));
+            }
+        }
+    }
+
+    fn dict(&mut self, depth: usize) -> Result<serde_json::Value, String> {
+        use serde_json::Value as Json;
+        self.pos += 1;
+        let mut map = serde_json::Map::new();
+        loop {
+            self.skip_space();
+            if self.peek() == Some(b'}') {
+                self.pos += 1;
+                return Ok(Json::Object(map));
+            }
+            let key = match self.value(depth + 1)? {
+                Json::String(s) => s,
+                // Python's dict keys may be numbers or booleans; JSON's keys are their text.
+                Json::Number(n) => n.to_string(),
+                Json::Bool(b) => if b { "True" } else { "False" }.to_string(),
+                _ => return Err(self.error("a dict key that is not a string, number or boolean")),
+            };
+            self.skip_space();
+            if self.peek() != Some(b':') {
+                return Err(self.error("`:` expected after a dict key"));
+            }
+            self.pos += 1;
+            let value = self.value(depth + 1)?;
+            map.insert(key, value);
+            self.skip_space();
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b'}') => {}
+                None => return Err(self.error("the text ended before `}`")),
+                _ => return Err(self.error("`,` or `}` expected")),
+            }
+        }
+    }
+
+    fn string(&mut self, quote: u8) -> Result<String, String> {
+        let start = self.pos;
+        let mut out = String::new();
+        let mut chars = self.text[start + 1..].char_indices();
+        let hex = |digits: &str| u32::from_str_radix(digits, 16).ok();
+        while let Some((i, c)) = chars.next() {
+            match c {
+                c if c as u32 == u32::from(quote) => {
+                    self.pos = start + 1 + i + 1;
+                    return Ok(out);
+                }
+                '\n' => break,
+                '\\' => {
+                    let Some((j, e)) = chars.next() else { break };
+                    let rest = &self.text[start + 1 + j + 1..];
+                    let mut take = |n: usize| {
+                        let digits = rest.get(..n).filter(|d| d.chars().all(|c| c.is_ascii_hexdigit()))?;
+                        (0..n).for_each(|_| _ = chars.next());
+                        hex(digits)
+                    };
+                    let code = match e {
+                        'n' => '\n' as u32,
+                        'r' => '\r' as u32,
+                        't' => '\t' as u32,
+                        'b' => 0x08,
+                        'f' => 0x0c,
+                        'v' => 0x0b,
+                        'a' => 0x07,
+                        '\n' => continue,
+                        '0'..='7' => {
+                            let digits: String = std::iter::once(e)
+                                .chain(rest.chars().take(2).take_while(|c| ('0'..='7').contains(c)))
+                                .collect();
+                            (1..digits.len()).for_each(|_| _ = chars.next());
+                            u32::from_str_radix(&digits, 8).unwrap_or(0)
+                        }
+                        'x' => take(2).ok_or_else(|| self.error("`\\x` without two hex digits"))?,
+                        'U' => take(8).ok_or_else(|| self.error("`\\U` without eight hex digits"))?,
+                        'u' => {
+                            let high = take(4).ok_or_else(|| self.error("`\\u` without four hex digits"))?;
+                            // JSON writes characters beyond the BMP as a surrogate pair.
+                            let low = (0xd800..0xdc00).contains(&high).then(|| {
+                                let pair = chars.as_str().strip_prefix("\\u")?.get(..4)?;
+                                let low = hex(pair).filter(|l| (0xdc00..0xe000).contains(l))?;
+                                (0..6).for_each(|_| _ = chars.next());
+                                Some(low)
+                            });
+                            match low.flatten() {
+                                Some(low) => 0x10000 + ((high - 0xd800) << 10) + (low - 0xdc00),
+                                None => high,
+                            }
+                        }
+                        '\\' | '\'' | '"' | '/' => e as u32,
+                        // Python keeps an unknown escape as written.
+                        other => {
+                            out.push('\\');
+                            other as u32
+                        }
+                    };
+                    out.push(char::from_u32(code).unwrap_or(char::REPLACEMENT_CHARACTER));
+                }
+                c => out.push(c),
+            }
+        }
+        Err(self.error("a string not closed on its line"))
+    }
+
+    fn number(&mut self) -> Result<serde_json::Value, String> {
+        let start = self.pos;
+        let bytes = self.text.as_bytes();
+        let mut end = start;
+        if matches!(bytes.get(end), Some(b'-' | b'+')) {
+            end += 1;
+        }
+        let mut float = false;
+        while let Some(&c) = bytes.get(end) {
+            match c {
+                b'0'..=b'9' | b'_' => {}
+                b'.' => float = true,
+                b'e' | b'E' => {
+                    float = true;
+                    if matches!(bytes.get(end + 1), Some(b'-' | b'+')) {
+                        end += 1;
+                    }
+                }
+                _ => break,
+            }
+            end += 1;
+        }
+        let digits: String = self.text[start..end].chars().filter(|&c| c != '_' && c != '+').collect();
+        let number = if float { None } else { digits.parse::<i64>().ok().map(serde_json::Number::from) };
+        let number = number
+            .or_else(|| digits.parse::<f64>().ok().and_then(serde_json::Number::from_f64))
+            .ok_or_else(|| self.error(&format!("`{}` is not a number", &self.text[start..end])))?;
+        self.pos = end;
+        Ok(serde_json::Value::Number(number))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,5 +528,39 @@ mod tests {
         );
         let ascii = JsonStyle { ensure_ascii: true, ..Default::default() };
         assert_eq!(json_dumps(&Value::from("é😀\n"), &ascii), r#""\u00e9\ud83d\ude00\n""#);
+    }
+
+    #[test]
+    fn literals_read_back_as_python_and_json_print_them() {
+        let read = |text: &str| literal_eval(text).map(|(v, _)| v);
+        let api = r#"[{'name': 'get_weather_for_x', 'description': 'It\'s "live"', 'parameters': {'type': 'object', 'properties': {'city': {'type': 'string', 'example_value': None}}, 'required': ['city'], 'optional': [], 'n': -1.5e3, 'ok': True}}]"#;
+        assert_eq!(
+            read(api).unwrap(),
+            serde_json::json!([{"name": "get_weather_for_x", "description": "It's \"live\"", "parameters": {
+                "type": "object", "properties": {"city": {"type": "string", "example_value": null}},
+                "required": ["city"], "optional": [], "n": -1500.0, "ok": true}}])
+        );
+        let json = r#"{"a": [1, 2.5, true, null], "s": "\u00e9\ud83d\ude00\n"}"#;
+        assert_eq!(read(json).unwrap(), serde_json::from_str::<serde_json::Value>(json).unwrap());
+        for s in ["tab\there\u{1}é", "it's", "both ' and \"", "back\\slash", "\u{200b}\u{1f600}"] {
+            assert_eq!(read(&str_repr(s)).unwrap(), serde_json::json!(s), "{s}");
+        }
+        assert_eq!(read("(1,)").unwrap(), serde_json::json!([1]));
+        assert_eq!(read("(1)").unwrap(), serde_json::json!(1));
+        assert_eq!(read("{1: 'a', False: 2}").unwrap(), serde_json::json!({"1": "a", "False": 2}));
+        assert_eq!(read(r"'\101\x41\N'").unwrap(), serde_json::json!("AA\\N"));
+        assert_eq!(literal_eval("  [1] and more"), Ok((serde_json::json!([1]), 5)));
+        for (bad, why) in [
+            ("[1, 2", "the text ended"),
+            ("{'a' 1}", "`:` expected"),
+            ("'open\n'", "not closed"),
+            ("[foo]", "`foo` is not a literal"),
+            ("{[1]: 2}", "dict key"),
+            (r"'\x4'", "two hex digits"),
+        ] {
+            let err = read(bad).unwrap_err();
+            assert!(err.contains(why), "{bad}: {err}");
+        }
+        assert!(read(&"[".repeat(200)).unwrap_err().contains("nested too deep"));
     }
 }

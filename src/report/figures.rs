@@ -10,8 +10,9 @@ use std::hash::{Hash, Hasher};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::calls::{CallChecks, Offered, prompt_tools, tool_calls};
 use crate::chat::strip_thinking;
-use crate::data::conversation::{Conversation, Message, Role, ToolCall};
+use crate::data::conversation::{Conversation, Message, Role};
 use crate::eval::parse::{ScorerVersion, parse_response_object};
 
 /// Count, mean and nearest-rank percentiles (the smallest value with at least p % of values at or below it).
@@ -139,117 +140,9 @@ pub struct ToolFigures {
     pub tool_calls: u64,
     pub calls_per_conversation: Distribution,
     pub top_tools: Vec<(String, u64)>,
-    /// The trained turns' structured calls checked against the schemas their conversation offers.
+    /// The trained turns' calls checked against the schemas their conversation offers.
     #[serde(default)]
     pub checks: CallChecks,
-}
-
-/// How the structured calls of trained turns agree with the function schemas offered in their conversation
-/// (text-format calls, ReAct or Hermes, name tools the prompt describes in prose: they are not checked).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct CallChecks {
-    /// Structured calls in trained turns.
-    pub calls: u64,
-    /// Of them, calls in a conversation that offers no tools: the prompt never shows what they call.
-    pub no_tools_offered: u64,
-    /// Calls with any of the problems below (a call may have several).
-    pub off_schema: u64,
-    /// Calls to a function the conversation does not offer.
-    pub unoffered: u64,
-    /// Calls passing an argument the function's schema does not declare (`parameters.properties`).
-    pub undeclared_arguments: u64,
-    /// Calls leaving out an argument the schema requires.
-    pub missing_required: u64,
-    /// Calls passing null for an argument.
-    pub null_arguments: u64,
-    /// Calls passing null for an argument the schema does not declare: the mark of a parquet union's keys
-    /// written out as JSON (a `datasets` export to JSON lines), which trains calls with other tools' names.
-    pub undeclared_nulls: u64,
-    /// The first calls off their schema, as `conversation id: function: what is wrong`.
-    pub examples: Vec<String>,
-}
-
-/// How many calls off their schema `CallChecks::examples` keeps.
-const CALL_EXAMPLES: usize = 5;
-
-impl CallChecks {
-    pub fn add(&mut self, other: CallChecks) {
-        self.calls += other.calls;
-        self.no_tools_offered += other.no_tools_offered;
-        self.off_schema += other.off_schema;
-        self.unoffered += other.unoffered;
-        self.undeclared_arguments += other.undeclared_arguments;
-        self.missing_required += other.missing_required;
-        self.null_arguments += other.null_arguments;
-        self.undeclared_nulls += other.undeclared_nulls;
-        let room = CALL_EXAMPLES.saturating_sub(self.examples.len());
-        self.examples.extend(other.examples.into_iter().take(room));
-    }
-
-    /// Checks one call against the functions `offered` (name → its `parameters` schema, or null).
-    fn check(&mut self, conversation: &str, call: &ToolCall, offered: &HashMap<&str, &Value>) {
-        self.calls += 1;
-        if offered.is_empty() {
-            self.no_tools_offered += 1;
-            return;
-        }
-        let name = call.function.name.as_str();
-        let args = &call.function.arguments;
-        let Some(parameters) = offered.get(name) else {
-            self.unoffered += 1;
-            self.off_schema += 1;
-            self.example(conversation, name, "not offered");
-            return;
-        };
-        // A schema that lists its properties declares them all, unless it admits others.
-        let declared = parameters
-            .get("properties")
-            .and_then(Value::as_object)
-            .filter(|_| parameters.get("additionalProperties").is_none_or(|extra| extra == &Value::Bool(false)));
-        // A property whose schema is null is no schema: a parquet union's key written out, as in the calls.
-        let undeclared: Vec<&String> = declared
-            .map(|d| args.keys().filter(|k| d.get(*k).is_none_or(Value::is_null)).collect())
-            .unwrap_or_default();
-        let nulls: Vec<&String> = args.iter().filter(|(_, v)| v.is_null()).map(|(k, _)| k).collect();
-        let required: Vec<&str> = parameters
-            .get("required")
-            .and_then(Value::as_array)
-            .map(|r| r.iter().filter_map(Value::as_str).filter(|k| !args.contains_key(*k)).collect())
-            .unwrap_or_default();
-        self.undeclared_arguments += u64::from(!undeclared.is_empty());
-        self.missing_required += u64::from(!required.is_empty());
-        self.null_arguments += u64::from(!nulls.is_empty());
-        self.undeclared_nulls += u64::from(undeclared.iter().any(|k| args[k.as_str()].is_null()));
-        let mut problems = Vec::new();
-        if let Some(k) = undeclared.first() {
-            problems.push(format!("{k}: not in its schema"));
-        }
-        if let Some(k) = required.first() {
-            problems.push(format!("{k}: required, left out"));
-        }
-        if let Some(k) = nulls.first() {
-            problems.push(format!("{k}: null"));
-        }
-        if !problems.is_empty() {
-            self.off_schema += 1;
-            self.example(conversation, name, &problems.join("; "));
-        }
-    }
-
-    fn example(&mut self, conversation: &str, function: &str, what: &str) {
-        if self.examples.len() < CALL_EXAMPLES {
-            self.examples.push(format!("{conversation}: {function}: {what}"));
-        }
-    }
-}
-
-/// The functions a conversation offers: name → its `parameters` schema (null where it has none).
-fn offered_functions(tools: &[Value]) -> HashMap<&str, &Value> {
-    tools
-        .iter()
-        .filter_map(|t| t.get("function"))
-        .filter_map(|f| Some((f.get("name")?.as_str()?, f.get("parameters").unwrap_or(&Value::Null))))
-        .collect()
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -411,83 +304,6 @@ pub fn check_action(reply: &str) -> ActionCheck {
     }
 }
 
-/// Names of the tools an assistant turn calls, in the formats of the public tool-use sets: ReAct
-/// (`Action: name`), Hermes / Qwen (`<tool_call>{"name": …}</tool_call>`) and LFM
-/// (`<|tool_call_start|>[name(…), …]<|tool_call_end|>`).
-pub fn tool_calls(text: &str) -> Vec<String> {
-    let mut names = Vec::new();
-    for line in text.lines() {
-        if let Some(rest) = line.trim_start().strip_prefix("Action:") {
-            let name = rest.trim();
-            if !name.is_empty() {
-                names.push(name.to_string());
-            }
-        }
-    }
-    for body in between(text, "<tool_call>", "</tool_call>") {
-        if let Some(name) = serde_json::from_str::<Value>(body.trim()).ok().as_ref().and_then(|v| v.get("name")) {
-            names.push(name.as_str().map_or_else(|| name.to_string(), str::to_string));
-        }
-    }
-    for body in between(text, "<|tool_call_start|>", "<|tool_call_end|>") {
-        match serde_json::from_str::<Value>(body.trim()) {
-            Ok(Value::Array(calls)) => {
-                names.extend(calls.iter().filter_map(|c| c.get("name").and_then(Value::as_str)).map(str::to_string))
-            }
-            _ => names.extend(pythonic_call_names(body)),
-        }
-    }
-    names
-}
-
-fn between<'a>(text: &'a str, open: &str, close: &str) -> Vec<&'a str> {
-    let mut out = Vec::new();
-    let mut rest = text;
-    while let Some(start) = rest.find(open) {
-        let after = &rest[start + open.len()..];
-        let Some(end) = after.find(close) else { break };
-        out.push(&after[..end]);
-        rest = &after[end + close.len()..];
-    }
-    out
-}
-
-/// Function names of a pythonic call list `[a(x=1), b(y="(")]`: identifiers followed by `(` at the top level.
-fn pythonic_call_names(body: &str) -> Vec<String> {
-    let mut names = Vec::new();
-    let (mut depth, mut quote, mut escaped) = (0i32, None::<char>, false);
-    let mut ident = String::new();
-    for c in body.chars() {
-        if let Some(q) = quote {
-            if escaped {
-                escaped = false;
-            } else if c == '\\' {
-                escaped = true;
-            } else if c == q {
-                quote = None;
-            }
-            continue;
-        }
-        match c {
-            '"' | '\'' => quote = Some(c),
-            '(' => {
-                if depth == 0 && !ident.is_empty() {
-                    names.push(std::mem::take(&mut ident));
-                }
-                depth += 1;
-            }
-            ')' => depth -= 1,
-            c if depth == 0 && (c.is_alphanumeric() || c == '_' || c == '.') => {
-                ident.push(c);
-                continue;
-            }
-            _ => {}
-        }
-        ident.clear();
-    }
-    names
-}
-
 const SNIPPET_CHARS: usize = 120;
 
 pub fn observe(conv: &Conversation) -> ConversationObservation {
@@ -499,7 +315,12 @@ pub fn observe(conv: &Conversation) -> ConversationObservation {
         ..Default::default()
     };
     let tools = serde_json::to_string(&conv.tools).unwrap_or_default();
-    let offered = offered_functions(&conv.tools);
+    let listed = if conv.tools.is_empty() && kind == ConversationKind::ToolUse {
+        prompt_tools(&conv.messages)
+    } else {
+        Vec::new()
+    };
+    let offered = if conv.tools.is_empty() { Offered::new(&listed, true) } else { Offered::new(&conv.tools, false) };
     let targets: Vec<Cow<str>> = conv.messages.iter().map(target_text).collect();
     let mut key_parts = Vec::with_capacity(conv.messages.len() * 4 + 1);
     key_parts.push(tools.as_str());
@@ -521,10 +342,8 @@ pub fn observe(conv: &Conversation) -> ConversationObservation {
                     ConversationKind::Terminus => obs.actions.push(check_action(&strip_thinking(&m.content).0)),
                     ConversationKind::ToolUse => {
                         obs.tool_calls.extend(m.tool_calls.iter().map(|c| c.function.name.clone()));
-                        for call in &m.tool_calls {
-                            obs.call_checks.check(&conv.id, call, &offered);
-                        }
                         obs.tool_calls.extend(tool_calls(&m.content));
+                        obs.call_checks.check_turn(&conv.id, m, &offered);
                     }
                     ConversationKind::Other => {}
                 }
@@ -601,18 +420,6 @@ mod tests {
         let d = Distribution::of(&mut [7]);
         assert_eq!((d.p50, d.p99, d.max), (7, 7, 7));
         assert_eq!(Distribution::of(&mut []), Distribution::default());
-    }
-
-    #[test]
-    fn tool_calls_in_three_formats() {
-        assert_eq!(tool_calls("Thought: x\nAction: get_weather\nAction Input: {\"city\": \"Quito\"}"), ["get_weather"]);
-        assert_eq!(tool_calls("<tool_call>\n{\"name\": \"search\", \"arguments\": {}}\n</tool_call>"), ["search"]);
-        assert_eq!(
-            tool_calls("<|tool_call_start|>[find(q=\"a(b\"), mod.run(x=[1, 2])]<|tool_call_end|>done"),
-            ["find", "mod.run"]
-        );
-        assert_eq!(tool_calls("<|tool_call_start|>[{\"name\": \"f\", \"arguments\": {}}]<|tool_call_end|>"), ["f"]);
-        assert!(tool_calls("no calls here; Action Input: {}").is_empty());
     }
 
     #[test]
@@ -704,6 +511,45 @@ mod tests {
         history.messages.iter_mut().for_each(|m| m.train = false);
         history.messages.push(Message::new(Role::Assistant, "done"));
         assert_eq!(observe(&history).call_checks, CallChecks::default());
+    }
+
+    #[test]
+    fn toolbench_calls_are_checked_against_the_apis_its_prompt_lists() {
+        let system = "You are AutoGPT...\nSpecifically, you have access to the following APIs: [{'name': 'search_for_books', 'description': 'This is the subfunction for tool \"books\".', 'parameters': {'type': 'object', 'properties': {'author': {'type': 'string', 'example_value': 'Calvino'}}, 'required': ['author'], 'optional': []}}, {'name': 'Finish', 'parameters': {'type': 'object', 'properties': {'return_type': {'type': 'string'}, 'final_answer': {'type': 'string'}}, 'required': ['return_type']}}]";
+        let conv = Conversation {
+            id: "tb".into(),
+            source: "toolbench".into(),
+            messages: vec![
+                Message::new(Role::System, system),
+                Message::new(Role::User, "Books by Calvino?"),
+                Message::new(
+                    Role::Assistant,
+                    "Thought: look up\nAction: search_for_books\nAction Input: {\n  \"author\": \"Calvino\"\n}",
+                ),
+                Message::new(Role::Tool, "{\"response\": [\"Invisible Cities\"]}"),
+                Message::new(
+                    Role::Assistant,
+                    "Thought: more\nAction: search_for_films\nAction Input: {\"author\": \"Calvino\"}",
+                ),
+                Message::new(Role::Tool, "{\"error\": \"no such function\"}"),
+                Message::new(
+                    Role::Assistant,
+                    "Thought: done\nAction: Finish\nAction Input: {\"final_answer\": \"Invisible Cities\"}",
+                ),
+            ],
+            tools: Vec::new(),
+            meta: Default::default(),
+        };
+        let obs = observe(&conv);
+        assert_eq!(obs.tool_calls, ["search_for_books", "search_for_films", "Finish"]);
+        let c = &obs.call_checks;
+        assert_eq!((c.calls, c.from_text, c.against_prompt_list, c.off_schema), (3, 3, 3, 2));
+        assert_eq!(c.examples, ["tb: search_for_films: not offered", "tb: Finish: return_type: required, left out"]);
+        // A conversation's own `tools` come first: the prompt's list is read only without them.
+        let mut structured = conv.clone();
+        structured.tools = vec![serde_json::json!({"type": "function", "function": {"name": "search_for_films"}})];
+        let c = observe(&structured).call_checks;
+        assert_eq!((c.against_prompt_list, c.unoffered), (0, 2));
     }
 
     #[test]

@@ -4,7 +4,8 @@
 use std::fmt::Write;
 
 use super::ReportError;
-use super::figures::{CallChecks, Distribution, Inspection, share};
+use super::calls::CallChecks;
+use super::figures::{Distribution, Inspection, share};
 use super::inspect::{InspectResult, Piece};
 use super::plots::histogram_svg;
 
@@ -74,7 +75,7 @@ pub fn key_figures(ins: &Inspection) -> Vec<(&'static str, String)> {
     }
     let checks = &ins.tools.checks;
     if checks.calls > 0 {
-        rows.push(("structured calls off their offered schema", count_share(checks.off_schema, checks.calls)));
+        rows.push(("tool calls off their offered schema", count_share(checks.off_schema, checks.calls)));
     }
     if let Some(v) = &ins.validation {
         rows.push((
@@ -384,14 +385,18 @@ fn call_checks(page: &mut Page, c: &CallChecks) {
         return;
     }
     page.p(&format!(
-        "The {} structured calls of trained turns, each against the function schemas its conversation offers (a call with several problems counts in each row):",
-        c.calls
+        "The {} calls of trained turns ({} structured, {} written in the text as ReAct, Hermes / Qwen or LFM calls), each against the function schemas its conversation offers: its tools, or the list its prompt prints ({} calls). A call with several problems counts in each row:",
+        c.calls,
+        c.calls - c.from_text,
+        c.from_text,
+        c.against_prompt_list
     ));
     let n = c.calls;
     page.pairs(&[
-        ("in conversations that offer no tools", count_share(c.no_tools_offered, n)),
+        ("in conversations offering no tools kiln can read", count_share(c.no_tools_offered, n)),
         ("off their schema", count_share(c.off_schema, n)),
         ("calling a function not offered", count_share(c.unoffered, n)),
+        ("with arguments that do not read as an object", count_share(c.unreadable, n)),
         ("passing an argument the schema does not declare", count_share(c.undeclared_arguments, n)),
         ("leaving out a required argument", count_share(c.missing_required, n)),
         ("passing null", count_share(c.null_arguments, n)),
