@@ -76,11 +76,12 @@ test:
 	$(CARGO) check --all-targets --features cuda
 
 # Benchmarks (figures go to docs/BENCHMARKS.md): prepare throughput, kiln vs transformers (terminal
-# trajectories, and function-calling rows); a training step,
+# trajectories, and function-calling rows); the report's checks of ToolBench-form calls; a training step,
 # kiln vs transformers + PyTorch on the same device (cuda shapes where a GPU is present, tiny ones on the CPU).
 bench: build
 	KILN=$(KILN) tests/bench/prepare.sh
 	KILN=$(KILN) tests/bench/function_calls.sh
+	KILN=$(KILN) tests/bench/toolbench_calls.sh
 	KILN=$(KILN) tests/bench/train.sh
 
 # The CUDA build packed for a GPU machine without a toolchain (tests/bench/gpu_session.sh unpacks it there):
