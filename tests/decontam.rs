@@ -70,6 +70,7 @@ fn drops_exactly_the_planted_overlaps() {
         weight: 1.0,
         license: None,
         schema: SchemaMapping { task: Some("task".into()), id: Some("trial_name".into()), ..Default::default() },
+        off_schema_calls: Default::default(),
     };
     let mut kept = Vec::new();
     let stats = ingest_source(&spec, &[path], Some(&index), None, 0, &ProgressBar::hidden(), &mut |c| {

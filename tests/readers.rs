@@ -22,6 +22,7 @@ fn source(format: Format, schema: SchemaMapping) -> SourceSpec {
         weight: 1.0,
         license: None,
         schema,
+        off_schema_calls: Default::default(),
     }
 }
 
@@ -216,6 +217,74 @@ fn json_arrays_stream_openbmb_rows_and_name_the_broken_element() {
     let cut = write(dir.path(), "cut.json", r#"[{"id": "a", "conversations": []}, {"id": "b", "conv"#);
     let err = run(&source(Format::Json, schema), &[cut]).unwrap_err().to_string();
     assert!(err.contains("cut.json: array element 1") && err.contains("end of file"), "{err}");
+}
+
+/// ToolBench-form rows: a system prompt printing its APIs as a Python list, ReAct calls.
+fn toolbench_rows(dir: &Path) -> PathBuf {
+    let system = "Specifically, you have access to the following APIs: [{'name': 'search_books', 'parameters': {'type': 'object', 'properties': {'author': {'type': 'string'}}, 'required': ['author']}}, {'name': 'Finish', 'parameters': {'type': 'object', 'properties': {'final_answer': {'type': 'string'}}, 'required': []}}]";
+    let call = |name: &str, input: &str| serde_json::json!({"from": "assistant", "value": format!("Thought: go\nAction: {name}\nAction Input: {input}")});
+    let result = serde_json::json!({"from": "function", "value": "{\"response\": \"ok\"}"});
+    let finish = call("Finish", "{\"final_answer\": \"done\"}");
+    let row = |id: &str, turns: Vec<serde_json::Value>| {
+        let head =
+            [serde_json::json!({"from": "system", "value": system}), serde_json::json!({"from": "user", "value": "q"})];
+        serde_json::json!({"id": id, "conversations": head.into_iter().chain(turns).collect::<Vec<_>>()})
+    };
+    let rows = serde_json::json!([
+        row("clean", vec![call("search_books", "{\"author\": \"Calvino\"}"), result.clone(), finish.clone()]),
+        // A call to a function the prompt does not list, then the corrected call.
+        row(
+            "corrected",
+            vec![
+                call("search_films", "{\"author\": \"Calvino\"}"),
+                result.clone(),
+                call("search_books", "{\"author\": \"Calvino\"}"),
+                result.clone(),
+                finish
+            ]
+        ),
+        // The only trained turn passes a Python dict, not JSON.
+        row("unreadable", vec![call("search_books", "{'author': 'Calvino'}")]),
+    ]);
+    write(dir, "toolbench.json", &rows.to_string())
+}
+
+#[test]
+fn calls_off_their_schema_are_kept_as_history_or_dropped_as_the_source_asks() {
+    use kiln::data::recipe::OffSchemaCalls;
+    let dir = tempfile::tempdir().unwrap();
+    let path = toolbench_rows(dir.path());
+    let schema =
+        SchemaMapping { role: "from".into(), content: "value".into(), id: Some("id".into()), ..Default::default() };
+    let with = |policy| SourceSpec { off_schema_calls: policy, ..source(Format::Json, schema.clone()) };
+    let trained = |c: &Conversation| c.messages.iter().map(|m| m.is_trained_turn()).collect::<Vec<_>>();
+
+    let (stats, kept) = run(&with(OffSchemaCalls::Keep), std::slice::from_ref(&path)).unwrap();
+    assert_eq!((stats.kept, stats.turns_off_schema_untrained), (3, 0));
+    assert!(stats.dropped.is_empty());
+
+    let (stats, history) = run(&with(OffSchemaCalls::History), std::slice::from_ref(&path)).unwrap();
+    assert_eq!((stats.kept, stats.turns_off_schema_untrained), (2, 1));
+    assert_eq!(stats.dropped["calls_off_schema"], 1, "no trained turn is left of 'unreadable'");
+    assert_eq!(history[0], kept[0]);
+    assert_eq!(trained(&history[1]), [false, false, false, false, true, false, true], "only the stray call is history");
+    assert_eq!(
+        history[1].messages,
+        kept[1]
+            .messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let mut m = m.clone();
+                m.train &= i != 2;
+                m
+            })
+            .collect::<Vec<_>>()
+    );
+
+    let (stats, dropped) = run(&with(OffSchemaCalls::Drop), &[path]).unwrap();
+    assert_eq!((stats.kept, stats.dropped["calls_off_schema"]), (1, 2));
+    assert_eq!(dropped[0].id, "clean");
 }
 
 #[test]

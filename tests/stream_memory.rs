@@ -60,6 +60,7 @@ fn a_300_mb_json_array_streams_in_bounded_memory() {
             id: Some("id".into()),
             ..Default::default()
         },
+        off_schema_calls: Default::default(),
     };
     let mut seen = 0u64;
     let stats = ingest_source(&spec, &[path], None, None, 0, &ProgressBar::hidden(), &mut |_| {

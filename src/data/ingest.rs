@@ -10,14 +10,42 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::DataError;
+use super::calls::turns_off_schema;
 use super::conversation::Conversation;
 use super::decontam::{DecontamStats, EvalIndex};
 use super::readers::{Location, for_each_row, local_files};
-use super::recipe::{Recipe, SourceSpec};
+use super::recipe::{OffSchemaCalls, Recipe, SourceSpec};
 use crate::hub::{Hub, PulledRepo};
 
 /// The drop reason of a conversation seen before in the same ingest (with dedupe on).
 pub const DUPLICATE: &str = "duplicate";
+
+/// The drop reason of a conversation whose calls leave their schema, under `off_schema_calls = "drop"`, or
+/// under `"history"` when no trained turn is left.
+pub const CALLS_OFF_SCHEMA: &str = "calls_off_schema";
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// `conv` under the source's `off_schema_calls`, with how many turns it made history only; `None` when the
+/// conversation is to be dropped.
+fn apply_call_policy(mut conv: Conversation, policy: OffSchemaCalls) -> Option<(Conversation, u64)> {
+    if policy == OffSchemaCalls::Keep {
+        return Some((conv, 0));
+    }
+    let faulted = turns_off_schema(&conv);
+    if faulted.is_empty() {
+        return Some((conv, 0));
+    }
+    if policy == OffSchemaCalls::Drop {
+        return None;
+    }
+    for &i in &faulted {
+        conv.messages[i].train = false;
+    }
+    conv.messages.iter().any(|m| m.is_trained_turn()).then_some((conv, faulted.len() as u64))
+}
 
 #[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SourceStats {
@@ -27,8 +55,12 @@ pub struct SourceStats {
     /// Rows that normalized cleanly and were not contaminated (before the cap and weight).
     pub kept: u64,
     /// Dropped rows by reason (missing_column, unknown_role, non_string_content, empty_conversation,
-    /// no_assistant_turn, bad_tool_call, bad_tools, bad_train_flag, duplicate).
+    /// no_assistant_turn, bad_tool_call, bad_tools, bad_train_flag, calls_off_schema, duplicate).
     pub dropped: BTreeMap<String, u64>,
+    /// Assistant turns kept as history only because a call of theirs left its schema
+    /// (`off_schema_calls = "history"`), in the conversations kept.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub turns_off_schema_untrained: u64,
     pub decontamination: DecontamStats,
     /// True when `max_rows` stopped the read early.
     pub capped: bool,
@@ -219,6 +251,13 @@ pub fn ingest_source(
                 stats.decontamination.record(&hit);
                 return ControlFlow::Continue(());
             }
+            let (conv, untrained) = match apply_call_policy(conv, spec.off_schema_calls) {
+                Some(kept) => kept,
+                None => {
+                    *stats.dropped.entry(CALLS_OFF_SCHEMA.to_string()).or_default() += 1;
+                    return ControlFlow::Continue(());
+                }
+            };
             if let Some(d) = dedupe.as_deref_mut()
                 && !d.first_time(&conv)
             {
@@ -230,6 +269,7 @@ pub fn ingest_source(
                 return ControlFlow::Break(());
             }
             stats.kept += 1;
+            stats.turns_off_schema_untrained += untrained;
             for k in 0..copies(spec.weight, &conv.id, seed) {
                 let mut copy = conv.clone();
                 if k > 0 {

@@ -1,7 +1,9 @@
 //! The data path up to normalized conversations: dataset recipes, streaming readers (parquet, JSONL, JSON
-//! arrays), schema normalization, decontamination against the eval set, and the ingest that ties them.
+//! arrays), schema normalization, tool calls judged against their offered schemas, decontamination against
+//! the eval set, and the ingest that ties them.
 
 pub mod arrow_json;
+pub mod calls;
 pub mod conversation;
 pub mod decontam;
 pub mod ingest;

@@ -47,10 +47,31 @@ pub struct SourceSpec {
     pub license: Option<String>,
     #[serde(default)]
     pub schema: SchemaMapping,
+    /// Trained assistant turns with a call off the schema its conversation offers (a function not offered,
+    /// arguments that do not read as an object, an undeclared or null argument, a required one left out):
+    /// `keep` (the default), keep as `history` (in the context, not trained on), or `drop` the conversation.
+    #[serde(default, skip_serializing_if = "OffSchemaCalls::is_keep")]
+    pub off_schema_calls: OffSchemaCalls,
 }
 
 fn one() -> f64 {
     1.0
+}
+
+/// What ingest does with trained turns whose calls leave their offered schema (`data::calls`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OffSchemaCalls {
+    #[default]
+    Keep,
+    History,
+    Drop,
+}
+
+impl OffSchemaCalls {
+    fn is_keep(&self) -> bool {
+        *self == OffSchemaCalls::Keep
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -224,6 +245,7 @@ content = "value"
         assert_eq!(r.sources[0].schema.messages, "conversations");
         assert_eq!(r.sources[1].schema.role, "from");
         assert_eq!(r.sources[1].weight, 0.5);
+        assert_eq!(r.sources[1].off_schema_calls, OffSchemaCalls::Keep);
         assert!(r.select(&["nope".into()]).unwrap_err().to_string().contains("terminal, tools"));
     }
 
@@ -235,5 +257,11 @@ content = "value"
         assert!(typo.unwrap_err().to_string().contains("max_row"));
         let weight = parse("name='x'\n[[source]]\nname='a'\nformat='jsonl'\npath='a'\nweight=-1.0\n");
         assert!(weight.unwrap_err().to_string().contains("weight"));
+        let policy = |value: &str| {
+            parse(&format!("name='x'\n[[source]]\nname='a'\nformat='jsonl'\npath='a'\noff_schema_calls='{value}'\n"))
+        };
+        assert_eq!(policy("history").unwrap().sources[0].off_schema_calls, OffSchemaCalls::History);
+        let err = policy("skip").unwrap_err().to_string();
+        assert!(err.contains("skip") && err.contains("`keep`, `history`, `drop`"), "{err}");
     }
 }

@@ -10,8 +10,8 @@ use std::hash::{Hash, Hasher};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::calls::{CallChecks, Offered, prompt_tools, tool_calls};
 use crate::chat::strip_thinking;
+use crate::data::calls::{Offered, judge_turn, tool_calls};
 use crate::data::conversation::{Conversation, Message, Role};
 use crate::eval::parse::{ScorerVersion, parse_response_object};
 
@@ -60,6 +60,9 @@ pub struct SourceFigures {
     pub eval_tasks_hit: BTreeMap<String, u64>,
     pub weight: f64,
     pub emitted: u64,
+    /// Assistant turns ingest kept as history only for a call off its schema (`off_schema_calls`).
+    #[serde(default)]
+    pub turns_off_schema_untrained: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -143,6 +146,86 @@ pub struct ToolFigures {
     /// The trained turns' calls checked against the schemas their conversation offers.
     #[serde(default)]
     pub checks: CallChecks,
+}
+
+/// How the calls of trained turns agree with the function schemas offered in their conversation.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CallChecks {
+    /// Calls in trained turns, structured or written in the text.
+    pub calls: u64,
+    /// Of them, calls written in the turn's text (ReAct, Hermes / Qwen, LFM forms).
+    pub from_text: u64,
+    /// Of them, calls checked against functions read from a list in the prompt rather than `tools`.
+    pub against_prompt_list: u64,
+    /// Of them, calls in a conversation that offers no tools kiln can read (no `tools`, no list in the prompt).
+    pub no_tools_offered: u64,
+    /// Calls with any of the problems below (a call may have several).
+    pub off_schema: u64,
+    /// Calls to a function the conversation does not offer.
+    pub unoffered: u64,
+    /// Calls whose arguments do not read as an object (ReAct's `Action Input` not JSON, say), or call tags
+    /// with no readable call in them.
+    pub unreadable: u64,
+    /// Calls passing an argument the function's schema does not declare (`parameters.properties`).
+    pub undeclared_arguments: u64,
+    /// Calls leaving out an argument the schema requires.
+    pub missing_required: u64,
+    /// Calls passing null for an argument.
+    pub null_arguments: u64,
+    /// Calls passing null for an argument the schema does not declare: the mark of a parquet union's keys
+    /// written out as JSON (a `datasets` export to JSON lines), which trains calls with other tools' names.
+    pub undeclared_nulls: u64,
+    /// The first calls off their schema, as `conversation id: function: what is wrong`.
+    pub examples: Vec<String>,
+}
+
+/// How many calls off their schema `CallChecks::examples` keeps.
+const CALL_EXAMPLES: usize = 5;
+
+impl CallChecks {
+    pub fn add(&mut self, other: CallChecks) {
+        self.calls += other.calls;
+        self.from_text += other.from_text;
+        self.against_prompt_list += other.against_prompt_list;
+        self.no_tools_offered += other.no_tools_offered;
+        self.off_schema += other.off_schema;
+        self.unoffered += other.unoffered;
+        self.unreadable += other.unreadable;
+        self.undeclared_arguments += other.undeclared_arguments;
+        self.missing_required += other.missing_required;
+        self.null_arguments += other.null_arguments;
+        self.undeclared_nulls += other.undeclared_nulls;
+        let room = CALL_EXAMPLES.saturating_sub(self.examples.len());
+        self.examples.extend(other.examples.into_iter().take(room));
+    }
+
+    /// Counts the verdicts on one trained turn's calls, structured and written, against `offered`.
+    pub fn check_turn(&mut self, conversation: &str, turn: &Message, offered: &Offered) {
+        for verdict in judge_turn(turn, offered) {
+            self.calls += 1;
+            self.from_text += u64::from(verdict.from_text);
+            let Some(problems) = verdict.problems else {
+                self.no_tools_offered += 1;
+                continue;
+            };
+            self.against_prompt_list += u64::from(offered.in_prompt);
+            if problems.is_empty() {
+                continue;
+            }
+            self.off_schema += 1;
+            self.unoffered += u64::from(problems.unoffered);
+            self.unreadable += u64::from(problems.unreadable.is_some());
+            self.undeclared_arguments += u64::from(!problems.undeclared.is_empty());
+            self.missing_required += u64::from(!problems.missing_required.is_empty());
+            self.null_arguments += u64::from(!problems.nulls.is_empty());
+            self.undeclared_nulls += u64::from(problems.undeclared_null);
+            if self.examples.len() < CALL_EXAMPLES {
+                let name = if verdict.name.is_empty() { "(no name)" } else { verdict.name.as_str() };
+                self.examples.push(format!("{conversation}: {name}: {}", problems.describe()));
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -315,12 +398,7 @@ pub fn observe(conv: &Conversation) -> ConversationObservation {
         ..Default::default()
     };
     let tools = serde_json::to_string(&conv.tools).unwrap_or_default();
-    let listed = if conv.tools.is_empty() && kind == ConversationKind::ToolUse {
-        prompt_tools(&conv.messages)
-    } else {
-        Vec::new()
-    };
-    let offered = if conv.tools.is_empty() { Offered::new(&listed, true) } else { Offered::new(&conv.tools, false) };
+    let offered = if kind == ConversationKind::ToolUse { Offered::of(conv) } else { Offered::default() };
     let targets: Vec<Cow<str>> = conv.messages.iter().map(target_text).collect();
     let mut key_parts = Vec::with_capacity(conv.messages.len() * 4 + 1);
     key_parts.push(tools.as_str());

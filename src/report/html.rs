@@ -4,8 +4,7 @@
 use std::fmt::Write;
 
 use super::ReportError;
-use super::calls::CallChecks;
-use super::figures::{Distribution, Inspection, share};
+use super::figures::{CallChecks, Distribution, Inspection, share};
 use super::inspect::{InspectResult, Piece};
 use super::plots::histogram_svg;
 
@@ -316,6 +315,18 @@ fn sources_section(page: &mut Page, ins: &Inspection) {
         })
         .collect();
     page.table(&["recipe", "source", "rows read", "kept", "dropped", "eval overlap", "weight", "emitted"], &rows);
+    let untrained: Vec<String> = ins
+        .sources
+        .iter()
+        .filter(|s| s.turns_off_schema_untrained > 0)
+        .map(|s| format!("{} {}", s.name, s.turns_off_schema_untrained))
+        .collect();
+    if !untrained.is_empty() {
+        page.p(&format!(
+            "Assistant turns kept as history only, not trained on, because a call of theirs left its schema (`off_schema_calls = \"history\"`): {}.",
+            untrained.join(", ")
+        ));
+    }
     let sets = if ins.eval_sets.is_empty() { "none".to_string() } else { ins.eval_sets.join(", ") };
     page.p(&format!("Decontaminated against: {sets}."));
     let mut hits: Vec<(String, u64)> = Vec::new();

@@ -159,6 +159,7 @@ fn source_figures(ins: &mut Inspection, ingests: &[IngestStats]) {
             eval_tasks_hit: s.decontamination.eval_tasks_hit.clone(),
             weight: s.weight,
             emitted: s.emitted,
+            turns_off_schema_untrained: s.turns_off_schema_untrained,
         }));
     }
 }

@@ -1,9 +1,7 @@
-//! Reports a person reads: the dataset inspection report (`inspect`: figures in `figures`, tool calls checked
-//! against their schemas in `calls`, page in `html`,
+//! Reports a person reads: the dataset inspection report (`inspect`: figures in `figures`, page in `html`,
 //! plots in `plots`) and, later in the pipeline, the model card. Reports only read what the other stages
 //! wrote; nothing here feeds back into training.
 
-pub mod calls;
 pub mod card;
 pub mod figures;
 pub mod html;

@@ -32,13 +32,14 @@ FINISH = {"name": "Finish", "description": "If you believe that you have obtaine
           "parameters": {"type": "object", "properties": {"return_type": {"type": "string", "enum": ["give_answer", "give_up_and_restart"]},
                                                           "final_answer": {"type": "string", "description": "The final answer you want to give the user."}},
                          "required": ["return_type"]}}
-planted = {"calls": 0, "bad_json": 0, "unoffered": 0, "missing_required": 0, "undeclared": 0}
+planted = {"calls": 0, "bad_json": 0, "unoffered": 0, "missing_required": 0, "undeclared": 0, "flawed_conversations": 0}
 convs = []
 for i in range(rows):
     apis = [api(i * 10 + k) for k in range(rng.randint(2, 6))]
     system = ("You are AutoGPT, you can use many tools(functions) to do the following task.\nAt each step, you need to give your thought to analyze the status now and what to do next, with a function call to actually excute your step.\nYour output should follow this format:\nThought:\nAction:\nAction Input:\n\n"
               "Specifically, you have access to the following APIs: " + str(apis + [FINISH]))
     msgs = [{"from": "system", "value": system}, {"from": "user", "value": f"Task {i}: find what the {apis[0]['name']} API knows.\nBegin!\n"}]
+    flawed = False
     for step in range(rng.randint(1, 3)):
         a = rng.choice(apis)
         args = {p: f"{p} {i}" for p in a["parameters"]["required"]}
@@ -53,10 +54,12 @@ for i in range(rows):
         planted["calls"] += 1
         if flaw:
             planted[flaw] += 1
+            flawed = True
         msgs.append({"from": "assistant", "value": f"\nThought: I should call {name} for step {step}.\nAction: {name}\nAction Input: {text}"})
         msgs.append({"from": "function", "value": json.dumps({"error": "", "response": f"result {i}.{step}"})})
     planted["calls"] += 1
     msgs.append({"from": "assistant", "value": "\nThought: I have the answer.\nAction: Finish\nAction Input: " + json.dumps({"return_type": "give_answer", "final_answer": f"Answer {i}."}, indent=2)})
+    planted["flawed_conversations"] += flawed
     convs.append({"id": f"Step {i}", "conversations": msgs})
 json.dump(convs, open(out, "w"))
 json.dump(planted, open(planted_out, "w"))
@@ -82,5 +85,30 @@ if "from_text" in c:
     found = (c["calls"], c["off_schema"], c["unoffered"], c["unreadable"], c["missing_required"], c["undeclared_arguments"])
     want = (p["calls"], flaws, p["unoffered"], p["bad_json"], p["missing_required"], p["undeclared"])
     assert found == want, f"the report found {found}, the generator planted {want}"
+PY
+done
+
+# The source's `off_schema_calls`: the faulted turns kept as history (each flawed call is a turn of its own,
+# and every conversation ends with a sound Finish, so none is left without a trained turn), or the
+# conversations with one dropped. Either way the report then finds no trained call off its schema.
+printf '\n| off_schema_calls | conversations kept | dropped | turns made history | samples | supervised tokens | calls off schema in the report |\n|---|---|---|---|---|---|---|\n'
+for policy in keep history drop; do
+    sed "s/^\[source.schema\]/off_schema_calls = \"$policy\"\n[source.schema]/" "$WORK/toolbench.toml" > "$WORK/toolbench-$policy.toml"
+    "$KILN" --quiet ingest --dataset "$WORK/toolbench-$policy.toml" --out "$WORK/$policy/data" 2>/dev/null
+    "$KILN" --quiet prepare --model "$WORK/model" --data "$WORK/$policy/data/conversations.jsonl" --out "$WORK/$policy/data" \
+        --mode per-turn --thinking keep --seq-len 65536 --layout bucketed --validation-share 0 --date 2026-01-01 2>/dev/null
+    "$KILN" --quiet inspect --run "$WORK/$policy" >/dev/null 2>&1
+    python3 - "$WORK" "$policy" <<'PY'
+import json, sys
+work, policy = sys.argv[1], sys.argv[2]
+p = json.load(open(f"{work}/planted.json"))
+src = json.load(open(f"{work}/{policy}/data/ingest.json"))[0]["sources"][0]
+s = json.load(open(f"{work}/{policy}/data/stats.json"))
+c = json.load(open(f"{work}/{policy}/report/summary.json"))["tools"]["checks"]
+untrained, dropped = src.get("turns_off_schema_untrained", 0), src["dropped"].get("calls_off_schema", 0)
+print(f"| {policy} | {src['kept']} | {dropped} | {untrained} | {s['samples']} | {s['supervised_tokens']} | {c['off_schema']} |")
+flaws = p["bad_json"] + p["unoffered"] + p["missing_required"] + p["undeclared"]
+want = {"keep": (0, 0, flaws), "history": (0, flaws, 0), "drop": (p["flawed_conversations"], 0, 0)}[policy]
+assert (dropped, untrained, c["off_schema"]) == want, f"{policy}: {(dropped, untrained, c['off_schema'])} != {want}"
 PY
 done

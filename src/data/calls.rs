@@ -3,15 +3,15 @@
 //! Hermes / Qwen (`<tool_call>` with JSON, or Qwen3.5's `<function=…>` parameters) and LFM
 //! (`<|tool_call_start|>[name(arg=…)]<|tool_call_end|>`). Functions are offered as a conversation's `tools`,
 //! or in a list its prompt prints (Hermes' `<tools>`, LFM's tool list, ToolBench's Python list of APIs).
-//! `CallChecks` holds each trained call against the schema offered for it.
+//! Each call is judged against the schema offered for it: the inspection report counts the verdicts, and a
+//! source's `off_schema_calls` keeps the turns they fault as history, or drops their conversations.
 
 use std::collections::HashMap;
 
-use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use super::{Conversation, Message, Role};
 use crate::chat::python::literal_eval;
-use crate::data::{Message, Role};
 
 /// A call written in a turn's text: the function's name (empty when the call's text names none) and its
 /// arguments, or why they do not read as an object.
@@ -290,7 +290,7 @@ fn literals(text: &str) -> Vec<Value> {
 }
 
 /// The functions listed in a conversation's prompt: its system messages', or else its first user message's.
-pub fn prompt_tools(messages: &[Message]) -> Vec<Value> {
+fn prompt_tools(messages: &[Message]) -> Vec<Value> {
     let system =
         messages.iter().filter(|m| m.role == Role::System).map(|m| listed_tools(&m.content)).find(|t| !t.is_empty());
     system
@@ -299,148 +299,141 @@ pub fn prompt_tools(messages: &[Message]) -> Vec<Value> {
 }
 
 /// The functions a conversation offers, by name, and where they were read.
-pub struct Offered<'a> {
-    functions: HashMap<&'a str, &'a Value>,
-    in_prompt: bool,
+#[derive(Debug, Clone, Default)]
+pub struct Offered {
+    functions: HashMap<String, Value>,
+    /// Read from a list its prompt prints, the conversation having no `tools`.
+    pub in_prompt: bool,
 }
 
-impl<'a> Offered<'a> {
-    /// `tools`: the conversation's own when it has any, else those listed in its prompt (`in_prompt`).
-    pub fn new(tools: &'a [Value], in_prompt: bool) -> Offered<'a> {
-        Offered { functions: tools.iter().filter_map(function_of).collect(), in_prompt }
+impl Offered {
+    /// The conversation's own `tools` when it has any, else those its prompt lists.
+    pub fn of(conv: &Conversation) -> Offered {
+        let (tools, in_prompt) =
+            if conv.tools.is_empty() { (prompt_tools(&conv.messages), true) } else { (conv.tools.clone(), false) };
+        Offered::new(&tools, in_prompt)
+    }
+
+    pub fn new(tools: &[Value], in_prompt: bool) -> Offered {
+        let functions =
+            tools.iter().filter_map(function_of).map(|(name, params)| (name.to_string(), params.clone())).collect();
+        Offered { functions, in_prompt }
     }
 }
 
-/// How the calls of trained turns agree with the function schemas offered in their conversation.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct CallChecks {
-    /// Calls in trained turns, structured or written in the text.
-    pub calls: u64,
-    /// Of them, calls written in the turn's text (ReAct, Hermes / Qwen, LFM forms).
-    pub from_text: u64,
-    /// Of them, calls checked against functions read from a list in the prompt rather than `tools`.
-    pub against_prompt_list: u64,
-    /// Of them, calls in a conversation that offers no tools kiln can read (no `tools`, no list in the prompt).
-    pub no_tools_offered: u64,
-    /// Calls with any of the problems below (a call may have several).
-    pub off_schema: u64,
-    /// Calls to a function the conversation does not offer.
-    pub unoffered: u64,
-    /// Calls whose arguments do not read as an object (ReAct's `Action Input` not JSON, say), or call tags
-    /// with no readable call in them.
-    pub unreadable: u64,
-    /// Calls passing an argument the function's schema does not declare (`parameters.properties`).
-    pub undeclared_arguments: u64,
-    /// Calls leaving out an argument the schema requires.
-    pub missing_required: u64,
-    /// Calls passing null for an argument.
-    pub null_arguments: u64,
-    /// Calls passing null for an argument the schema does not declare: the mark of a parquet union's keys
-    /// written out as JSON (a `datasets` export to JSON lines), which trains calls with other tools' names.
-    pub undeclared_nulls: u64,
-    /// The first calls off their schema, as `conversation id: function: what is wrong`.
-    pub examples: Vec<String>,
+/// One call of a turn, judged against the functions its conversation offers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallVerdict {
+    /// The function's name; empty when the call's text names none.
+    pub name: String,
+    /// Written in the turn's text rather than structured.
+    pub from_text: bool,
+    /// `None` when the conversation offers no tools kiln can read: the call cannot be judged.
+    pub problems: Option<CallProblems>,
 }
 
-/// How many calls off their schema `CallChecks::examples` keeps.
-const CALL_EXAMPLES: usize = 5;
+/// How a call leaves the schema offered for it; empty when it keeps to it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CallProblems {
+    pub unoffered: bool,
+    /// Why the arguments do not read as an object.
+    pub unreadable: Option<String>,
+    /// Arguments the schema's `properties` does not declare.
+    pub undeclared: Vec<String>,
+    /// An undeclared argument is null: the mark of a parquet union's keys written out as JSON.
+    pub undeclared_null: bool,
+    /// Required arguments left out.
+    pub missing_required: Vec<String>,
+    /// Arguments passed as null.
+    pub nulls: Vec<String>,
+}
 
-impl CallChecks {
-    pub fn add(&mut self, other: CallChecks) {
-        self.calls += other.calls;
-        self.from_text += other.from_text;
-        self.against_prompt_list += other.against_prompt_list;
-        self.no_tools_offered += other.no_tools_offered;
-        self.off_schema += other.off_schema;
-        self.unoffered += other.unoffered;
-        self.unreadable += other.unreadable;
-        self.undeclared_arguments += other.undeclared_arguments;
-        self.missing_required += other.missing_required;
-        self.null_arguments += other.null_arguments;
-        self.undeclared_nulls += other.undeclared_nulls;
-        let room = CALL_EXAMPLES.saturating_sub(self.examples.len());
-        self.examples.extend(other.examples.into_iter().take(room));
+impl CallProblems {
+    pub fn is_empty(&self) -> bool {
+        *self == CallProblems::default()
     }
 
-    /// Checks one trained turn's calls, structured and written, against the functions `offered`.
-    pub fn check_turn(&mut self, conversation: &str, turn: &Message, offered: &Offered) {
-        for call in &turn.tool_calls {
-            self.check(conversation, &call.function.name, Ok(&call.function.arguments), offered);
+    /// The problems in words, the first of each kind: `town: not in its schema; city: required, left out`.
+    pub fn describe(&self) -> String {
+        let mut words = Vec::new();
+        if self.unoffered {
+            words.push("not offered".to_string());
         }
-        for call in text_calls(&turn.content) {
-            self.from_text += 1;
-            self.check(conversation, &call.name, call.arguments.as_ref().map_err(String::as_str), offered);
+        words.extend(self.unreadable.clone());
+        if let Some(k) = self.undeclared.first() {
+            words.push(format!("{k}: not in its schema"));
         }
+        if let Some(k) = self.missing_required.first() {
+            words.push(format!("{k}: required, left out"));
+        }
+        if let Some(k) = self.nulls.first() {
+            words.push(format!("{k}: null"));
+        }
+        words.join("; ")
     }
+}
 
-    fn check(&mut self, conversation: &str, name: &str, args: Result<&Map<String, Value>, &str>, offered: &Offered) {
-        self.calls += 1;
-        if offered.functions.is_empty() {
-            self.no_tools_offered += 1;
-            return;
-        }
-        self.against_prompt_list += u64::from(offered.in_prompt);
-        let mut problems = Vec::new();
-        let parameters = offered.functions.get(name);
-        if parameters.is_none() && !name.is_empty() {
-            self.unoffered += 1;
-            problems.push("not offered".to_string());
-        }
-        match (args, parameters) {
-            (Err(why), _) => {
-                self.unreadable += 1;
-                problems.push(why.to_string());
-            }
-            (Ok(args), Some(parameters)) => problems.extend(self.check_arguments(args, parameters)),
-            (Ok(_), None) => {}
-        }
-        if !problems.is_empty() {
-            self.off_schema += 1;
-            let shown = if name.is_empty() { "(no name)" } else { name };
-            self.example(conversation, shown, &problems.join("; "));
-        }
-    }
+/// Each call of `turn`, structured then written in its text, judged against `offered`.
+pub fn judge_turn(turn: &Message, offered: &Offered) -> Vec<CallVerdict> {
+    let structured = turn.tool_calls.iter().map(|c| {
+        let problems = judge(&c.function.name, Ok(&c.function.arguments), offered);
+        CallVerdict { name: c.function.name.clone(), from_text: false, problems }
+    });
+    let written = text_calls(&turn.content).into_iter().map(|c| {
+        let problems = judge(&c.name, c.arguments.as_ref().map_err(String::as_str), offered);
+        CallVerdict { name: c.name, from_text: true, problems }
+    });
+    structured.chain(written).collect()
+}
 
-    /// Counts the ways `args` leave the function's `parameters` schema, and returns them as words.
-    fn check_arguments(&mut self, args: &Map<String, Value>, parameters: &Value) -> Vec<String> {
-        // A schema that lists its properties declares them all, unless it admits others.
-        let declared = parameters
-            .get("properties")
-            .and_then(Value::as_object)
-            .filter(|_| parameters.get("additionalProperties").is_none_or(|extra| extra == &Value::Bool(false)));
-        // A property whose schema is null is no schema: a parquet union's key written out, as in the calls.
-        let undeclared: Vec<&String> = declared
-            .map(|d| args.keys().filter(|k| d.get(*k).is_none_or(Value::is_null)).collect())
-            .unwrap_or_default();
-        let nulls: Vec<&String> = args.iter().filter(|(_, v)| v.is_null()).map(|(k, _)| k).collect();
-        let required: Vec<&str> = parameters
-            .get("required")
-            .and_then(Value::as_array)
-            .map(|r| r.iter().filter_map(Value::as_str).filter(|k| !args.contains_key(*k)).collect())
-            .unwrap_or_default();
-        self.undeclared_arguments += u64::from(!undeclared.is_empty());
-        self.missing_required += u64::from(!required.is_empty());
-        self.null_arguments += u64::from(!nulls.is_empty());
-        self.undeclared_nulls += u64::from(undeclared.iter().any(|k| args[k.as_str()].is_null()));
-        let mut problems = Vec::new();
-        if let Some(k) = undeclared.first() {
-            problems.push(format!("{k}: not in its schema"));
-        }
-        if let Some(k) = required.first() {
-            problems.push(format!("{k}: required, left out"));
-        }
-        if let Some(k) = nulls.first() {
-            problems.push(format!("{k}: null"));
-        }
-        problems
+/// The trained assistant turns of `conv` with a call off the schema offered for it.
+pub fn turns_off_schema(conv: &Conversation) -> Vec<usize> {
+    let trained_with_calls =
+        |m: &Message| m.is_trained_turn() && (!m.tool_calls.is_empty() || !text_calls(&m.content).is_empty());
+    if !conv.messages.iter().any(trained_with_calls) {
+        return Vec::new();
     }
+    let offered = Offered::of(conv);
+    (0..conv.messages.len())
+        .filter(|&i| {
+            let m = &conv.messages[i];
+            m.is_trained_turn()
+                && judge_turn(m, &offered).iter().any(|v| v.problems.as_ref().is_some_and(|p| !p.is_empty()))
+        })
+        .collect()
+}
 
-    fn example(&mut self, conversation: &str, function: &str, what: &str) {
-        if self.examples.len() < CALL_EXAMPLES {
-            self.examples.push(format!("{conversation}: {function}: {what}"));
-        }
+fn judge(name: &str, args: Result<&Map<String, Value>, &str>, offered: &Offered) -> Option<CallProblems> {
+    if offered.functions.is_empty() {
+        return None;
     }
+    let parameters = offered.functions.get(name);
+    let mut problems = CallProblems { unoffered: parameters.is_none() && !name.is_empty(), ..Default::default() };
+    match (args, parameters) {
+        (Err(why), _) => problems.unreadable = Some(why.to_string()),
+        (Ok(args), Some(parameters)) => judge_arguments(args, parameters, &mut problems),
+        (Ok(_), None) => {}
+    }
+    Some(problems)
+}
+
+fn judge_arguments(args: &Map<String, Value>, parameters: &Value, problems: &mut CallProblems) {
+    // A schema that lists its properties declares them all, unless it admits others.
+    let declared = parameters
+        .get("properties")
+        .and_then(Value::as_object)
+        .filter(|_| parameters.get("additionalProperties").is_none_or(|extra| extra == &Value::Bool(false)));
+    // A property whose schema is null is no schema: a parquet union's key written out, as in the calls.
+    let undeclared: Vec<&String> =
+        declared.map(|d| args.keys().filter(|k| d.get(*k).is_none_or(Value::is_null)).collect()).unwrap_or_default();
+    problems.undeclared_null = undeclared.iter().any(|k| args[k.as_str()].is_null());
+    problems.undeclared = undeclared.into_iter().cloned().collect();
+    problems.nulls = args.iter().filter(|(_, v)| v.is_null()).map(|(k, _)| k.clone()).collect();
+    problems.missing_required = parameters
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|r| r.iter().filter_map(Value::as_str).filter(|k| !args.contains_key(*k)).map(str::to_string).collect())
+        .unwrap_or_default();
 }
 
 #[cfg(test)]
@@ -517,38 +510,44 @@ mod tests {
     }
 
     #[test]
-    fn written_calls_are_checked_against_the_prompts_list() {
-        let tools = listed_tools(
-            "[{'name': 'get_weather', 'parameters': {'type': 'object', 'properties': {'city': {'type': 'string'}}, 'required': ['city']}}]",
-        );
-        let offered = Offered::new(&tools, true);
+    fn calls_are_judged_against_the_prompts_list() {
+        let system = "[{'name': 'get_weather', 'parameters': {'type': 'object', 'properties': {'city': {'type': 'string'}}, 'required': ['city']}}]";
         let turn = Message::new(
             Role::Assistant,
-            "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"town\": \"Oslo\"}}</tool_call><tool_call>{}</tool_call>\nAction: get_weather\nAction Input: {\"city\": \"Oslo\"}\nAction: book\nAction Input: {\"a\": 1",
+            "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"town\": null}}</tool_call><tool_call>{}</tool_call>\nAction: get_weather\nAction Input: {\"city\": \"Oslo\"}\nAction: book\nAction Input: {\"a\": 1",
         );
-        let mut checks = CallChecks::default();
-        checks.check_turn("c", &turn, &offered);
-        let counts = (
-            checks.calls,
-            checks.from_text,
-            checks.against_prompt_list,
-            checks.off_schema,
-            checks.unoffered,
-            checks.unreadable,
-            checks.undeclared_arguments,
-            checks.missing_required,
-        );
-        assert_eq!(counts, (4, 4, 4, 3, 1, 2, 1, 1));
+        let conv = Conversation {
+            id: "c".into(),
+            source: "s".into(),
+            messages: vec![Message::new(Role::System, system), Message::new(Role::User, "go"), turn.clone()],
+            tools: Vec::new(),
+            meta: Default::default(),
+        };
+        let offered = Offered::of(&conv);
+        assert!(offered.in_prompt);
+        let verdicts = judge_turn(&turn, &offered);
+        let shown: Vec<(&str, bool, String)> = verdicts
+            .iter()
+            .map(|v| {
+                (v.name.as_str(), v.from_text, v.problems.as_ref().map(CallProblems::describe).unwrap_or_default())
+            })
+            .collect();
         assert_eq!(
-            checks.examples,
+            shown,
             [
-                "c: book: not offered; Action Input is not JSON",
-                "c: get_weather: town: not in its schema; city: required, left out",
-                "c: (no name): a call without a `name`",
+                ("get_weather", true, String::new()),
+                ("book", true, "not offered; Action Input is not JSON".into()),
+                ("get_weather", true, "town: not in its schema; city: required, left out; town: null".into()),
+                ("", true, "a call without a `name`".into()),
             ]
         );
-        let mut bare = CallChecks::default();
-        bare.check_turn("c", &turn, &Offered::new(&[], true));
-        assert_eq!((bare.calls, bare.no_tools_offered, bare.against_prompt_list, bare.off_schema), (4, 4, 0, 0));
+        assert!(verdicts[2].problems.as_ref().is_some_and(|p| p.undeclared_null));
+        assert_eq!(turns_off_schema(&conv), [2]);
+        // Nothing offered that kiln can read: the calls are not judged.
+        let bare = judge_turn(&turn, &Offered::new(&[], true));
+        assert!(bare.iter().all(|v| v.problems.is_none()));
+        let mut untrained = conv.clone();
+        untrained.messages[2].train = false;
+        assert!(turns_off_schema(&untrained).is_empty(), "history turns are not trained: not faulted");
     }
 }
