@@ -375,32 +375,43 @@ impl CallProblems {
 
 /// Each call of `turn`, structured then written in its text, judged against `offered`.
 pub fn judge_turn(turn: &Message, offered: &Offered) -> Vec<CallVerdict> {
-    let structured = turn.tool_calls.iter().map(|c| {
-        let problems = judge(&c.function.name, Ok(&c.function.arguments), offered);
-        CallVerdict { name: c.function.name.clone(), from_text: false, problems }
-    });
-    let written = text_calls(&turn.content).into_iter().map(|c| {
-        let problems = judge(&c.name, c.arguments.as_ref().map_err(String::as_str), offered);
-        CallVerdict { name: c.name, from_text: true, problems }
-    });
-    structured.chain(written).collect()
+    turn_calls(turn)
+        .into_iter()
+        .map(|(call, from_text)| {
+            let problems = judge(&call.name, call.arguments.as_ref().map_err(String::as_str), offered);
+            CallVerdict { name: call.name, from_text, problems }
+        })
+        .collect()
+}
+
+/// A turn's calls, structured then written in its text, each with whether it was written.
+fn turn_calls(turn: &Message) -> Vec<(TextCall, bool)> {
+    let structured = turn
+        .tool_calls
+        .iter()
+        .map(|c| (TextCall { name: c.function.name.clone(), arguments: Ok(c.function.arguments.clone()) }, false));
+    structured.chain(text_calls(&turn.content).into_iter().map(|c| (c, true))).collect()
 }
 
 /// The trained assistant turns of `conv` with a call off the schema offered for it.
 pub fn turns_off_schema(conv: &Conversation) -> Vec<usize> {
-    let trained_with_calls =
-        |m: &Message| m.is_trained_turn() && (!m.tool_calls.is_empty() || !text_calls(&m.content).is_empty());
-    if !conv.messages.iter().any(trained_with_calls) {
-        return Vec::new();
+    // The offered functions are read (a prompt's list parsed) only once a trained turn has calls.
+    let mut offered: Option<Offered> = None;
+    let mut faulted = Vec::new();
+    for (i, m) in conv.messages.iter().enumerate().filter(|(_, m)| m.is_trained_turn()) {
+        let calls = turn_calls(m);
+        if calls.is_empty() {
+            continue;
+        }
+        let offered = offered.get_or_insert_with(|| Offered::of(conv));
+        let off = |(call, _): &(TextCall, bool)| {
+            judge(&call.name, call.arguments.as_ref().map_err(String::as_str), offered).is_some_and(|p| !p.is_empty())
+        };
+        if calls.iter().any(off) {
+            faulted.push(i);
+        }
     }
-    let offered = Offered::of(conv);
-    (0..conv.messages.len())
-        .filter(|&i| {
-            let m = &conv.messages[i];
-            m.is_trained_turn()
-                && judge_turn(m, &offered).iter().any(|v| v.problems.as_ref().is_some_and(|p| !p.is_empty()))
-        })
-        .collect()
+    faulted
 }
 
 fn judge(name: &str, args: Result<&Map<String, Value>, &str>, offered: &Offered) -> Option<CallProblems> {

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::chat::strip_thinking;
-use crate::data::calls::{Offered, judge_turn, tool_calls};
+use crate::data::calls::{CallVerdict, Offered, judge_turn, tool_calls};
 use crate::data::conversation::{Conversation, Message, Role};
 use crate::eval::parse::{ScorerVersion, parse_response_object};
 
@@ -200,16 +200,17 @@ impl CallChecks {
         self.examples.extend(other.examples.into_iter().take(room));
     }
 
-    /// Counts the verdicts on one trained turn's calls, structured and written, against `offered`.
-    pub fn check_turn(&mut self, conversation: &str, turn: &Message, offered: &Offered) {
-        for verdict in judge_turn(turn, offered) {
+    /// Counts the verdicts on one trained turn's calls (`data::calls::judge_turn`), judged against a list in
+    /// the prompt when `in_prompt`.
+    pub fn count(&mut self, conversation: &str, verdicts: Vec<CallVerdict>, in_prompt: bool) {
+        for verdict in verdicts {
             self.calls += 1;
             self.from_text += u64::from(verdict.from_text);
             let Some(problems) = verdict.problems else {
                 self.no_tools_offered += 1;
                 continue;
             };
-            self.against_prompt_list += u64::from(offered.in_prompt);
+            self.against_prompt_list += u64::from(in_prompt);
             if problems.is_empty() {
                 continue;
             }
@@ -419,9 +420,9 @@ pub fn observe(conv: &Conversation) -> ConversationObservation {
                 match kind {
                     ConversationKind::Terminus => obs.actions.push(check_action(&strip_thinking(&m.content).0)),
                     ConversationKind::ToolUse => {
-                        obs.tool_calls.extend(m.tool_calls.iter().map(|c| c.function.name.clone()));
-                        obs.tool_calls.extend(tool_calls(&m.content));
-                        obs.call_checks.check_turn(&conv.id, m, &offered);
+                        let verdicts = judge_turn(m, &offered);
+                        obs.tool_calls.extend(verdicts.iter().filter(|v| !v.name.is_empty()).map(|v| v.name.clone()));
+                        obs.call_checks.count(&conv.id, verdicts, offered.in_prompt);
                     }
                     ConversationKind::Other => {}
                 }
