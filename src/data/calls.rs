@@ -309,9 +309,11 @@ pub struct Offered {
 impl Offered {
     /// The conversation's own `tools` when it has any, else those its prompt lists.
     pub fn of(conv: &Conversation) -> Offered {
-        let (tools, in_prompt) =
-            if conv.tools.is_empty() { (prompt_tools(&conv.messages), true) } else { (conv.tools.clone(), false) };
-        Offered::new(&tools, in_prompt)
+        if conv.tools.is_empty() {
+            Offered::new(&prompt_tools(&conv.messages), true)
+        } else {
+            Offered::new(&conv.tools, false)
+        }
     }
 
     pub fn new(tools: &[Value], in_prompt: bool) -> Offered {
@@ -378,7 +380,7 @@ pub fn judge_turn(turn: &Message, offered: &Offered) -> Vec<CallVerdict> {
     turn_calls(turn)
         .into_iter()
         .map(|(call, from_text)| {
-            let problems = judge(&call.name, call.arguments.as_ref().map_err(String::as_str), offered);
+            let problems = judge(&call, offered);
             CallVerdict { name: call.name, from_text, problems }
         })
         .collect()
@@ -404,9 +406,7 @@ pub fn turns_off_schema(conv: &Conversation) -> Vec<usize> {
             continue;
         }
         let offered = offered.get_or_insert_with(|| Offered::of(conv));
-        let off = |(call, _): &(TextCall, bool)| {
-            judge(&call.name, call.arguments.as_ref().map_err(String::as_str), offered).is_some_and(|p| !p.is_empty())
-        };
+        let off = |(call, _): &(TextCall, bool)| judge(call, offered).is_some_and(|p| !p.is_empty());
         if calls.iter().any(off) {
             faulted.push(i);
         }
@@ -414,7 +414,8 @@ pub fn turns_off_schema(conv: &Conversation) -> Vec<usize> {
     faulted
 }
 
-fn judge(name: &str, args: Result<&Map<String, Value>, &str>, offered: &Offered) -> Option<CallProblems> {
+fn judge(call: &TextCall, offered: &Offered) -> Option<CallProblems> {
+    let (name, args) = (call.name.as_str(), call.arguments.as_ref());
     if offered.functions.is_empty() {
         return None;
     }
