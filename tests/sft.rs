@@ -64,9 +64,42 @@ fn a_gemma4_model_runs_the_whole_pipeline() {
     assert_the_architecture_runs_the_whole_pipeline("tiny-gemma4", "fastgemma", "gemma4_text", "gemma4");
 }
 
+/// The same for LFM2-MoE (tiny-moe: dense layers, then MoE layers with the expert bias), whose routing load
+/// goes into every step's metrics, every validation point and the card.
+#[test]
+fn an_lfm2_moe_model_runs_the_whole_pipeline() {
+    let (_dir, run) = assert_the_architecture_runs_the_whole_pipeline("tiny-moe", "fastmoe", "lfm2_moe", "lfm2_moe");
+    let metrics = std::fs::read_to_string(run.join("train/metrics.jsonl")).unwrap();
+    for line in metrics.lines() {
+        let m: Value = serde_json::from_str(line).unwrap();
+        assert!(m["experts"]["max_vio"].as_f64().is_some_and(|v| (0.0..=7.0).contains(&v)), "{line}");
+    }
+    let validation = std::fs::read_to_string(run.join("train/validation.jsonl")).unwrap();
+    let layers: Vec<Vec<String>> = validation
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["expert_tokens"].as_object().unwrap().keys().cloned().collect()
+        })
+        .collect();
+    assert_eq!(layers.len(), 3, "base, epoch-1, epoch-2");
+    assert!(layers.iter().all(|l| l == &["2", "3", "4", "5"]), "{layers:?}");
+    let md = std::fs::read_to_string(run.join("README.md")).unwrap();
+    assert!(
+        md.contains("| checkpoint | MaxVio, mean over layers | least even layer | experts given no token |"),
+        "{md}"
+    );
+    assert!(md.contains("| base | ") && md.contains(" of 32 |"), "{md}");
+}
+
 /// A CI-sized `model` (as `name`) is initialized, trained with a falling loss, exported as a `model_type`
-/// checkpoint each epoch, evaluated and carded with the `architecture` tag.
-fn assert_the_architecture_runs_the_whole_pipeline(model: &str, name: &str, model_type: &str, architecture: &str) {
+/// checkpoint each epoch, evaluated and carded with the `architecture` tag; returns the folder that holds the
+/// run (removed when dropped) and the run's.
+fn assert_the_architecture_runs_the_whole_pipeline(
+    model: &str,
+    name: &str,
+    model_type: &str,
+    architecture: &str,
+) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let (pipeline, configs) = setup_model(dir.path(), model, name);
     let (p, c) = (pipeline.to_str().unwrap(), configs.to_str().unwrap());
@@ -92,6 +125,7 @@ fn assert_the_architecture_runs_the_whole_pipeline(model: &str, name: &str, mode
     assert!(last < first, "training does not lower the loss: {first} → {last}");
     let md = std::fs::read_to_string(run.join("README.md")).unwrap();
     assert!(md.contains(&format!("- {architecture}\n")), "{md}");
+    (dir, run)
 }
 
 /// A checkpoint served from a loopback Hub: `hubtiny.toml` is fast.toml with `hub = "kiln-test/tiny-lfm2"`.
@@ -711,7 +745,7 @@ fn unknown_models_missing_gpus_and_flags_that_make_no_run_fail_at_once() {
     assert!(
         !ok && stderr.contains("unknown model 'gpt-17'")
             && stderr.contains("lfm2.5-8b, qwen3.5-0.8b")
-            && stderr.contains("tiny, tiny-gemma4, tiny-qwen3.5"),
+            && stderr.contains("tiny, tiny-gemma4, tiny-moe, tiny-qwen3.5"),
         "{stderr}"
     );
 

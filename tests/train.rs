@@ -191,6 +191,94 @@ fn replicas_share_the_validation_and_measure_what_one_device_does() {
     }
 }
 
+/// An MoE run counts its routers' load over real tokens only: each MoE layer of every validation point gave
+/// out (the split's tokens) × top_k slots, though each forward pass also ran over padding; every step's
+/// metrics say how evenly, and a dense run writes neither figure.
+#[test]
+fn an_moe_run_records_its_routing_over_real_tokens_only() {
+    use kiln::train::validation::{points_path, read_points};
+    let dir = tempfile::tempdir().unwrap();
+    // Rows of 32 positions holding two 12-token documents and 8 of padding.
+    let data = common::training::fixture_shards_packed(dir.path(), 2, 32);
+    common::training::write_fixture_shards(&data.join("validation"), 1, 32, &["terminal"]);
+    let cfg = TrainConfig { epochs: 2, pad_multiple: 0, ..parity_config() };
+    let moe = dir.path().join("moe");
+    run_model::<CpuTrain>(&fixture_dir().join("lfm2-moe-tiny"), &cfg, &data, &moe, false, None);
+    let points = read_points(&points_path(&moe.join("train"))).unwrap();
+    assert_eq!(points.len(), 3, "base, epoch-1, epoch-2");
+    for p in &points {
+        assert_eq!(p.expert_tokens.0.keys().copied().collect::<Vec<_>>(), [1, 2, 3], "the layers after the dense one");
+        for (layer, counts) in &p.expert_tokens.0 {
+            assert_eq!(counts.len(), 8);
+            assert_eq!(counts.iter().sum::<u64>(), 24 * 2, "{:?} layer {layer}: {counts:?}", p.checkpoint);
+        }
+        let balance = p.expert_tokens.balance().unwrap();
+        assert!(balance.max_vio >= 0.0 && balance.max_vio <= 7.0, "{balance:?}");
+    }
+    let steps = metrics(&moe);
+    assert_eq!(steps.len(), 2);
+    for m in &steps {
+        let vio = m["experts"]["max_vio"].as_f64().unwrap();
+        assert!((0.0..=7.0).contains(&vio) && m["experts"]["worst_layer"].as_u64().is_some(), "{m}");
+    }
+    let dense = dir.path().join("dense");
+    run::<CpuTrain>(&cfg, &data, &dense, false, None);
+    assert!(metrics(&dense).iter().all(|m| m.get("experts").is_none()));
+    let points = read_points(&points_path(&dense.join("train"))).unwrap();
+    assert!(points.iter().all(|p| p.expert_tokens.is_empty()));
+    let text = std::fs::read_to_string(points_path(&dense.join("train"))).unwrap();
+    assert!(!text.contains("expert_tokens"), "{text}");
+}
+
+/// `train.expert_bias_rate` moves each MoE layer's expert bias by ± the rate a step, toward an even load,
+/// from the whole step's routing: two replicas (each counting its own micro-batches) move it exactly as one
+/// device does, a stopped run resumes to the same bias and weights bit for bit, and the export carries it.
+/// A model without an expert bias, or a negative rate, is refused before anything loads.
+#[test]
+fn the_expert_bias_moves_toward_an_even_load_alike_on_replicas_and_through_a_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::training::fixture_shards_packed(dir.path(), 4, 32);
+    let rate = 0.01;
+    let cfg = TrainConfig { epochs: 2, global_batch: 4, micro_batch: 1, expert_bias_rate: rate, ..parity_config() };
+    let moe = fixture_dir().join("lfm2-moe-tiny");
+    let bias = |tensors: &std::collections::BTreeMap<String, kiln::models::weights::HostTensor>| {
+        tensors.iter().filter(|(k, _)| k.ends_with("expert_bias")).map(|(_, t)| t.data.clone()).collect::<Vec<_>>()
+    };
+    let (one, one_model) = run_model::<CpuTrain>(&moe, &cfg, &data, &dir.path().join("one"), false, None);
+    assert_eq!(one.steps, 2);
+    let moved = bias(&hf_tensors(&one_model));
+    let base = bias(&hf_tensors(&kiln::models::load_model::<Cpu>(&moe, &Default::default()).unwrap().1));
+    assert_eq!(moved.len(), 3, "the three MoE layers");
+    for (layer, base) in moved.iter().zip(&base) {
+        // Two steps: each entry moved −2, −1, 0, 1 or 2 rates, some up (experts under the mean), some down.
+        let steps: Vec<f32> = layer.iter().zip(base).map(|(b, b0)| (b - b0) / rate as f32).collect();
+        assert!(steps.iter().all(|s| (s - s.round()).abs() < 1e-3 && s.abs() <= 2.0 + 1e-3), "{steps:?}");
+        assert!(steps.iter().any(|&s| s > 0.5) && steps.iter().any(|&s| s < -0.5), "{steps:?}");
+    }
+    let exported = kiln::models::load_model::<Cpu>(&dir.path().join("one/checkpoints/epoch-2"), &Default::default());
+    assert_eq!(bias(&hf_tensors(&exported.unwrap().1)), moved);
+    let two_cfg = TrainConfig { devices: 2, ..cfg.clone() };
+    let (_, two_model) = run_model::<CpuTrain>(&moe, &two_cfg, &data, &dir.path().join("two"), false, None);
+    assert_eq!(bias(&hf_tensors(&two_model)), moved, "the replicas' loads are summed before the bias moves");
+    let resumed_dir = dir.path().join("resumed");
+    let (stopped, _) = run_model::<CpuTrain>(&moe, &cfg, &data, &resumed_dir, false, Some(1));
+    assert!(stopped.interrupted && stopped.steps == 1);
+    let (_, resumed) = run_model::<CpuTrain>(&moe, &cfg, &data, &resumed_dir, true, None);
+    let (a, b) = (hf_tensors(&one_model), hf_tensors(&resumed));
+    for (k, t) in &a {
+        assert!(t.data.iter().zip(&b[k].data).all(|(x, y)| x.to_bits() == y.to_bits()), "{k} after the resume");
+    }
+    let err = failed_run::<CpuTrain>(&fixture_dir().join("lfm2-tiny"), &cfg, &data, &dir.path().join("dense"));
+    assert!(
+        err.contains("train.expert_bias_rate = 0.01 moves an MoE's expert bias") && err.contains("leave it at 0"),
+        "{err}"
+    );
+    let negative = TrainConfig { expert_bias_rate: -0.01, ..cfg };
+    let err = failed_run::<CpuTrain>(&moe, &negative, &data, &dir.path().join("negative"));
+    assert!(err.contains("train.expert_bias_rate is -0.01: it must be a finite number, 0 or more"), "{err}");
+    assert!(!dir.path().join("dense").exists() && !dir.path().join("negative").exists());
+}
+
 /// Fine-tuning a checkpoint of the run's own `checkpoints/` is refused before anything loads: the epoch's
 /// export would write over it.
 #[test]

@@ -18,6 +18,7 @@ use super::hf::{ExportDtype, HfEntry, HfNamed, StreamedTensor, export_streamed, 
 use super::layers::{head_logits, soft_cap};
 use super::lfm2::Lfm2Model;
 use super::qwen3_5::Qwen35Model;
+use super::routing::ExpertLoad;
 use super::weights::{
     HostTensor, Init, RandomInit, TensorSource, WeightStore, gemma4_init, kept_in_f32, lfm2_init, qwen3_5_init,
 };
@@ -46,6 +47,15 @@ impl<B: Backend> CausalLm<B> {
             CausalLm::Lfm2(m) => m.head_weight(),
             CausalLm::Qwen35(m) => m.head_weight(),
             CausalLm::Gemma4(m) => m.head_weight(),
+        }
+    }
+
+    /// The MoE expert bias moved `rate` toward an even load from the step's `load`
+    /// (`routing::bias_steps`); other models are returned as they are.
+    pub fn shift_expert_bias(self, load: &ExpertLoad, rate: f64) -> Self {
+        match self {
+            CausalLm::Lfm2(m) => CausalLm::Lfm2(m.shift_expert_bias(load, rate)),
+            other => other,
         }
     }
 

@@ -726,6 +726,12 @@ impl ModelConfig {
         self.model_type().trim_end_matches("_text")
     }
 
+    /// Whether its MoE layers route with an expert bias (LFM2-MoE's `use_expert_bias`), the one
+    /// `train.expert_bias_rate` moves.
+    pub fn has_expert_bias(&self) -> bool {
+        matches!(self, ModelConfig::Lfm2(c) if c.moe.as_ref().is_some_and(|m| m.use_expert_bias))
+    }
+
     pub fn vocab_size(&self) -> usize {
         match self {
             ModelConfig::Lfm2(c) => c.vocab_size,

@@ -13,6 +13,7 @@ use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{LayerKind, Lfm2Config};
 use super::layers::{ConvShifts, RmsNorm, RopeTables, SequenceLayout, SwiGlu, head_logits};
 use super::ops::{GateActivation, ModelBackend};
+use super::routing::{self, ExpertLoad};
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
 use crate::backend::zeros_in;
 
@@ -96,6 +97,8 @@ pub struct MoeBlock<B: Backend> {
     pub top_k: usize,
     pub norm_topk_prob: bool,
     pub routed_scaling_factor: f64,
+    /// The decoder layer's index, under which its routing load is counted (`routing::record`).
+    pub layer: usize,
 }
 
 impl<B: ModelBackend> MoeBlock<B> {
@@ -118,6 +121,7 @@ impl<B: ModelBackend> MoeBlock<B> {
         let flat_weights = weights.reshape([tokens * self.top_k]);
         let chosen: Vec<i64> = selected.into_data().convert::<i64>().to_vec().unwrap_or_default();
         let experts = self.gate_up.dims()[0];
+        routing::record(self.layer, experts, &chosen, self.top_k);
         let ff = self.down.dims()[1];
         let device = x.device();
         // Group tokens by expert on the host (the rows of the grouped matmuls), then add every weighted expert
@@ -141,6 +145,22 @@ impl<B: ModelBackend> MoeBlock<B> {
         let act = B::glu(gate, up, GateActivation::Silu);
         let weighted = B::grouped_matmul(act, self.down.val(), &counts) * flat_weights.select(0, slot).reshape([n, 1]);
         zeros.select_assign(0, token, weighted, IndexingUpdateOp::Add).reshape([batch, seq, hidden])
+    }
+}
+
+impl<B: Backend> MoeBlock<B> {
+    /// The block with its expert bias moved by `routing::bias_steps` of `counts`, the tokens a step gave its
+    /// experts (a no-op without a bias).
+    fn shift_expert_bias(mut self, counts: &[u64], rate: f64) -> Self {
+        self.expert_bias = self.expert_bias.map(|bias| {
+            bias.map(|b| {
+                let steps = routing::bias_steps(counts, rate);
+                let steps = Tensor::<B, 1>::from_data(TensorData::new(steps, [counts.len()]), &b.device());
+                let dtype = FloatDType::from(b.dtype());
+                (b.cast(FloatDType::F32) + steps).cast(dtype)
+            })
+        });
+        self
     }
 }
 
@@ -178,6 +198,26 @@ pub struct Lfm2Model<B: Backend> {
 }
 
 impl<B: Backend> Lfm2Model<B> {
+    /// Each MoE layer's expert bias moved toward an even load by `rate` (`routing::bias_steps`), from the
+    /// tokens `load` counts for that layer; a layer `load` does not count is left as it is.
+    pub fn shift_expert_bias(mut self, load: &ExpertLoad, rate: f64) -> Self {
+        self.layers = self
+            .layers
+            .into_iter()
+            .map(|mut layer| {
+                layer.feed_forward = match layer.feed_forward {
+                    FeedForward::Moe(moe) => match load.0.get(&moe.layer) {
+                        Some(counts) => FeedForward::Moe(moe.shift_expert_bias(counts, rate)),
+                        None => FeedForward::Moe(moe),
+                    },
+                    dense => dense,
+                };
+                layer
+            })
+            .collect();
+        self
+    }
+
     /// The output projection `[vocab, hidden]` (the embedding when tied).
     pub fn head_weight(&self) -> Tensor<B, 2> {
         match &self.lm_head {
@@ -344,6 +384,7 @@ impl<B: Backend> Lfm2Model<B> {
                         top_k: moe.num_experts_per_tok,
                         norm_topk_prob: moe.norm_topk_prob,
                         routed_scaling_factor: moe.routed_scaling_factor,
+                        layer: i,
                     })
                 }
                 _ => FeedForward::Dense(swiglu(store, &format!("{p}.feed_forward"), h, config.ff_dim, device)),

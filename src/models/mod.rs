@@ -1,10 +1,9 @@
 //! The model zoo: HF config parsing, safetensors import and export, and one module per architecture (LFM2
 //! and LFM2-MoE in `lfm2`, Qwen3.5 in `qwen3_5` with its DeltaNet scan in `deltanet`; their full-sequence
-//! attention in `attention`, the MoE's grouped expert matmul in `experts`, the ops with hand-written backward
-//! passes in `ops`, and the CPU backend's loop
-//! forms of the attention and the scan in `cpu_attention` and `cpu_deltanet`, its single-pass element-wise ops
-//! in `cpu_elementwise`; the CubeCL backends' kernels
-//! are in `crate::kernels`), behind `CausalLm`.
+//! attention in `attention`, the MoE's grouped expert matmul in `experts` and its routing load in `routing`,
+//! the ops with hand-written backward passes in `ops`, and the CPU backend's loop forms of the attention and
+//! the scan in `cpu_attention` and `cpu_deltanet`, its single-pass element-wise ops in `cpu_elementwise`; the
+//! CubeCL backends' kernels are in `crate::kernels`), behind `CausalLm`.
 //! Knows nothing of datasets, training or the CLI.
 
 pub mod attention;
@@ -23,6 +22,7 @@ pub mod layers;
 pub mod lfm2;
 pub mod ops;
 pub mod qwen3_5;
+pub mod routing;
 pub mod weights;
 
 use std::path::{Path, PathBuf};

@@ -17,7 +17,7 @@ use crate::pipeline::ModelConfig;
 use crate::tokens::prepare::PrepareStats;
 use crate::train::TrainSummary;
 use crate::train::trainer::{StepMetrics, read_metrics};
-use crate::train::validation::{ValidationPoint, checkpoint_losses, points_path, read_points};
+use crate::train::validation::{ValidationPoint, checkpoint_losses, checkpoint_points, points_path, read_points};
 
 /// What the card was made from, read from the run.
 pub struct CardInputs {
@@ -199,21 +199,46 @@ const EVAL_HEADERS: [&str; 11] = [
 
 /// The validation loss of each checkpoint by data source, when the split holds more than one source.
 fn source_validation_table(md: &mut String, points: &[ValidationPoint]) {
-    let checkpoints: Vec<&ValidationPoint> = points.iter().filter(|p| p.checkpoint.is_some()).collect();
-    let Some(first) = checkpoints.first().filter(|p| p.sources.len() > 1) else { return };
+    let checkpoints = checkpoint_points(points);
+    let Some((_, first)) = checkpoints.first().filter(|(_, p)| p.sources.len() > 1) else { return };
     let sources: Vec<&String> = first.sources.keys().collect();
     let headers: Vec<String> = std::iter::once("checkpoint".to_string())
         .chain(sources.iter().map(|s| format!("{s} ({} tokens)", first.sources[*s].supervised_tokens)))
         .collect();
     let rows: Vec<Vec<String>> = checkpoints
         .iter()
-        .map(|p| {
+        .map(|(name, p)| {
             let cells = sources.iter().map(|s| p.sources.get(*s).map_or("-".into(), |l| format!("{:.4}", l.loss)));
-            std::iter::once(p.checkpoint.clone().unwrap_or_default()).chain(cells).collect()
+            std::iter::once(name.to_string()).chain(cells).collect()
         })
         .collect();
     md.push_str("\nThe validation loss by data source (the held-out split's supervised tokens of each):\n\n");
     md_table(md, &headers.iter().map(String::as_str).collect::<Vec<_>>(), &rows);
+}
+
+/// An MoE's routing on the validation split under each checkpoint (`routing::LoadBalance`).
+fn routing_table(md: &mut String, points: &[ValidationPoint]) {
+    let rows: Vec<Vec<String>> = checkpoint_points(points)
+        .into_iter()
+        .filter_map(|(name, p)| {
+            let b = p.expert_tokens.balance()?;
+            let experts: usize = p.expert_tokens.0.values().map(Vec::len).sum();
+            Some(vec![
+                name.to_string(),
+                format!("{:.3}", b.max_vio),
+                format!("layer {}: {:.3}", b.worst_layer, b.worst_max_vio),
+                format!("{} of {experts}", b.idle_experts),
+            ])
+        })
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    md.push_str(
+        "\nThe MoE layers' routing over the validation split's tokens (MaxVio: the busiest expert's tokens over an \
+         even share, less 1; 0 is an even spread):\n\n",
+    );
+    md_table(md, &["checkpoint", "MaxVio, mean over layers", "least even layer", "experts given no token"], &rows);
 }
 
 fn md_table(md: &mut String, headers: &[&str], rows: &[Vec<String>]) {
@@ -265,6 +290,7 @@ fn limitations(
             a.score, b.aggregate.score
         ));
     }
+    out.extend(routing_limitation(&inputs.validation, &chosen.model));
     let epochs: Vec<(String, f64)> =
         checkpoint_losses(&inputs.validation).into_iter().filter(|(name, _)| name != "base").collect();
     for pair in epochs.windows(2).filter(|w| w[1].1 > w[0].1) {
@@ -286,6 +312,35 @@ fn limitations(
         a.steps, a.tasks
     ));
     out
+}
+
+/// How much MaxVio may grow over the base's before the card calls the routing less even: the figure of a
+/// fixed split moves a little with any update.
+const ROUTING_DRIFT: f64 = 1.25;
+
+/// A limitation when the `chosen` checkpoint routes the validation split markedly less evenly than the base
+/// model did (MaxVio up by `ROUTING_DRIFT` or more), or leaves experts without a token that the base used.
+fn routing_limitation(points: &[ValidationPoint], chosen: &str) -> Option<String> {
+    let checkpoints = checkpoint_points(points);
+    let balance =
+        |name: &str| checkpoints.iter().find(|(n, _)| *n == name).and_then(|(_, p)| p.expert_tokens.balance());
+    let (base, now) = (balance("base")?, balance(chosen)?);
+    let uneven = now.max_vio >= base.max_vio * ROUTING_DRIFT && now.max_vio > base.max_vio;
+    let idle = now.idle_experts > base.idle_experts;
+    (uneven || idle).then(|| {
+        let idle_text = if now.idle_experts > 0 {
+            let experts = if now.idle_experts == 1 { "expert" } else { "experts" };
+            format!("; {} {experts} got no token (base: {})", now.idle_experts, base.idle_experts)
+        } else {
+            String::new()
+        };
+        format!(
+            "Fine-tuning made the MoE routing less even: MaxVio over the validation split went from {:.3} (base) \
+             to {:.3} ({chosen}), least even in layer {} ({:.3}){idle_text}. kiln, as transformers, keeps the \
+             expert bias the base model came with; the per-step figures are in train/metrics.jsonl (`experts`).",
+            base.max_vio, now.max_vio, now.worst_layer, now.worst_max_vio
+        )
+    })
 }
 
 /// Where a card is read: the run folder's overview, or the selected checkpoint's own card, which travels with
@@ -448,6 +503,7 @@ fn markdown(
     }
     md_table(&mut md, &headers, &rows);
     source_validation_table(&mut md, &inputs.validation);
+    routing_table(&mut md, &inputs.validation);
     let _ =
         writeln!(md, "\n**Selected: {}.** {}\n\n![per-checkpoint scores](card/scores.png)\n", sel.chosen, sel.reason);
 
@@ -661,6 +717,50 @@ fn scores_png(path: &Path, evals: &[EvalResult]) -> Result<(), ReportError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::routing::ExpertLoad;
+
+    /// A validation point of `checkpoint` whose MoE layers 2 and 3 gave their 4 experts these tokens.
+    fn routed(step: usize, checkpoint: &str, layers: [[u64; 4]; 2]) -> ValidationPoint {
+        ValidationPoint {
+            step,
+            epoch: step as f64,
+            checkpoint: Some(checkpoint.into()),
+            loss: 1.0,
+            supervised_tokens: 10,
+            sources: Default::default(),
+            expert_tokens: ExpertLoad([(2, layers[0].to_vec()), (3, layers[1].to_vec())].into()),
+            seconds: 0.1,
+        }
+    }
+
+    /// The table has a row per checkpoint (the last measure of one measured twice); the card names the drift
+    /// only past `ROUTING_DRIFT` or when an expert falls idle, and says nothing for a dense model.
+    #[test]
+    fn the_routing_table_and_its_limitation_come_from_the_validation_loads() {
+        let base = routed(0, "base", [[5, 5, 5, 5], [6, 2, 4, 4]]); // MaxVio 0 and 0.5: mean 0.25
+        let near = routed(4, "epoch-1", [[11, 9, 10, 10], [6, 2, 4, 4]]); // 0.1 and 0.5: 0.3, below 1.25 × 0.25
+        let skewed = routed(8, "epoch-2", [[10, 0, 5, 5], [6, 2, 4, 4]]); // 1.0 and 0.5: 0.75, one idle
+        let points = [base.clone(), routed(4, "epoch-1", [[20, 0, 0, 0], [20, 0, 0, 0]]), near, skewed];
+        let mut md = String::new();
+        routing_table(&mut md, &points);
+        assert!(md.contains("| base | 0.250 | layer 3: 0.500 | 0 of 8 |"), "{md}");
+        assert!(md.contains("| epoch-1 | 0.300 | layer 3: 0.500 | 0 of 8 |"), "{md}");
+        assert!(md.contains("| epoch-2 | 0.750 | layer 2: 1.000 | 1 of 8 |"), "{md}");
+        assert_eq!(md.matches("| epoch-1 |").count(), 1, "{md}");
+        assert_eq!(routing_limitation(&points, "epoch-1"), None);
+        let said = routing_limitation(&points, "epoch-2").unwrap();
+        assert!(
+            said.contains(
+                "from 0.250 (base) to 0.750 (epoch-2), least even in layer 2 (1.000); 1 expert got no token (base: 0)"
+            ),
+            "{said}"
+        );
+        let dense = ValidationPoint { expert_tokens: ExpertLoad::default(), ..base };
+        let mut md = String::new();
+        routing_table(&mut md, std::slice::from_ref(&dense));
+        assert!(md.is_empty(), "{md}");
+        assert_eq!(routing_limitation(&[dense], "base"), None);
+    }
 
     #[test]
     fn the_batch_row_says_how_far_a_forward_pass_runs() {

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::linear_ce::LinearCrossEntropy;
 use super::optim::{AdamW, AdamWConfig, MomentDtype};
-use super::step::{MicroBatch, WHOLE_ROWS, optimizer_step};
+use super::step::{MicroBatch, StepRule, WHOLE_ROWS, optimizer_step};
 use super::trainer::{PeakMemory, Precision, StepFlops};
 use super::{TrainError, with_train_backend};
 use crate::backend::DeviceMemory;
@@ -219,6 +219,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
     let mut peak = PeakMemory::default();
     let (mut step_seconds, mut losses) = (Vec::new(), Vec::new());
     let mut tokens_per_step = 0;
+    let rule = StepRule { lr: cfg.lr, max_norm: Some(1.0), expert_bias_rate: 0.0 };
     for step in 0..cfg.warmup + cfg.steps {
         // New tokens every step, made before the clock starts.
         let rows = random_rows(rows_per_step, cfg.seq, cfg.docs_per_row, config.vocab_size(), cfg.seed + step as u64);
@@ -227,7 +228,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
             refs.chunks(cfg.micro_batch).map(|rows| MicroBatch::from_rows(rows, WHOLE_ROWS)).collect();
         tokens_per_step = batches.iter().map(|b| b.tokens).sum();
         let started = Instant::now();
-        let (updated, outcome) = optimizer_step(model, &mut opt, &batches, cfg.lr, Some(1.0), device)
+        let (updated, outcome) = optimizer_step(model, &mut opt, &batches, rule, device)
             .map_err(|e| TrainError::Config(format!("non-finite loss {} at benchmark step {step}", e.loss)))?;
         model = updated;
         B::sync(device).map_err(|e| TrainError::Device(format!("{e:?}")))?;

@@ -22,9 +22,10 @@ use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
 
 use super::TrainError;
 use super::data::TrainData;
-use super::step::MicroBatch;
+use super::step::{MicroBatch, StepRule};
 use super::validation::BatchSums;
 use crate::backend::zeros_in;
+use crate::models::routing::ExpertLoad;
 
 /// The devices of `count` replicas on `device`'s backend: device indices 0..count, or the one device `count`
 /// times where the backend has a single device (the CPU: replicas there check the data-parallel path, they do
@@ -74,29 +75,44 @@ fn check_nccl(count: usize) -> Result<(), TrainError> {
     )))
 }
 
-/// Which parameters had a gradient on any replica this step: the union, taken on the host (the replicas are
-/// threads of one process), so that a parameter the step's passes never reached on any replica stays without
-/// a gradient, and without an update (AdamW skips it), exactly as on one device.
-struct Presence {
+/// What the replicas pool on the host each step (they are threads of one process):
+/// - which parameters had a gradient on any replica: the union, so that a parameter the step's passes never
+///   reached on any replica stays without a gradient, and without an update (AdamW skips it), exactly as on
+///   one device;
+/// - the routing loads of their micro-batches, summed, which move the MoE expert bias alike on every replica.
+struct StepBoard {
     union: Mutex<Vec<bool>>,
+    expert_load: Mutex<ExpertLoad>,
     barrier: Barrier,
 }
 
-impl Presence {
+impl StepBoard {
     fn union(&self, mine: &[bool]) -> Vec<bool> {
-        {
-            let mut union = self.union.lock().unwrap_or_else(|e| e.into_inner());
-            union.resize(mine.len(), false);
-            union.iter_mut().zip(mine).for_each(|(u, &m)| *u |= m);
-        }
+        self.pool(
+            &self.union,
+            |union| {
+                union.resize(mine.len(), false);
+                union.iter_mut().zip(mine).for_each(|(u, &m)| *u |= m);
+            },
+            |union| union.fill(false),
+        )
+    }
+
+    fn sum_expert_loads(&self, mine: &ExpertLoad) -> ExpertLoad {
+        self.pool(&self.expert_load, |sum| sum.add(mine), |sum| *sum = ExpertLoad::default())
+    }
+
+    /// Every replica adds its part to `board`, then each reads the whole once all have added theirs; one
+    /// clears it after all have read it, before any adds the next step's.
+    fn pool<T: Clone>(&self, board: &Mutex<T>, add: impl FnOnce(&mut T), clear: impl FnOnce(&mut T)) -> T {
+        add(&mut board.lock().unwrap_or_else(|e| e.into_inner()));
         self.barrier.wait();
-        let union = self.union.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        // Cleared by one replica once all have read it, and before any starts the next step's.
+        let whole = board.lock().unwrap_or_else(|e| e.into_inner()).clone();
         if self.barrier.wait().is_leader() {
-            self.union.lock().unwrap_or_else(|e| e.into_inner()).fill(false);
+            clear(&mut board.lock().unwrap_or_else(|e| e.into_inner()));
         }
         self.barrier.wait();
-        union
+        whole
     }
 }
 
@@ -106,17 +122,26 @@ fn leave<B: Backend>(peer: PeerId) {
     let _ = burn_collective::finish_collective::<B>(peer);
 }
 
-/// One replica's place in the collective: its peer id and the step's shared presence board.
+/// One replica's place in the collective: its peer id and the step's shared board.
 pub struct GradientSync {
     peer: PeerId,
-    presence: Arc<Presence>,
+    board: Arc<StepBoard>,
 }
 
 impl GradientSync {
     /// The sync of every replica of `count` (registered with burn's collective by `register`).
     fn group(count: usize) -> Vec<GradientSync> {
-        let presence = Arc::new(Presence { union: Mutex::new(Vec::new()), barrier: Barrier::new(count) });
-        (0..count).map(|r| GradientSync { peer: PeerId(r as u32), presence: presence.clone() }).collect()
+        let board = Arc::new(StepBoard {
+            union: Mutex::new(Vec::new()),
+            expert_load: Mutex::new(ExpertLoad::default()),
+            barrier: Barrier::new(count),
+        });
+        (0..count).map(|r| GradientSync { peer: PeerId(r as u32), board: board.clone() }).collect()
+    }
+
+    /// The routing loads of every replica's share of the step, summed (each replica calls it, or none does).
+    pub fn sum_expert_loads(&self, mine: &ExpertLoad) -> ExpertLoad {
+        self.board.sum_expert_loads(mine)
     }
 
     fn register<B: Backend>(&self, device: &B::Device, count: usize) -> Result<(), TrainError> {
@@ -138,7 +163,7 @@ impl GradientSync {
     ) -> Result<GradientsParams, TrainError> {
         let mut mine = Present::<B> { grads: &grads, present: Vec::new(), _backend: Default::default() };
         model.visit(&mut mine);
-        let present = self.presence.union(&mine.present);
+        let present = self.board.union(&mine.present);
         let mut reduce = Reduce::<B> {
             peer: self.peer,
             grads: &mut grads,
@@ -209,7 +234,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Reduce<'_, B> {
 pub struct Share {
     pub batches: Vec<(usize, MicroBatch)>,
     pub supervised: f32,
-    pub lr: f64,
+    pub rule: StepRule,
 }
 
 /// What a replica's share did: its micro-batches' losses by index in the step, and the step's global gradient
@@ -499,6 +524,11 @@ mod tests {
         }
     }
 
+    /// A batch's sums as `ThreadNames` answers them: its number under the name of `thread`.
+    fn sums(thread: &str, batch: usize) -> BatchSums {
+        BatchSums { sources: vec![(thread.to_string(), batch as f32, 1)], expert_load: Default::default() }
+    }
+
     /// Answers a validation share with its batch numbers, under the name of the thread that ran it.
     #[derive(Clone)]
     struct ThreadNames;
@@ -513,7 +543,7 @@ mod tests {
         }
         fn validate(&self, _: &mut (), share: &ValidationShare) -> ValidationOutcome {
             let thread = std::thread::current().name().unwrap_or_default().to_string();
-            Ok(share.batches.iter().map(|&b| (b, vec![(thread.clone(), b as f32, 1)])).collect())
+            Ok(share.batches.iter().map(|&b| (b, sums(&thread, b))).collect())
         }
     }
 
@@ -534,7 +564,7 @@ mod tests {
         });
         replicas.send_validation(theirs.collect()).unwrap();
         let answers: Vec<_> = replicas.collect_validation().into_iter().map(Result::unwrap).collect();
-        let by = |thread: &str, b: usize| (b, vec![(thread.to_string(), b as f32, 1)]);
+        let by = |thread: &str, b: usize| (b, sums(thread, b));
         assert_eq!(
             answers,
             [
@@ -543,32 +573,49 @@ mod tests {
             ]
         );
         // A step after it is answered as a step.
-        let step = |_| Share { batches: Vec::new(), supervised: 0.0, lr: 0.0 };
+        let rule = StepRule { lr: 0.0, max_norm: None, expert_bias_rate: 0.0 };
+        let step = |_| Share { batches: Vec::new(), supervised: 0.0, rule };
         replicas.send((0..2).map(step).collect()).unwrap();
         assert!(replicas.collect().iter().all(|o| o.as_ref().is_err_and(|e| e.to_string().contains("takes no step"))));
     }
 
-    #[test]
-    fn the_presence_union_covers_every_replica_step_after_step() {
-        let count = 3;
-        let syncs = GradientSync::group(count);
-        let steps = [
-            [vec![true, false, false], vec![false, false, false], vec![false, false, true]],
-            [vec![false, false, false], vec![false, true, false], vec![false, false, false]],
-        ];
-        let unions: Vec<Vec<Vec<bool>>> = std::thread::scope(|scope| {
+    /// Each replica's answers to `steps` (one input per replica a step) pooled by `pool`, on threads.
+    fn pooled<I: Sync, T: Send>(steps: &[Vec<I>], pool: impl Fn(&GradientSync, &I) -> T + Sync) -> Vec<Vec<T>> {
+        let syncs = GradientSync::group(steps[0].len());
+        std::thread::scope(|scope| {
             let handles: Vec<_> = syncs
                 .iter()
                 .enumerate()
                 .map(|(r, sync)| {
-                    let steps = &steps;
-                    scope.spawn(move || steps.iter().map(|s| sync.presence.union(&s[r])).collect::<Vec<_>>())
+                    let pool = &pool;
+                    scope.spawn(move || steps.iter().map(|s| pool(sync, &s[r])).collect::<Vec<_>>())
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for union in unions {
+        })
+    }
+
+    #[test]
+    fn the_presence_union_covers_every_replica_step_after_step() {
+        let steps = [
+            vec![vec![true, false, false], vec![false, false, false], vec![false, false, true]],
+            vec![vec![false, false, false], vec![false, true, false], vec![false, false, false]],
+        ];
+        for union in pooled(&steps, |sync, mine| sync.board.union(mine)) {
             assert_eq!(union, [vec![true, false, true], vec![false, true, false]]);
+        }
+    }
+
+    /// Every replica reads the sum of all replicas' routing loads, afresh each step.
+    #[test]
+    fn the_routing_loads_are_summed_over_the_replicas_step_after_step() {
+        let load = |layers: &[(usize, [u64; 2])]| ExpertLoad(layers.iter().map(|(l, c)| (*l, c.to_vec())).collect());
+        let steps = [
+            vec![load(&[(1, [1, 2])]), load(&[(1, [3, 0]), (2, [1, 1])]), ExpertLoad::default()],
+            vec![load(&[(1, [0, 1])]), load(&[(1, [1, 0])]), load(&[(1, [0, 5])])],
+        ];
+        for sums in pooled(&steps, |sync, mine| sync.sum_expert_loads(mine)) {
+            assert_eq!(sums, [load(&[(1, [4, 2]), (2, [1, 1])]), load(&[(1, [1, 6])])]);
         }
     }
 }

@@ -14,6 +14,7 @@ use super::linear_ce::{LinearCrossEntropy, chunk_rows_for};
 use super::optim::{AdamW, ClipScale, F32Accumulator, read_scalars, squared_norm, step_scaled};
 use super::replicas::{GradientSync, catch};
 use crate::backend::host_tensor;
+use crate::models::routing::{self, ExpertLoad};
 use crate::models::{CausalLm, SequenceLayout};
 use crate::tokens::shards::Row;
 
@@ -119,15 +120,28 @@ impl MicroBatch {
     pub fn supervised(&self) -> f32 {
         self.weights.iter().sum()
     }
+
+    /// Whether each position (row by row, `rows × seq`) holds a token of a document rather than padding.
+    pub fn real_positions(&self) -> Vec<bool> {
+        self.doc_lengths
+            .iter()
+            .flat_map(|docs| {
+                let used = docs.iter().map(|&l| l as usize).sum::<usize>().min(self.seq);
+                (0..self.seq).map(move |p| p < used)
+            })
+            .collect()
+    }
 }
 
 /// What one optimizer step did.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct StepOutcome {
     /// The step's loss (summed over micro-batches, each normalized by the step's supervised count).
     pub loss: f64,
     /// The global gradient norm before clipping.
     pub grad_norm: f64,
+    /// The tokens its MoE layers gave each expert (none for a dense model).
+    pub expert_load: ExpertLoad,
 }
 
 /// A micro-batch whose loss was NaN or infinite. The step's update was queued before the loss was read (the
@@ -148,6 +162,8 @@ pub struct ShardOutcome {
     /// The step's global gradient norm before clipping (the same on every replica); `None` when nothing in the
     /// step was supervised and the model was left as it was.
     pub grad_norm: Option<f64>,
+    /// What its MoE layers routed, over its micro-batches' real positions.
+    pub expert_load: ExpertLoad,
 }
 
 impl ShardOutcome {
@@ -156,36 +172,39 @@ impl ShardOutcome {
     pub fn merge(shards: impl IntoIterator<Item = ShardOutcome>) -> Result<Option<StepOutcome>, NonFiniteLoss> {
         let mut grad_norm = None;
         let mut losses = Vec::new();
+        let mut expert_load = ExpertLoad::default();
         for shard in shards {
             grad_norm = grad_norm.or(shard.grad_norm);
             losses.extend(shard.losses);
+            expert_load.add(&shard.expert_load);
         }
         let Some(grad_norm) = grad_norm else { return Ok(None) };
         losses.sort_by_key(|&(micro, _)| micro);
         if let Some(&(micro, loss)) = losses.iter().find(|(_, loss)| !loss.is_finite()) {
             return Err(NonFiniteLoss { micro, loss });
         }
-        Ok(Some(StepOutcome { loss: losses.iter().map(|&(_, loss)| f64::from(loss)).sum(), grad_norm }))
+        Ok(Some(StepOutcome { loss: losses.iter().map(|&(_, loss)| f64::from(loss)).sum(), grad_norm, expert_load }))
     }
 }
 
-/// The losses (on the device) and the f32 gradient sum of `shard`'s micro-batches, each loss normalized by
-/// `supervised`. A micro-batch with nothing supervised adds nothing.
+/// The losses (on the device), the f32 gradient sum and the MoE routing load of `shard`'s micro-batches,
+/// each loss normalized by `supervised`. A micro-batch with nothing supervised adds nothing.
 #[allow(clippy::type_complexity)]
 fn accumulate<B: LinearCrossEntropy>(
     model: &CausalLm<B>,
     shard: &[(usize, &MicroBatch)],
     supervised: f32,
     device: &B::Device,
-) -> (Vec<(usize, Tensor<B::InnerBackend, 1>)>, GradientsParams) {
+) -> (Vec<(usize, Tensor<B::InnerBackend, 1>)>, GradientsParams, ExpertLoad) {
     // The loss values stay on the device until the step's one read: reading each before its backward
     // would leave the device idle while the host queues the backward pass.
     let mut losses = Vec::new();
     let mut accumulator = F32Accumulator::<B>::default();
+    let mut expert_load = ExpertLoad::default();
     for &(micro, batch) in shard {
         let layout = SequenceLayout::from_doc_lengths(&batch.doc_lengths, batch.seq);
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(batch.ids.clone(), [batch.rows, batch.seq]), device);
-        let hidden = model.forward_hidden(input, &layout);
+        let hidden = routing::tally(&mut expert_load, &batch.real_positions(), || model.forward_hidden(input, &layout));
         let head = model.head_weight();
         let Some(loss) =
             supervised_loss(hidden, head, model.logit_softcap(), &batch.targets, &batch.weights, supervised)
@@ -195,23 +214,40 @@ fn accumulate<B: LinearCrossEntropy>(
         losses.push((micro, loss.clone().inner()));
         accumulator.add(model, GradientsParams::from_grads(loss.backward(), model));
     }
-    (losses, accumulator.finish())
+    (losses, accumulator.finish(), expert_load)
 }
 
-/// Clips `grads` (the whole step's) to `max_norm`, applies AdamW at `lr`, then reads the losses and the norm
-/// back in one transfer.
+/// How a step changes the model: AdamW at `lr` after clipping the gradients to the global norm `max_norm`,
+/// then the MoE expert bias moved `expert_bias_rate` toward an even load (`routing::bias_steps`; 0 leaves it
+/// as the checkpoint has it, as transformers does).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepRule {
+    pub lr: f64,
+    pub max_norm: Option<f64>,
+    pub expert_bias_rate: f64,
+}
+
+impl StepRule {
+    /// `model` with its expert bias moved by the step's routing `load` (all replicas' together).
+    fn shift_expert_bias<B: Backend>(&self, model: CausalLm<B>, load: &ExpertLoad) -> CausalLm<B> {
+        if self.expert_bias_rate > 0.0 { model.shift_expert_bias(load, self.expert_bias_rate) } else { model }
+    }
+}
+
+/// Clips `grads` (the whole step's) and applies AdamW as `rule` says, then reads the losses and the norm
+/// back in one transfer; the outcome carries `expert_load` (the shard's routing).
 fn update<B: LinearCrossEntropy>(
     model: CausalLm<B>,
     opt: &mut AdamW<B::InnerBackend>,
     grads: &GradientsParams,
     losses: Vec<(usize, Tensor<B::InnerBackend, 1>)>,
-    lr: f64,
-    max_norm: Option<f64>,
+    expert_load: ExpertLoad,
+    rule: StepRule,
 ) -> (CausalLm<B>, ShardOutcome) {
     let squared = squared_norm::<B, _>(&model, grads);
     // Clipped on the device and queued behind the backward pass; the one read comes after.
-    let scale = max_norm.zip(squared.clone()).map(|(max, squared)| ClipScale::new(squared, max));
-    let model = step_scaled::<B, _>(model, opt, grads, lr, scale.as_ref());
+    let scale = rule.max_norm.zip(squared.clone()).map(|(max, squared)| ClipScale::new(squared, max));
+    let model = step_scaled::<B, _>(model, opt, grads, rule.lr, scale.as_ref());
     let (micros, mut scalars): (Vec<usize>, Vec<_>) = losses.into_iter().unzip();
     scalars.extend(squared);
     let values = read_scalars(scalars);
@@ -222,20 +258,20 @@ fn update<B: LinearCrossEntropy>(
         ShardOutcome {
             losses: micros.into_iter().zip(loss_values.iter().copied()).collect(),
             grad_norm: Some(grad_norm),
+            expert_load,
         },
     )
 }
 
 /// Runs one optimizer step over `batches` (the loss of each normalized by the supervised count of all of
-/// them) and updates `model` with AdamW at `lr` after clipping to `max_norm`. A step with nothing supervised
-/// returns the model unchanged and `None`. The device is synchronized once, after the update is queued,
-/// to read the losses and the gradient norm.
+/// them) and updates `model` as `rule` says. A step with nothing supervised returns the model unchanged and
+/// `None`. The device is synchronized once, after the update is queued, to read the losses and the gradient
+/// norm.
 pub fn optimizer_step<B: LinearCrossEntropy>(
     model: CausalLm<B>,
     opt: &mut AdamW<B::InnerBackend>,
     batches: &[MicroBatch],
-    lr: f64,
-    max_norm: Option<f64>,
+    rule: StepRule,
     device: &B::Device,
 ) -> Result<(CausalLm<B>, Option<StepOutcome>), NonFiniteLoss> {
     let supervised: f32 = batches.iter().map(MicroBatch::supervised).sum();
@@ -243,39 +279,46 @@ pub fn optimizer_step<B: LinearCrossEntropy>(
         return Ok((model, None));
     }
     let shard: Vec<(usize, &MicroBatch)> = batches.iter().enumerate().collect();
-    let (losses, grads) = accumulate(&model, &shard, supervised, device);
-    let (model, outcome) = update(model, opt, &grads, losses, lr, max_norm);
+    let (losses, grads, expert_load) = accumulate(&model, &shard, supervised, device);
+    let (model, outcome) = update(model, opt, &grads, losses, expert_load, rule);
+    let model = rule.shift_expert_bias(model, &outcome.expert_load);
     ShardOutcome::merge([outcome]).map(|outcome| (model, outcome))
 }
 
 /// A replica's part of a data-parallel optimizer step: the forward and backward passes of its micro-batches
-/// `shard` (normalized by `supervised`, the count of the whole step), the gradient sums added across the
-/// replicas (`sync`), then the update every replica makes alike. A failure in its own passes (a panic on the
-/// device) still takes part in the sum, with no gradients, so no replica waits on it; it is returned after.
-#[allow(clippy::too_many_arguments)]
+/// `shard` (normalized by `supervised`, the count of the whole step), the gradient sums (and, to move the
+/// expert bias, the routing loads) added across the replicas (`sync`), then the update every replica makes
+/// alike. A failure in its own passes (a panic on the device) still takes part in the sums, with nothing,
+/// so no replica waits on it; it is returned after.
 pub fn shard_step<B: LinearCrossEntropy>(
     model: CausalLm<B>,
     opt: &mut AdamW<B::InnerBackend>,
     shard: &[(usize, &MicroBatch)],
     supervised: f32,
-    lr: f64,
-    max_norm: Option<f64>,
+    rule: StepRule,
     device: &B::Device,
     sync: &GradientSync,
 ) -> Result<(CausalLm<B>, ShardOutcome), TrainError> {
     if supervised == 0.0 {
         return Ok((model, ShardOutcome::default()));
     }
-    let (losses, grads, failure) =
+    let (losses, grads, expert_load, failure) =
         match catch("the forward and backward passes", || accumulate(&model, shard, supervised, device)) {
-            Ok((losses, grads)) => (losses, grads, None),
-            Err(e) => (Vec::new(), GradientsParams::new(), Some(e)),
+            Ok((losses, grads, load)) => (losses, grads, load, None),
+            Err(e) => (Vec::new(), GradientsParams::new(), ExpertLoad::default(), Some(e)),
         };
+    // Summed on the host before the gradients' collective, which may fail on one replica and not another.
+    let routed = (rule.expert_bias_rate > 0.0).then(|| sync.sum_expert_loads(&expert_load));
     let grads = sync.all_reduce(&model, grads)?;
     if let Some(e) = failure {
         return Err(e);
     }
-    Ok(update(model, opt, &grads, losses, lr, max_norm))
+    let (model, outcome) = update(model, opt, &grads, losses, expert_load, rule);
+    let model = match routed {
+        Some(load) => rule.shift_expert_bias(model, &load),
+        None => model,
+    };
+    Ok((model, outcome))
 }
 
 #[cfg(test)]
@@ -325,5 +368,25 @@ mod tests {
             assert_eq!(trimmed.weights[part], whole.weights[kept]);
             assert!(whole.weights[dropped].iter().all(|&w| w == 0.0), "row {r}: a dropped position was supervised");
         }
+    }
+
+    /// The positions a batch's rows fill with documents are real, their padding is not, row by row.
+    #[test]
+    fn the_real_positions_are_each_row_s_documents() {
+        let rows = [row(&[3, 2], 16), row(&[7], 16), row(&[10, 6], 16)];
+        let refs: Vec<&Row> = rows.iter().collect();
+        let batch = MicroBatch::from_rows(&refs, 4);
+        assert_eq!(batch.seq, 16);
+        let real = batch.real_positions();
+        let runs: Vec<usize> = real.chunks(16).map(|r| r.iter().take_while(|&&x| x).count()).collect();
+        assert_eq!(runs, [5, 7, 16]);
+        assert_eq!(real.iter().filter(|&&x| x).count() as u64, batch.tokens);
+        // A trimmed batch: the longest row (7 tokens) runs at 8 positions.
+        let short = MicroBatch::from_rows(&refs[..2], 4);
+        assert_eq!(short.real_positions().iter().map(|&x| u8::from(x)).collect::<Vec<_>>(), {
+            let mut expect = vec![1, 1, 1, 1, 1, 0, 0, 0];
+            expect.extend([1, 1, 1, 1, 1, 1, 1, 0]);
+            expect
+        });
     }
 }

@@ -27,10 +27,11 @@ use super::state::{
     Position, TrainSource, is_complete_state, param_names, read_moments, read_position, restore_previous_state,
     write_state,
 };
-use super::step::{MicroBatch, NonFiniteLoss, ShardOutcome, StepOutcome, optimizer_step, shard_step};
+use super::step::{MicroBatch, NonFiniteLoss, ShardOutcome, StepOutcome, StepRule, optimizer_step, shard_step};
 use super::validation::Validator;
 use crate::backend::DeviceMemory;
 use crate::models::hf::{COMPANION_FILES, ExportDtype};
+use crate::models::routing::LoadBalance;
 use crate::models::weights::kept_in_f32;
 use crate::models::{CausalLm, ModelConfig, checkpoint_carried_bytes, checkpoint_tensor_sizes, load_model};
 use crate::tokens::shards::Row;
@@ -122,6 +123,16 @@ pub struct TrainConfig {
     /// Measure the validation split's loss every this many optimizer steps, besides the base model's and each
     /// epoch end's (which run whenever the data has a validation split).
     pub validation_every: Option<usize>,
+    /// After every step, move each MoE layer's expert bias this much toward an even load (up for experts the
+    /// step gave fewer tokens than the mean, down for busier ones: DeepSeek-V3's auxiliary-loss-free
+    /// balancing). 0, the default, keeps the checkpoint's bias, as transformers does. Left out of the saved
+    /// config at 0, so configs written before it read and hash as they did.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub expert_bias_rate: f64,
+}
+
+fn is_zero(value: &f64) -> bool {
+    *value == 0.0
 }
 
 impl TrainConfig {
@@ -172,11 +183,12 @@ impl TrainConfig {
         fraction("adamw.beta1", self.adamw.beta1, true)?;
         fraction("adamw.beta2", self.adamw.beta2, true)?;
         positive("adamw.eps", self.adamw.eps)?;
-        if !(self.adamw.weight_decay.is_finite() && self.adamw.weight_decay >= 0.0) {
-            return Err(format!(
-                "train.adamw.weight_decay is {}: it must be a finite number, 0 or more",
-                self.adamw.weight_decay
-            ));
+        for (name, value) in
+            [("adamw.weight_decay", self.adamw.weight_decay), ("expert_bias_rate", self.expert_bias_rate)]
+        {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(format!("train.{name} is {value}: it must be a finite number, 0 or more"));
+            }
         }
         Ok(())
     }
@@ -252,6 +264,7 @@ impl Default for TrainConfig {
             activation_checkpointing: false,
             devices: 1,
             validation_every: None,
+            expert_bias_rate: 0.0,
         }
     }
 }
@@ -270,6 +283,10 @@ pub struct StepMetrics {
     /// (6·params·tokens + 12·attention_layers·heads·head_dim·seq·tokens) / (seconds · peak); null on the CPU.
     pub mfu: Option<f64>,
     pub peak_memory_bytes: Option<u64>,
+    /// How evenly the step's MoE layers spread its tokens over their experts (`routing::LoadBalance`); absent
+    /// for a dense model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<LoadBalance>,
 }
 
 /// Tokens and supervised tokens over every step of a `metrics.jsonl`.
@@ -314,12 +331,11 @@ enum StepFailure {
     Error(TrainError),
 }
 
-/// One optimizer step's micro-batches, their supervised count, rate and clipping.
+/// One optimizer step's micro-batches, their supervised count, and how it updates the model.
 struct StepInputs {
     batches: Vec<MicroBatch>,
     supervised: f32,
-    lr: f64,
-    max_norm: Option<f64>,
+    rule: StepRule,
 }
 
 /// One optimizer step on every replica: micro-batch `i` on replica `i mod N`, replica 0's share here while
@@ -332,12 +348,12 @@ fn replicated_step<B: LinearCrossEntropy + DeviceMemory>(
     step: StepInputs,
     device: &B::Device,
 ) -> Result<(CausalLm<B>, Option<StepOutcome>), StepFailure> {
-    let StepInputs { batches, supervised, lr, max_norm } = step;
+    let StepInputs { batches, supervised, rule } = step;
     let mut shares = super::replicas::split(batches, replicas.count()).into_iter();
     let own = shares.next().unwrap_or_default();
-    replicas.send(shares.map(|batches| Share { batches, supervised, lr }).collect()).map_err(StepFailure::Error)?;
+    replicas.send(shares.map(|batches| Share { batches, supervised, rule }).collect()).map_err(StepFailure::Error)?;
     let own: Vec<(usize, &MicroBatch)> = own.iter().map(|(i, b)| (*i, b)).collect();
-    let mine = shard_step(model, opt, &own, supervised, lr, max_norm, device, sync);
+    let mine = shard_step(model, opt, &own, supervised, rule, device, sync);
     // Collected even when this replica failed: the others have finished the step too.
     let theirs: Result<Vec<_>, _> = replicas.collect().into_iter().collect();
     let (model, mine) = mine.map_err(StepFailure::Error)?;
@@ -464,16 +480,8 @@ impl<B: LinearCrossEntropy + DeviceMemory> ReplicaWork<B> for ReplicaSource {
     fn run(&self, state: &mut ReplicaState<B>, share: Share, sync: &GradientSync) -> ShareOutcome {
         let model = state.model.take().ok_or_else(|| TrainError::Device("the replica lost its model".into()))?;
         let batches: Vec<(usize, &MicroBatch)> = share.batches.iter().map(|(i, b)| (*i, b)).collect();
-        let (model, outcome) = shard_step(
-            model,
-            &mut state.opt,
-            &batches,
-            share.supervised,
-            share.lr,
-            self.cfg.max_grad_norm,
-            &state.device,
-            sync,
-        )?;
+        let (model, outcome) =
+            shard_step(model, &mut state.opt, &batches, share.supervised, share.rule, &state.device, sync)?;
         state.model = Some(model);
         Ok(outcome)
     }
@@ -483,6 +491,23 @@ impl<B: LinearCrossEntropy + DeviceMemory> ReplicaWork<B> for ReplicaSource {
         let ValidationShare { data, batches, micro_batch, pad_multiple } = share;
         Ok(super::validation::batch_sums(model, data, batches, *micro_batch, *pad_multiple, &state.device))
     }
+}
+
+/// A nonzero `expert_bias_rate` needs a model with an expert bias to move.
+fn check_expert_bias(cfg: &TrainConfig, model_dir: &Path) -> Result<(), TrainError> {
+    if cfg.expert_bias_rate == 0.0 {
+        return Ok(());
+    }
+    let config = ModelConfig::from_file(&model_dir.join("config.json"))?;
+    if config.has_expert_bias() {
+        return Ok(());
+    }
+    Err(TrainError::Config(format!(
+        "train.expert_bias_rate = {} moves an MoE's expert bias, and {} has none ({}): leave it at 0",
+        cfg.expert_bias_rate,
+        model_dir.display(),
+        if config.architecture() == "lfm2_moe" { "use_expert_bias is false" } else { "not an MoE" }
+    )))
 }
 
 /// Trains the checkpoint in `model_dir` on the shards in `data_dir`, writing into `run_dir`.
@@ -502,6 +527,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
 ) -> Result<(TrainSummary, CausalLm<B>), TrainError> {
     let started = Instant::now();
     cfg.check().map_err(TrainError::Config)?;
+    check_expert_bias(cfg, model_dir)?;
     let data = TrainData::load(data_dir)?;
     let validation = super::validation::load_split(data_dir)?;
     let global_batch = match cfg.global_batch_tokens {
@@ -658,12 +684,11 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             let tokens: u64 = batches.iter().map(|b| b.tokens).sum();
             let supervised: f32 = batches.iter().map(MicroBatch::supervised).sum();
             let lr = schedule.lr(position.global_step);
+            let rule = StepRule { lr, max_norm: cfg.max_grad_norm, expert_bias_rate: cfg.expert_bias_rate };
             let stepped = match &mut replicas {
-                None => optimizer_step(model, &mut opt, &batches, lr, cfg.max_grad_norm, device)
-                    .map_err(StepFailure::NonFinite),
+                None => optimizer_step(model, &mut opt, &batches, rule, device).map_err(StepFailure::NonFinite),
                 Some((replicas, sync)) => {
-                    let step = StepInputs { batches, supervised, lr, max_norm: cfg.max_grad_norm };
-                    replicated_step(model, &mut opt, replicas, sync, step, device)
+                    replicated_step(model, &mut opt, replicas, sync, StepInputs { batches, supervised, rule }, device)
                 }
             };
             let (updated, outcome) = stepped.map_err(|failure| match failure {
@@ -703,6 +728,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
                         .peak_tflops
                         .map(|p| flops.step_flops(tokens_f) / (secs.max(1e-9) * p * 1e12 * devices.len() as f64)),
                     peak_memory_bytes: peak.observe::<B>(device),
+                    experts: outcome.expert_load.balance(),
                 };
                 writeln!(metrics, "{}", serde_json::to_string(&line).unwrap_or_default())
                     .map_err(|e| TrainError::State { path: train_dir.clone(), message: e.to_string() })?;
@@ -814,6 +840,7 @@ mod tests {
             tokens_per_s: 1e3,
             mfu: None,
             peak_memory_bytes: None,
+            experts: None,
         };
         serde_json::to_string(&m).unwrap() + "\n"
     }

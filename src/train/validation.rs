@@ -1,8 +1,8 @@
 //! The validation loss: the held-out split's shards (`data/validation/`, which `kiln prepare` writes at a
 //! `validation_share`), the mean cross-entropy of their supervised tokens under the model as it stands
-//! (forward passes only, no graph kept), over the whole split and per data source, and
-//! `train/validation.jsonl`: a line for the base model before the first step, one at every epoch end (for
-//! `checkpoints/epoch-<k>`) and one every `validation_every` steps.
+//! (forward passes only, no graph kept), over the whole split and per data source, with an MoE's routing
+//! load over the split, and `train/validation.jsonl`: a line for the base model before the first step, one at
+//! every epoch end (for `checkpoints/epoch-<k>`) and one every `validation_every` steps.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -21,6 +21,7 @@ use super::linear_ce::LinearCrossEntropy;
 use super::optim::read_scalars;
 use super::replicas::{Replicas, ValidationShare, split};
 use super::step::{MicroBatch, supervised_loss};
+use crate::models::routing::{self, ExpertLoad};
 use crate::models::{CausalLm, SequenceLayout};
 use crate::tokens::prepare::VALIDATION_DIR;
 use crate::tokens::shards::Row;
@@ -40,6 +41,10 @@ pub struct ValidationPoint {
     /// The same by the source each document came from (ingest's source names: `terminal`, `toolbench`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub sources: BTreeMap<String, SourceLoss>,
+    /// Tokens of the split each expert of each MoE layer was given (none for a dense model): the same split
+    /// under every checkpoint, so the base's and the epochs' loads compare as they are.
+    #[serde(default, skip_serializing_if = "ExpertLoad::is_empty")]
+    pub expert_tokens: ExpertLoad,
     pub seconds: f64,
 }
 
@@ -128,9 +133,9 @@ impl Validator {
         bar: &ProgressBar,
     ) -> Result<ValidationPoint, TrainError> {
         let started = Instant::now();
-        let sources = match replicas {
-            None => source_losses(model, &self.data, self.micro_batch, self.pad_multiple, device),
-            Some(replicas) => self.shared_losses(model, device, replicas)?,
+        let SplitSums { sources, expert_load } = match replicas {
+            None => split_sums(model, &self.data, self.micro_batch, self.pad_multiple, device),
+            Some(replicas) => self.shared_sums(model, device, replicas)?,
         };
         let supervised_tokens: u64 = sources.values().map(|s| s.supervised_tokens).sum();
         let sum: f64 = sources.values().map(|s| s.loss * s.supervised_tokens as f64).sum();
@@ -149,13 +154,18 @@ impl Validator {
             loss,
             supervised_tokens,
             sources,
+            expert_tokens: expert_load,
             seconds: started.elapsed().as_secs_f64(),
         };
         record(&self.path, &point).map_err(|e| self.state_error(e))?;
         if self.show_progress {
+            let routing = point.expert_tokens.balance().map_or(String::new(), |b| {
+                format!(", expert MaxVio {:.3} (worst layer {} at {:.3})", b.max_vio, b.worst_layer, b.worst_max_vio)
+            });
             bar.suspend(|| {
                 eprintln!(
-                    "train: validation loss {loss:.4} at {what} over {supervised_tokens} supervised tokens ({:.1} s)",
+                    "train: validation loss {loss:.4} at {what} over {supervised_tokens} supervised tokens{routing} \
+                     ({:.1} s)",
                     point.seconds
                 )
             });
@@ -163,14 +173,14 @@ impl Validator {
         Ok(point)
     }
 
-    /// `source_losses` with micro-batch `i` on replica `i mod N` (round robin, as a step's), this one's share
+    /// `split_sums` with micro-batch `i` on replica `i mod N` (round robin, as a step's), this one's share
     /// run here while the others run theirs; the sums added in batch order, as on one device.
-    fn shared_losses<B: LinearCrossEntropy>(
+    fn shared_sums<B: LinearCrossEntropy>(
         &self,
         model: &CausalLm<B>,
         device: &B::Device,
         replicas: &mut Replicas<B>,
-    ) -> Result<BTreeMap<String, SourceLoss>, TrainError> {
+    ) -> Result<SplitSums, TrainError> {
         let numbers = |share: Vec<(usize, usize)>| share.into_iter().map(|(_, batch)| batch).collect::<Vec<_>>();
         let mut shares = split(0..batch_count(&self.data, self.micro_batch), replicas.count()).into_iter();
         let own = numbers(shares.next().unwrap_or_default());
@@ -199,8 +209,20 @@ impl Validator {
     }
 }
 
-/// One validation micro-batch's supervised cross-entropy sum and target count, by source.
-pub type BatchSums = Vec<(String, f32, u64)>;
+/// One validation micro-batch's supervised cross-entropy sum and target count by source, and what its MoE
+/// layers routed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BatchSums {
+    pub sources: Vec<(String, f32, u64)>,
+    pub expert_load: ExpertLoad,
+}
+
+/// A whole measure's figures: the mean loss and target count per source, and the routing load.
+#[derive(Debug, Clone, Default)]
+pub struct SplitSums {
+    pub sources: BTreeMap<String, SourceLoss>,
+    pub expert_load: ExpertLoad,
+}
 
 /// The validation micro-batches of `data`: `micro_batch` rows at a time, in file order.
 pub fn batch_count(data: &TrainData, micro_batch: usize) -> usize {
@@ -232,7 +254,8 @@ pub fn batch_sums<B: LinearCrossEntropy>(
         let batch = MicroBatch::from_rows(&rows, pad_multiple);
         let layout = SequenceLayout::from_doc_lengths(&batch.doc_lengths, batch.seq);
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(batch.ids.clone(), [batch.rows, batch.seq]), device);
-        let hidden = model.forward_hidden(input, &layout);
+        let mut expert_load = ExpertLoad::default();
+        let hidden = routing::tally(&mut expert_load, &batch.real_positions(), || model.forward_hidden(input, &layout));
         let mut names = Vec::new();
         let mut losses = Vec::new();
         for (source, weights) in source_weights(&rows, &batch) {
@@ -243,38 +266,43 @@ pub fn batch_sums<B: LinearCrossEntropy>(
             }
         }
         let sums = names.into_iter().zip(read_scalars(losses)).map(|((s, count), sum)| (s.to_string(), sum, count));
-        out.push((index, sums.collect()));
+        out.push((index, BatchSums { sources: sums.collect(), expert_load }));
     }
     out
 }
 
 /// The mean loss and target count per source from every batch's sums, added in f64 in batch order (the
-/// order one device adds them in, however the batches were shared out).
-pub fn merge_sums(mut sums: Vec<(usize, BatchSums)>) -> BTreeMap<String, SourceLoss> {
+/// order one device adds them in, however the batches were shared out), and the routing load of them all.
+pub fn merge_sums(mut sums: Vec<(usize, BatchSums)>) -> SplitSums {
     sums.sort_by_key(|(index, _)| *index);
     let mut totals: BTreeMap<String, (f64, u64)> = BTreeMap::new();
-    for (source, sum, count) in sums.into_iter().flat_map(|(_, batch)| batch) {
-        let entry = totals.entry(source).or_default();
-        entry.0 += f64::from(sum);
-        entry.1 += count;
+    let mut expert_load = ExpertLoad::default();
+    for (_, batch) in sums {
+        expert_load.add(&batch.expert_load);
+        for (source, sum, count) in batch.sources {
+            let entry = totals.entry(source).or_default();
+            entry.0 += f64::from(sum);
+            entry.1 += count;
+        }
     }
-    totals
+    let sources = totals
         .into_iter()
         .map(|(source, (sum, count))| {
             (source, SourceLoss { loss: sum / count.max(1) as f64, supervised_tokens: count })
         })
-        .collect()
+        .collect();
+    SplitSums { sources, expert_load }
 }
 
-/// The mean cross-entropy of `data`'s supervised targets under `model` and their count, per source, on one
-/// device.
-pub fn source_losses<B: LinearCrossEntropy>(
+/// The mean cross-entropy of `data`'s supervised targets under `model` and their count, per source, and the
+/// routing load, on one device.
+pub fn split_sums<B: LinearCrossEntropy>(
     model: &CausalLm<B>,
     data: &TrainData,
     micro_batch: usize,
     pad_multiple: usize,
     device: &B::Device,
-) -> BTreeMap<String, SourceLoss> {
+) -> SplitSums {
     let all: Vec<usize> = (0..batch_count(data, micro_batch)).collect();
     merge_sums(batch_sums(model, data, &all, micro_batch, pad_multiple, device))
 }
@@ -326,16 +354,22 @@ pub fn keep_through(path: &Path, step: usize) -> std::io::Result<()> {
     crate::files::retain_json_lines(path, |p: &ValidationPoint| p.step <= step)
 }
 
-/// The checkpoint label of the last point per checkpoint, as `(checkpoint, loss)` in file order.
-pub fn checkpoint_losses(points: &[ValidationPoint]) -> Vec<(String, f64)> {
-    let mut out: Vec<(String, f64)> = Vec::new();
+/// The last point measured for each checkpoint, labelled, in file order (a resumed run may have measured one
+/// again).
+pub fn checkpoint_points(points: &[ValidationPoint]) -> Vec<(&str, &ValidationPoint)> {
+    let mut out: Vec<(&str, &ValidationPoint)> = Vec::new();
     for p in points {
         if let Some(name) = &p.checkpoint {
             out.retain(|(n, _)| n != name);
-            out.push((name.clone(), p.loss));
+            out.push((name, p));
         }
     }
     out
+}
+
+/// The checkpoint label of the last point per checkpoint, as `(checkpoint, loss)` in file order.
+pub fn checkpoint_losses(points: &[ValidationPoint]) -> Vec<(String, f64)> {
+    checkpoint_points(points).into_iter().map(|(name, p)| (name.to_string(), p.loss)).collect()
 }
 
 #[cfg(test)]
@@ -350,6 +384,7 @@ mod tests {
             loss,
             supervised_tokens: 10,
             sources: BTreeMap::new(),
+            expert_tokens: ExpertLoad::default(),
             seconds: 0.1,
         }
     }

@@ -188,7 +188,8 @@ pub fn assert_replicas_train_as_one_device<B: LinearCrossEntropy + DeviceMemory>
                 let (a, b) = (a[field].as_f64().unwrap(), b[field].as_f64().unwrap());
                 assert!((a - b).abs() <= tolerance * a.abs(), "{name}: {field} {a} on one device, {b} on two");
             }
-            for counted in ["tokens", "supervised_tokens"] {
+            // The routing is counted in integers, each replica its own micro-batches' share.
+            for counted in ["tokens", "supervised_tokens", "experts"] {
                 assert_eq!(a[counted], b[counted], "{name}: {counted}");
             }
         }
