@@ -1455,7 +1455,7 @@ fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
         )
     })?;
     eprintln!(
-        "train: {} steps, {} epochs{} in {:.1}s; final loss {}{}; checkpoints: {}",
+        "train: {} steps, {} epochs{} in {:.1}s; final loss {}{}{}; checkpoints: {}",
         summary.steps,
         summary.epochs_done,
         match (summary.interrupted, cfg.save_state) {
@@ -1466,6 +1466,7 @@ fn train_cmd(args: TrainArgs, quiet: bool) -> Result<()> {
         summary.seconds,
         summary.final_loss.map(|l| format!("{l:.4}")).unwrap_or_else(|| "-".into()),
         summary.validation_loss.map(|l| format!(", validation loss {l:.4}")).unwrap_or_default(),
+        summary.expert_max_vio.map(|v| format!(", expert MaxVio {v:.3}")).unwrap_or_default(),
         summary.checkpoints.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
     );
     Ok(())

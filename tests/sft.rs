@@ -68,7 +68,10 @@ fn a_gemma4_model_runs_the_whole_pipeline() {
 /// goes into every step's metrics, every validation point and the card.
 #[test]
 fn an_lfm2_moe_model_runs_the_whole_pipeline() {
-    let (_dir, run) = assert_the_architecture_runs_the_whole_pipeline("tiny-moe", "fastmoe", "lfm2_moe", "lfm2_moe");
+    let (_dir, run, stderr) =
+        assert_the_architecture_runs_the_whole_pipeline("tiny-moe", "fastmoe", "lfm2_moe", "lfm2_moe");
+    let train_line = stderr.lines().find(|l| l.contains("train    done")).unwrap_or_default();
+    assert!(train_line.contains(", expert MaxVio ") && train_line.contains(" (base) → "), "{stderr}");
     let metrics = std::fs::read_to_string(run.join("train/metrics.jsonl")).unwrap();
     for line in metrics.lines() {
         let m: Value = serde_json::from_str(line).unwrap();
@@ -93,13 +96,13 @@ fn an_lfm2_moe_model_runs_the_whole_pipeline() {
 
 /// A CI-sized `model` (as `name`) is initialized, trained with a falling loss, exported as a `model_type`
 /// checkpoint each epoch, evaluated and carded with the `architecture` tag; returns the folder that holds the
-/// run (removed when dropped) and the run's.
+/// run (removed when dropped), the run's, and what the run printed.
 fn assert_the_architecture_runs_the_whole_pipeline(
     model: &str,
     name: &str,
     model_type: &str,
     architecture: &str,
-) -> (tempfile::TempDir, PathBuf) {
+) -> (tempfile::TempDir, PathBuf, String) {
     let dir = tempfile::tempdir().unwrap();
     let (pipeline, configs) = setup_model(dir.path(), model, name);
     let (p, c) = (pipeline.to_str().unwrap(), configs.to_str().unwrap());
@@ -125,7 +128,7 @@ fn assert_the_architecture_runs_the_whole_pipeline(
     assert!(last < first, "training does not lower the loss: {first} → {last}");
     let md = std::fs::read_to_string(run.join("README.md")).unwrap();
     assert!(md.contains(&format!("- {architecture}\n")), "{md}");
-    (dir, run)
+    (dir, run, stderr)
 }
 
 /// A checkpoint served from a loopback Hub: `hubtiny.toml` is fast.toml with `hub = "kiln-test/tiny-lfm2"`.

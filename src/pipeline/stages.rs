@@ -549,11 +549,12 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
         outputs.push("train/validation.jsonl".into());
     }
     let validation_text = summary.validation_loss.map(|l| format!(", validation loss {l:.4}")).unwrap_or_default();
+    let routing_text = routing_change(&points);
     Ok(StageOutcome {
         outputs,
         counts: json!({"steps": summary.steps, "epochs": summary.epochs_done, "final_loss": summary.final_loss, "validation_loss": validation, "tokens": totals.0, "supervised_tokens": totals.1, "train_seconds": summary.seconds, "device": ctx.device}),
         summary: format!(
-            "{} steps, {} epochs, final loss {}{validation_text}",
+            "{} steps, {} epochs, final loss {}{validation_text}{routing_text}",
             summary.steps,
             summary.epochs_done,
             summary.final_loss.map_or("-".into(), |l| format!("{l:.4}"))
@@ -563,6 +564,22 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
 
 /// Checks every exported epoch: the weights load, hold exactly the base checkpoint's tensor names, and
 /// the tokenizer and template files travelled with them.
+/// For an MoE, how its routing's MaxVio over the validation split went from the base to the last checkpoint
+/// measured (`, expert MaxVio 0.957 (base) → 1.475 (epoch-2)`); empty for a dense model.
+fn routing_change(points: &[crate::train::validation::ValidationPoint]) -> String {
+    let balances: Vec<(&str, f64)> = crate::train::validation::checkpoint_points(points)
+        .into_iter()
+        .filter_map(|(name, p)| Some((name, p.expert_tokens.balance()?.max_vio)))
+        .collect();
+    match (balances.first(), balances.last()) {
+        (Some(first), Some(last)) if balances.len() > 1 => {
+            format!(", expert MaxVio {:.3} ({}) → {:.3} ({})", first.1, first.0, last.1, last.0)
+        }
+        (Some((name, vio)), _) => format!(", expert MaxVio {vio:.3} ({name})"),
+        _ => String::new(),
+    }
+}
+
 fn export(ctx: &Context) -> Result<StageOutcome, PipelineError> {
     let err = fail(Stage::Export);
     let base = require_base(ctx, Stage::Export)?;

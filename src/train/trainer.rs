@@ -323,6 +323,9 @@ pub struct TrainSummary {
     /// The validation split's loss at the last measure (`train/validation.jsonl`); none without a split.
     #[serde(default)]
     pub validation_loss: Option<f64>,
+    /// An MoE's MaxVio over the validation split at the last measure (`routing::LoadBalance`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_max_vio: Option<f64>,
 }
 
 /// Why a step stopped the run: a non-finite loss, or a failure (a replica's).
@@ -655,6 +658,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             precision: cfg.precision,
             state_memory,
             validation_loss: validator.as_ref().and_then(Validator::last_loss),
+            expert_max_vio: validator.as_ref().and_then(Validator::last_balance).map(|b| b.max_vio),
         };
         write_summary(&train_dir, &summary).map(|()| summary)
     };
@@ -732,7 +736,8 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
                 };
                 writeln!(metrics, "{}", serde_json::to_string(&line).unwrap_or_default())
                     .map_err(|e| TrainError::State { path: train_dir.clone(), message: e.to_string() })?;
-                bar.set_message(format!("loss {:.4} lr {lr:.2e}", outcome.loss));
+                let routing = line.experts.map_or(String::new(), |b| format!(" MaxVio {:.2}", b.max_vio));
+                bar.set_message(format!("loss {:.4} lr {lr:.2e}{routing}", outcome.loss));
                 last_loss = Some(outcome.loss);
             }
             position.step_in_epoch += 1;

@@ -21,7 +21,7 @@ use super::linear_ce::LinearCrossEntropy;
 use super::optim::read_scalars;
 use super::replicas::{Replicas, ValidationShare, split};
 use super::step::{MicroBatch, supervised_loss};
-use crate::models::routing::{self, ExpertLoad};
+use crate::models::routing::{self, ExpertLoad, LoadBalance};
 use crate::models::{CausalLm, SequenceLayout};
 use crate::tokens::prepare::VALIDATION_DIR;
 use crate::tokens::shards::Row;
@@ -202,6 +202,11 @@ impl Validator {
     /// The loss last recorded.
     pub fn last_loss(&self) -> Option<f64> {
         read_points(&self.path).ok()?.last().map(|p| p.loss)
+    }
+
+    /// The routing balance last recorded (an MoE's).
+    pub fn last_balance(&self) -> Option<LoadBalance> {
+        read_points(&self.path).ok()?.last()?.expert_tokens.balance()
     }
 
     fn state_error(&self, e: std::io::Error) -> TrainError {
