@@ -92,6 +92,7 @@ fn an_lfm2_moe_model_runs_the_whole_pipeline() {
         "{md}"
     );
     assert!(md.contains("| base | ") && md.contains(" of 32 |"), "{md}");
+    assert!(md.contains("| MoE expert bias | kept as the base model had it (no balancing, as transformers) |"), "{md}");
 }
 
 /// A CI-sized `model` (as `name`) is initialized, trained with a falling loss, exported as a `model_type`

@@ -290,7 +290,7 @@ fn limitations(
             a.score, b.aggregate.score
         ));
     }
-    out.extend(routing_limitation(&inputs.validation, &chosen.model));
+    out.extend(routing_limitation(&inputs.validation, &chosen.model, config.train.expert_bias_rate));
     let epochs: Vec<(String, f64)> =
         checkpoint_losses(&inputs.validation).into_iter().filter(|(name, _)| name != "base").collect();
     for pair in epochs.windows(2).filter(|w| w[1].1 > w[0].1) {
@@ -318,9 +318,19 @@ fn limitations(
 /// fixed split moves a little with any update.
 const ROUTING_DRIFT: f64 = 1.25;
 
+/// The training row of how the run treated an MoE's expert bias (`train.expert_bias_rate`).
+fn expert_bias_line(rate: f64) -> String {
+    if rate > 0.0 {
+        format!("moved {rate} a step toward an even load (auxiliary-loss-free balancing, train.expert_bias_rate)")
+    } else {
+        "kept as the base model had it (no balancing, as transformers)".into()
+    }
+}
+
 /// A limitation when the `chosen` checkpoint routes the validation split markedly less evenly than the base
-/// model did (MaxVio up by `ROUTING_DRIFT` or more), or leaves experts without a token that the base used.
-fn routing_limitation(points: &[ValidationPoint], chosen: &str) -> Option<String> {
+/// model did (MaxVio up by `ROUTING_DRIFT` or more), or leaves experts without a token that the base used;
+/// `rate` is the run's `expert_bias_rate`.
+fn routing_limitation(points: &[ValidationPoint], chosen: &str, rate: f64) -> Option<String> {
     let checkpoints = checkpoint_points(points);
     let balance =
         |name: &str| checkpoints.iter().find(|(n, _)| *n == name).and_then(|(_, p)| p.expert_tokens.balance());
@@ -334,10 +344,17 @@ fn routing_limitation(points: &[ValidationPoint], chosen: &str) -> Option<String
         } else {
             String::new()
         };
+        let remedy = if rate > 0.0 {
+            format!("This is with the expert bias moved {rate} a step; a larger train.expert_bias_rate corrects faster")
+        } else {
+            "The expert bias was kept as the base model had it; train.expert_bias_rate moves it toward an even load \
+             (docs/TRAINING.md, MoE routing)"
+                .into()
+        };
         format!(
             "Fine-tuning made the MoE routing less even: MaxVio over the validation split went from {:.3} (base) \
-             to {:.3} ({chosen}), least even in layer {} ({:.3}){idle_text}. kiln, as transformers, keeps the \
-             expert bias the base model came with; the per-step figures are in train/metrics.jsonl (`experts`).",
+             to {:.3} ({chosen}), least even in layer {} ({:.3}){idle_text}. {remedy}; the per-step figures are in \
+             train/metrics.jsonl (`experts`).",
             base.max_vio, now.max_vio, now.worst_layer, now.worst_max_vio
         )
     })
@@ -587,6 +604,9 @@ fn markdown(
             ),
         ));
     }
+    if config.architecture == "lfm2_moe" {
+        details.push(("MoE expert bias", expert_bias_line(c.expert_bias_rate)));
+    }
     md.push('\n');
     md_table(&mut md, &["", ""], &details.into_iter().map(|(k, v)| vec![k.to_string(), v]).collect::<Vec<_>>());
     md.push_str("\n![training loss](card/loss.png)\n\n## Dataset\n\n");
@@ -747,19 +767,23 @@ mod tests {
         assert!(md.contains("| epoch-1 | 0.300 | layer 3: 0.500 | 0 of 8 |"), "{md}");
         assert!(md.contains("| epoch-2 | 0.750 | layer 2: 1.000 | 1 of 8 |"), "{md}");
         assert_eq!(md.matches("| epoch-1 |").count(), 1, "{md}");
-        assert_eq!(routing_limitation(&points, "epoch-1"), None);
-        let said = routing_limitation(&points, "epoch-2").unwrap();
+        assert_eq!(routing_limitation(&points, "epoch-1", 0.0), None);
+        let said = routing_limitation(&points, "epoch-2", 0.0).unwrap();
         assert!(
             said.contains(
                 "from 0.250 (base) to 0.750 (epoch-2), least even in layer 2 (1.000); 1 expert got no token (base: 0)"
-            ),
+            ) && said.contains("The expert bias was kept as the base model had it"),
             "{said}"
         );
+        let balanced = routing_limitation(&points, "epoch-2", 0.001).unwrap();
+        assert!(balanced.contains("This is with the expert bias moved 0.001 a step"), "{balanced}");
+        assert!(expert_bias_line(0.0).starts_with("kept as the base model had it"));
+        assert!(expert_bias_line(0.01).starts_with("moved 0.01 a step toward an even load"));
         let dense = ValidationPoint { expert_tokens: ExpertLoad::default(), ..base };
         let mut md = String::new();
         routing_table(&mut md, std::slice::from_ref(&dense));
         assert!(md.is_empty(), "{md}");
-        assert_eq!(routing_limitation(&[dense], "base"), None);
+        assert_eq!(routing_limitation(&[dense], "base", 0.0), None);
     }
 
     #[test]
