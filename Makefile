@@ -53,12 +53,14 @@ eval: build
 card: build
 	$(KILN) card --run runs/$(RUN)
 
-# Regenerate the committed synthetic samples and the tiny model's tokenizer (both deterministic: the
+# Regenerate the committed synthetic samples and the offline models' tokenizer (both deterministic: the
 # result must equal what is committed; tests check it).
+TINY_MODELS := tiny-qwen3.5 tiny-gemma4 tiny-moe
 samples: build
 	$(KILN) synth --out $(SAMPLES)
 	$(KILN) --quiet ingest --dataset terminal-synth,toolbench-synth --out runs/samples
 	$(KILN) tokenizer --data runs/samples/conversations.jsonl --out configs/models/tiny
+	for m in $(TINY_MODELS); do cp configs/models/tiny/tokenizer.json configs/models/tiny/tokenizer_config.json configs/models/$$m/; done
 
 # One test at a time: burn's CPU backend, driven from several threads at once, was seen to return wrong
 # gradients for its composed backward passes now and then (2 runs in 40 of the unit tests; none in 80 run

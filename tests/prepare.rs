@@ -344,12 +344,15 @@ fn the_tiny_tokenizer_is_reproducible_from_the_samples() {
     let (ok, _, stderr) =
         run_kiln(&["tokenizer", "--data", conv.to_str().unwrap(), "--out", out.to_str().unwrap()], &[], &project_dir());
     assert!(ok, "{stderr}");
-    for file in ["tokenizer.json", "tokenizer_config.json"] {
-        assert_eq!(
-            std::fs::read(out.join(file)).unwrap(),
-            std::fs::read(project_dir().join("configs/models/tiny").join(file)).unwrap(),
-            "configs/models/tiny/{file} is stale: run `make samples`"
-        );
+    // Every offline model shares the tokenizer.
+    for model in ["tiny", "tiny-qwen3.5", "tiny-gemma4", "tiny-moe"] {
+        for file in ["tokenizer.json", "tokenizer_config.json"] {
+            assert_eq!(
+                std::fs::read(out.join(file)).unwrap(),
+                std::fs::read(project_dir().join("configs/models").join(model).join(file)).unwrap(),
+                "configs/models/{model}/{file} is stale: run `make samples`"
+            );
+        }
     }
 
     // A vocabulary smaller than the bytes and special tokens, or no text at all, is refused.
