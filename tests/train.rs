@@ -163,7 +163,7 @@ fn a_data_parallel_run_resumes_bit_for_bit_and_uneven_shares_are_refused() {
 /// With data-parallel replicas each measures its share of the validation split's micro-batches, and the sums
 /// are added in batch order: the base model's point (four held-out rows of three sources, a replica's share
 /// two of them) is one device's bit for bit, the later ones within f32 rounding of it (the trained weights
-/// differ by the order of the gradient sums).
+/// differ by the order of the gradient sums). An MoE's routing counts over the split are one device's.
 #[test]
 fn replicas_share_the_validation_and_measure_what_one_device_does() {
     use kiln::train::validation::{points_path, read_points};
@@ -171,13 +171,17 @@ fn replicas_share_the_validation_and_measure_what_one_device_does() {
     let data = fixture_shards(dir.path(), 2);
     common::training::write_fixture_shards(&data.join("validation"), 2, 12, &["terminal", "toolbench", "ops"]);
     assert_eq!(kiln::train::data::TrainData::load(&data.join("validation")).unwrap().rows.len(), 4);
-    let points = |devices: usize| {
+    let points_of = |model: &str, devices: usize| {
         let cfg = TrainConfig { epochs: 2, devices, validation_every: Some(1), ..parity_config() };
-        let run_dir = dir.path().join(format!("run-{devices}"));
-        run::<CpuTrain>(&cfg, &data, &run_dir, false, None);
+        let run_dir = dir.path().join(format!("{model}-{devices}"));
+        run_model::<CpuTrain>(&fixture_dir().join(model), &cfg, &data, &run_dir, false, None);
         read_points(&points_path(&run_dir.join("train"))).unwrap()
     };
-    let (one, two) = (points(1), points(2));
+    // An MoE's routing over the split is each replica's batches' counts added: one device's exactly.
+    let (one, two) = (points_of("lfm2-moe-tiny", 1), points_of("lfm2-moe-tiny", 2));
+    assert!(!one[0].expert_tokens.is_empty());
+    assert_eq!(one[0].expert_tokens, two[0].expert_tokens);
+    let (one, two) = (points_of("lfm2-tiny", 1), points_of("lfm2-tiny", 2));
     assert_eq!(one.len(), 5);
     assert_eq!((one[0].loss.to_bits(), &one[0].sources), (two[0].loss.to_bits(), &two[0].sources));
     assert_eq!(one[0].sources.len(), 3);
