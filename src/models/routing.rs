@@ -117,8 +117,8 @@ impl Drop for TallyGuard {
 
 /// Runs `forward` (one forward pass over `real.len()` flattened positions, `real[p]` false for padding) and
 /// adds what its MoE layers routed to `load`. Not nested: a pass inside `forward` counts into the same tally.
-pub fn tally<T>(load: &mut ExpertLoad, real: &[bool], forward: impl FnOnce() -> T) -> T {
-    TALLY.with_borrow_mut(|t| *t = Some(Tally { real: real.to_vec(), load: ExpertLoad::default() }));
+pub fn tally<T>(load: &mut ExpertLoad, real: Vec<bool>, forward: impl FnOnce() -> T) -> T {
+    TALLY.with_borrow_mut(|t| *t = Some(Tally { real, load: ExpertLoad::default() }));
     let guard = TallyGuard;
     let out = forward();
     if let Some(counted) = TALLY.with_borrow_mut(Option::take) {
@@ -136,9 +136,7 @@ pub fn record(layer: usize, experts: usize, chosen: &[i64], top_k: usize) {
         let counts = t.load.0.entry(layer).or_insert_with(|| vec![0; experts]);
         for (slot, &expert) in chosen.iter().enumerate() {
             let real = t.real.get(slot / top_k.max(1)).copied().unwrap_or(true);
-            if let Some(count) = usize::try_from(expert).ok().and_then(|e| counts.get_mut(e))
-                && real
-            {
+            if real && let Some(count) = usize::try_from(expert).ok().and_then(|e| counts.get_mut(e)) {
                 *count += 1;
             }
         }
@@ -194,7 +192,7 @@ mod tests {
         let chosen = [0, 1, 1, 2, 3, 3];
         record(2, 4, &chosen, 2);
         let mut counted = ExpertLoad::default();
-        let out = tally(&mut counted, &[true, true, false], || {
+        let out = tally(&mut counted, vec![true, true, false], || {
             record(2, 4, &chosen, 2);
             record(4, 4, &[3, 2], 2);
             7
@@ -203,7 +201,7 @@ mod tests {
         assert_eq!(counted, load(&[(2, &[1, 2, 1, 0]), (4, &[0, 0, 1, 1])]));
         record(2, 4, &chosen, 2);
         let mut again = ExpertLoad::default();
-        tally(&mut again, &[], || ());
+        tally(&mut again, Vec::new(), || ());
         assert!(again.is_empty(), "records outside a tally are not kept: {again:?}");
     }
 
@@ -211,7 +209,7 @@ mod tests {
     fn a_panicking_pass_leaves_no_tally_behind() {
         let mut counted = ExpertLoad::default();
         let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            tally(&mut counted, &[true], || {
+            tally(&mut counted, vec![true], || {
                 record(1, 2, &[0], 1);
                 panic!("the device failed");
             })

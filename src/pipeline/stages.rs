@@ -567,15 +567,12 @@ fn train(ctx: &Context) -> Result<StageOutcome, PipelineError> {
 /// For an MoE, how its routing's MaxVio over the validation split went from the base to the last checkpoint
 /// measured (`, expert MaxVio 0.957 (base) → 1.475 (epoch-2)`); empty for a dense model.
 fn routing_change(points: &[crate::train::validation::ValidationPoint]) -> String {
-    let balances: Vec<(&str, f64)> = crate::train::validation::checkpoint_points(points)
-        .into_iter()
-        .filter_map(|(name, p)| Some((name, p.expert_tokens.balance()?.max_vio)))
-        .collect();
+    let balances = crate::train::validation::checkpoint_balances(points);
     match (balances.first(), balances.last()) {
-        (Some(first), Some(last)) if balances.len() > 1 => {
-            format!(", expert MaxVio {:.3} ({}) → {:.3} ({})", first.1, first.0, last.1, last.0)
+        (Some((first, a)), Some((last, b))) if balances.len() > 1 => {
+            format!(", expert MaxVio {:.3} ({first}) → {:.3} ({last})", a.max_vio, b.max_vio)
         }
-        (Some((name, vio)), _) => format!(", expert MaxVio {vio:.3} ({name})"),
+        (Some((name, b)), _) => format!(", expert MaxVio {:.3} ({name})", b.max_vio),
         _ => String::new(),
     }
 }

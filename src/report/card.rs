@@ -17,7 +17,9 @@ use crate::pipeline::ModelConfig;
 use crate::tokens::prepare::PrepareStats;
 use crate::train::TrainSummary;
 use crate::train::trainer::{StepMetrics, read_metrics};
-use crate::train::validation::{ValidationPoint, checkpoint_losses, checkpoint_points, points_path, read_points};
+use crate::train::validation::{
+    ValidationPoint, checkpoint_balances, checkpoint_losses, checkpoint_points, points_path, read_points,
+};
 
 /// What the card was made from, read from the run.
 pub struct CardInputs {
@@ -331,9 +333,8 @@ fn expert_bias_line(rate: f64) -> String {
 /// model did (MaxVio up by `ROUTING_DRIFT` or more), or leaves experts without a token that the base used;
 /// `rate` is the run's `expert_bias_rate`.
 fn routing_limitation(points: &[ValidationPoint], chosen: &str, rate: f64) -> Option<String> {
-    let checkpoints = checkpoint_points(points);
-    let balance =
-        |name: &str| checkpoints.iter().find(|(n, _)| *n == name).and_then(|(_, p)| p.expert_tokens.balance());
+    let balances = checkpoint_balances(points);
+    let balance = |name: &str| balances.iter().find(|(n, _)| *n == name).map(|(_, b)| *b);
     let (base, now) = (balance("base")?, balance(chosen)?);
     let uneven = now.max_vio >= base.max_vio * ROUTING_DRIFT && now.max_vio > base.max_vio;
     let idle = now.idle_experts > base.idle_experts;

@@ -204,7 +204,7 @@ fn accumulate<B: LinearCrossEntropy>(
     for &(micro, batch) in shard {
         let layout = SequenceLayout::from_doc_lengths(&batch.doc_lengths, batch.seq);
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(batch.ids.clone(), [batch.rows, batch.seq]), device);
-        let hidden = routing::tally(&mut expert_load, &batch.real_positions(), || model.forward_hidden(input, &layout));
+        let hidden = routing::tally(&mut expert_load, batch.real_positions(), || model.forward_hidden(input, &layout));
         let head = model.head_weight();
         let Some(loss) =
             supervised_loss(hidden, head, model.logit_softcap(), &batch.targets, &batch.weights, supervised)

@@ -648,6 +648,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     // A resumed run that takes no step (it was stopped at its end) ends with the loss its metrics end with.
     let finish = |position: &Position, final_loss: Option<f64>, checkpoints, interrupted| {
         let final_loss = final_loss.or_else(|| read_metrics(&metrics_path).ok()?.last().map(|m| m.loss));
+        let last_point = validator.as_ref().and_then(Validator::last_point);
         let summary = TrainSummary {
             steps: position.global_step,
             epochs_done: position.epoch,
@@ -657,8 +658,8 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
             seconds: elapsed(),
             precision: cfg.precision,
             state_memory,
-            validation_loss: validator.as_ref().and_then(Validator::last_loss),
-            expert_max_vio: validator.as_ref().and_then(Validator::last_balance).map(|b| b.max_vio),
+            validation_loss: last_point.as_ref().map(|p| p.loss),
+            expert_max_vio: last_point.and_then(|p| p.expert_tokens.balance()).map(|b| b.max_vio),
         };
         write_summary(&train_dir, &summary).map(|()| summary)
     };

@@ -199,14 +199,9 @@ impl Validator {
         Ok(merge_sums(sums))
     }
 
-    /// The loss last recorded.
-    pub fn last_loss(&self) -> Option<f64> {
-        read_points(&self.path).ok()?.last().map(|p| p.loss)
-    }
-
-    /// The routing balance last recorded (an MoE's).
-    pub fn last_balance(&self) -> Option<LoadBalance> {
-        read_points(&self.path).ok()?.last()?.expert_tokens.balance()
+    /// The point last recorded: its loss and, for an MoE, its routing.
+    pub fn last_point(&self) -> Option<ValidationPoint> {
+        read_points(&self.path).ok()?.pop()
     }
 
     fn state_error(&self, e: std::io::Error) -> TrainError {
@@ -260,7 +255,7 @@ pub fn batch_sums<B: LinearCrossEntropy>(
         let layout = SequenceLayout::from_doc_lengths(&batch.doc_lengths, batch.seq);
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(batch.ids.clone(), [batch.rows, batch.seq]), device);
         let mut expert_load = ExpertLoad::default();
-        let hidden = routing::tally(&mut expert_load, &batch.real_positions(), || model.forward_hidden(input, &layout));
+        let hidden = routing::tally(&mut expert_load, batch.real_positions(), || model.forward_hidden(input, &layout));
         let mut names = Vec::new();
         let mut losses = Vec::new();
         for (source, weights) in source_weights(&rows, &batch) {
@@ -370,6 +365,11 @@ pub fn checkpoint_points(points: &[ValidationPoint]) -> Vec<(&str, &ValidationPo
         }
     }
     out
+}
+
+/// An MoE's routing balance at each checkpoint that has one (`checkpoint_points`), in file order.
+pub fn checkpoint_balances(points: &[ValidationPoint]) -> Vec<(&str, LoadBalance)> {
+    checkpoint_points(points).into_iter().filter_map(|(name, p)| Some((name, p.expert_tokens.balance()?))).collect()
 }
 
 /// The checkpoint label of the last point per checkpoint, as `(checkpoint, loss)` in file order.
