@@ -86,6 +86,11 @@ fn an_lfm2_moe_model_runs_the_whole_pipeline() {
         .collect();
     assert_eq!(layers.len(), 3, "base, epoch-1, epoch-2");
     assert!(layers.iter().all(|l| l == &["2", "3", "4", "5"]), "{layers:?}");
+    // TensorBoard shows the same, the routing's MaxVio among the curves.
+    common::training::assert_events_show_the_records(&run);
+    let shown = kiln::train::tensorboard::scalars_as_shown(&run.join("train")).unwrap();
+    assert_eq!(shown["validation/expert_max_vio"].len(), 3);
+    assert_eq!(shown["train/expert_max_vio"].len(), metrics.lines().count());
     let md = std::fs::read_to_string(run.join("README.md")).unwrap();
     assert!(
         md.contains("| checkpoint | MaxVio, mean over layers | least even layer | experts given no token |"),

@@ -428,6 +428,9 @@ fn the_validation_loss_is_the_reference_loss_of_each_checkpoint() {
     let resumed = read_points(&points_path(&dir.path().join("resumed/train"))).unwrap();
     let key = |p: &kiln::train::validation::ValidationPoint| (p.step, p.checkpoint.clone(), p.loss);
     assert_eq!(resumed.iter().map(key).collect::<Vec<_>>(), points.iter().map(key).collect::<Vec<_>>());
+    for run in ["straight", "resumed"] {
+        common::training::assert_events_show_the_records(&dir.path().join(run));
+    }
 }
 
 #[test]

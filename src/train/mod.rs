@@ -1,7 +1,7 @@
 //! Full fine-tuning on burn: the loop (seeded epochs of shard rows, cross-entropy on supervised tokens in f32
 //! normalized by the whole optimizer step's supervised count, gradient accumulation, global-norm clipping,
-//! AdamW, warmup + decay), per-epoch HF exports, exact resume, and per-step metrics; on one device or as
-//! data-parallel replicas on several (`replicas`).
+//! AdamW, warmup + decay), per-epoch HF exports, exact resume, and per-step metrics (JSON lines and TensorBoard
+//! events); on one device or as data-parallel replicas on several (`replicas`).
 
 pub mod bench;
 pub mod data;
@@ -13,6 +13,7 @@ pub mod replicas;
 pub mod schedule;
 pub mod state;
 pub mod step;
+pub mod tensorboard;
 pub mod trainer;
 pub mod validation;
 

@@ -1,5 +1,6 @@
 //! The training loop and its run directory: `train/metrics.jsonl` (one line per optimizer step),
-//! `train/validation.jsonl` (the held-out split's loss, `validation`), `train/state/` (weights, AdamW moments
+//! `train/validation.jsonl` (the held-out split's loss, `validation`), both also as TensorBoard events
+//! (`tensorboard`), `train/state/` (weights, AdamW moments
 //! and position, for `--resume`; `train/state.previous/` while a new state replaces it),
 //! `checkpoints/epoch-<k>/` (HF exports).
 
@@ -28,6 +29,7 @@ use super::state::{
     write_state,
 };
 use super::step::{MicroBatch, NonFiniteLoss, ShardOutcome, StepOutcome, StepRule, optimizer_step, shard_step};
+use super::tensorboard::EventLog;
 use super::validation::Validator;
 use crate::backend::DeviceMemory;
 use crate::models::hf::{COMPANION_FILES, ExportDtype};
@@ -638,6 +640,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         .append(true)
         .open(&metrics_path)
         .map_err(|e| TrainError::State { path: metrics_path.clone(), message: e.to_string() })?;
+    let mut board = EventLog::open(&train_dir, resume.then_some(position.global_step))?;
     let mut checkpoints = Vec::new();
     let mut last_loss = None;
     let mut peak = PeakMemory::default();
@@ -666,7 +669,14 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
 
     // The base model's, before the first step (a run resumed at step 0 measures it again, recorded once).
     if let (Some(v), 0) = (&validator, position.global_step) {
-        v.measure(&model, device, replicas.as_mut().map(|(r, _)| r), 0, Some("base".into()), &bar)?;
+        board.validation(&v.measure(
+            &model,
+            device,
+            replicas.as_mut().map(|(r, _)| r),
+            0,
+            Some("base".into()),
+            &bar,
+        )?)?;
     }
     while position.epoch < cfg.epochs {
         let order = data.order(cfg.seed, position.epoch);
@@ -737,6 +747,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
                 };
                 writeln!(metrics, "{}", serde_json::to_string(&line).unwrap_or_default())
                     .map_err(|e| TrainError::State { path: train_dir.clone(), message: e.to_string() })?;
+                board.step(&line)?;
                 let routing = line.experts.map_or(String::new(), |b| format!(" MaxVio {:.2}", b.max_vio));
                 bar.set_message(format!("loss {:.4} lr {lr:.2e}{routing}", outcome.loss));
                 last_loss = Some(outcome.loss);
@@ -750,7 +761,9 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
                 && v.due(position.global_step)
                 && position.step_in_epoch < steps_per_epoch
             {
-                v.measure(&model, device, replicas.as_mut().map(|(r, _)| r), position.global_step, None, &bar)?;
+                let point =
+                    v.measure(&model, device, replicas.as_mut().map(|(r, _)| r), position.global_step, None, &bar)?;
+                board.validation(&point)?;
             }
             if cfg.save_state && cfg.save_every.is_some_and(|n| n > 0 && position.global_step % n == 0) {
                 write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;
@@ -763,7 +776,9 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
         checkpoints.push(out);
         if let Some(v) = &validator {
             let checkpoint = Some(format!("epoch-{}", position.epoch));
-            v.measure(&model, device, replicas.as_mut().map(|(r, _)| r), position.global_step, checkpoint, &bar)?;
+            let point =
+                v.measure(&model, device, replicas.as_mut().map(|(r, _)| r), position.global_step, checkpoint, &bar)?;
+            board.validation(&point)?;
         }
         if cfg.save_state {
             write_state(&state_dir, &model, &opt, &position, elapsed(), model_dir)?;

@@ -3,6 +3,7 @@
 //! and the checks that a backend trains to PyTorch's losses and parameters and resumes bit for bit; and the
 //! tiny shapes' benchmark steps on the vulkan device against the CPU's.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 
@@ -14,6 +15,7 @@ use kiln::tokens::shards::{Layout, ShardWriter};
 use kiln::train::bench::{BenchConfig, bench_on_device};
 use kiln::train::linear_ce::LinearCrossEntropy;
 use kiln::train::schedule::Decay;
+use kiln::train::tensorboard::{Event, EventBody, encode_event, record};
 use kiln::train::{Precision, TrainConfig, TrainSummary, train};
 use safetensors::SafeTensors;
 
@@ -196,6 +198,26 @@ pub fn assert_replicas_train_as_one_device<B: LinearCrossEntropy + DeviceMemory>
     }
 }
 
+/// What TensorBoard shows of the run at `run_dir` (its `train/` event files) is what its metrics.jsonl and
+/// validation.jsonl hold: every step and measure once, in order, whatever stops and resumes the run took.
+pub fn assert_events_show_the_records(run_dir: &Path) {
+    use kiln::train::tensorboard::{scalars_as_shown, step_scalars, validation_scalars};
+    let train = run_dir.join("train");
+    let mut want: std::collections::BTreeMap<String, Vec<(i64, f32)>> = Default::default();
+    for m in kiln::train::trainer::read_metrics(&train.join("metrics.jsonl")).unwrap() {
+        for (tag, value) in step_scalars(&m) {
+            want.entry(tag).or_default().push((m.step as i64 + 1, value));
+        }
+    }
+    for p in kiln::train::validation::read_points(&kiln::train::validation::points_path(&train)).unwrap() {
+        for (tag, value) in validation_scalars(&p) {
+            want.entry(tag).or_default().push((p.step as i64, value));
+        }
+    }
+    assert!(want.contains_key("train/loss"), "a run that took steps");
+    assert_eq!(scalars_as_shown(&train).unwrap(), want, "{}", train.display());
+}
+
 pub fn assert_resume_is_exact<B: LinearCrossEntropy + DeviceMemory>(cfg: &TrainConfig) {
     assert_resume_agrees::<B>(cfg, Agreement::BitForBit);
 }
@@ -220,8 +242,16 @@ pub fn assert_resume_agrees<B: LinearCrossEntropy + DeviceMemory>(cfg: &TrainCon
     std::fs::create_dir(train_dir.join("state.partial")).unwrap();
     std::fs::write(train_dir.join("state.partial/model.safetensors"), b"cut off").unwrap();
     assert!(kiln::train::state::saved_state(&dir.path().join("resumed")).is_some(), "the pipeline resumes it");
+    // Its TensorBoard events likewise: the step past the state, and a record cut off mid-write.
+    let events = kiln::train::tensorboard::event_files(&train_dir).unwrap();
+    let mut file = std::fs::OpenOptions::new().append(true).open(events.last().unwrap()).unwrap();
+    let stale = Event { wall_time: 1.0, step: 5, body: EventBody::Scalars(vec![("train/loss".into(), 99.0)]) };
+    file.write_all(&record(&encode_event(&stale))).unwrap();
+    file.write_all(&record(&encode_event(&stale))[..10]).unwrap();
     let (resumed, _) = run::<B>(cfg, &data, &dir.path().join("resumed"), true, None);
     assert!(!train_dir.join("state.previous").exists() && !train_dir.join("state.partial").exists());
+    assert_events_show_the_records(&dir.path().join("straight"));
+    assert_events_show_the_records(&dir.path().join("resumed"));
     assert_eq!(resumed.steps, straight.steps);
     let losses = |d: &str| metrics(&dir.path().join(d)).iter().map(|m| m["loss"].as_f64().unwrap()).collect::<Vec<_>>();
     let (a_losses, b_losses) = (losses("straight"), losses("resumed"));
