@@ -86,8 +86,7 @@ fn an_lfm2_moe_model_runs_the_whole_pipeline() {
         .collect();
     assert_eq!(layers.len(), 3, "base, epoch-1, epoch-2");
     assert!(layers.iter().all(|l| l == &["2", "3", "4", "5"]), "{layers:?}");
-    // TensorBoard shows the same, the routing's MaxVio among the curves.
-    common::training::assert_events_show_the_records(&run);
+    // TensorBoard shows the routing's MaxVio among the curves.
     let shown = kiln::train::tensorboard::scalars_as_shown(&run.join("train")).unwrap();
     assert_eq!(shown["validation/expert_max_vio"].len(), 3);
     assert_eq!(shown["train/expert_max_vio"].len(), metrics.lines().count());
@@ -134,6 +133,20 @@ fn assert_the_architecture_runs_the_whole_pipeline(
     assert!(last < first, "training does not lower the loss: {first} → {last}");
     let md = std::fs::read_to_string(run.join("README.md")).unwrap();
     assert!(md.contains(&format!("- {architecture}\n")), "{md}");
+    // TensorBoard: the steps and measures in train/, and the Scores in eval/ at the steps their checkpoints
+    // were taken (validation.jsonl's labels say which).
+    common::training::assert_events_show_the_records(&run);
+    let points = kiln::train::validation::read_points(&run.join("train/validation.jsonl")).unwrap();
+    let step_of = |name: &str| points.iter().find(|p| p.checkpoint.as_deref() == Some(name)).unwrap().step as i64;
+    let candidates = json(&run.join("selection.json"))["candidates"].as_array().unwrap().clone();
+    let scores: Vec<(i64, f32)> = candidates
+        .iter()
+        .map(|c| (step_of(c["name"].as_str().unwrap()), c["score"].as_f64().unwrap() as f32))
+        .collect();
+    assert_eq!(scores.len(), 3, "base, epoch-1, epoch-2");
+    let shown = kiln::train::tensorboard::scalars_as_shown(&run.join("eval")).unwrap();
+    assert_eq!(shown["eval/score"], scores);
+    assert_eq!(shown.len(), 6, "{:?}", shown.keys());
     (dir, run, stderr)
 }
 

@@ -2,7 +2,8 @@
 //! set (results cached in `eval/<name>.json`), the best epoch by Score wins (ties: recall, then precision,
 //! then valid JSON), and `selection.json` records every candidate, the choice, its margin and why. Results
 //! are compared only when they were measured alike, and a cached one only stands for the checkpoint as it
-//! was when it was written (its model card aside). Only the chosen epoch keeps a card.
+//! was when it was written (its model card aside). Only the chosen epoch keeps a card. The candidates'
+//! figures also go to TensorBoard events in `eval/`, at the steps their checkpoints were taken.
 
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
@@ -13,6 +14,7 @@ use serde_json::Value;
 use super::ScorerVersion;
 use super::result::{Aggregate, EvalResult, ReplayStep};
 use super::run::EvalOptions;
+use crate::train::tensorboard::EventLog;
 
 /// How a result was measured: on which replay file and steps, by which scorer, with the decoding settings
 /// that change what is generated (batch size, dtype and backend do not, beyond rounding).
@@ -288,6 +290,7 @@ pub fn select_run(
     remove_checkpoint_cards(run_dir, Some(&selection.chosen_path))
         .map_err(|(path, e)| format!("removing {}: {e}", path.display()))?;
     write_json(&run_dir.join("selection.json"), &selection)?;
+    write_score_events(run_dir, &selection)?;
     let best = run_dir.join("best");
     let _ = std::fs::remove_file(&best);
     let target = selection
@@ -297,6 +300,45 @@ pub fn select_run(
         .unwrap_or_else(|_| selection.chosen_path.clone());
     std::os::unix::fs::symlink(&target, &best).map_err(|e| format!("linking {}: {e}", best.display()))?;
     Ok(selection)
+}
+
+/// The candidates' figures as TensorBoard events in `<run>/eval/`, which TensorBoard shows as a run beside the
+/// training's `<run>/train`, at the steps the checkpoints were taken (0 for the base), so that Scores share
+/// the loss curves' axis. Nothing is written for a run without `train/metrics.jsonl` (no steps to put them at).
+fn write_score_events(run_dir: &Path, selection: &Selection) -> Result<(), String> {
+    let metrics_path = run_dir.join("train").join("metrics.jsonl");
+    let metrics = match crate::train::trainer::read_metrics(&metrics_path) {
+        Ok(metrics) => metrics,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(format!("{}: {e}", metrics_path.display())),
+    };
+    let ends = crate::train::trainer::epoch_end_steps(&metrics);
+    let step_of = |name: &str| match name.strip_prefix("epoch-") {
+        None => Some(0),
+        Some(k) => ends.get(k.parse::<usize>().ok()?.checked_sub(1)?).copied(),
+    };
+    let mut log = EventLog::open(&run_dir.join("eval"), None).map_err(|e| e.to_string())?;
+    for entry in &selection.candidates {
+        if let Some(step) = step_of(&entry.name) {
+            log.scalars(step, score_scalars(entry)).map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
+}
+
+/// A candidate's replay figures under `eval/`.
+pub fn score_scalars(entry: &Entry) -> Vec<(String, f32)> {
+    [
+        ("score", entry.score),
+        ("command_f1", entry.avg_command_f1),
+        ("command_precision", entry.avg_command_precision),
+        ("command_recall", entry.avg_command_recall),
+        ("first_command_exact_pct", entry.first_cmd_exact_pct),
+        ("valid_json_pct", entry.valid_json_pct),
+    ]
+    .into_iter()
+    .map(|(name, value)| (format!("eval/{name}"), value as f32))
+    .collect()
 }
 
 fn write_json(path: &Path, value: &impl Serialize) -> Result<(), String> {

@@ -81,12 +81,17 @@ impl EventLog {
 
     /// The scalars of one training step.
     pub fn step(&mut self, metrics: &StepMetrics) -> Result<(), TrainError> {
-        self.write(metrics.step + 1, EventBody::Scalars(step_scalars(metrics)))
+        self.scalars(metrics.step + 1, step_scalars(metrics))
     }
 
     /// The scalars of one validation measure.
     pub fn validation(&mut self, point: &ValidationPoint) -> Result<(), TrainError> {
-        self.write(point.step, EventBody::Scalars(validation_scalars(point)))
+        self.scalars(point.step, validation_scalars(point))
+    }
+
+    /// `values` (tag, value) at `step`.
+    pub fn scalars(&mut self, step: usize, values: Vec<(String, f32)>) -> Result<(), TrainError> {
+        self.write(step, EventBody::Scalars(values))
     }
 
     /// One event, stamped now, written whole and flushed, so that TensorBoard sees it while the run goes on.

@@ -1,8 +1,7 @@
 //! The training loop and its run directory: `train/metrics.jsonl` (one line per optimizer step),
 //! `train/validation.jsonl` (the held-out split's loss, `validation`), both also as TensorBoard events
-//! (`tensorboard`), `train/state/` (weights, AdamW moments
-//! and position, for `--resume`; `train/state.previous/` while a new state replaces it),
-//! `checkpoints/epoch-<k>/` (HF exports).
+//! (`tensorboard`), `train/state/` (weights, AdamW moments and position, for `--resume`;
+//! `train/state.previous/` while a new state replaces it), `checkpoints/epoch-<k>/` (HF exports).
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -300,6 +299,14 @@ pub fn metrics_totals(path: &Path) -> std::io::Result<(u64, u64)> {
 /// and the stage counts would otherwise leave its tokens out without a word.
 pub fn read_metrics(path: &Path) -> std::io::Result<Vec<StepMetrics>> {
     crate::files::parse_json_lines(&std::fs::read_to_string(path)?)
+}
+
+/// The steps taken when each epoch of `metrics` (a run's `metrics.jsonl`, in order) ended: `[k - 1]` is where
+/// `checkpoints/epoch-<k>` was exported. The last is where the metrics end, an epoch's end when the run
+/// finished it (as it did if that epoch's checkpoint exists).
+pub fn epoch_end_steps(metrics: &[StepMetrics]) -> Vec<usize> {
+    let ends = metrics.windows(2).filter(|pair| pair[1].epoch > pair[0].epoch).map(|pair| pair[0].step + 1);
+    ends.chain(metrics.last().map(|m| m.step + 1)).collect()
 }
 
 /// On resume, `metrics.jsonl` keeps only the steps before the saved position. A run killed rather than
@@ -669,14 +676,8 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
 
     // The base model's, before the first step (a run resumed at step 0 measures it again, recorded once).
     if let (Some(v), 0) = (&validator, position.global_step) {
-        board.validation(&v.measure(
-            &model,
-            device,
-            replicas.as_mut().map(|(r, _)| r),
-            0,
-            Some("base".into()),
-            &bar,
-        )?)?;
+        let point = v.measure(&model, device, replicas.as_mut().map(|(r, _)| r), 0, Some("base".into()), &bar)?;
+        board.validation(&point)?;
     }
     while position.epoch < cfg.epochs {
         let order = data.order(cfg.seed, position.epoch);
@@ -850,9 +851,13 @@ mod tests {
     use super::*;
 
     fn metrics_line(step: usize) -> String {
-        let m = StepMetrics {
+        serde_json::to_string(&step_metrics(step, 0)).unwrap() + "\n"
+    }
+
+    fn step_metrics(step: usize, epoch: usize) -> StepMetrics {
+        StepMetrics {
             step,
-            epoch: 0,
+            epoch,
             loss: 1.0 / (step + 1) as f64,
             lr: 1e-3,
             grad_norm: 1.0,
@@ -862,8 +867,16 @@ mod tests {
             mfu: None,
             peak_memory_bytes: None,
             experts: None,
-        };
-        serde_json::to_string(&m).unwrap() + "\n"
+        }
+    }
+
+    #[test]
+    fn epochs_end_where_the_next_begins_and_the_last_where_the_metrics_end() {
+        let metrics: Vec<StepMetrics> =
+            [0, 0, 0, 1, 1, 1, 2].iter().enumerate().map(|(s, &e)| step_metrics(s, e)).collect();
+        assert_eq!(epoch_end_steps(&metrics), [3, 6, 7]);
+        assert_eq!(epoch_end_steps(&metrics[..3]), [3]);
+        assert!(epoch_end_steps(&[]).is_empty());
     }
 
     /// A killed run's steps after its last saved state, and its line cut off mid-write, are not kept on
