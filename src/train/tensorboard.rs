@@ -5,10 +5,11 @@
 //! (0 is the base model).
 //!
 //! The format is written here by hand (TFRecord framing of `tensorflow.Event` protobufs, a few fields of four
-//! messages): the Rust crates for it are unmaintained (protobuf 2). A resumed run writes a new file that opens
-//! with a SessionLog START at the first step it takes, so TensorBoard drops what earlier files hold from there
-//! on (the steps a killed run took after its last saved state, which the resumed run takes again), as it does
-//! for a restarted TensorFlow job.
+//! messages): the Rust crates for it are unmaintained (protobuf 2). Every file opens with a SessionLog START
+//! at the first step it will hold, as TensorFlow's sessions do. TensorBoard takes a run's first START as its
+//! beginning and each later one as a restart, dropping what earlier files hold from its step on: so a resumed
+//! run, which writes a new file, replaces the steps a killed run took after its last saved state (the resumed
+//! run takes them again).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -52,9 +53,10 @@ pub struct EventLog {
 }
 
 impl EventLog {
-    /// A new event file in `dir`. A run that starts afresh (`resumed_at` none) first removes the event files
-    /// an earlier run left there; a run resumed after `resumed_at` steps opens its file with a SessionLog
-    /// START at step `resumed_at + 1`, or at 0 when no step was taken (the base model is measured again).
+    /// A new event file in `dir`, opened with a SessionLog START at the first step it will hold. A run that
+    /// starts afresh (`resumed_at` none) first removes the event files an earlier run left there, and starts
+    /// at 0; a run resumed after `resumed_at` steps starts at `resumed_at + 1`, or at 0 when no step was taken
+    /// (the base model is measured again).
     pub fn open(dir: &Path, resumed_at: Option<usize>) -> Result<Self, TrainError> {
         let error = |path: &Path, e: std::io::Error| state_error(path, e);
         if resumed_at.is_none() {
@@ -69,9 +71,8 @@ impl EventLog {
         let file = File::create(&path).map_err(|e| error(&path, e))?;
         let mut log = EventLog { file, path };
         log.write(0, EventBody::FileVersion(FILE_VERSION.into()))?;
-        if let Some(step) = resumed_at {
-            log.write(if step == 0 { 0 } else { step + 1 }, EventBody::SessionStart)?;
-        }
+        let first_step = resumed_at.map_or(0, |step| if step == 0 { 0 } else { step + 1 });
+        log.write(first_step, EventBody::SessionStart)?;
         Ok(log)
     }
 
@@ -125,15 +126,17 @@ pub fn event_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// The scalars TensorBoard shows of the run whose event files are in `dir`, by tag, as (step, value) in the
-/// order written: the files read in name order, and a SessionLog START dropping what came before it from its
-/// step on (TensorBoard's default `purge_orphaned_data`).
+/// The scalars TensorBoard's server shows of the run whose event files are in `dir`, by tag, as (step, value)
+/// in the order written: the files read in name order, and every SessionLog START after the first dropping
+/// what came before it from its step on (its default `purge_orphaned_data`; the first START begins the run).
 pub fn scalars_as_shown(dir: &Path) -> Result<BTreeMap<String, Vec<(i64, f32)>>, EventFileError> {
     let files = event_files(dir).map_err(|source| EventFileError::Io { path: dir.into(), source })?;
     let mut shown: BTreeMap<String, Vec<(i64, f32)>> = BTreeMap::new();
+    let mut started = false;
     for path in files {
         for event in read_events(&path)? {
             match event.body {
+                EventBody::SessionStart if !started => started = true,
                 EventBody::SessionStart => shown.values_mut().for_each(|v| v.retain(|&(step, _)| step < event.step)),
                 EventBody::Scalars(values) => {
                     for (tag, value) in values {
@@ -477,8 +480,9 @@ mod tests {
         assert!(dir.path().join("metrics.jsonl").exists());
         let events = read_events(&first).unwrap();
         assert_eq!(events[0].body, EventBody::FileVersion(FILE_VERSION.into()));
-        assert_eq!(events[1].step, 5, "a step's scalars sit at the steps taken");
-        let tags: Vec<(&str, f32)> = scalars(&events[1]).iter().map(|(t, v)| (t.as_str(), *v)).collect();
+        assert_eq!((events[1].step, &events[1].body), (0, &EventBody::SessionStart), "where the run begins");
+        assert_eq!(events[2].step, 5, "a step's scalars sit at the steps taken");
+        let tags: Vec<(&str, f32)> = scalars(&events[2]).iter().map(|(t, v)| (t.as_str(), *v)).collect();
         assert_eq!(
             tags,
             [
@@ -497,11 +501,14 @@ mod tests {
         let dense = step_scalars(&StepMetrics { mfu: None, peak_memory_bytes: None, ..metrics(0, None) });
         assert_eq!(dense.len(), 7, "no MFU, memory or routing where the step has none: {dense:?}");
 
+        assert_eq!(scalars_as_shown(dir.path()).unwrap()["train/loss"], [(5, 0.75)]);
         std::thread::sleep(std::time::Duration::from_millis(2));
         let resumed = EventLog::open(dir.path(), Some(4)).unwrap();
         assert_eq!(event_files(dir.path()).unwrap(), [first.clone(), resumed.path().to_path_buf()], "name order");
         let events = read_events(resumed.path()).unwrap();
         assert_eq!((events[1].step, &events[1].body), (5, &EventBody::SessionStart));
+        assert!(scalars_as_shown(dir.path()).unwrap()["train/loss"].is_empty(), "step 5 is to be taken again");
+        std::thread::sleep(std::time::Duration::from_millis(2));
         let at_base = EventLog::open(dir.path(), Some(0)).unwrap();
         let events = read_events(at_base.path()).unwrap();
         assert_eq!((events[1].step, &events[1].body), (0, &EventBody::SessionStart));
