@@ -327,7 +327,7 @@ fn write_score_events(run_dir: &Path, selection: &Selection) -> Result<(), Strin
 }
 
 /// A candidate's replay figures under `eval/`.
-pub fn score_scalars(entry: &Entry) -> Vec<(String, f32)> {
+fn score_scalars(entry: &Entry) -> Vec<(String, f32)> {
     [
         ("score", entry.score),
         ("command_f1", entry.avg_command_f1),
