@@ -46,7 +46,7 @@ pub struct Event {
     pub body: EventBody,
 }
 
-/// An event file being written in a run's `train/` folder.
+/// An event file being written in a run's `train/` (or, for the Scores, `eval/`) folder.
 pub struct EventLog {
     path: PathBuf,
     file: File,
@@ -58,17 +58,16 @@ impl EventLog {
     /// at 0; a run resumed after `resumed_at` steps starts at `resumed_at + 1`, or at 0 when no step was taken
     /// (the base model is measured again).
     pub fn open(dir: &Path, resumed_at: Option<usize>) -> Result<Self, TrainError> {
-        let error = |path: &Path, e: std::io::Error| state_error(path, e);
         if resumed_at.is_none() {
-            for path in event_files(dir).map_err(|e| error(dir, e))? {
-                crate::files::remove_if_present(&path).map_err(|e| error(&path, e))?;
+            for path in event_files(dir).map_err(|e| state_error(dir, e))? {
+                crate::files::remove_if_present(&path).map_err(|e| state_error(&path, e))?;
             }
         }
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
         // Zero-padded, so that TensorBoard, which reads a folder's files in name order, reads them in time order.
         let name = format!("events.out.{EVENT_FILE_MARK}.{:010}.{:06}.kiln", now.as_secs(), now.subsec_micros());
         let path = dir.join(name);
-        let file = File::create(&path).map_err(|e| error(&path, e))?;
+        let file = File::create(&path).map_err(|e| state_error(&path, e))?;
         let mut log = EventLog { file, path };
         log.write(0, EventBody::FileVersion(FILE_VERSION.into()))?;
         let first_step = resumed_at.map_or(0, |step| if step == 0 { 0 } else { step + 1 });
@@ -95,12 +94,12 @@ impl EventLog {
         self.write(step, EventBody::Scalars(values))
     }
 
-    /// One event, stamped now, written whole and flushed, so that TensorBoard sees it while the run goes on.
+    /// One event, stamped now, written whole at once (the file is unbuffered), so that TensorBoard sees it
+    /// while the run goes on.
     fn write(&mut self, step: usize, body: EventBody) -> Result<(), TrainError> {
         let wall_time = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64();
         let event = Event { wall_time, step: i64::try_from(step).unwrap_or(i64::MAX), body };
-        let written = self.file.write_all(&record(&encode_event(&event))).and_then(|()| self.file.flush());
-        written.map_err(|e| state_error(&self.path, e))
+        self.file.write_all(&record(&encode_event(&event))).map_err(|e| state_error(&self.path, e))
     }
 }
 
