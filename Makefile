@@ -23,7 +23,7 @@ endif
 
 SAMPLES := datasets/samples
 
-.PHONY: sft build plan inspect eval card samples test bench gpu-carry clean
+.PHONY: sft build plan inspect eval card chat samples test bench gpu-carry clean
 
 build:
 	$(CARGO) build --release $(FEATURES)
@@ -52,6 +52,11 @@ eval: build
 # The model card of a run (runs/$(RUN)/README.md).
 card: build
 	$(KILN) card --run runs/$(RUN)
+
+# Talk with a run's selected checkpoint (runs/$(RUN)/best, kiln chat): a line is a message, /reset starts
+# over, /exit ends; on the GPU in a CUDA build.
+chat: build
+	$(KILN) chat --model-dir runs/$(RUN)/best --device $(if $(FEATURES),cuda,cpu)
 
 # Regenerate the committed synthetic samples and the offline models' tokenizer (both deterministic: the
 # result must equal what is committed; tests check it).

@@ -59,8 +59,12 @@ enum Command {
     Tokenizer(TokenizerArgs),
     /// One forward pass of a checkpoint; writes the logits as safetensors (tensor `logits`, f32, [seq, vocab]).
     Logits(LogitsArgs),
-    /// Greedy generation with the cached decoder.
+    /// Generate from a prompt with the cached decoder, greedy or sampled as the checkpoint's
+    /// generation_config.json says (the flags override it); the text streams to stdout.
     Generate(GenerateArgs),
+    /// Talk with a checkpoint: each line of input is a user message, the reply streams back and the
+    /// conversation goes on (`/reset` starts over, `/exit` or end of input ends it).
+    Chat(ChatArgs),
     /// Load a checkpoint and write it back as an HF directory (dtype, sharding), as the trainer exports.
     Convert(ConvertArgs),
     /// Write a seeded random-init checkpoint for a config.json (the offline default's tiny model).
@@ -354,6 +358,75 @@ struct GenerateArgs {
     chat: bool,
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+/// How tokens are chosen: the checkpoint's generation_config.json (transformers' defaults for what it lacks:
+/// greedy; top-k 50 once sampling), then these.
+#[derive(Args)]
+struct SamplingArgs {
+    /// Greedy decoding whatever the checkpoint's generation_config.json says.
+    #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p", "min_p"])]
+    greedy: bool,
+    /// Sampling temperature; 0 means greedy. Any of these four given turns sampling on.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Keep the K most likely tokens (0: no limit).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Keep the most likely tokens whose probabilities add up to P (1: all).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Drop tokens less likely than P times the most likely one.
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Penalize tokens already in the prompt or reply (above 1), as transformers does; greedy too.
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
+    /// Seed of the draws (default: a fresh one, printed so the output can be had again).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The checkpoint's settings with these applied, and the seed.
+    fn picker(&self, model_dir: &Path) -> Result<(kiln::models::sampling::TokenPicker, u64)> {
+        use kiln::models::sampling::{GenerationSettings, SamplingOverrides, TokenPicker};
+        let overrides = SamplingOverrides {
+            greedy: self.greedy,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+        };
+        let settings = GenerationSettings::from_checkpoint(model_dir)?;
+        let settings = settings.overridden(&overrides).context("the sampling flags")?;
+        let seed = self.seed.unwrap_or_else(rand::random);
+        Ok((TokenPicker::new(settings, seed), seed))
+    }
+}
+
+#[derive(Args)]
+struct ChatArgs {
+    #[command(flatten)]
+    model: ModelDirArgs,
+    /// A system message opening the conversation.
+    #[arg(long)]
+    system: Option<String>,
+    /// Most tokens a reply may take.
+    #[arg(long, default_value_t = 512)]
+    max_tokens: usize,
+    /// Template thinking switch (`enable_thinking`); default: the template's own.
+    #[arg(long)]
+    enable_thinking: Option<bool>,
+    /// Write each conversation as a line of conversation JSONL (what `kiln render --input` reads), after
+    /// every reply.
+    #[arg(long)]
+    transcript: Option<PathBuf>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
 }
 
 #[derive(Args)]
@@ -697,6 +770,7 @@ fn run(cli: Cli, host_allocator: Option<&str>) -> Result<()> {
         Command::Tokenizer(args) => tokenizer_cmd(args),
         Command::Logits(args) => on_device(&args.model.device.clone(), Job::Logits(args)),
         Command::Generate(args) => on_device(&args.model.device.clone(), Job::Generate(args)),
+        Command::Chat(args) => on_device(&args.model.device.clone(), Job::Chat(args)),
         Command::Convert(args) => on_device(&args.model.device.clone(), Job::Convert(args)),
         Command::InitModel(args) => init_model(args),
         Command::Train(args) => train_cmd(args, cli.quiet),
@@ -1194,6 +1268,7 @@ fn tokenizer_cmd(args: TokenizerArgs) -> Result<()> {
 enum Job {
     Logits(LogitsArgs),
     Generate(GenerateArgs),
+    Chat(ChatArgs),
     Convert(ConvertArgs),
 }
 
@@ -1254,13 +1329,9 @@ fn run_job<B: kiln::models::ModelBackend>(device: &B::Device, job: Job) -> Resul
         }
         Job::Generate(args) => {
             let dir = &args.model.model_dir;
-            let (tokenizer, special) = model_tokenizer(dir)?;
+            let (tokenizer, _) = model_tokenizer(dir)?;
             let text = if args.chat {
-                let template = ChatTemplate::new(
-                    kiln::chat::template::find_template(dir, None, None)?,
-                    special,
-                    PinnedClock::now(),
-                )?;
+                let template = ChatTemplate::load(dir, None, PinnedClock::now())?;
                 let messages = vec![serde_json::json!({"role": "user", "content": args.prompt})];
                 template.render(&messages, None, true, &serde_json::Map::new())?.text
             } else {
@@ -1275,27 +1346,21 @@ fn run_job<B: kiln::models::ModelBackend>(device: &B::Device, job: Job) -> Resul
             if args.max_tokens == 0 {
                 bail!("--max-tokens is 0: there is nothing to generate");
             }
+            let (mut picker, seed) = args.sampling.picker(dir)?;
             let (config, model) = load_model::<B>(dir, device)?;
-            let context = config.max_position_embeddings();
-            if prompt.len() + args.max_tokens > context {
-                bail!(
-                    "the prompt has {} tokens; with --max-tokens {} it exceeds the context length {} of {} \
-                     (at most {} new tokens)",
-                    prompt.len(),
-                    args.max_tokens,
-                    context,
-                    dir.display(),
-                    context.saturating_sub(prompt.len())
-                );
-            }
-            let mut stop = vec![tokenizer.end_of_turn_id];
-            stop.extend(config.eos_token_id());
+            check_context(prompt.len(), args.max_tokens, config.max_position_embeddings(), dir)?;
+            let stop = stop_ids(&tokenizer, &config);
             let started = Instant::now();
-            let out = model.generate_greedy(&[prompt], args.max_tokens, &stop, device);
-            let generated = &out[0];
-            println!("{}", tokenizer.decode(generated));
-            eprintln!("generate: {} tokens in {:.2}s", generated.len(), started.elapsed().as_secs_f64());
+            let reply = stream_reply(&model, &tokenizer, prompt, args.max_tokens, &stop, &mut picker, device)?;
+            println!();
+            eprintln!(
+                "generate: {} tokens in {:.2}s, {}",
+                reply.len(),
+                started.elapsed().as_secs_f64(),
+                decoding_summary(&picker, seed)
+            );
         }
+        Job::Chat(args) => chat::<B>(args, device)?,
         Job::Convert(args) => {
             let dir = &args.model.model_dir;
             let dtype = match args.dtype {
@@ -1318,6 +1383,176 @@ fn run_job<B: kiln::models::ModelBackend>(device: &B::Device, job: Job) -> Resul
         }
     }
     Ok(())
+}
+
+/// Refuses a prompt that would run past the model's context with `max_tokens` more.
+fn check_context(prompt: usize, max_tokens: usize, context: usize, dir: &Path) -> Result<()> {
+    if prompt + max_tokens > context {
+        bail!(
+            "the prompt has {prompt} tokens; with --max-tokens {max_tokens} it exceeds the context length {context} \
+             of {} (at most {} new tokens)",
+            dir.display(),
+            context.saturating_sub(prompt)
+        );
+    }
+    Ok(())
+}
+
+/// The ids that end a reply: the template's end-of-turn token and the model's EOS.
+fn stop_ids(tokenizer: &TextTokenizer, config: &kiln::models::ModelConfig) -> Vec<u32> {
+    let mut stop = vec![tokenizer.end_of_turn_id];
+    stop.extend(config.eos_token_id());
+    stop
+}
+
+/// `greedy` or the sampling settings with the seed that repeats the draws.
+fn decoding_summary(picker: &kiln::models::sampling::TokenPicker, seed: u64) -> String {
+    let settings = &picker.settings;
+    if settings.do_sample { format!("{}, --seed {seed}", settings.describe()) } else { settings.describe() }
+}
+
+/// Generates a reply to `prompt`, its text printed to stdout as it comes (the stop token not shown);
+/// returns its ids, the stop token included when reached.
+fn stream_reply<B: kiln::models::ModelBackend>(
+    model: &kiln::models::CausalLm<B>,
+    tokenizer: &TextTokenizer,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    stop: &[u32],
+    picker: &mut kiln::models::sampling::TokenPicker,
+    device: &B::Device,
+) -> Result<Vec<u32>> {
+    let mut stream = tokenizer.stream();
+    let mut stdout = std::io::stdout().lock();
+    let mut failed = None;
+    let mut show = |piece: String, stdout: &mut std::io::StdoutLock| {
+        if failed.is_none() {
+            failed = stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()).err();
+        }
+    };
+    let on_token = |_, id| {
+        if !stop.contains(&id) {
+            show(stream.push(id), &mut stdout);
+        }
+    };
+    let out = model.generate(&[prompt], max_tokens, stop, picker, on_token, device);
+    show(stream.finish(), &mut stdout);
+    if let Some(e) = failed {
+        return Err(e).context("writing the reply to stdout");
+    }
+    Ok(out.into_iter().next().unwrap_or_default())
+}
+
+/// `kiln chat`: a conversation on stdin and stdout, the replies streamed, the transcript kept if asked.
+fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Result<()> {
+    use kiln::chat::session::{ChatLine, ChatSession, read_line};
+    use std::io::{BufRead, IsTerminal};
+    let dir = &args.model.model_dir;
+    if args.max_tokens == 0 {
+        bail!("--max-tokens is 0: a reply could hold nothing");
+    }
+    let (tokenizer, _) = model_tokenizer(dir)?;
+    let template = ChatTemplate::load(dir, None, PinnedClock::now())?;
+    let mut session = ChatSession::new(template, args.system.clone(), args.enable_thinking);
+    let (mut picker, seed) = args.sampling.picker(dir)?;
+    let transcript = args.transcript.as_deref().map(Transcript::open).transpose()?;
+    let (config, model) = kiln::models::load_model::<B>(dir, device)?;
+    let context = config.max_position_embeddings();
+    let stop = stop_ids(&tokenizer, &config);
+    eprintln!(
+        "kiln chat: {} ({}); a line is a message, a line ending in \\ goes on; /reset starts over, /exit or end of \
+         input ends",
+        dir.display(),
+        decoding_summary(&picker, seed)
+    );
+    let interactive = std::io::stdin().is_terminal();
+    let id = format!("chat-{}", chrono::Utc::now().format("%Y%m%dT%H%M%SZ"));
+    let mut finished: Vec<ChatInput> = Vec::new();
+    let mut lines = std::io::stdin().lock().lines();
+    loop {
+        if interactive {
+            eprint!("> ");
+        }
+        let Some(line) = read_line(&mut lines).context("reading stdin")? else { break };
+        let user = match line {
+            ChatLine::Exit => break,
+            ChatLine::Reset => {
+                if session.turns() > 0 {
+                    finished.push(session.transcript(&format!("{id}-{}", finished.len() + 1)));
+                }
+                session.reset();
+                eprintln!("(a new conversation)");
+                continue;
+            }
+            ChatLine::Message(user) => user,
+        };
+        // A template that refuses the message, or a conversation past the context, leaves it as it was.
+        let text = match session.prompt(&user) {
+            Ok(text) => text,
+            Err(e) => {
+                eprintln!("error: {}", kiln::errors::chain(&e));
+                continue;
+            }
+        };
+        let prompt = tokenizer.encode(&text)?.0;
+        if prompt.len() + args.max_tokens > context {
+            eprintln!(
+                "error: this turn would pass the context length {context} of {} ({} tokens of conversation, up to {} \
+                 for the reply): /reset to start over, or a smaller --max-tokens",
+                dir.display(),
+                prompt.len(),
+                args.max_tokens
+            );
+            continue;
+        }
+        let started = Instant::now();
+        let ids = stream_reply(&model, &tokenizer, prompt, args.max_tokens, &stop, &mut picker, device)?;
+        println!();
+        let stopped = ids.last().is_some_and(|t| stop.contains(t));
+        let reply = tokenizer.decode(&ids[..ids.len() - usize::from(stopped)]);
+        session.record(&user, &reply);
+        let seconds = started.elapsed().as_secs_f64();
+        let cut = if stopped { "" } else { ", cut at --max-tokens" };
+        eprintln!("[{} tokens in {seconds:.2}s{cut}]", ids.len());
+        if let Some(transcript) = &transcript {
+            let current = session.transcript(&format!("{id}-{}", finished.len() + 1));
+            transcript.write(finished.iter().chain([&current]))?;
+        }
+    }
+    Ok(())
+}
+
+/// A conversation JSONL file `kiln chat` keeps current: what the file held before, then this session's
+/// conversations, rewritten beside it and renamed after every reply.
+struct Transcript {
+    path: PathBuf,
+    earlier: String,
+}
+
+impl Transcript {
+    fn open(path: &Path) -> Result<Self> {
+        let mut earlier = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(e).with_context(|| format!("reading the transcript {}", path.display())),
+        };
+        if !earlier.is_empty() && !earlier.ends_with('\n') {
+            earlier.push('\n');
+        }
+        Ok(Transcript { path: path.to_path_buf(), earlier })
+    }
+
+    fn write<'a>(&self, conversations: impl Iterator<Item = &'a ChatInput>) -> Result<()> {
+        let mut text = self.earlier.clone();
+        for conversation in conversations {
+            text.push_str(&serde_json::to_string(conversation)?);
+            text.push('\n');
+        }
+        let mut partial = self.path.as_os_str().to_owned();
+        partial.push(".partial");
+        let written = std::fs::write(&partial, text).and_then(|_| std::fs::rename(&partial, &self.path));
+        written.with_context(|| format!("writing the transcript {}", self.path.display()))
+    }
 }
 
 fn init_model(args: InitModelArgs) -> Result<()> {

@@ -1,10 +1,10 @@
-//! `kiln logits`, `kiln generate`, `kiln convert` and `kiln init-model`: the tools a user checks a port or a
-//! checkpoint with, run as a user would. Also the committed result of reloading kiln's exports in
+//! `kiln logits`, `kiln generate`, `kiln chat`, `kiln convert` and `kiln init-model`: the tools a user checks
+//! a port or a checkpoint with, run as a user would. Also the committed result of reloading kiln's exports in
 //! transformers (tests/fixtures/lfm2/export_check.json, written by the fixture script).
 
 mod common;
 
-use common::{project_dir, run_kiln};
+use common::{project_dir, run_kiln, run_kiln_with_input};
 use safetensors::SafeTensors;
 use serde_json::Value;
 
@@ -194,4 +194,85 @@ fn info_reports_the_backends_and_the_switches() {
     assert_eq!(serde_json::from_str::<Value>(&stdout).unwrap()["scan_kernel"], "off");
     let (ok, _, stderr) = run_kiln(&["synth", "--out", "/nonexistent/x"], &[("KILN_SCAN_KERNEL", "no")], &cwd);
     assert!(!ok && stderr.contains("KILN_SCAN_KERNEL=\"no\": use on (the default) or off"), "{stderr}");
+}
+
+/// Sampling follows the flags over the checkpoint's generation_config.json and repeats with its seed; a chat
+/// keeps its conversation: each reply is what `kiln generate` continues from the conversation rendered so far,
+/// and the transcript holds each conversation after what the file held.
+#[test]
+fn generate_samples_as_configured_and_chat_keeps_the_conversation() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    let (ok, _, stderr) = run_kiln(
+        &["init-model", "--from", "configs/models/tiny", "--out", model.to_str().unwrap(), "--seed", "3"],
+        &[],
+        &project_dir(),
+    );
+    assert!(ok, "{stderr}");
+    let m = model.to_str().unwrap();
+    let generate = |extra: &[&str]| {
+        let mut args = vec!["generate", "--model-dir", m, "--max-tokens", "12"];
+        args.extend_from_slice(extra);
+        let (ok, stdout, stderr) = run_kiln(&args, &[], &project_dir());
+        assert!(ok, "{extra:?}: {stderr}");
+        (stdout, stderr)
+    };
+    let (greedy, stderr) = generate(&["--prompt", "ls", "--chat"]);
+    assert!(stderr.contains("generate: ") && stderr.trim_end().ends_with(", greedy"), "{stderr}");
+    let sample =
+        |seed: &str| generate(&["--prompt", "ls", "--chat", "--temperature", "1", "--top-k", "0", "--seed", seed]);
+    let (five, stderr) = sample("5");
+    assert!(stderr.contains("sampling (temperature 1), --seed 5"), "{stderr}");
+    assert_eq!(sample("5").0, five, "a seed repeats its draws");
+    assert_ne!(sample("6").0, five, "another seed draws other tokens");
+    assert_ne!(five, greedy);
+
+    // The checkpoint's own settings apply unless the flags say otherwise.
+    let config = model.join("generation_config.json");
+    std::fs::write(&config, r#"{"do_sample": true, "temperature": 0.7, "top_p": 0.9, "eos_token_id": 7}"#).unwrap();
+    let (_, stderr) = generate(&["--prompt", "ls", "--chat", "--seed", "1"]);
+    assert!(stderr.contains("sampling (temperature 0.7, top-k 50, top-p 0.9), --seed 1"), "{stderr}");
+    assert_eq!(generate(&["--prompt", "ls", "--chat", "--greedy"]).0, greedy);
+    assert_eq!(generate(&["--prompt", "ls", "--chat", "--temperature", "0"]).0, greedy);
+    std::fs::write(&config, r#"{"do_sample": true, "top_p": 2}"#).unwrap();
+    let (ok, _, stderr) = run_kiln(&["generate", "--model-dir", m, "--prompt", "ls"], &[], &project_dir());
+    assert!(!ok && stderr.contains("generation_config.json: top_p = 2: must lie in [0, 1]"), "{stderr}");
+    let (ok, _, stderr) =
+        run_kiln(&["generate", "--model-dir", m, "--prompt", "ls", "--greedy", "--top-p", "0.5"], &[], &project_dir());
+    assert!(!ok && stderr.contains("cannot be used with"), "{stderr}");
+    std::fs::remove_file(&config).unwrap();
+
+    let transcript = dir.path().join("chats.jsonl");
+    let earlier = r#"{"id":"earlier","messages":[{"role":"user","content":"hi"}]}"#;
+    std::fs::write(&transcript, earlier).unwrap();
+    let chat_args =
+        ["chat", "--model-dir", m, "--greedy", "--max-tokens", "12", "--transcript", transcript.to_str().unwrap()];
+    let (ok, stdout, stderr) = run_kiln_with_input(&chat_args, "ls\n/reset\nls\n\npwd \\\n-P\n", &project_dir());
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("(a new conversation)") && stderr.matches(" tokens in ").count() == 3, "{stderr}");
+    let lines: Vec<Value> =
+        std::fs::read_to_string(&transcript).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    assert_eq!(lines[0]["id"], "earlier");
+    let roles =
+        |line: &Value| line["messages"].as_array().unwrap().iter().map(|m| m["role"].clone()).collect::<Vec<_>>();
+    assert_eq!(roles(&lines[1]), ["user", "assistant"]);
+    assert_eq!(roles(&lines[2]), ["user", "assistant", "user", "assistant"]);
+    assert_eq!(lines[2]["messages"][2]["content"], "pwd \n-P");
+    // The third reply continues the second conversation as the template renders it.
+    let template = kiln::chat::ChatTemplate::load(&model, None, kiln::chat::PinnedClock::now()).unwrap();
+    let history = &lines[2]["messages"].as_array().unwrap()[..3];
+    let prompt = template.render(history, None, true, &serde_json::Map::new()).unwrap().text;
+    let (third, _) = generate(&["--prompt", &prompt]);
+    assert_eq!(stdout, format!("{greedy}{greedy}{third}"));
+    assert_eq!(lines[2]["messages"][3]["content"].as_str().unwrap(), third.strip_suffix('\n').unwrap());
+
+    // A turn past the context is refused and the chat goes on.
+    let (ok, stdout, stderr) = run_kiln_with_input(
+        &["chat", "--model-dir", m, "--max-tokens", "100000000"],
+        "ls\n/exit\nls\n",
+        &project_dir(),
+    );
+    assert!(ok && stdout.is_empty(), "{stderr}");
+    assert!(stderr.contains("error: this turn would pass the context length"), "{stderr}");
 }

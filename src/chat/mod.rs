@@ -1,10 +1,12 @@
 //! Chat rendering exactly as inference will see it: a transformers-compatible template environment, the
-//! template and special tokens of a checkpoint, the thinking policy, and the samples with the byte spans
-//! they supervise. Needs no weights; tokenization and masks over tokens live in `tokens`.
+//! template and special tokens of a checkpoint, the thinking policy, the samples with the byte spans they
+//! supervise, and a conversation turn by turn (`kiln chat`). Needs no weights; tokenization and masks over
+//! tokens live in `tokens`.
 
 pub mod env;
 pub mod python;
 pub mod samples;
+pub mod session;
 pub mod template;
 
 use std::path::{Path, PathBuf};

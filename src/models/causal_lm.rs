@@ -1,5 +1,5 @@
 //! One handle over the architectures for the stages that do not care which one they run: loading by
-//! `model_type`, seeded random init, the forward pass, greedy decoding, checkpoint names, and export of a
+//! `model_type`, seeded random init, the forward pass, decoding (greedy or sampled), checkpoint names, and export of a
 //! trained model as an HF directory (text weights from the model, other towers carried from the source).
 
 use std::collections::BTreeMap;
@@ -12,13 +12,14 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, DType, FloatDType, Int, Tensor};
 
 use super::config::{ModelConfig, outside_text_tower};
-use super::decode::generate_greedy;
+use super::decode::{generate, generate_greedy};
 use super::gemma4::Gemma4Model;
 use super::hf::{ExportDtype, HfEntry, HfNamed, StreamedTensor, export_streamed, streamed_hf_tensors};
 use super::layers::{head_logits, soft_cap};
 use super::lfm2::Lfm2Model;
 use super::qwen3_5::Qwen35Model;
 use super::routing::ExpertLoad;
+use super::sampling::TokenPicker;
 use super::weights::{
     HostTensor, Init, RandomInit, TensorSource, WeightStore, gemma4_init, kept_in_f32, lfm2_init, qwen3_5_init,
 };
@@ -177,6 +178,24 @@ impl<B: ModelBackend> CausalLm<B> {
             CausalLm::Lfm2(m) => generate_greedy(m, prompts, max_tokens, stop, device),
             CausalLm::Qwen35(m) => generate_greedy(m, prompts, max_tokens, stop, device),
             CausalLm::Gemma4(m) => generate_greedy(m, prompts, max_tokens, stop, device),
+        }
+    }
+
+    /// Decoding with `picker`'s settings, each token told to `on_token(row, id)` as it is chosen (see
+    /// `decode::generate`).
+    pub fn generate(
+        &self,
+        prompts: &[Vec<u32>],
+        max_tokens: usize,
+        stop: &[u32],
+        picker: &mut TokenPicker,
+        on_token: impl FnMut(usize, u32),
+        device: &B::Device,
+    ) -> Vec<Vec<u32>> {
+        match self {
+            CausalLm::Lfm2(m) => generate(m, prompts, max_tokens, stop, picker, on_token, device),
+            CausalLm::Qwen35(m) => generate(m, prompts, max_tokens, stop, picker, on_token, device),
+            CausalLm::Gemma4(m) => generate(m, prompts, max_tokens, stop, picker, on_token, device),
         }
     }
 

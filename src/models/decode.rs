@@ -1,7 +1,7 @@
 //! Cached decoding: per layer a KV cache (attention; Gemma 4's KV-sharing layers read their source's), the
 //! last `L-1` conv inputs (LFM2 conv, DeltaNet conv) and the `[dk × dv]` state per head (DeltaNet); batched
 //! prompts of different lengths (left-padded; padding is masked out and never enters an attention cache)
-//! and greedy generation. Incremental logits equal the full forward's.
+//! and generation, greedy or sampled (`sampling`). Incremental logits equal the full forward's.
 
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
@@ -13,6 +13,7 @@ use super::layers::{RopeTables, SequenceLayout, causal_depthwise_conv_cached, he
 use super::lfm2::{Attention, FeedForward, Lfm2Model, Mixer, ShortConv};
 use super::ops::ModelBackend;
 use super::qwen3_5::{GatedAttention, GatedDeltaNet, Qwen35Mixer, Qwen35Model, SCAN_CHUNK};
+use super::sampling::TokenPicker;
 use crate::backend::{host_tensor, zeros_in};
 
 /// What a batch has decoded so far: per row, which cached positions are real tokens (padding is not).
@@ -465,6 +466,22 @@ pub fn generate_greedy<B: Backend, M: CachedDecoding<B>>(
     stop: &[u32],
     device: &B::Device,
 ) -> Vec<Vec<u32>> {
+    generate(model, prompts, max_tokens, stop, &mut TokenPicker::greedy(), |_, _| {}, device)
+}
+
+/// Decoding of a batch of prompts with `picker`'s settings (`sampling`): each row stops at any of `stop` ids
+/// or after `max_tokens`, and `on_token(row, id)` hears every token as it is chosen (to stream it). Returns
+/// the generated ids per prompt (stop token included when reached). Plain greedy decoding takes the argmax
+/// on the device; anything else reads each step's last logits back and processes them on the host.
+pub fn generate<B: Backend, M: CachedDecoding<B>>(
+    model: &M,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    stop: &[u32],
+    picker: &mut TokenPicker,
+    mut on_token: impl FnMut(usize, u32),
+    device: &B::Device,
+) -> Vec<Vec<u32>> {
     let batch = prompts.len();
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let pad = 0i64;
@@ -482,15 +499,26 @@ pub fn generate_greedy<B: Backend, M: CachedDecoding<B>>(
     let mut done = vec![false; batch];
     let mut input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, longest]), device);
     let mut step_valid = valid;
+    let mut history: Vec<Vec<u32>> = prompts.to_vec();
     for _ in 0..max_tokens {
         let logits = model.forward_cached(input, &step_valid, &mut cache);
         let [_, s, vocab] = logits.dims();
         let last = logits.narrow(1, s - 1, 1).reshape([batch, vocab]);
-        let next: Vec<i64> = last.argmax(1).into_data().convert::<i64>().to_vec().unwrap_or_default();
+        let next: Vec<u32> = if picker.settings.is_plain_greedy() {
+            let ids: Vec<i64> = last.argmax(1).into_data().convert::<i64>().to_vec().unwrap_or_default();
+            ids.into_iter().map(|t| t as u32).collect()
+        } else {
+            let mut scores: Vec<f32> = last.into_data().convert::<f32>().to_vec().unwrap_or_default();
+            let rows = scores.chunks_mut(vocab).zip(&history);
+            // Finished rows draw nothing, so a row's tokens do not depend on when the others stop.
+            rows.zip(&done).map(|((row, seen), &finished)| if finished { 0 } else { picker.pick(row, seen) }).collect()
+        };
         for row in 0..batch {
             if !done[row] {
-                let t = next[row] as u32;
+                let t = next[row];
                 out[row].push(t);
+                history[row].push(t);
+                on_token(row, t);
                 done[row] = stop.contains(&t);
             }
         }
@@ -498,7 +526,7 @@ pub fn generate_greedy<B: Backend, M: CachedDecoding<B>>(
             break;
         }
         // Finished rows keep decoding a padding token that nothing attends to.
-        let tokens: Vec<i64> = (0..batch).map(|r| if done[r] { pad } else { next[r] }).collect();
+        let tokens: Vec<i64> = (0..batch).map(|r| if done[r] { pad } else { next[r] as i64 }).collect();
         step_valid = (0..batch).map(|r| vec![!done[r]]).collect();
         input = Tensor::from_data(TensorData::new(tokens, [batch, 1]), device);
     }

@@ -23,6 +23,7 @@ pub mod lfm2;
 pub mod ops;
 pub mod qwen3_5;
 pub mod routing;
+pub mod sampling;
 pub mod weights;
 
 use std::path::{Path, PathBuf};

@@ -10,7 +10,7 @@ pub mod tokenizer;
 use std::path::PathBuf;
 
 pub use mask::{TokenSample, tokenize_sample};
-pub use tokenizer::TextTokenizer;
+pub use tokenizer::{TextStream, TextTokenizer};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenError {

@@ -154,6 +154,11 @@ impl TextTokenizer {
         self.inner.decode(ids, false).unwrap_or_default()
     }
 
+    /// Text of generated tokens as they come, to print piece by piece (`TextStream`).
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream { tokenizer: self, ids: Vec::new(), shown: String::new() }
+    }
+
     /// Decodes without special tokens, as generated text is read for scoring.
     pub fn decode_skip_special(&self, ids: &[u32]) -> String {
         self.inner.decode(ids, true).unwrap_or_default()
@@ -168,5 +173,72 @@ impl TextTokenizer {
             end_of_turn_id: self.end_of_turn_id,
             pad_id: self.pad_id,
         }
+    }
+}
+
+/// Generated text printed as it grows: each token's piece is the decoded sequence past what was shown, held
+/// back while it ends in an incomplete character (a byte-level token sequence cut inside a UTF-8 character
+/// decodes to U+FFFD until the character's last byte comes). Decoding the whole sequence each time keeps
+/// the decoder's rules for spaces and merges exact.
+pub struct TextStream<'a> {
+    tokenizer: &'a TextTokenizer,
+    ids: Vec<u32>,
+    shown: String,
+}
+
+impl TextStream<'_> {
+    /// The text `id` adds that is ready to show (empty while a character is incomplete).
+    pub fn push(&mut self, id: u32) -> String {
+        self.ids.push(id);
+        let text = self.tokenizer.decode(&self.ids);
+        if text.ends_with('\u{FFFD}') {
+            return String::new();
+        }
+        self.take(text)
+    }
+
+    /// What is left to show once generation ends (an incomplete character as U+FFFD).
+    pub fn finish(&mut self) -> String {
+        let text = self.tokenizer.decode(&self.ids);
+        self.take(text)
+    }
+
+    /// The part of `text` after what was shown. Should a later token rewrite text already shown (a decoder
+    /// whose output is not prefix-stable), what follows the common part is shown.
+    fn take(&mut self, text: String) -> String {
+        let common = self.shown.char_indices().zip(text.char_indices()).find(|((_, a), (_, b))| a != b);
+        let from = match common {
+            Some(((i, _), _)) => i,
+            None => self.shown.len().min(text.len()),
+        };
+        let piece = text.get(from..).unwrap_or_default().to_string();
+        self.shown = text;
+        piece
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pieces add up to the decoded text, and none shows half a character, though the tiny BPE cuts
+    /// multi-byte characters into byte tokens.
+    #[test]
+    fn a_stream_shows_whole_characters_and_adds_up_to_the_decoded_text() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/tiny");
+        let tokenizer = TextTokenizer::load(&dir, &SpecialTokens::load(&dir).unwrap(), None).unwrap();
+        let text = "naïve café → ü 日本語 ls -la<|im_end|>";
+        let ids = tokenizer.encode(text).unwrap().0;
+        assert!(
+            ids.iter().any(|&id| tokenizer.decode(&[id]).contains('\u{FFFD}')),
+            "some token holds part of a character"
+        );
+        let mut stream = tokenizer.stream();
+        let mut pieces: Vec<String> = ids.iter().map(|&id| stream.push(id)).collect();
+        pieces.push(stream.finish());
+        assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
+        assert!(pieces.iter().filter(|p| p.is_empty()).count() > 1, "pieces were held back: {pieces:?}");
+        assert_eq!(pieces.concat(), tokenizer.decode(&ids));
+        assert_eq!(pieces.concat(), text);
     }
 }

@@ -724,6 +724,24 @@ pub fn run_kiln(args: &[&str], envs: &[(&str, &str)], cwd: &Path) -> (bool, Stri
     (status.success(), stdout, stderr)
 }
 
+/// `run_kiln` (no Hub variables, the given ones set) with `stdin` as its input.
+pub fn run_kiln_with_input(args: &[&str], stdin: &str, cwd: &Path) -> (bool, String, String) {
+    use std::io::Write;
+    let mut child = std::process::Command::new(kiln_bin())
+        .args(args)
+        .current_dir(cwd)
+        .env_remove("HF_TOKEN")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run kiln");
+    child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+    let out = child.wait_with_output().expect("kiln ends");
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    (out.status.success(), text(&out.stdout), text(&out.stderr))
+}
+
 /// `run_kiln` with the exit status itself (kiln's are 1 for an error, 3 for a run the device's memory
 /// cannot hold, 101 for a panic).
 pub fn run_kiln_status(args: &[&str], envs: &[(&str, &str)], cwd: &Path) -> (std::process::ExitStatus, String, String) {
