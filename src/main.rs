@@ -546,6 +546,10 @@ struct TrainArgs {
     warmup_ratio: Option<f64>,
     #[arg(long, value_enum)]
     decay: Option<kiln::train::schedule::Decay>,
+    /// Decay over the last this share of the steps, the peak held before it (warmup-stable-decay; 1: every
+    /// step after warmup).
+    #[arg(long)]
+    decay_ratio: Option<f64>,
     #[arg(long)]
     weight_decay: Option<f64>,
     /// Sequences per optimizer step.
@@ -1577,7 +1581,19 @@ fn train_config(args: &TrainArgs) -> Result<kiln::train::TrainConfig> {
     macro_rules! set {
         ($($field:ident),*) => { $(if let Some(v) = args.$field { cfg.$field = v; })* };
     }
-    set!(epochs, lr, warmup_ratio, decay, global_batch, micro_batch, pad_multiple, seed, export_dtype, devices);
+    set!(
+        epochs,
+        lr,
+        warmup_ratio,
+        decay,
+        decay_ratio,
+        global_batch,
+        micro_batch,
+        pad_multiple,
+        seed,
+        export_dtype,
+        devices
+    );
     if let Some(wd) = args.weight_decay {
         cfg.adamw.weight_decay = wd;
     }

@@ -525,7 +525,10 @@ fn kiln_train_lowers_the_loss_on_the_synthetic_sample() {
     let base = p.join("base");
     kiln(&["init-model", "--from", "configs/models/tiny", "--out", base.to_str().unwrap()]);
     let config = p.join("train.toml");
-    std::fs::write(&config, "[train]\nepochs = 1\nlr = 3e-3\nglobal_batch = 4\nmicro_batch = 2\nwarmup_ratio = 0.0\nexport_dtype = \"f32\"\n").unwrap();
+    // Warmup-stable-decay: the peak held for the first half, then 1-sqrt decay.
+    let train_toml = "[train]\nepochs = 1\nlr = 3e-3\nglobal_batch = 4\nmicro_batch = 2\nwarmup_ratio = 0.0\n\
+                      decay = \"1-sqrt\"\ndecay_ratio = 0.5\nexport_dtype = \"f32\"\n";
+    std::fs::write(&config, train_toml).unwrap();
     let run_dir = p.join("run");
     let stderr = kiln(&[
         "train",
@@ -558,6 +561,13 @@ fn kiln_train_lowers_the_loss_on_the_synthetic_sample() {
     let last = m.last().unwrap()["loss"].as_f64().unwrap();
     assert!(last < first - 0.5, "loss {first} → {last}");
     assert_eq!(m[0]["lr"].as_f64().unwrap(), 3e-3);
+    let schedule =
+        kiln::train::schedule::Schedule::new(3e-3, 0.0, 0, 0.5, m.len(), kiln::train::schedule::Decay::OneMinusSqrt);
+    for (step, record) in m.iter().enumerate() {
+        let lr = record["lr"].as_f64().unwrap();
+        assert!((lr - schedule.lr(step)).abs() <= 1e-12, "step {step}: lr {lr}, schedule {}", schedule.lr(step));
+    }
+    assert!(m[m.len() / 2 - 1]["lr"].as_f64() == Some(3e-3) && m[m.len() - 1]["lr"].as_f64() < Some(1e-3));
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run_dir.join("train/summary.json")).unwrap()).unwrap();
     assert_eq!(summary["epochs_done"], 1);

@@ -572,13 +572,17 @@ fn markdown(
         (
             "learning rate",
             format!(
-                "{} peak, {:?} decay to {} × peak, warmup {}",
+                "{} peak, {} decay{} to {} × peak, warmup {}",
                 c.lr,
-                c.decay,
+                c.decay.name(),
+                if c.decay_ratio < 1.0 {
+                    format!(" over the last {} of steps (the peak held before)", percent(c.decay_ratio))
+                } else {
+                    String::new()
+                },
                 c.min_lr_ratio,
                 c.warmup_steps.map_or(format!("{} of steps", percent(c.warmup_ratio)), |s| format!("{s} steps"))
-            )
-            .to_lowercase(),
+            ),
         ),
         ("AdamW", adamw_line(&c.adamw)),
         ("precision", precision_line(inputs.train.precision)),

@@ -88,6 +88,12 @@ pub struct TrainConfig {
     pub warmup_ratio: f64,
     pub warmup_steps: Option<usize>,
     pub decay: Decay,
+    /// The share of all steps, at the end, over which the rate decays (rounded up, never into the warmup);
+    /// before it the rate holds at the peak (warmup-stable-decay). 1, the default, decays over every step
+    /// after warmup, and is left out of the saved config, so configs written before it read and hash as
+    /// they did.
+    #[serde(skip_serializing_if = "is_one")]
+    pub decay_ratio: f64,
     pub adamw: AdamWConfig,
     /// Sequences (packed rows) per optimizer step.
     pub global_batch: usize,
@@ -136,6 +142,10 @@ fn is_zero(value: &f64) -> bool {
     *value == 0.0
 }
 
+fn is_one(value: &f64) -> bool {
+    *value == 1.0
+}
+
 impl TrainConfig {
     /// The config as it runs on `device` (`precision = "auto"` resolved): what a saved state records and a
     /// resume compares against.
@@ -175,6 +185,15 @@ impl TrainConfig {
         positive("lr", self.lr)?;
         fraction("min_lr_ratio", self.min_lr_ratio, false)?;
         fraction("warmup_ratio", self.warmup_ratio, false)?;
+        if !(self.decay_ratio.is_finite() && self.decay_ratio > 0.0 && self.decay_ratio <= 1.0) {
+            return Err(format!("train.decay_ratio is {}: it must be above 0 and at most 1", self.decay_ratio));
+        }
+        if self.decay == Decay::Constant && self.decay_ratio != 1.0 {
+            return Err(format!(
+                "train.decay_ratio is {} with decay = \"constant\": a constant rate has no decay phase",
+                self.decay_ratio
+            ));
+        }
         if let Some(norm) = self.max_grad_norm {
             positive("max_grad_norm", norm)?;
         }
@@ -238,6 +257,13 @@ fn settings(cfg: &TrainConfig) -> Vec<(String, serde_json::Value)> {
     }
     let mut out = Vec::new();
     walk("train", serde_json::to_value(cfg).unwrap_or_default(), &mut out);
+    // The keys a saved config leaves out at their defaults (so configs from before them hash the same) are
+    // settings all the same.
+    for (name, value) in [("train.decay_ratio", cfg.decay_ratio), ("train.expert_bias_rate", cfg.expert_bias_rate)] {
+        if !out.iter().any(|(n, _)| n == name) {
+            out.push((name.to_string(), serde_json::json!(value)));
+        }
+    }
     out
 }
 
@@ -250,6 +276,7 @@ impl Default for TrainConfig {
             warmup_ratio: 0.03,
             warmup_steps: None,
             decay: Decay::Cosine,
+            decay_ratio: 1.0,
             adamw: AdamWConfig::default(),
             global_batch: 8,
             global_batch_tokens: None,
@@ -629,8 +656,7 @@ pub fn train<B: LinearCrossEntropy + DeviceMemory>(
     }
 
     let warmup = cfg.warmup_steps.unwrap_or_else(|| (cfg.warmup_ratio * total_steps as f64).ceil() as usize);
-    let schedule =
-        Schedule { peak: cfg.lr, min_ratio: cfg.min_lr_ratio, warmup_steps: warmup, total_steps, decay: cfg.decay };
+    let schedule = Schedule::new(cfg.lr, cfg.min_lr_ratio, warmup, cfg.decay_ratio, total_steps, cfg.decay);
     let flops = StepFlops::of(&model, &config, data.seq_len);
     if show_progress {
         eprintln!("train: {}", state_memory.summary());
@@ -923,6 +949,21 @@ mod tests {
         assert!(resumable.continues(&saved) && resumable.changes_from(&saved).is_empty());
     }
 
+    /// A warmup-stable-decay config reads from TOML (`decay = "1-sqrt"`, `decay_ratio`); the default
+    /// `decay_ratio` is left out of a saved config, so one saved before the key existed reads and hashes the same.
+    #[test]
+    fn the_decay_phase_reads_and_the_default_saves_as_before() {
+        let wsd: TrainConfig = toml::from_str("decay = \"1-sqrt\"\ndecay_ratio = 0.2").unwrap();
+        assert_eq!((wsd.decay, wsd.decay_ratio), (Decay::OneMinusSqrt, 0.2));
+        assert!(serde_json::to_string(&wsd).unwrap().contains("\"decay\":\"1-sqrt\",\"decay_ratio\":0.2"));
+        let plain = serde_json::to_value(TrainConfig::default()).unwrap();
+        assert!(plain.get("decay_ratio").is_none(), "{plain}");
+        assert_eq!(serde_json::from_value::<TrainConfig>(plain).unwrap(), TrainConfig::default());
+        let changed = TrainConfig { decay_ratio: 0.5, ..TrainConfig::default() };
+        assert_eq!(changed.changes_from(&TrainConfig::default()), ["train.decay_ratio 1.0 there, 0.5 now"]);
+        assert_eq!(TrainConfig::default().changes_from(&changed), ["train.decay_ratio 0.5 there, 1.0 now"]);
+    }
+
     /// `max_grad_norm = 0` turns clipping off; without the key the default clips at 1; a saved config (JSON,
     /// where no clipping is null) reads back the same.
     #[test]
@@ -959,6 +1000,12 @@ mod tests {
             (TrainConfig { lr: -1e-5, ..ok.clone() }, "train.lr is -0.00001"),
             (TrainConfig { warmup_ratio: 2.0, ..ok.clone() }, "train.warmup_ratio is 2"),
             (TrainConfig { min_lr_ratio: -0.1, ..ok.clone() }, "train.min_lr_ratio is -0.1"),
+            (TrainConfig { decay_ratio: 0.0, ..ok.clone() }, "train.decay_ratio is 0: it must be above 0"),
+            (TrainConfig { decay_ratio: 1.5, ..ok.clone() }, "train.decay_ratio is 1.5"),
+            (
+                TrainConfig { decay: Decay::Constant, decay_ratio: 0.2, ..ok.clone() },
+                "a constant rate has no decay phase",
+            ),
             (TrainConfig { max_grad_norm: Some(-1.0), ..ok.clone() }, "train.max_grad_norm is -1"),
             (TrainConfig { peak_tflops: Some(f64::INFINITY), ..ok.clone() }, "train.peak_tflops is inf"),
             (TrainConfig { adamw: AdamWConfig { beta2: 1.0, ..ok.adamw }, ..ok.clone() }, "adamw.beta2 is 1"),
