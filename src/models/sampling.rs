@@ -241,7 +241,9 @@ fn keep_top_k(scores: &mut [f32], k: usize) {
 /// removed while the mass up to and including it is at most `1 − top_p`; the most likely always stays.
 fn keep_top_p(scores: &mut [f32], top_p: f32) {
     let probs = softmax(scores);
-    let mut order: Vec<usize> = (0..scores.len()).collect();
+    // Tokens already removed carry no mass: only the others are ordered (after top-k, a few dozen of a
+    // vocabulary of 10⁵).
+    let mut order: Vec<usize> = (0..scores.len()).filter(|&i| scores[i] > f32::NEG_INFINITY).collect();
     order.sort_by(|&a, &b| scores[a].total_cmp(&scores[b]));
     let limit = 1.0 - top_p as f64;
     let mut mass = 0.0;
