@@ -1355,7 +1355,8 @@ fn run_job<B: kiln::models::ModelBackend>(device: &B::Device, job: Job) -> Resul
             check_context(prompt.len(), args.max_tokens, config.max_position_embeddings(), dir)?;
             let stop = stop_ids(&tokenizer, &config);
             let started = Instant::now();
-            let reply = stream_reply(&model, &tokenizer, prompt, args.max_tokens, &stop, &mut picker, device)?;
+            let never = std::sync::atomic::AtomicBool::new(false);
+            let reply = stream_reply(&model, &tokenizer, prompt, args.max_tokens, &stop, &mut picker, &never, device)?;
             println!();
             eprintln!(
                 "generate: {} tokens in {:.2}s, {}",
@@ -1415,8 +1416,9 @@ fn decoding_summary(picker: &kiln::models::sampling::TokenPicker, seed: u64) -> 
     if settings.do_sample { format!("{}, --seed {seed}", settings.describe()) } else { settings.describe() }
 }
 
-/// Generates a reply to `prompt`, its text printed to stdout as it comes (the stop token not shown);
-/// returns its ids, the stop token included when reached.
+/// Generates a reply to `prompt`, its text printed to stdout as it comes (the stop token not shown), until a
+/// stop token, `max_tokens`, or `interrupt` is raised; returns its ids, the stop token included when reached.
+#[allow(clippy::too_many_arguments)]
 fn stream_reply<B: kiln::models::ModelBackend>(
     model: &kiln::models::CausalLm<B>,
     tokenizer: &TextTokenizer,
@@ -1424,6 +1426,7 @@ fn stream_reply<B: kiln::models::ModelBackend>(
     max_tokens: usize,
     stop: &[u32],
     picker: &mut kiln::models::sampling::TokenPicker,
+    interrupt: &std::sync::atomic::AtomicBool,
     device: &B::Device,
 ) -> Result<Vec<u32>> {
     let mut stream = tokenizer.stream();
@@ -1438,6 +1441,7 @@ fn stream_reply<B: kiln::models::ModelBackend>(
         if !stop.contains(&id) {
             show(stream.push(id), &mut stdout);
         }
+        !interrupt.load(std::sync::atomic::Ordering::SeqCst)
     };
     let out = model.generate(&[prompt], max_tokens, stop, picker, on_token, device);
     show(stream.finish(), &mut stdout);
@@ -1451,6 +1455,7 @@ fn stream_reply<B: kiln::models::ModelBackend>(
 fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Result<()> {
     use kiln::chat::session::{ChatLine, ChatSession, read_line};
     use std::io::{BufRead, IsTerminal};
+    use std::sync::atomic::{AtomicBool, Ordering};
     let dir = &args.model.model_dir;
     if args.max_tokens == 0 {
         bail!("--max-tokens is 0: a reply could hold nothing");
@@ -1463,9 +1468,23 @@ fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Re
     let (config, model) = kiln::models::load_model::<B>(dir, device)?;
     let context = config.max_position_embeddings();
     let stop = stop_ids(&tokenizer, &config);
+    // Ctrl-C during a reply ends the reply (what was shown is kept); at the prompt it ends the chat, whose
+    // transcript is already written.
+    let replying = std::sync::Arc::new(AtomicBool::new(false));
+    let interrupted = std::sync::Arc::new(AtomicBool::new(false));
+    let (in_reply, stop_reply) = (replying.clone(), interrupted.clone());
+    ctrlc::set_handler(move || {
+        if in_reply.load(Ordering::SeqCst) {
+            stop_reply.store(true, Ordering::SeqCst);
+        } else {
+            eprintln!();
+            std::process::exit(130);
+        }
+    })
+    .context("installing the Ctrl-C handler")?;
     eprintln!(
-        "kiln chat: {} ({}); a line is a message, a line ending in \\ goes on; /reset starts over, /exit or end of \
-         input ends",
+        "kiln chat: {} ({}); a line is a message, a line ending in \\ goes on; /reset starts over, Ctrl-C stops a \
+         reply, /exit or end of input ends",
         dir.display(),
         decoding_summary(&picker, seed)
     );
@@ -1510,13 +1529,21 @@ fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Re
             continue;
         }
         let started = Instant::now();
-        let ids = stream_reply(&model, &tokenizer, prompt, args.max_tokens, &stop, &mut picker, device)?;
+        interrupted.store(false, Ordering::SeqCst);
+        replying.store(true, Ordering::SeqCst);
+        let ids = stream_reply(&model, &tokenizer, prompt, args.max_tokens, &stop, &mut picker, &interrupted, device);
+        replying.store(false, Ordering::SeqCst);
+        let ids = ids?;
         println!();
         let stopped = ids.last().is_some_and(|t| stop.contains(t));
         let reply = tokenizer.decode(&ids[..ids.len() - usize::from(stopped)]);
         session.record(&user, &reply);
         let seconds = started.elapsed().as_secs_f64();
-        let cut = if stopped { "" } else { ", cut at --max-tokens" };
+        let cut = match (stopped, interrupted.load(Ordering::SeqCst)) {
+            (true, _) => "",
+            (false, true) => ", stopped by Ctrl-C",
+            (false, false) => ", cut at --max-tokens",
+        };
         eprintln!("[{} tokens in {seconds:.2}s{cut}]", ids.len());
         if let Some(transcript) = &transcript {
             let current = session.transcript(&format!("{id}-{}", finished.len() + 1));

@@ -276,3 +276,63 @@ fn generate_samples_as_configured_and_chat_keeps_the_conversation() {
     assert!(ok && stdout.is_empty(), "{stderr}");
     assert!(stderr.contains("error: this turn would pass the context length"), "{stderr}");
 }
+
+/// Ctrl-C during a reply ends that reply, keeps what was shown in the conversation, and the chat goes on; at
+/// the prompt it ends the chat (exit status 130).
+#[test]
+fn ctrl_c_stops_a_reply_and_at_the_prompt_ends_the_chat() {
+    use std::io::{BufRead, Read, Write};
+    use std::process::{Command, Stdio};
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    // This seed's random model does not stop on its own within thousands of tokens.
+    let (ok, _, stderr) = run_kiln(
+        &["init-model", "--from", "configs/models/tiny", "--out", model.to_str().unwrap(), "--seed", "3"],
+        &[],
+        &project_dir(),
+    );
+    assert!(ok, "{stderr}");
+    let transcript = dir.path().join("chat.jsonl");
+    let chat = || {
+        Command::new(common::kiln_bin())
+            .args(["chat", "--model-dir", model.to_str().unwrap(), "--greedy", "--max-tokens", "8000"])
+            .args(["--transcript", transcript.to_str().unwrap()])
+            .current_dir(project_dir())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let interrupt = |child: &std::process::Child| assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+
+    let mut child = chat();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"ls\n").unwrap();
+    // The reply has begun once its first text arrives.
+    let mut first = [0u8; 1];
+    child.stdout.as_mut().unwrap().read_exact(&mut first).unwrap();
+    interrupt(&child);
+    stdin.write_all(b"/exit\n").unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let tokens: usize = stderr.split('[').nth(1).and_then(|s| s.split(' ').next()).unwrap().parse().unwrap();
+    assert!(stderr.contains("stopped by Ctrl-C]") && tokens < 8000, "{stderr}");
+    let line = std::fs::read_to_string(&transcript).unwrap();
+    let conversation: Value = serde_json::from_str(line.trim_end()).unwrap();
+    let shown = String::from_utf8([&first[..], &out.stdout].concat()).unwrap();
+    let reply = conversation["messages"][1]["content"].as_str().unwrap();
+    assert_eq!(shown.strip_suffix('\n'), Some(reply), "the conversation keeps what was shown");
+
+    let mut child = chat();
+    // Held open until the chat has ended: `wait` would close it, and the end of input ends a chat too.
+    let _stdin = child.stdin.take();
+    let mut banner = String::new();
+    std::io::BufReader::new(child.stderr.as_mut().unwrap()).read_line(&mut banner).unwrap();
+    assert!(banner.starts_with("kiln chat: "), "{banner}");
+    interrupt(&child);
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "{status:?}");
+}

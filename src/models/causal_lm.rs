@@ -181,15 +181,15 @@ impl<B: ModelBackend> CausalLm<B> {
         }
     }
 
-    /// Decoding with `picker`'s settings, each token told to `on_token(row, id)` as it is chosen (see
-    /// `decode::generate`).
+    /// Decoding with `picker`'s settings, each token told to `on_token(row, id)` as it is chosen, which says
+    /// whether to go on (see `decode::generate`).
     pub fn generate(
         &self,
         prompts: &[Vec<u32>],
         max_tokens: usize,
         stop: &[u32],
         picker: &mut TokenPicker,
-        on_token: impl FnMut(usize, u32),
+        on_token: impl FnMut(usize, u32) -> bool,
         device: &B::Device,
     ) -> Vec<Vec<u32>> {
         match self {

@@ -466,12 +466,13 @@ pub fn generate_greedy<B: Backend, M: CachedDecoding<B>>(
     stop: &[u32],
     device: &B::Device,
 ) -> Vec<Vec<u32>> {
-    generate(model, prompts, max_tokens, stop, &mut TokenPicker::greedy(), |_, _| {}, device)
+    generate(model, prompts, max_tokens, stop, &mut TokenPicker::greedy(), |_, _| true, device)
 }
 
 /// Decoding of a batch of prompts with `picker`'s settings (`sampling`): each row stops at any of `stop` ids
-/// or after `max_tokens`, and `on_token(row, id)` hears every token as it is chosen (to stream it). Returns
-/// the generated ids per prompt (stop token included when reached). Plain greedy decoding takes the argmax
+/// or after `max_tokens`, and `on_token(row, id)` hears every token as it is chosen (to stream it) and
+/// answers whether to go on (false ends every row there: a user's interrupt). Returns the generated ids per
+/// prompt (stop token included when reached). Plain greedy decoding takes the argmax
 /// on the device; anything else reads each step's last logits back and processes them on the host.
 pub fn generate<B: Backend, M: CachedDecoding<B>>(
     model: &M,
@@ -479,7 +480,7 @@ pub fn generate<B: Backend, M: CachedDecoding<B>>(
     max_tokens: usize,
     stop: &[u32],
     picker: &mut TokenPicker,
-    mut on_token: impl FnMut(usize, u32),
+    mut on_token: impl FnMut(usize, u32) -> bool,
     device: &B::Device,
 ) -> Vec<Vec<u32>> {
     let batch = prompts.len();
@@ -513,16 +514,17 @@ pub fn generate<B: Backend, M: CachedDecoding<B>>(
             // Finished rows draw nothing, so a row's tokens do not depend on when the others stop.
             rows.zip(&done).map(|((row, seen), &finished)| if finished { 0 } else { picker.pick(row, seen) }).collect()
         };
+        let mut go_on = true;
         for row in 0..batch {
             if !done[row] {
                 let t = next[row];
                 out[row].push(t);
                 history[row].push(t);
-                on_token(row, t);
+                go_on &= on_token(row, t);
                 done[row] = stop.contains(&t);
             }
         }
-        if done.iter().all(|&d| d) {
+        if !go_on || done.iter().all(|&d| d) {
             break;
         }
         // Finished rows keep decoding a padding token that nothing attends to.

@@ -156,7 +156,7 @@ impl TextTokenizer {
 
     /// Text of generated tokens as they come, to print piece by piece (`TextStream`).
     pub fn stream(&self) -> TextStream<'_> {
-        TextStream { tokenizer: self, ids: Vec::new(), shown: String::new() }
+        TextStream { tokenizer: self, ids: Vec::new(), context: 0, shown: 0 }
     }
 
     /// Decodes without special tokens, as generated text is read for scoring.
@@ -176,44 +176,41 @@ impl TextTokenizer {
     }
 }
 
-/// Generated text printed as it grows: each token's piece is the decoded sequence past what was shown, held
-/// back while it ends in an incomplete character (a byte-level token sequence cut inside a UTF-8 character
-/// decodes to U+FFFD until the character's last byte comes). Decoding the whole sequence each time keeps
-/// the decoder's rules for spaces and merges exact.
+/// Generated text printed as it grows, decoded a few tokens at a time as text-generation-inference does it:
+/// each new token is decoded with the tokens since the last piece shown (context for the decoder's rules on
+/// spaces and merges), and the text past that context is the new piece, held back while it ends in an
+/// incomplete character (a byte-level token sequence cut inside a UTF-8 character decodes to U+FFFD until the
+/// character's last byte comes). Linear in the reply's length, not quadratic.
 pub struct TextStream<'a> {
     tokenizer: &'a TextTokenizer,
     ids: Vec<u32>,
-    shown: String,
+    /// The tokens from `context` to `shown` were shown last; those after `shown` are not shown yet.
+    context: usize,
+    shown: usize,
 }
 
 impl TextStream<'_> {
     /// The text `id` adds that is ready to show (empty while a character is incomplete).
     pub fn push(&mut self, id: u32) -> String {
         self.ids.push(id);
-        let text = self.tokenizer.decode(&self.ids);
-        if text.ends_with('\u{FFFD}') {
-            return String::new();
+        let before = self.tokenizer.decode(&self.ids[self.context..self.shown]);
+        let text = self.tokenizer.decode(&self.ids[self.context..]);
+        match text.get(before.len()..) {
+            Some(piece) if text.len() > before.len() && !text.ends_with('\u{FFFD}') => {
+                let piece = piece.to_string();
+                (self.context, self.shown) = (self.shown, self.ids.len());
+                piece
+            }
+            _ => String::new(),
         }
-        self.take(text)
     }
 
     /// What is left to show once generation ends (an incomplete character as U+FFFD).
     pub fn finish(&mut self) -> String {
-        let text = self.tokenizer.decode(&self.ids);
-        self.take(text)
-    }
-
-    /// The part of `text` after what was shown. Should a later token rewrite text already shown (a decoder
-    /// whose output is not prefix-stable), what follows the common part is shown.
-    fn take(&mut self, text: String) -> String {
-        let common = self.shown.char_indices().zip(text.char_indices()).find(|((_, a), (_, b))| a != b);
-        let from = match common {
-            Some(((i, _), _)) => i,
-            None => self.shown.len().min(text.len()),
-        };
-        let piece = text.get(from..).unwrap_or_default().to_string();
-        self.shown = text;
-        piece
+        let before = self.tokenizer.decode(&self.ids[self.context..self.shown]);
+        let text = self.tokenizer.decode(&self.ids[self.context..]);
+        self.shown = self.ids.len();
+        text.get(before.len()..).unwrap_or_default().to_string()
     }
 }
 
@@ -240,5 +237,24 @@ mod tests {
         assert!(pieces.iter().filter(|p| p.is_empty()).count() > 1, "pieces were held back: {pieces:?}");
         assert_eq!(pieces.concat(), tokenizer.decode(&ids));
         assert_eq!(pieces.concat(), text);
+    }
+
+    /// The same with real tokenizers of other decoders: Qwen's byte-level BPE and Gemma's SentencePiece
+    /// pieces with byte fallback (its decoder turns `▁` into spaces and fuses byte tokens), over spaces, runs
+    /// of spaces, newlines, CJK, emoji and accents, decoded a few tokens at a time.
+    #[test]
+    fn a_stream_adds_up_with_byte_level_and_sentencepiece_tokenizers() {
+        let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/tokenizers");
+        let text = "  Hello  world!\n\tcd /app && ls -la\n日本語のテキスト 🦀🚀 naïve café — ok\n\n  end ";
+        for name in ["qwen3.5-derived", "gemma3"] {
+            let dir = shared.join(name);
+            let tokenizer = TextTokenizer::load(&dir, &SpecialTokens::load(&dir).unwrap(), None).unwrap();
+            let ids = tokenizer.encode(text).unwrap().0;
+            let mut stream = tokenizer.stream();
+            let mut pieces: Vec<String> = ids.iter().map(|&id| stream.push(id)).collect();
+            pieces.push(stream.finish());
+            assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{name}: {pieces:?}");
+            assert_eq!(pieces.concat(), tokenizer.decode(&ids), "{name}");
+        }
     }
 }
