@@ -196,19 +196,25 @@ fn info_reports_the_backends_and_the_switches() {
     assert!(!ok && stderr.contains("KILN_SCAN_KERNEL=\"no\": use on (the default) or off"), "{stderr}");
 }
 
-/// Sampling follows the flags over the checkpoint's generation_config.json and repeats with its seed; a chat
-/// keeps its conversation: each reply is what `kiln generate` continues from the conversation rendered so far,
-/// and the transcript holds each conversation after what the file held.
-#[test]
-fn generate_samples_as_configured_and_chat_keeps_the_conversation() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("m");
+/// The tiny config's random-init checkpoint of seed 3 in `dir/m`.
+fn random_tiny_checkpoint(dir: &std::path::Path) -> std::path::PathBuf {
+    let model = dir.join("m");
     let (ok, _, stderr) = run_kiln(
         &["init-model", "--from", "configs/models/tiny", "--out", model.to_str().unwrap(), "--seed", "3"],
         &[],
         &project_dir(),
     );
     assert!(ok, "{stderr}");
+    model
+}
+
+/// Sampling follows the flags over the checkpoint's generation_config.json and repeats with its seed; a chat
+/// keeps its conversation: each reply is what `kiln generate` continues from the conversation rendered so far,
+/// and the transcript holds each conversation after what the file held.
+#[test]
+fn generate_samples_as_configured_and_chat_keeps_the_conversation() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = random_tiny_checkpoint(dir.path());
     let m = model.to_str().unwrap();
     let generate = |extra: &[&str]| {
         let mut args = vec!["generate", "--model-dir", m, "--max-tokens", "12"];
@@ -284,14 +290,8 @@ fn ctrl_c_stops_a_reply_and_at_the_prompt_ends_the_chat() {
     use std::io::{BufRead, Read, Write};
     use std::process::{Command, Stdio};
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("m");
     // This seed's random model does not stop on its own within thousands of tokens.
-    let (ok, _, stderr) = run_kiln(
-        &["init-model", "--from", "configs/models/tiny", "--out", model.to_str().unwrap(), "--seed", "3"],
-        &[],
-        &project_dir(),
-    );
-    assert!(ok, "{stderr}");
+    let model = random_tiny_checkpoint(dir.path());
     let transcript = dir.path().join("chat.jsonl");
     let chat = || {
         Command::new(common::kiln_bin())

@@ -1,6 +1,7 @@
 //! One handle over the architectures for the stages that do not care which one they run: loading by
-//! `model_type`, seeded random init, the forward pass, decoding (greedy or sampled), checkpoint names, and export of a
-//! trained model as an HF directory (text weights from the model, other towers carried from the source).
+//! `model_type`, seeded random init, the forward pass, decoding (greedy or sampled), checkpoint names, and
+//! export of a trained model as an HF directory (text weights from the model, other towers carried from the
+//! source).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -472,8 +472,8 @@ pub fn generate_greedy<B: Backend, M: CachedDecoding<B>>(
 /// Decoding of a batch of prompts with `picker`'s settings (`sampling`): each row stops at any of `stop` ids
 /// or after `max_tokens`, and `on_token(row, id)` hears every token as it is chosen (to stream it) and
 /// answers whether to go on (false ends every row there: a user's interrupt). Returns the generated ids per
-/// prompt (stop token included when reached). Plain greedy decoding takes the argmax
-/// on the device; anything else reads each step's last logits back and processes them on the host.
+/// prompt (stop token included when reached). Plain greedy decoding takes the argmax on the device; anything
+/// else reads each step's last logits back and processes them on the host.
 pub fn generate<B: Backend, M: CachedDecoding<B>>(
     model: &M,
     prompts: &[Vec<u32>],
