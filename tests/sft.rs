@@ -168,6 +168,9 @@ fn a_hub_model_is_pulled_trained_and_carded_with_its_license() {
         .map(|e| (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap()))
         .collect();
     files.insert("README.md".into(), b"---\nlicense: other\nlicense_name: test\n---\n# tiny\n".to_vec());
+    // A base that samples by default: the eval stays greedy, and the card says both.
+    files
+        .insert("generation_config.json".into(), br#"{"do_sample": true, "temperature": 0.6, "top_p": 0.95}"#.to_vec());
     let commit = sha("tiny-lfm2");
     let repos = [(("models".to_string(), "kiln-test/tiny-lfm2".to_string()), FakeRepo::single(&commit, files))];
     let hub = FakeHub::start(repos.into_iter().collect());
@@ -246,6 +249,9 @@ fn a_hub_model_is_pulled_trained_and_carded_with_its_license() {
     assert!(json(&run.join("eval/epoch-2.json"))["aggregate"]["steps"] == 3);
     let own = std::fs::read_to_string(run.join("best/README.md")).unwrap();
     assert!(own.contains("license: other\n") && own.contains("base_model: kiln-test/tiny-lfm2"), "{own}");
+    for card in [&md, &own] {
+        assert!(card.contains("sets `generate()` to sampling (temperature 0.6, top-k 50, top-p 0.95)"), "{card}");
+    }
 
     // A second stage from that checkpoint reads its card: the Hub model it came from and that model's license
     // (fast.toml says apache-2.0).

@@ -13,6 +13,7 @@ use super::{ReportError, read_json};
 use crate::data::ingest::IngestStats;
 use crate::eval::result::EvalResult;
 use crate::eval::select::Selection;
+use crate::models::sampling::GenerationSettings;
 use crate::pipeline::ModelConfig;
 use crate::tokens::prepare::PrepareStats;
 use crate::train::TrainSummary;
@@ -422,6 +423,30 @@ fn selected_checkpoint(run_dir: &Path, selection: &Selection) -> Result<PathBuf,
     Ok(dir)
 }
 
+/// How `generate()` decodes the selected checkpoint by its generation_config.json (servers that read the file,
+/// vLLM by default, do the same), beside the evaluation's plain greedy decoding.
+fn decoding_note(checkpoint: &Path) -> Result<String, ReportError> {
+    const GREEDY_EVAL: &str = "as the evaluation below decoded";
+    if !checkpoint.join("generation_config.json").is_file() {
+        return Ok(format!("The checkpoint has no generation_config.json, so `generate()` is greedy, {GREEDY_EVAL}."));
+    }
+    let settings = GenerationSettings::from_checkpoint(checkpoint)?;
+    if settings.is_plain_greedy() {
+        return Ok(format!("Its generation_config.json keeps `generate()` greedy, {GREEDY_EVAL}."));
+    }
+    let (flags, request) = if settings.repetition_penalty != 1.0 {
+        ("`do_sample=False, repetition_penalty=1.0`", "temperature 0 and repetition penalty 1")
+    } else {
+        ("`do_sample=False`", "temperature 0")
+    };
+    Ok(format!(
+        "Its generation_config.json sets `generate()` to {}, and servers that read the file (vLLM by default) \
+         follow it; the evaluation below decoded greedily without a repetition penalty: {flags} in `generate()`, \
+         {request} in a server request.",
+        settings.describe()
+    ))
+}
+
 /// The card's markdown for `place`.
 fn markdown(
     inputs: &CardInputs,
@@ -497,8 +522,9 @@ fn markdown(
     let _ = writeln!(md, "vllm serve {load_from} --served-model-name {run_name}");
     let _ = writeln!(
         md,
-        "```\n\nThe evaluation rendered prompts with the chat template shipped in the checkpoint ({template_origin}, sha256 `{}`); use the same template.\n",
-        template.map_or("unknown", |t| t.sha256.as_str())
+        "```\n\nThe evaluation rendered prompts with the chat template shipped in the checkpoint ({template_origin}, sha256 `{}`); use the same template. {}\n",
+        template.map_or("unknown", |t| t.sha256.as_str()),
+        decoding_note(&run_dir.join("best"))?
     );
 
     md.push_str("## Output format\n\nOne JSON object per turn, as in the training targets:\n\n```json\n{\n  \"analysis\": \"what the terminal shows, what is done and what is left\",\n  \"plan\": \"the next steps\",\n  \"commands\": [{\"keystrokes\": \"ls -la\\n\", \"duration\": 0.1}],\n  \"task_complete\": false\n}\n```\n\n");
@@ -811,6 +837,35 @@ mod tests {
         let q8 = adamw_line(&AdamWConfig { moments: MomentDtype::Q8, ..AdamWConfig::default() });
         assert!(q8.starts_with(&f32_moments) && q8.contains("block-wise 8 bits"), "{q8}");
         assert!(precision_line(crate::train::Precision::Bf16).contains("f32 master weights"));
+    }
+
+    /// The note beside the quickstart for a checkpoint without the file, a greedy one, one that samples and a
+    /// greedy one with a repetition penalty (which the eval did not apply); a broken file stops the card.
+    #[test]
+    fn the_quickstart_says_how_the_checkpoint_decodes_beside_the_greedy_eval() {
+        let dir = tempfile::tempdir().unwrap();
+        let note = || decoding_note(dir.path());
+        assert!(note().unwrap().starts_with("The checkpoint has no generation_config.json, so `generate()` is greedy"));
+        let file = dir.path().join("generation_config.json");
+        std::fs::write(&file, r#"{"bos_token_id": 1, "eos_token_id": 7}"#).unwrap();
+        assert!(note().unwrap().contains("keeps `generate()` greedy, as the evaluation below decoded"));
+        std::fs::write(&file, r#"{"do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.95}"#).unwrap();
+        let sampling = note().unwrap();
+        assert!(
+            sampling.contains("sets `generate()` to sampling (temperature 0.6, top-k 20, top-p 0.95)"),
+            "{sampling}"
+        );
+        assert!(
+            sampling.contains("`do_sample=False` in `generate()`, temperature 0 in a server request"),
+            "{sampling}"
+        );
+        std::fs::write(&file, r#"{"repetition_penalty": 1.05}"#).unwrap();
+        let penalized = note().unwrap();
+        assert!(penalized.contains("to greedy (repetition penalty 1.05)"), "{penalized}");
+        assert!(penalized.contains("`do_sample=False, repetition_penalty=1.0`"), "{penalized}");
+        std::fs::write(&file, r#"{"top_p": -1}"#).unwrap();
+        let error = note().unwrap_err().to_string();
+        assert!(error.contains("generation_config.json: top_p = -1"), "{error}");
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub enum ReportError {
     Tokens(#[from] crate::tokens::TokenError),
     #[error("plot '{name}': {message}")]
     Plot { name: String, message: String },
+    #[error(transparent)]
+    Sampling(#[from] crate::models::sampling::SamplingError),
 }
 
 /// A JSON file another stage wrote.
