@@ -104,7 +104,7 @@ impl GenerationSettings {
         let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| config_error(e.to_string()))?;
         GenerationSettings::from_json(&value).map_err(|e| match e {
             SamplingError::Config { message, .. } => config_error(message),
-            SamplingError::Setting { key, value, rule } => config_error(format!("{key} = {value}: {rule}")),
+            setting => config_error(setting.to_string()),
         })
     }
 
