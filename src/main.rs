@@ -425,6 +425,10 @@ struct ChatArgs {
     /// every reply.
     #[arg(long)]
     transcript: Option<PathBuf>,
+    /// Run each turn's whole prompt instead of continuing the states earlier turns kept (slower; to
+    /// measure them, or to rule them out).
+    #[arg(long)]
+    no_kept_states: bool,
     #[command(flatten)]
     sampling: SamplingArgs,
 }
@@ -1354,16 +1358,37 @@ fn run_job<B: kiln::models::ModelBackend>(device: &B::Device, job: Job) -> Resul
             let (config, model) = load_model::<B>(dir, device)?;
             check_context(prompt.len(), args.max_tokens, config.max_position_embeddings(), dir)?;
             let stop = stop_ids(&tokenizer, &config);
+            // Ctrl-C stops the stream; what was generated is shown and summed up, and the exit status is 130.
+            let interrupted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let flag = interrupted.clone();
+            ctrlc::set_handler(move || flag.store(true, std::sync::atomic::Ordering::SeqCst))
+                .context("installing the Ctrl-C handler")?;
             let started = Instant::now();
-            let never = std::sync::atomic::AtomicBool::new(false);
-            let reply = stream_reply(&model, &tokenizer, prompt, args.max_tokens, &stop, &mut picker, &never, device)?;
+            let mut fresh = kiln::models::decode::KeptStates::default();
+            let reply = stream_reply(
+                &model,
+                &mut fresh,
+                &tokenizer,
+                &prompt,
+                &[],
+                args.max_tokens,
+                &stop,
+                &mut picker,
+                &interrupted,
+                device,
+            )?;
             println!();
+            let stopped = interrupted.load(std::sync::atomic::Ordering::SeqCst);
             eprintln!(
-                "generate: {} tokens in {:.2}s, {}",
-                reply.len(),
+                "generate: {} tokens in {:.2}s{}, {}",
+                reply.ids.len(),
                 started.elapsed().as_secs_f64(),
+                if stopped { " (stopped by Ctrl-C)" } else { "" },
                 decoding_summary(&picker, seed)
             );
+            if stopped {
+                std::process::exit(130);
+            }
         }
         Job::Chat(args) => chat::<B>(args, device)?,
         Job::Convert(args) => {
@@ -1417,18 +1442,22 @@ fn decoding_summary(picker: &kiln::models::sampling::TokenPicker, seed: u64) -> 
 }
 
 /// Generates a reply to `prompt`, its text printed to stdout as it comes (the stop token not shown), until a
-/// stop token, `max_tokens`, or `interrupt` is raised; returns its ids, the stop token included when reached.
+/// stop token, `max_tokens`, or `interrupt` is raised; returns its ids (the stop token included when
+/// reached) and how much of the prompt continued the conversation's `kept` states (states kept at `marks`
+/// too: see `decode::generate_continuing`).
 #[allow(clippy::too_many_arguments)]
 fn stream_reply<B: kiln::models::ModelBackend>(
     model: &kiln::models::CausalLm<B>,
+    kept: &mut kiln::models::decode::KeptStates<kiln::models::CausalLmCache<B>>,
     tokenizer: &TextTokenizer,
-    prompt: Vec<u32>,
+    prompt: &[u32],
+    marks: &[usize],
     max_tokens: usize,
     stop: &[u32],
     picker: &mut kiln::models::sampling::TokenPicker,
     interrupt: &std::sync::atomic::AtomicBool,
     device: &B::Device,
-) -> Result<Vec<u32>> {
+) -> Result<kiln::models::decode::Continued> {
     let mut stream = tokenizer.stream();
     let mut stdout = std::io::stdout().lock();
     let mut failed = None;
@@ -1437,18 +1466,20 @@ fn stream_reply<B: kiln::models::ModelBackend>(
             failed = stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()).err();
         }
     };
-    let on_token = |_, id| {
+    let on_token = |id| {
         if !stop.contains(&id) {
             show(stream.push(id), &mut stdout);
         }
         !interrupt.load(std::sync::atomic::Ordering::SeqCst)
     };
-    let out = model.generate(&[prompt], max_tokens, stop, picker, on_token, device);
+    let reply = kiln::models::decode::generate_continuing(
+        model, kept, prompt, marks, max_tokens, stop, picker, on_token, device,
+    );
     show(stream.finish(), &mut stdout);
     if let Some(e) = failed {
         return Err(e).context("writing the reply to stdout");
     }
-    Ok(out.into_iter().next().unwrap_or_default())
+    Ok(reply)
 }
 
 /// `kiln chat`: a conversation on stdin and stdout, the replies streamed, the transcript kept if asked.
@@ -1491,6 +1522,7 @@ fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Re
     let interactive = std::io::stdin().is_terminal();
     let id = format!("chat-{}", chrono::Utc::now().format("%Y%m%dT%H%M%SZ"));
     let mut finished: Vec<ChatInput> = Vec::new();
+    let mut kept = kiln::models::decode::KeptStates::default();
     let mut lines = std::io::stdin().lock().lines();
     loop {
         if interactive {
@@ -1504,6 +1536,7 @@ fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Re
                     finished.push(session.transcript(&format!("{id}-{}", finished.len() + 1)));
                 }
                 session.reset();
+                kept.clear();
                 eprintln!("(a new conversation)");
                 continue;
             }
@@ -1528,23 +1561,51 @@ fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Re
             );
             continue;
         }
+        // Where the conversation ends before the generation prompt: the next turn repeats it even where it
+        // renders this reply differently (thinking dropped), so its state is kept too.
+        let settled = session.settled(&user).ok().and_then(|text| tokenizer.encode(&text).ok());
+        let marks: Vec<usize> = settled
+            .map(|(ids, _)| ids)
+            .filter(|ids| prompt.starts_with(ids))
+            .map(|ids| ids.len())
+            .into_iter()
+            .collect();
+        if args.no_kept_states {
+            kept.clear();
+        }
         let started = Instant::now();
         interrupted.store(false, Ordering::SeqCst);
         replying.store(true, Ordering::SeqCst);
-        let ids = stream_reply(&model, &tokenizer, prompt, args.max_tokens, &stop, &mut picker, &interrupted, device);
+        let reply = stream_reply(
+            &model,
+            &mut kept,
+            &tokenizer,
+            &prompt,
+            &marks,
+            args.max_tokens,
+            &stop,
+            &mut picker,
+            &interrupted,
+            device,
+        );
         replying.store(false, Ordering::SeqCst);
-        let ids = ids?;
+        let reply = reply?;
+        let ids = &reply.ids;
         println!();
         let stopped = ids.last().is_some_and(|t| stop.contains(t));
-        let reply = tokenizer.decode(&ids[..ids.len() - usize::from(stopped)]);
-        session.record(&user, &reply);
+        session.record(&user, &tokenizer.decode(&ids[..ids.len() - usize::from(stopped)]));
         let seconds = started.elapsed().as_secs_f64();
         let cut = match (stopped, interrupted.load(Ordering::SeqCst)) {
             (true, _) => "",
             (false, true) => ", stopped by Ctrl-C",
             (false, false) => ", cut at --max-tokens",
         };
-        eprintln!("[{} tokens in {seconds:.2}s{cut}]", ids.len());
+        eprintln!(
+            "[{} tokens in {seconds:.2}s{cut}; {} of the prompt's {} tokens continued from earlier turns]",
+            ids.len(),
+            reply.reused,
+            prompt.len()
+        );
         if let Some(transcript) = &transcript {
             let current = session.transcript(&format!("{id}-{}", finished.len() + 1));
             transcript.write(finished.iter().chain([&current]))?;

@@ -261,6 +261,7 @@ fn check_cached_decoding(name: &str) {
         assert!(err <= 1e-4, "{name}: step {t} differs by {err}");
     }
     assert_eq!(cache.lengths(), [12]);
+    parity::assert_turns_continue_kept_states(&model, &row, &full, &device);
 
     // Prompts of different lengths in one batch: each row's last logits equal that prompt alone.
     let prompts: Vec<Vec<u32>> =

@@ -256,6 +256,18 @@ fn generate_samples_as_configured_and_chat_keeps_the_conversation() {
     let (ok, stdout, stderr) = run_kiln_with_input(&chat_args, "ls\n/reset\nls\n\npwd \\\n-P\n", &project_dir());
     assert!(ok, "{stderr}");
     assert!(stderr.contains("(a new conversation)") && stderr.matches(" tokens in ").count() == 3, "{stderr}");
+    // A turn runs only what the conversation's kept states do not hold: nothing is kept for the first turn
+    // of a conversation; the next continues from the last at least where the earlier conversation ends.
+    let continued: Vec<usize> =
+        stderr.lines().filter_map(|l| l.split_once("; ")?.1.split_once(" of the prompt's ")?.0.parse().ok()).collect();
+    assert!(continued.len() == 3 && continued[..2] == [0, 0] && continued[2] > 0, "{stderr}");
+    let (ok, rerun, stderr) = run_kiln_with_input(
+        &[&chat_args[..6], &["--no-kept-states"]].concat(),
+        "ls\n/reset\nls\n\npwd \\\n-P\n",
+        &project_dir(),
+    );
+    assert!(ok && stderr.matches("; 0 of the prompt's").count() == 3, "{stderr}");
+    assert_eq!(rerun, stdout, "the whole prompts decode the same replies");
     let lines: Vec<Value> =
         std::fs::read_to_string(&transcript).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.len(), 3, "{lines:?}");
@@ -284,7 +296,7 @@ fn generate_samples_as_configured_and_chat_keeps_the_conversation() {
 }
 
 /// Ctrl-C during a reply ends that reply, keeps what was shown in the conversation, and the chat goes on; at
-/// the prompt it ends the chat (exit status 130).
+/// the prompt it ends the chat (exit status 130). It ends `kiln generate`'s stream with a summary (130).
 #[test]
 fn ctrl_c_stops_a_reply_and_at_the_prompt_ends_the_chat() {
     use std::io::{BufRead, Read, Write};
@@ -319,7 +331,7 @@ fn ctrl_c_stops_a_reply_and_at_the_prompt_ends_the_chat() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let tokens: usize = stderr.split('[').nth(1).and_then(|s| s.split(' ').next()).unwrap().parse().unwrap();
-    assert!(stderr.contains("stopped by Ctrl-C]") && tokens < 8000, "{stderr}");
+    assert!(stderr.contains("stopped by Ctrl-C;") && tokens < 8000, "{stderr}");
     let line = std::fs::read_to_string(&transcript).unwrap();
     let conversation: Value = serde_json::from_str(line.trim_end()).unwrap();
     let shown = String::from_utf8([&first[..], &out.stdout].concat()).unwrap();
@@ -335,4 +347,20 @@ fn ctrl_c_stops_a_reply_and_at_the_prompt_ends_the_chat() {
     interrupt(&child);
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(130), "{status:?}");
+
+    // `kiln generate` stops its stream too, sums up what it generated and exits 130.
+    let mut child = Command::new(common::kiln_bin())
+        .args(["generate", "--model-dir", model.to_str().unwrap(), "--prompt", "ls", "--max-tokens", "8000"])
+        .current_dir(project_dir())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdout.as_mut().unwrap().read_exact(&mut first).unwrap();
+    interrupt(&child);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    let tokens: usize = stderr.split("generate: ").nth(1).and_then(|s| s.split(' ').next()).unwrap().parse().unwrap();
+    assert!(stderr.contains("(stopped by Ctrl-C)") && (1..8000).contains(&tokens), "{stderr}");
 }

@@ -63,9 +63,20 @@ impl ChatSession {
     /// The text the model continues to reply to `user`: the conversation so far and `user`, with the
     /// template's generation prompt. The conversation itself is unchanged until `record`.
     pub fn prompt(&self, user: &str) -> Result<String, ChatError> {
+        self.render_with(user, true)
+    }
+
+    /// The conversation so far and `user` without the generation prompt: the part of `prompt(user)` that
+    /// the next turn's prompt repeats when the template renders history as it rendered the turn (where a
+    /// reply is re-rendered differently, its prompt's generation prompt is not repeated).
+    pub fn settled(&self, user: &str) -> Result<String, ChatError> {
+        self.render_with(user, false)
+    }
+
+    fn render_with(&self, user: &str, add_generation_prompt: bool) -> Result<String, ChatError> {
         let mut messages = self.messages.clone();
         messages.push(json!({"role": "user", "content": user}));
-        Ok(self.template.render(&messages, None, true, &self.kwargs)?.text)
+        Ok(self.template.render(&messages, None, add_generation_prompt, &self.kwargs)?.text)
     }
 
     /// Adds a finished turn: `user` and the model's `reply`, its thinking removed.
@@ -135,6 +146,9 @@ mod tests {
         let messages = expected.as_array().unwrap();
         assert_eq!(second, template().render(messages, None, true, &Map::new()).unwrap().text);
         assert!(second.starts_with(&first), "the first turn's prompt opens the second's");
+        let settled = session.settled("and the hidden ones?").unwrap();
+        assert!(second.starts_with(&settled) && second.len() > settled.len(), "{settled:?} opens {second:?}");
+        assert_eq!(settled, template().render(messages, None, false, &Map::new()).unwrap().text);
         assert_eq!(session.transcript("chat-1").messages, messages[..3]);
         session.reset();
         assert_eq!(session.turns(), 0);

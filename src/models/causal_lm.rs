@@ -13,7 +13,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, DType, FloatDType, Int, Tensor};
 
 use super::config::{ModelConfig, outside_text_tower};
-use super::decode::{generate, generate_greedy};
+use super::decode::{CachedDecoding, DecodeCache, Gemma4DecodeCache, QwenDecodeCache, generate, generate_greedy};
 use super::gemma4::Gemma4Model;
 use super::hf::{ExportDtype, HfEntry, HfNamed, StreamedTensor, export_streamed, streamed_hf_tensors};
 use super::layers::{head_logits, soft_cap};
@@ -166,6 +166,39 @@ impl<B: Backend> CausalLm<B> {
     }
 }
 
+/// The decoding state of whichever architecture a `CausalLm` holds.
+#[derive(Clone)]
+pub enum CausalLmCache<B: Backend> {
+    Lfm2(DecodeCache<B>),
+    Qwen35(QwenDecodeCache<B>),
+    Gemma4(Gemma4DecodeCache<B>),
+}
+
+impl<B: ModelBackend> CachedDecoding<B> for CausalLm<B> {
+    type Cache = CausalLmCache<B>;
+
+    fn new_cache(&self, batch: usize, device: &B::Device) -> CausalLmCache<B> {
+        match self {
+            CausalLm::Lfm2(m) => CausalLmCache::Lfm2(m.new_cache(batch, device)),
+            CausalLm::Qwen35(m) => CausalLmCache::Qwen35(m.new_cache(batch, device)),
+            CausalLm::Gemma4(m) => CausalLmCache::Gemma4(m.new_cache(batch, device)),
+        }
+    }
+
+    fn hidden_cached(&self, ids: Tensor<B, 2, Int>, valid: &[Vec<bool>], cache: &mut CausalLmCache<B>) -> Tensor<B, 3> {
+        match (self, cache) {
+            (CausalLm::Lfm2(m), CausalLmCache::Lfm2(c)) => m.hidden_cached(ids, valid, c),
+            (CausalLm::Qwen35(m), CausalLmCache::Qwen35(c)) => m.hidden_cached(ids, valid, c),
+            (CausalLm::Gemma4(m), CausalLmCache::Gemma4(c)) => m.hidden_cached(ids, valid, c),
+            _ => unreachable!("a cache comes from its own model's new_cache"),
+        }
+    }
+
+    fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        soft_cap(head_logits(hidden, self.head_weight()), self.logit_softcap())
+    }
+}
+
 impl<B: ModelBackend> CausalLm<B> {
     /// Greedy decoding with the architecture's cache (see `decode::generate_greedy`).
     pub fn generate_greedy(
@@ -175,11 +208,7 @@ impl<B: ModelBackend> CausalLm<B> {
         stop: &[u32],
         device: &B::Device,
     ) -> Vec<Vec<u32>> {
-        match self {
-            CausalLm::Lfm2(m) => generate_greedy(m, prompts, max_tokens, stop, device),
-            CausalLm::Qwen35(m) => generate_greedy(m, prompts, max_tokens, stop, device),
-            CausalLm::Gemma4(m) => generate_greedy(m, prompts, max_tokens, stop, device),
-        }
+        generate_greedy(self, prompts, max_tokens, stop, device)
     }
 
     /// Decoding with `picker`'s settings, each token told to `on_token(row, id)` as it is chosen, which says
@@ -193,11 +222,7 @@ impl<B: ModelBackend> CausalLm<B> {
         on_token: impl FnMut(usize, u32) -> bool,
         device: &B::Device,
     ) -> Vec<Vec<u32>> {
-        match self {
-            CausalLm::Lfm2(m) => generate(m, prompts, max_tokens, stop, picker, on_token, device),
-            CausalLm::Qwen35(m) => generate(m, prompts, max_tokens, stop, picker, on_token, device),
-            CausalLm::Gemma4(m) => generate(m, prompts, max_tokens, stop, picker, on_token, device),
-        }
+        generate(self, prompts, max_tokens, stop, picker, on_token, device)
     }
 
     /// The final normalized hidden states `[batch, seq, hidden]`.

@@ -111,6 +111,9 @@ impl History {
 /// the first `len` positions are filled. New positions are written into spare capacity
 /// (`ModelBackend::write_cache_rows`, in place), which grows by half again when full: a decoded token costs
 /// its own keys and values, not a copy of the whole cache (`cat` per token was a tenth of a CPU evaluation).
+/// A clone shares the buffers until one side writes (burn copies a shared buffer before writing into it), so
+/// a kept state (`KeptStates`) stays as it was.
+#[derive(Clone)]
 struct KvCache<B: Backend> {
     keys: Option<Tensor<B, 4>>,
     values: Option<Tensor<B, 4>>,
@@ -170,15 +173,27 @@ fn append_rows<B: ModelBackend>(cache: Option<Tensor<B, 4>>, len: usize, rows: T
 
 /// A model that can run a few tokens after what its cache holds.
 pub trait CachedDecoding<B: Backend> {
-    type Cache;
+    /// Clone keeps a state to continue later (`KeptStates`).
+    type Cache: Clone;
     fn new_cache(&self, batch: usize, device: &B::Device) -> Self::Cache;
-    /// Runs `ids [batch, seq]` after what `cache` holds and returns their logits `[batch, seq, vocab]`.
-    /// `valid[row][t]` is false for padding (left padding for prompts of different lengths).
-    fn forward_cached(&self, ids: Tensor<B, 2, Int>, valid: &[Vec<bool>], cache: &mut Self::Cache) -> Tensor<B, 3>;
+    /// Runs `ids [batch, seq]` after what `cache` holds and returns their final normalized hidden states
+    /// `[batch, seq, hidden]`. `valid[row][t]` is false for padding (left padding for prompts of different
+    /// lengths).
+    fn hidden_cached(&self, ids: Tensor<B, 2, Int>, valid: &[Vec<bool>], cache: &mut Self::Cache) -> Tensor<B, 3>;
+    /// The logits `[batch, seq, vocab]` of final hidden states. Decoding takes them at each row's last
+    /// position only: a prompt's other positions would cost `seq × hidden × vocab` multiply-adds for nothing
+    /// (a fifth of an LFM2-350M prefill).
+    fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3>;
+    /// `logits(hidden_cached(…))`: every position's logits.
+    fn forward_cached(&self, ids: Tensor<B, 2, Int>, valid: &[Vec<bool>], cache: &mut Self::Cache) -> Tensor<B, 3> {
+        let hidden = self.hidden_cached(ids, valid, cache);
+        self.logits(hidden)
+    }
 }
 
 // ---- LFM2 ----------------------------------------------------------------------------------------
 
+#[derive(Clone)]
 enum Lfm2LayerCache<B: Backend> {
     /// Last `L-1` gated conv inputs `[batch, L-1, hidden]` (zeros before a sequence starts).
     Conv(Tensor<B, 3>),
@@ -186,6 +201,7 @@ enum Lfm2LayerCache<B: Backend> {
 }
 
 /// The decoding state of a batch of sequences on an LFM2 model.
+#[derive(Clone)]
 pub struct DecodeCache<B: Backend> {
     layers: Vec<Lfm2LayerCache<B>>,
     history: History,
@@ -245,7 +261,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Lfm2Model<B> {
         DecodeCache { layers, history: History::new(batch) }
     }
 
-    fn forward_cached(&self, ids: Tensor<B, 2, Int>, valid: &[Vec<bool>], cache: &mut DecodeCache<B>) -> Tensor<B, 3> {
+    fn hidden_cached(&self, ids: Tensor<B, 2, Int>, valid: &[Vec<bool>], cache: &mut DecodeCache<B>) -> Tensor<B, 3> {
         let device = ids.device();
         let [batch, seq] = ids.dims();
         let hidden = self.embed_tokens.dims()[1];
@@ -270,12 +286,17 @@ impl<B: ModelBackend> CachedDecoding<B> for Lfm2Model<B> {
             };
         }
         cache.history.push(valid);
-        head_logits(self.embedding_norm.forward(h), self.head_weight())
+        self.embedding_norm.forward(h)
+    }
+
+    fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        head_logits(hidden, self.head_weight())
     }
 }
 
 // ---- Qwen3.5 -------------------------------------------------------------------------------------
 
+#[derive(Clone)]
 enum QwenLayerCache<B: Backend> {
     /// The last `L-1` conv inputs `[batch, L-1, conv_dim]` and the delta-rule state `[batch, heads, dk, dv]`.
     DeltaNet {
@@ -286,6 +307,7 @@ enum QwenLayerCache<B: Backend> {
 }
 
 /// The decoding state of a batch of sequences on a Qwen3.5 model.
+#[derive(Clone)]
 pub struct QwenDecodeCache<B: Backend> {
     layers: Vec<QwenLayerCache<B>>,
     history: History,
@@ -370,7 +392,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
         QwenDecodeCache { layers, history: History::new(batch) }
     }
 
-    fn forward_cached(
+    fn hidden_cached(
         &self,
         ids: Tensor<B, 2, Int>,
         valid: &[Vec<bool>],
@@ -400,7 +422,11 @@ impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
             h = h.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(h));
         }
         cache.history.push(valid);
-        head_logits(self.norm.forward(h), self.head_weight())
+        self.norm.forward(h)
+    }
+
+    fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        head_logits(hidden, self.head_weight())
     }
 }
 
@@ -408,6 +434,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
 
 /// The decoding state of a batch of sequences on a Gemma 4 model: a KV cache per layer that computes its
 /// keys and values (KV-sharing layers read their source's).
+#[derive(Clone)]
 pub struct Gemma4DecodeCache<B: Backend> {
     layers: Vec<Option<KvCache<B>>>,
     history: History,
@@ -421,7 +448,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Gemma4Model<B> {
         Gemma4DecodeCache { layers, history: History::new(batch) }
     }
 
-    fn forward_cached(
+    fn hidden_cached(
         &self,
         ids: Tensor<B, 2, Int>,
         valid: &[Vec<bool>],
@@ -453,7 +480,11 @@ impl<B: ModelBackend> CachedDecoding<B> for Gemma4Model<B> {
             h = layer.forward(h, attend, Self::per_layer_input(&per_layer, i));
         }
         cache.history.push(valid);
-        soft_cap(head_logits(self.norm.forward(h), self.head_weight()), self.final_logit_softcapping)
+        self.norm.forward(h)
+    }
+
+    fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        soft_cap(head_logits(hidden, self.head_weight()), self.final_logit_softcapping)
     }
 }
 
@@ -480,59 +511,213 @@ pub fn generate<B: Backend, M: CachedDecoding<B>>(
     max_tokens: usize,
     stop: &[u32],
     picker: &mut TokenPicker,
-    mut on_token: impl FnMut(usize, u32) -> bool,
+    on_token: impl FnMut(usize, u32) -> bool,
     device: &B::Device,
 ) -> Vec<Vec<u32>> {
     let batch = prompts.len();
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let pad = 0i64;
     let mut ids = Vec::with_capacity(batch * longest);
     let mut valid = vec![Vec::with_capacity(longest); batch];
     for (row, p) in prompts.iter().enumerate() {
         let padding = longest - p.len();
-        ids.extend(std::iter::repeat_n(pad, padding));
+        ids.extend(std::iter::repeat_n(PAD, padding));
         ids.extend(p.iter().map(|&t| t as i64));
         valid[row].extend(std::iter::repeat_n(false, padding));
         valid[row].extend(std::iter::repeat_n(true, p.len()));
     }
     let mut cache = model.new_cache(batch, device);
-    let mut out = vec![Vec::new(); batch];
-    let mut done = vec![false; batch];
-    let mut input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, longest]), device);
-    let mut step_valid = valid;
-    let mut history: Vec<Vec<u32>> = prompts.to_vec();
-    for _ in 0..max_tokens {
-        let logits = model.forward_cached(input, &step_valid, &mut cache);
-        let [_, s, vocab] = logits.dims();
-        let last = logits.narrow(1, s - 1, 1).reshape([batch, vocab]);
-        let next: Vec<u32> = if picker.settings.is_plain_greedy() {
-            let ids: Vec<i64> = last.argmax(1).into_data().convert::<i64>().to_vec().unwrap_or_default();
-            ids.into_iter().map(|t| t as u32).collect()
-        } else {
-            let mut scores: Vec<f32> = last.into_data().convert::<f32>().to_vec().unwrap_or_default();
-            let rows = scores.chunks_mut(vocab).zip(&history);
-            // Finished rows draw nothing, so a row's tokens do not depend on when the others stop.
-            rows.zip(&done).map(|((row, seen), &finished)| if finished { 0 } else { picker.pick(row, seen) }).collect()
-        };
-        let mut go_on = true;
-        for row in 0..batch {
-            if !done[row] {
-                let t = next[row];
-                out[row].push(t);
-                history[row].push(t);
-                go_on &= on_token(row, t);
-                done[row] = stop.contains(&t);
+    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, longest]), device);
+    let run = Run { max_tokens, stop, device };
+    run.decode(model, &mut cache, input, valid, prompts.to_vec(), picker, on_token, |_| {})
+}
+
+/// The id fed for padding and for rows that have finished (nothing attends to it).
+const PAD: i64 = 0;
+
+/// How far a decoding goes and where it runs.
+struct Run<'a, B: Backend> {
+    max_tokens: usize,
+    stop: &'a [u32],
+    device: &'a B::Device,
+}
+
+impl<B: Backend> Run<'_, B> {
+    /// Decodes from `cache`, which holds what came before `input [batch, seq]` (`valid` marks its real ids),
+    /// and `seen`, per row every id so far (the repetition penalty reads them). `prefilled` sees the cache
+    /// once `input` has run, before any generated token has. Every generated token but the last is run
+    /// into the cache (the last is only chosen).
+    #[allow(clippy::too_many_arguments)]
+    fn decode<M: CachedDecoding<B>>(
+        &self,
+        model: &M,
+        cache: &mut M::Cache,
+        mut input: Tensor<B, 2, Int>,
+        mut valid: Vec<Vec<bool>>,
+        mut seen: Vec<Vec<u32>>,
+        picker: &mut TokenPicker,
+        mut on_token: impl FnMut(usize, u32) -> bool,
+        mut prefilled: impl FnMut(&M::Cache),
+    ) -> Vec<Vec<u32>> {
+        let batch = valid.len();
+        let mut out = vec![Vec::new(); batch];
+        let mut done = vec![false; batch];
+        for step in 0..self.max_tokens {
+            let hidden = model.hidden_cached(input, &valid, cache);
+            if step == 0 {
+                prefilled(cache);
             }
+            let s = hidden.dims()[1];
+            let logits = model.logits(hidden.narrow(1, s - 1, 1));
+            let vocab = logits.dims()[2];
+            let last = logits.reshape([batch, vocab]);
+            let next: Vec<u32> = if picker.settings.is_plain_greedy() {
+                let ids: Vec<i64> = last.argmax(1).into_data().convert::<i64>().to_vec().unwrap_or_default();
+                ids.into_iter().map(|t| t as u32).collect()
+            } else {
+                let mut scores: Vec<f32> = last.into_data().convert::<f32>().to_vec().unwrap_or_default();
+                let rows = scores.chunks_mut(vocab).zip(&seen);
+                // Finished rows draw nothing, so a row's tokens do not depend on when the others stop.
+                rows.zip(&done)
+                    .map(|((row, seen), &finished)| if finished { 0 } else { picker.pick(row, seen) })
+                    .collect()
+            };
+            let mut go_on = true;
+            for row in 0..batch {
+                if !done[row] {
+                    let t = next[row];
+                    out[row].push(t);
+                    seen[row].push(t);
+                    go_on &= on_token(row, t);
+                    done[row] = self.stop.contains(&t);
+                }
+            }
+            if !go_on || done.iter().all(|&d| d) || step + 1 == self.max_tokens {
+                break;
+            }
+            // Finished rows keep decoding a padding token that nothing attends to.
+            let tokens: Vec<i64> = (0..batch).map(|r| if done[r] { PAD } else { next[r] as i64 }).collect();
+            valid = (0..batch).map(|r| vec![!done[r]]).collect();
+            input = Tensor::from_data(TensorData::new(tokens, [batch, 1]), self.device);
         }
-        if !go_on || done.iter().all(|&d| d) {
-            break;
-        }
-        // Finished rows keep decoding a padding token that nothing attends to.
-        let tokens: Vec<i64> = (0..batch).map(|r| if done[r] { pad } else { next[r] as i64 }).collect();
-        step_valid = (0..batch).map(|r| vec![!done[r]]).collect();
-        input = Tensor::from_data(TensorData::new(tokens, [batch, 1]), device);
+        out
     }
-    out
+}
+
+/// The decoding states a conversation keeps between its turns, each beside the ids it has run. The next
+/// turn's prompt repeats the conversation so far, so it continues the longest state it opens with and runs
+/// only the rest (`generate_continuing`). Kept states share their buffers with the live cache until it
+/// writes, so keeping one costs at most a copy of its attention caches.
+pub struct KeptStates<C> {
+    states: Vec<(Vec<u32>, C)>,
+}
+
+impl<C> Default for KeptStates<C> {
+    fn default() -> Self {
+        KeptStates { states: Vec::new() }
+    }
+}
+
+impl<C> KeptStates<C> {
+    /// Forgets every state (a new conversation).
+    pub fn clear(&mut self) {
+        self.states.clear();
+    }
+
+    /// The ids of each kept state, shortest first.
+    pub fn kept_ids(&self) -> Vec<&[u32]> {
+        let mut ids: Vec<&[u32]> = self.states.iter().map(|(ids, _)| ids.as_slice()).collect();
+        ids.sort_by_key(|ids| ids.len());
+        ids
+    }
+
+    /// The longest state whose ids open `prompt` and leave at least one id of it to run (the logits of the
+    /// next token come from running one); the others are dropped, as the turn makes new ones.
+    fn take_longest(&mut self, prompt: &[u32]) -> Option<(Vec<u32>, C)> {
+        let fits = |ids: &Vec<u32>| ids.len() < prompt.len() && prompt.starts_with(ids);
+        let longest =
+            (0..self.states.len()).filter(|&i| fits(&self.states[i].0)).max_by_key(|&i| self.states[i].0.len());
+        let taken = longest.map(|i| self.states.swap_remove(i));
+        self.states.clear();
+        taken
+    }
+}
+
+/// A reply decoded after a conversation's kept state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Continued {
+    /// The generated ids (stop token included when reached).
+    pub ids: Vec<u32>,
+    /// How many ids of the prompt came from a kept state rather than being run.
+    pub reused: usize,
+}
+
+/// One prompt decoded as `generate` would (the same tokens, up to float rounding of the logits), continuing
+/// the longest of `kept`'s states that the prompt opens with. Afterwards `kept` holds the state at each of
+/// `marks` (prompt lengths, e.g. where the conversation before the generation prompt ends), after the whole
+/// prompt, and after the reply: a next turn that re-renders this reply differently (thinking dropped) still
+/// continues from the prompt or from a mark.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_continuing<B: Backend, M: CachedDecoding<B>>(
+    model: &M,
+    kept: &mut KeptStates<M::Cache>,
+    prompt: &[u32],
+    marks: &[usize],
+    max_tokens: usize,
+    stop: &[u32],
+    picker: &mut TokenPicker,
+    mut on_token: impl FnMut(u32) -> bool,
+    device: &B::Device,
+) -> Continued {
+    assert!(!prompt.is_empty(), "a prompt of at least one id");
+    let (reused, mut cache) = match kept.take_longest(prompt) {
+        Some((ids, cache)) => (ids.len(), cache),
+        None => (0, model.new_cache(1, device)),
+    };
+    let run_ids = |ids: &[u32]| {
+        let data: Vec<i64> = ids.iter().map(|&t| i64::from(t)).collect();
+        Tensor::<B, 2, Int>::from_data(TensorData::new(data, [1, ids.len()]), device)
+    };
+    // The prompt's new part runs in pieces that end at the marks, each state kept.
+    let mut at = reused;
+    let mut ends: Vec<usize> = marks.iter().copied().filter(|&m| m > reused && m < prompt.len()).collect();
+    ends.sort_unstable();
+    ends.dedup();
+    if max_tokens > 0 {
+        for end in ends {
+            model.hidden_cached(run_ids(&prompt[at..end]), &[vec![true; end - at]], &mut cache);
+            kept.states.push((prompt[..end].to_vec(), cache.clone()));
+            at = end;
+        }
+    }
+    let rest = &prompt[at..];
+    let run = Run { max_tokens, stop, device };
+    let mut after_prompt = None;
+    let ids = run
+        .decode(
+            model,
+            &mut cache,
+            run_ids(rest),
+            vec![vec![true; rest.len()]],
+            vec![prompt.to_vec()],
+            picker,
+            |_, t| on_token(t),
+            |cache| after_prompt = Some(cache.clone()),
+        )
+        .into_iter()
+        .next()
+        .unwrap_or_default();
+    match ids.split_last() {
+        Some((_, ran)) => {
+            // With one token generated, the cache is the state after the prompt.
+            if let Some(state) = after_prompt.filter(|_| !ran.is_empty()) {
+                kept.states.push((prompt.to_vec(), state));
+            }
+            kept.states.push(([prompt, ran].concat(), cache));
+        }
+        // Nothing was decoded (`max_tokens` 0): the cache holds what it continued.
+        None => kept.states.push((prompt[..at].to_vec(), cache)),
+    }
+    Continued { ids, reused }
 }
 
 #[cfg(test)]

@@ -31,7 +31,9 @@ use std::path::{Path, PathBuf};
 use burn::tensor::backend::Backend;
 
 pub use attention::DocumentAttention;
-pub use causal_lm::{CausalLm, checkpoint_carried_bytes, checkpoint_tensor_sizes, load_model, random_model};
+pub use causal_lm::{
+    CausalLm, CausalLmCache, checkpoint_carried_bytes, checkpoint_tensor_sizes, load_model, random_model,
+};
 pub use config::{Gemma4Config, LayerKind, Lfm2Config, ModelConfig, Qwen35Config, Qwen35LayerKind};
 pub use gemma4::Gemma4Model;
 pub use layers::SequenceLayout;

@@ -256,6 +256,67 @@ pub fn assert_decoding_follows_the_forward<M: kiln::models::decode::CachedDecodi
     let full = values(forward(ids_tensor::<Cpu>(&row, [1, n], &device), &SequenceLayout::single(1, n)));
     assert_cached_decoding_follows(model, &row, prefill, &full, 1e-4, &device);
     assert_padded_batches_follow(model, &row, forward, &device);
+    assert_turns_continue_kept_states(model, &row, &full, &device);
+}
+
+/// A conversation's turns through `generate_continuing`: each decodes what its whole prompt decodes from
+/// nothing, running only what no kept state holds (a next turn repeating the reply; one re-rendering it,
+/// from the prompt's state; one leaving the generation prompt out, from a mark; an unrelated prompt, from
+/// nothing). And many ids run after a cached prefix (a turn's new messages) have the full forward's logits
+/// (`full`, `[row.len() · vocab]`).
+pub fn assert_turns_continue_kept_states<B: Backend, M: kiln::models::decode::CachedDecoding<B>>(
+    model: &M,
+    row: &[i64],
+    full: &[f32],
+    device: &B::Device,
+) {
+    use kiln::models::decode::{Continued, KeptStates, generate_continuing, generate_greedy};
+    use kiln::models::sampling::TokenPicker;
+    let (n, vocab) = (row.len(), full.len() / row.len());
+    let mut cache = model.new_cache(1, device);
+    model.forward_cached(ids_tensor::<B>(&row[..3], [1, 3], device), &[vec![true; 3]], &mut cache);
+    let piece =
+        values(model.forward_cached(ids_tensor::<B>(&row[3..], [1, n - 3], device), &[vec![true; n - 3]], &mut cache));
+    let err = max_abs_diff(&piece, &full[3 * vocab..]);
+    assert!(err <= 1e-4, "{} ids after 3 cached differ by {err}", n - 3);
+
+    // Ids for the turns, more than a short fixture row holds.
+    let pool: Vec<u32> = (0..24).map(|i| ((row[i % n] as usize + i / n * 7) % vocab) as u32).collect();
+    let fresh = |prompt: &[u32]| generate_greedy(model, &[prompt.to_vec()], 4, &[], device).remove(0);
+    let mut kept = KeptStates::default();
+    let mut turn = |prompt: &[u32], marks: &[usize]| {
+        let got =
+            generate_continuing(model, &mut kept, prompt, marks, 4, &[], &mut TokenPicker::greedy(), |_| true, device);
+        (got, kept.kept_ids().into_iter().map(<[u32]>::to_vec).collect::<Vec<_>>())
+    };
+    let p1 = &pool[..8];
+    let (t1, states) = turn(p1, &[5]);
+    assert_eq!(t1, Continued { ids: fresh(p1), reused: 0 });
+    // At the mark, after the prompt, after the reply (its last id only chosen, not run).
+    assert_eq!(states, [pool[..5].to_vec(), p1.to_vec(), [p1, &t1.ids[..3]].concat()]);
+
+    let p2 = [p1, &t1.ids, &pool[8..12]].concat();
+    let (t2, _) = turn(&p2, &[]);
+    assert_eq!(t2, Continued { ids: fresh(&p2), reused: 8 + 3 }, "a turn repeating the reply");
+
+    let p3 = [&p2[..], &pool[12..16]].concat();
+    let (t3, _) = turn(&p3, &[p2.len() + 2]);
+    assert_eq!(t3, Continued { ids: fresh(&p3), reused: p2.len() }, "a turn re-rendering the reply");
+
+    let p4 = [&p3[..p2.len() + 2], &pool[16..20]].concat();
+    let (t4, _) = turn(&p4, &[]);
+    assert_eq!(t4, Continued { ids: fresh(&p4), reused: p2.len() + 2 }, "a turn from the mark");
+
+    let p5: Vec<u32> = pool[16..24].iter().map(|&t| (t + 1) % vocab as u32).collect();
+    let reused = if p5.starts_with(&p4[..1]) { 1 } else { 0 };
+    let (t5, states) = turn(&p5, &[3]);
+    assert_eq!(t5.ids, fresh(&p5), "an unrelated prompt");
+    assert!(t5.reused <= reused, "{} ids of an unrelated prompt continued", t5.reused);
+    // The same prompt again: nothing of it would be left to run after the prompt's state, so it continues
+    // from the mark.
+    assert_eq!(states[0], p5[..3]);
+    let (again, _) = turn(&p5, &[]);
+    assert_eq!(again, Continued { ids: t5.ids.clone(), reused: 3 }, "a prompt run again");
 }
 
 /// kiln's export of the fixture model in `dir`, in f32 and in bf16: the source's tensors, the towers kiln does
