@@ -84,12 +84,14 @@ test:
 
 # Benchmarks (figures go to docs/BENCHMARKS.md): prepare throughput, kiln vs transformers (terminal
 # trajectories, and function-calling rows); the report's checks of ToolBench-form calls; a training step,
-# kiln vs transformers + PyTorch on the same device (cuda shapes where a GPU is present, tiny ones on the CPU).
+# kiln vs transformers + PyTorch on the same device (cuda shapes where a GPU is present, tiny ones on the CPU);
+# `kiln chat` turn by turn with and without the states earlier turns kept (an LFM2-350M-shaped model).
 bench: build
 	KILN=$(KILN) tests/bench/prepare.sh
 	KILN=$(KILN) tests/bench/function_calls.sh
 	KILN=$(KILN) tests/bench/toolbench_calls.sh
 	KILN=$(KILN) tests/bench/train.sh
+	KILN=$(KILN) tests/bench/chat.sh
 
 # The CUDA build packed for a GPU machine without a toolchain (tests/bench/gpu_session.sh unpacks it there):
 # the stripped binary is ~96 MB, over what the device tool carries (64 MiB); gzip brings it to ~26 MB.
