@@ -236,7 +236,7 @@ impl<B: ModelBackend> CausalLm<B> {
 
     /// Logits `[batch, seq, vocab]` (soft-capped where the architecture caps them).
     pub fn forward(&self, ids: Tensor<B, 2, Int>, layout: &SequenceLayout) -> Tensor<B, 3> {
-        soft_cap(head_logits(self.forward_hidden(ids, layout), self.head_weight()), self.logit_softcap())
+        self.logits(self.forward_hidden(ids, layout))
     }
 }
 
