@@ -16,7 +16,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, FloatDType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 
 use super::ops::{ModelBackend, record_op};
 use crate::backend::{host_tensor, zeros_in};
@@ -111,14 +111,14 @@ pub fn recurrent<B: Backend>(
 /// doubling: with `T` the inverse of the block-diagonal part at block size `s`, `N` the part of `L` joining
 /// pairs of those blocks, `(M + N)⁻¹ = T − T N T` exactly (`N T N = 0`). log₂ C rounds of two matmuls, each
 /// block solved from exact sub-solutions as forward substitution would: no power series, no cancellation.
-/// `outside_bridges[r]` masks everything but round `r`'s joining entries. The CubeCL backends solve by
+/// `bridges_kept[r]` keeps round `r`'s joining entries only. The CubeCL backends solve by
 /// forward substitution in one kernel instead (`ModelBackend::unit_lower_inverse`, `kernels::chunk_solve`).
 pub fn unit_lower_inverse<B: Backend>(l: Tensor<B, 5>, plan: &ChunkPlan<B>) -> Tensor<B, 5> {
     // Every round's bridge first: one element-wise kernel on the fused backends.
     let mut bridges = plan
-        .outside_bridges
+        .bridges_kept
         .iter()
-        .map(|outside| l.clone().mask_fill(outside.clone(), 0.0))
+        .map(|kept| l.clone() * kept.clone())
         .collect::<Vec<_>>()
         .into_iter();
     // The first round's blocks are 1×1 with inverse 1: `I − I N I` is `I − N`, no matmul needed.
@@ -141,18 +141,23 @@ pub struct ChunkPlan<B: Backend> {
     chunks: usize,
     /// `[batch, seq]` on the host: position `t` carries the state of `t − 1` (the loop form's reset).
     carries: Vec<bool>,
-    /// `[batch, 1, chunks, C, C]`: true unless `j ≤ i` inside one document.
-    blocked: Tensor<B, 5, Bool>,
+    /// `[batch, 1, chunks, C, C]`, f32: 0 where `j ≤ i` inside one document, else −∞ (added before `exp`).
+    ///
+    /// The plan's masks are float factors and terms, not bool masks: on CUDA, burn-fusion 0.21 fuses a
+    /// `mask_fill` after a matmul into the matmul and picks the bool operand's 16-wide vectors (one byte an
+    /// element), which the matmul's 8-wide tiles reject when the kernel compiles (a Qwen3.5 step failed so on
+    /// an H200).
+    blocked_bias: Tensor<B, 5>,
     /// `[batch, 1, chunks, C]`: position `t` still carries the state the chunk started from.
     carry: Tensor<B, 4>,
     /// `[batch, 1, chunks, C]`: position `j` is in the chunk's last document (its update reaches the end state).
     reaches_end: Tensor<B, 4>,
-    /// Per doubling round of `unit_lower_inverse`, `[1, 1, 1, C, C]`.
-    outside_bridges: Vec<Tensor<B, 5, Bool>>,
+    /// Per doubling round of `unit_lower_inverse`, `[1, 1, 1, C, C]`, f32: 1 on the round's joining entries.
+    bridges_kept: Vec<Tensor<B, 5>>,
     /// `[1, 1, 1, C, C]`: the identity, f32.
     identity: Tensor<B, 5>,
-    /// `[1, 1, 1, C, C]`: true on and above the diagonal, where a strictly lower matrix is 0.
-    diagonal_and_above: Tensor<B, 5, Bool>,
+    /// `[1, 1, 1, C, C]`, f32: 1 below the diagonal, 0 on and above it (where a strictly lower matrix is 0).
+    strictly_lower: Tensor<B, 5>,
     /// `[1, 1, 1, C]`: 1 at a chunk's last position, else 0.
     last_position: Tensor<B, 4>,
 }
@@ -164,7 +169,7 @@ impl<B: Backend> ChunkPlan<B> {
         let (batch, seq) = (segments.batch, segments.seq);
         let chunks = seq.div_ceil(size).max(1);
         let padded = chunks * size;
-        let mut blocked = vec![true; batch * padded * size];
+        let mut blocked_bias = vec![f32::NEG_INFINITY; batch * padded * size];
         let mut carry = vec![0.0; batch * padded];
         let mut reaches_end = vec![0.0; batch * padded];
         let carries = (0..batch * seq).map(|rt| segments.continues(rt / seq, rt % seq)).collect();
@@ -181,7 +186,7 @@ impl<B: Backend> ChunkPlan<B> {
                     reaches_end[row * padded + base + i] = f32::from(u8::from(docs[base + i] == docs[base + size - 1]));
                     for j in 0..=i {
                         if docs[base + i] == docs[base + j] {
-                            blocked[((row * padded) + base + i) * size + j] = false;
+                            blocked_bias[((row * padded) + base + i) * size + j] = 0.0;
                         }
                     }
                 }
@@ -189,18 +194,16 @@ impl<B: Backend> ChunkPlan<B> {
         }
         let per_position =
             |m: Vec<f32>| host_tensor::<B, 3>(m, [batch, chunks, size], FloatDType::F32, device).unsqueeze_dim::<4>(1);
-        let mut outside_bridges = Vec::new();
+        let square = |m: Vec<f32>| host_tensor::<B, 5>(m, [1, 1, 1, size, size], FloatDType::F32, device);
+        let mut bridges_kept = Vec::new();
         let mut block = 1;
         while block < size {
-            // Outside the entries in the same 2s-block, below it in another s-block.
-            let outside: Vec<bool> = (0..size * size)
-                .map(|ij| {
-                    let (i, j) = (ij / size, ij % size);
-                    !(i / (2 * block) == j / (2 * block) && i / block != j / block && i > j)
-                })
-                .collect();
-            outside_bridges
-                .push(Tensor::<B, 2, Bool>::from_data(TensorData::new(outside, [size, size]), device).unsqueeze::<5>());
+            // The entries in the same 2s-block, below it in another s-block.
+            let kept = (0..size * size).map(|ij| {
+                let (i, j) = (ij / size, ij % size);
+                f32::from(u8::from(i / (2 * block) == j / (2 * block) && i / block != j / block && i > j))
+            });
+            bridges_kept.push(square(kept.collect()));
             block *= 2;
         }
         ChunkPlan {
@@ -208,13 +211,13 @@ impl<B: Backend> ChunkPlan<B> {
             seq,
             chunks,
             carries,
-            blocked: Tensor::<B, 4, Bool>::from_data(TensorData::new(blocked, [batch, chunks, size, size]), device)
+            blocked_bias: host_tensor::<B, 4>(blocked_bias, [batch, chunks, size, size], FloatDType::F32, device)
                 .unsqueeze_dim::<5>(1),
             carry: per_position(carry),
             reaches_end: per_position(reaches_end),
-            outside_bridges,
+            bridges_kept,
             identity: Tensor::<B, 2>::eye(size, device).cast(FloatDType::F32).unsqueeze::<5>(),
-            diagonal_and_above: Tensor::<B, 2, Bool>::tril_mask([size, size], -1, device).unsqueeze::<5>(),
+            strictly_lower: square((0..size * size).map(|ij| f32::from(u8::from(ij / size > ij % size))).collect()),
             last_position: host_tensor::<B, 4>(
                 (0..size).map(|i| f32::from(u8::from(i == size - 1))).collect(),
                 [1, 1, 1, size],
@@ -245,12 +248,12 @@ impl<B: AutodiffBackend> ChunkPlan<B> {
             seq: self.seq,
             chunks: self.chunks,
             carries: self.carries.clone(),
-            blocked: self.blocked.clone().inner(),
+            blocked_bias: self.blocked_bias.clone().inner(),
             carry: self.carry.clone().inner(),
             reaches_end: self.reaches_end.clone().inner(),
-            outside_bridges: self.outside_bridges.iter().map(|m| m.clone().inner()).collect(),
+            bridges_kept: self.bridges_kept.iter().map(|m| m.clone().inner()).collect(),
             identity: self.identity.clone().inner(),
-            diagonal_and_above: self.diagonal_and_above.clone().inner(),
+            strictly_lower: self.strictly_lower.clone().inner(),
             last_position: self.last_position.clone().inner(),
         }
     }
@@ -428,7 +431,7 @@ fn chunk_form<B: ModelBackend>(inputs: ScanInputs<B>, plan: &ChunkPlan<B>) -> Ch
     let to_end = (last - cum.clone()).exp() * plan.reaches_end.clone();
     // Masked before exp: no overflow from the blocked (future or other-document) entries.
     let gap = cum.clone().unsqueeze_dim::<5>(4) - cum.unsqueeze_dim::<5>(3);
-    let decay = gap.mask_fill(plan.blocked.clone(), f32::NEG_INFINITY).exp();
+    let decay = (gap + plan.blocked_bias.clone()).exp();
     let beta = per_position(beta);
     let (q, k, v) = (into_chunks(q, plan), into_chunks(k, plan), into_chunks(v, plan));
     let along = |x: &Tensor<B, 4>| x.clone().unsqueeze_dim::<5>(4);
@@ -439,7 +442,7 @@ fn chunk_form<B: ModelBackend>(inputs: ScanInputs<B>, plan: &ChunkPlan<B>) -> Ch
     let v_beta = v.clone() * along(&beta);
     let key_products = k_beta.clone().matmul(k.clone().swap_dims(3, 4));
     let scores = q.clone().matmul(k.clone().swap_dims(3, 4));
-    let lower = (key_products.clone() * decay.clone()).mask_fill(plan.diagonal_and_above.clone(), 0.0);
+    let lower = key_products.clone() * decay.clone() * plan.strictly_lower.clone();
     let intra = scores.clone() * decay.clone();
     let inverse = B::unit_lower_inverse(lower, plan);
     let new_values = inverse.clone().matmul(v_beta.clone());
@@ -655,7 +658,7 @@ pub fn chunked_backward<B: ModelBackend>(
     // T = (I + L)⁻¹, L strictly lower: dL = −Tᵀ dT Tᵀ. L = (k_β kᵀ) ⊙ decay; decay = exp(cum_i − cum_j) (0
     // where blocked).
     let d_lower =
-        inverse_t.clone().matmul(d_inverse).matmul(inverse_t).neg().mask_fill(plan.diagonal_and_above.clone(), 0.0);
+        inverse_t.clone().matmul(d_inverse).matmul(inverse_t).neg() * plan.strictly_lower.clone();
     let d_products = d_lower.clone() * f.decay.clone();
     let d_gap = (d_decay_of_scores + d_lower * f.key_products) * f.decay;
     let d_k_beta_of_products = d_products.clone().matmul(f.k.clone());

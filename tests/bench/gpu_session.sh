@@ -50,7 +50,8 @@
 # A kiln run that fails on CUDA is run again without what has never run on a GPU before (tests/bench/
 # fallback.sh: kiln's own CubeCL kernels, burn's fusion, both), so the session still brings back kiln's
 # figures and says whose bug it was. The parity stage also catches a run that completes with wrong losses, and
-# finds the switch that mends it (each kernel alone first); what it finds holds for every run after it. The
+# finds the switch that mends it (each kernel alone first); what it finds holds for the runs after it of the
+# shapes of that architecture (PARITY_SCOPE). The
 # table stages run a failed shape's other rows with the switches that worked for it, and the train, pipeline
 # and profile stages run with every switch marked before (FALLBACK_MARK, $OUT/fallback: "<shape|*> NAME=off …").
 #
@@ -99,6 +100,26 @@ step() { echo "== $*" >&2; }
 # The parity runs' settings: the tiny training test's (tests/common: tiny_bench_config).
 PARITY_SETTINGS=(--seq 48 --micro-batch 2 --accumulation 2 --docs-per-row 3 --warmup 0 --seed 5 --lr 3e-3)
 
+# The shapes a parity shape stands for: a switch that mends it is marked for them (and itself), not for every
+# shape, so a fault of one architecture's ops leaves the others' runs as they are.
+declare -A PARITY_SCOPE=(
+    [tiny]="tiny lfm2-350m lfm2.5-1.2b"
+    [tiny-qwen3.5]="tiny-qwen3.5 qwen3.5-0.8b"
+    [tiny-gemma4]="tiny-gemma4 gemma-4-e4b"
+    [lfm2-moe-tiny]="lfm2-moe-tiny lfm2.5-8b-a1b"
+)
+
+# The switches marked for any of the shapes after the first argument (the mark file), on one line.
+marked_for_shapes() {
+    local mark=$1 shape all=""
+    shift
+    for shape in "$@"; do
+        all+=" $(marked_switches "$mark" "$shape")"
+    done
+    # shellcheck disable=SC2086  # word list
+    printf '%s\n' $all | sort -u | paste -sd' '
+}
+
 # One parity run of `$config` as `$shape@$3.json` on device $1 in precision $2: three optimizer steps.
 parity_run() {
     "$KILN" --quiet bench-train --config "$config" --device "$1" --precision "$2" "${PARITY_SETTINGS[@]}" --steps 3 \
@@ -112,7 +133,7 @@ parity_ok() {
 
 stage_parity() {
     step "parity: tiny shapes on cpu f32 and $DEVICE ${PARITY_PRECISIONS// /, }"
-    local config shape run status=0 marked tag variant switches
+    local config shape run status=0 marked tag variant switches scope scoped
     mkdir -p "$OUT/parity"
     for config in $PARITY_CONFIGS; do
         shape=$(basename "$config")
@@ -120,7 +141,7 @@ stage_parity() {
             run=${run/:/ }
             set -- $run
             marked=""
-            [[ $1 != cpu ]] && marked=$(marked_switches "$FALLBACK_MARK")
+            [[ $1 != cpu ]] && marked=$(marked_switches "$FALLBACK_MARK" "$shape")
             tag=$1-$2${marked:+-$(switches_label "$marked")}
             with_switches "$marked" parity_run "$1" "$2" "$tag" && { [[ $1 == cpu ]] || parity_ok "$tag"; } && continue
             echo "bench-train of $shape on $1 $2${marked:+ ($marked)} failed or is off the CPU's losses (see parity.log)" >&2
@@ -131,8 +152,9 @@ stage_parity() {
                 switches=$(switches_with "$marked" "$variant") || continue
                 tag=$1-$2-$(switches_label "$switches")
                 if with_switches "$switches" parity_run "$1" "$2" "$tag" && parity_ok "$tag"; then
-                    echo "$shape on $1 $2 runs with $switches: marked for every kiln run after it" >&2
-                    echo "* $switches" >>"$FALLBACK_MARK"
+                    scope=${PARITY_SCOPE[$shape]:-*}
+                    echo "$shape on $1 $2 runs with $switches: marked for the kiln runs of $scope after it" >&2
+                    for scoped in $scope; do echo "$scoped $switches"; done >>"$FALLBACK_MARK"
                     break
                 fi
             done
@@ -269,7 +291,7 @@ stage_profile() {
         step "kernel profile: $shape"
         # The table's row of the shape (the same settings, unprofiled), for the share of its step the kernels fill.
         local switches row
-        switches=$(marked_switches "$FALLBACK_MARK")
+        switches=$(marked_switches "$FALLBACK_MARK" "$shape")
         row=$OUT/bench/$shape-kiln${switches:+-$(switches_label "$switches")}.json
         [[ -f $row ]] || row=""
         if BENCH=$row DEVICE=$DEVICE KILN=$KILN SEQ=${SEQ:-4096} tests/bench/kernel_profile.sh \
@@ -316,7 +338,7 @@ stage_train() {
         # (fallback.sh) says whose bug it is.
         if [[ $DEVICE == cuda ]]; then
             local marked variant switches label
-            marked=$(marked_switches "$FALLBACK_MARK")
+            marked=$(marked_switches "$FALLBACK_MARK" "$TRAIN_SHAPE")
             for variant in "${FALLBACK_VARIANTS[@]}"; do
                 switches=$(switches_with "$marked" "$variant") || continue
                 label=$(switches_label "$switches")
@@ -359,7 +381,12 @@ if [[ ${1:-} == --stage ]]; then
     # shellcheck source=tests/bench/fallback.sh
     source tests/bench/fallback.sh
     if [[ $DEVICE == cuda && " train pipeline profile " == *" $2 "* ]]; then
-        marked=$(marked_switches "$FALLBACK_MARK")
+        case $2 in
+            train) marked=$(marked_switches "$FALLBACK_MARK" "$TRAIN_SHAPE") ;;
+            pipeline) marked=$(marked_switches "$FALLBACK_MARK" tiny) ;;
+            # shellcheck disable=SC2086  # PROFILE_SHAPES is a list
+            profile) marked=$(marked_for_shapes "$FALLBACK_MARK" $PROFILE_SHAPES) ;;
+        esac
         if [[ -n $marked ]]; then
             echo "note: kiln runs with $marked in this stage, after failures before ($(paste -sd, "$FALLBACK_MARK"))" >&2
             # shellcheck disable=SC2086  # NAME=off assignments
