@@ -122,62 +122,63 @@ pub fn cuda_fusion() -> Result<bool, String> {
 }
 
 /// The environment variable that runs the DeltaNet's scan across chunks and chunk solve as tensor ops instead
-/// of kiln's CubeCL kernels (`off`/`0`/`false`; `on` is the default).
+/// of kiln's CubeCL kernels (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: `KERNELS_BY_DEFAULT`.
 pub const SCAN_KERNEL_ENV: &str = "KILN_SCAN_KERNEL";
 
 /// Whether the CubeCL backends run the DeltaNet scan and chunk solve as kiln's kernels, from
 /// `KILN_SCAN_KERNEL`; malformed values are an error (`main` checks before any command runs).
-pub fn scan_kernel() -> Result<bool, String> {
-    switch(SCAN_KERNEL_ENV)
+pub fn scan_kernel() -> Result<Option<bool>, String> {
+    kernel_switch_checked(SCAN_KERNEL_ENV)
 }
 
 /// The environment variable that runs the attention's softmax rows as tensor ops instead of kiln's CubeCL
-/// kernels (`off`/`0`/`false`; `on` is the default).
+/// kernels (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: `KERNELS_BY_DEFAULT`.
 pub const ATTENTION_KERNEL_ENV: &str = "KILN_ATTENTION_KERNEL";
 
 /// Whether the CubeCL backends run the attention's softmax rows as kiln's kernels, from
 /// `KILN_ATTENTION_KERNEL`; malformed values are an error (`main` checks before any command runs).
-pub fn attention_kernel() -> Result<bool, String> {
-    switch(ATTENTION_KERNEL_ENV)
+pub fn attention_kernel() -> Result<Option<bool>, String> {
+    kernel_switch_checked(ATTENTION_KERNEL_ENV)
 }
 
 /// The environment variable that runs the cross-entropy's rows as tensor ops instead of kiln's CubeCL kernel
-/// (`off`/`0`/`false`; `on` is the default).
+/// (`off`/`0`/`false`) or as it (`on`/`1`/`true`); unset: `KERNELS_BY_DEFAULT`.
 pub const LOSS_KERNEL_ENV: &str = "KILN_LOSS_KERNEL";
 
 /// Whether the CubeCL backends run the cross-entropy's rows as kiln's kernel, from `KILN_LOSS_KERNEL`;
 /// malformed values are an error (`main` checks before any command runs).
-pub fn loss_kernel() -> Result<bool, String> {
-    switch(LOSS_KERNEL_ENV)
+pub fn loss_kernel() -> Result<Option<bool>, String> {
+    kernel_switch_checked(LOSS_KERNEL_ENV)
 }
 
 /// The environment variable that runs the RMSNorms as tensor ops instead of kiln's CubeCL kernels
-/// (`off`/`0`/`false`; `on` is the default).
+/// (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: `KERNELS_BY_DEFAULT`.
 pub const NORM_KERNEL_ENV: &str = "KILN_NORM_KERNEL";
 
 /// Whether the CubeCL backends run the RMSNorms as kiln's kernels, from `KILN_NORM_KERNEL`; malformed values
 /// are an error (`main` checks before any command runs).
-pub fn norm_kernel() -> Result<bool, String> {
-    switch(NORM_KERNEL_ENV)
+pub fn norm_kernel() -> Result<Option<bool>, String> {
+    kernel_switch_checked(NORM_KERNEL_ENV)
 }
 
 /// The environment variable that runs the optimizer (the gradients' global norm, AdamW's update) as tensor ops
-/// instead of kiln's CubeCL kernels (`off`/`0`/`false`; `on` is the default).
+/// instead of kiln's CubeCL kernels (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: `KERNELS_BY_DEFAULT`.
 pub const OPTIM_KERNEL_ENV: &str = "KILN_OPTIM_KERNEL";
 
 /// Whether the CubeCL backends run the optimizer as kiln's kernels, from `KILN_OPTIM_KERNEL`;
 /// malformed values are an error (`main` checks before any command runs).
-pub fn optim_kernel() -> Result<bool, String> {
-    switch(OPTIM_KERNEL_ENV)
+pub fn optim_kernel() -> Result<Option<bool>, String> {
+    kernel_switch_checked(OPTIM_KERNEL_ENV)
 }
 
-/// The switch of kiln's causal-conv kernels (`kernels::conv`) on the CubeCL backends.
+/// The switch of kiln's causal-conv kernels (`kernels::conv`) on the CubeCL backends (unset:
+/// `KERNELS_BY_DEFAULT`).
 pub const CONV_KERNEL_ENV: &str = "KILN_CONV_KERNEL";
 
 /// Whether the CubeCL backends run the causal depthwise convolution as kiln's kernels, from
 /// `KILN_CONV_KERNEL`; malformed values are an error (`main` checks before any command runs).
-pub fn conv_kernel() -> Result<bool, String> {
-    switch(CONV_KERNEL_ENV)
+pub fn conv_kernel() -> Result<Option<bool>, String> {
+    kernel_switch_checked(CONV_KERNEL_ENV)
 }
 
 /// The switch of the MoE's experts batched into one matmul over padded groups (`models::experts`) on the
@@ -192,14 +193,51 @@ pub fn experts_batched() -> Result<bool, String> {
 
 /// An on/off switch from the environment: on when unset.
 fn switch(name: &str) -> Result<bool, String> {
-    std::env::var_os(name).map_or(Ok(true), |value| parse_switch(name, &value.to_string_lossy()))
+    kernel_switch(name).map(|set| set.unwrap_or(true)).map_err(|why| format!("{why} (unset: on)"))
+}
+
+/// A kernel's on/off switch from the environment: `None` when unset (the runtime's `KERNELS_BY_DEFAULT`
+/// decides).
+fn kernel_switch(name: &str) -> Result<Option<bool>, String> {
+    std::env::var_os(name).map(|value| parse_switch(name, &value.to_string_lossy())).transpose()
+}
+
+/// `kernel_switch` as the CLI reports a malformed value.
+fn kernel_switch_checked(name: &str) -> Result<Option<bool>, String> {
+    kernel_switch(name).map_err(|why| format!("{why} (unset: the device's default, see `kiln info`)"))
+}
+
+/// Whether kiln's own CubeCL kernels (the scan and chunk solve, the attention's and the loss's rows, the
+/// RMSNorms, the causal conv, the optimizer's) run where their switch is unset, per runtime.
+///
+/// On Vulkan they do: the tests check each against its tensor-op reference on lavapipe. On CUDA they do
+/// not, until a GPU session clears them: on an H200 (2026-12-04) bf16 steps of the tiny shapes with them on
+/// turned NaN at a step that changed from run to run, with any one of them switched off as well, and an f32
+/// step with the attention kernel on was 2e-3 off the CPU's loss from the first forward; the same steps on
+/// burn's fused ops alone matched the CPU within 1.3e-4 (bf16) and 5e-6 (f32). `KILN_<NAME>_KERNEL=on`
+/// runs one on CUDA all the same (tests/bench/gpu_session.sh's `kernels` stage tries each alone).
+#[derive(Debug, Clone, Copy)]
+pub enum KernelsByDefault {
+    On,
+    Off,
+}
+
+/// Vulkan's default (`KernelsByDefault`).
+pub const VULKAN_KERNELS: KernelsByDefault = KernelsByDefault::On;
+/// CUDA's default (`KernelsByDefault`).
+pub const CUDA_KERNELS: KernelsByDefault = KernelsByDefault::Off;
+
+/// The default of kiln's kernels on device `device` (a CLI device name): CUDA's or Vulkan's; the CPU runs
+/// none of them.
+pub fn kernels_by_default(device: &str) -> KernelsByDefault {
+    if device == "cuda" { CUDA_KERNELS } else { VULKAN_KERNELS }
 }
 
 fn parse_switch(name: &str, value: &str) -> Result<bool, String> {
     match value.trim().to_ascii_lowercase().as_str() {
         "" | "on" | "1" | "true" => Ok(true),
         "off" | "0" | "false" => Ok(false),
-        _ => Err(format!("{name}={value:?}: use on (the default) or off")),
+        _ => Err(format!("{name}={value:?}: use on or off")),
     }
 }
 
@@ -478,7 +516,7 @@ impl ModelBackend for Flex {
 
 #[cfg(any(feature = "cuda", feature = "vulkan"))]
 macro_rules! cubecl_model_backend {
-    ($backend:ty) => {
+    ($backend:ty, $kernels:expr) => {
         impl CrossEntropyRows for $backend {
             fn cross_entropy_rows(
                 logits: Tensor<Self, 2>,
@@ -486,7 +524,7 @@ macro_rules! cubecl_model_backend {
                 coef: Tensor<Self, 2>,
                 with_grads: bool,
             ) -> (Tensor<Self, 2>, Option<Tensor<Self, 2>>) {
-                if loss_kernel_enabled() {
+                if loss_kernel_enabled($kernels) {
                     crate::kernels::cross_entropy::cross_entropy_rows(logits, targets, coef, with_grads)
                 } else {
                     crate::train::linear_ce::cross_entropy_rows(logits, targets, coef, with_grads)
@@ -496,7 +534,7 @@ macro_rules! cubecl_model_backend {
 
         impl OptimizerOps for $backend {
             fn squared_norm(tensors: Vec<burn::tensor::ops::FloatTensor<Self>>) -> Option<Tensor<Self, 1>> {
-                if optim_kernel_enabled() {
+                if optim_kernel_enabled($kernels) {
                     crate::kernels::grad_norm::squared_norm(tensors)
                 } else {
                     crate::train::optim::squared_sums_in_order(tensors)
@@ -508,7 +546,7 @@ macro_rules! cubecl_model_backend {
                 clip: Option<burn::tensor::ops::FloatTensor<Self>>,
                 scalars: crate::train::optim::AdamWScalars,
             ) -> Result<Vec<crate::train::optim::AdamWUpdated<Self>>, Vec<crate::train::optim::AdamWSlot<Self>>> {
-                if optim_kernel_enabled() {
+                if optim_kernel_enabled($kernels) {
                     Ok(crate::kernels::adamw::adamw_update(slots, clip, scalars))
                 } else {
                     Err(slots)
@@ -522,7 +560,7 @@ macro_rules! cubecl_model_backend {
                 docs: &DocumentAttention<Self>,
                 rows: crate::models::attention::ChunkRows,
             ) -> [Tensor<Self, 4>; 2] {
-                if attention_kernel_enabled() {
+                if attention_kernel_enabled($kernels) {
                     crate::kernels::attention::attention_probs(scores, docs, rows)
                 } else {
                     crate::models::attention::softmax_rows(scores, docs, rows)
@@ -537,7 +575,7 @@ macro_rules! cubecl_model_backend {
                 docs: &DocumentAttention<Self>,
                 rows: crate::models::attention::ChunkRows,
             ) -> [Tensor<Self, 4>; 2] {
-                if attention_kernel_enabled() {
+                if attention_kernel_enabled($kernels) {
                     crate::kernels::attention::attention_score_grads([scores, grad_probs, lse, delta], docs, rows)
                 } else {
                     crate::models::attention::score_grads(scores, grad_probs, lse, delta, docs, rows)
@@ -547,7 +585,7 @@ macro_rules! cubecl_model_backend {
             fn chunk_recurrence(
                 rec: crate::models::deltanet::ChunkRecurrence<Self>,
             ) -> crate::models::deltanet::RecurrenceOut<Self> {
-                if scan_kernel_enabled() {
+                if scan_kernel_enabled($kernels) {
                     crate::kernels::scan::chunk_recurrence(rec)
                 } else {
                     crate::models::deltanet::recurrence_by_chunk(rec)
@@ -560,7 +598,7 @@ macro_rules! cubecl_model_backend {
                 eps: f64,
                 kind: crate::models::ops::NormKind,
             ) -> Tensor<Self, D> {
-                if norm_kernel_enabled() {
+                if norm_kernel_enabled($kernels) {
                     crate::kernels::norm::rms_norm(x, weight, eps, kind)
                 } else {
                     crate::models::ops::rms_norm_forward(x, weight, eps, kind)
@@ -574,7 +612,7 @@ macro_rules! cubecl_model_backend {
                 kind: crate::models::ops::NormKind,
                 grad: Tensor<Self, D>,
             ) -> (Tensor<Self, D>, Tensor<Self, 1>) {
-                if norm_kernel_enabled() {
+                if norm_kernel_enabled($kernels) {
                     crate::kernels::norm::rms_norm_grads(x, weight, eps, kind, grad)
                 } else {
                     crate::models::ops::rms_norm_backward(x, weight, eps, kind, grad)
@@ -586,7 +624,7 @@ macro_rules! cubecl_model_backend {
                 kernel: Tensor<Self, 2>,
                 shifts: &crate::models::layers::ConvShifts<Self>,
             ) -> Tensor<Self, 3> {
-                if conv_kernel_enabled() {
+                if conv_kernel_enabled($kernels) {
                     crate::kernels::conv::causal_conv(x, kernel, shifts)
                 } else {
                     crate::models::layers::causal_depthwise_conv(x, kernel, shifts)
@@ -599,7 +637,7 @@ macro_rules! cubecl_model_backend {
                 shifts: &crate::models::layers::ConvShifts<Self>,
                 grad: Tensor<Self, 3>,
             ) -> (Tensor<Self, 3>, Tensor<Self, 2>) {
-                if conv_kernel_enabled() {
+                if conv_kernel_enabled($kernels) {
                     crate::kernels::conv::causal_conv_grads(x, kernel, shifts, grad)
                 } else {
                     crate::models::layers::causal_depthwise_conv_backward(x, kernel, shifts, grad)
@@ -623,7 +661,7 @@ macro_rules! cubecl_model_backend {
                 lower: Tensor<Self, 5>,
                 plan: &crate::models::deltanet::ChunkPlan<Self>,
             ) -> Tensor<Self, 5> {
-                if scan_kernel_enabled() {
+                if scan_kernel_enabled($kernels) {
                     crate::kernels::chunk_solve::unit_lower_inverse(lower)
                 } else {
                     crate::models::deltanet::unit_lower_inverse(lower, plan)
@@ -633,54 +671,54 @@ macro_rules! cubecl_model_backend {
     };
 }
 #[cfg(feature = "cuda")]
-cubecl_model_backend!(burn::backend::Cuda<f32>);
+cubecl_model_backend!(burn::backend::Cuda<f32>, CUDA_KERNELS);
 #[cfg(feature = "cuda")]
-cubecl_model_backend!(Gpu);
+cubecl_model_backend!(Gpu, CUDA_KERNELS);
 #[cfg(feature = "cuda")]
-cubecl_model_backend!(GpuUnfused);
+cubecl_model_backend!(GpuUnfused, CUDA_KERNELS);
 #[cfg(feature = "vulkan")]
-cubecl_model_backend!(Vk);
+cubecl_model_backend!(Vk, VULKAN_KERNELS);
 #[cfg(feature = "vulkan")]
-cubecl_model_backend!(VkHalf);
+cubecl_model_backend!(VkHalf, VULKAN_KERNELS);
 #[cfg(feature = "vulkan")]
-cubecl_model_backend!(VkUnfused);
+cubecl_model_backend!(VkUnfused, VULKAN_KERNELS);
 #[cfg(feature = "vulkan")]
-cubecl_model_backend!(VkHalfUnfused);
+cubecl_model_backend!(VkHalfUnfused, VULKAN_KERNELS);
 
 /// `scan_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
-pub fn scan_kernel_enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    switch_once(&ENABLED, SCAN_KERNEL_ENV)
+pub fn scan_kernel_enabled(default: KernelsByDefault) -> bool {
+    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    kernel_switch_once(&SET, SCAN_KERNEL_ENV, default)
 }
 
 /// `attention_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
-pub fn attention_kernel_enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    switch_once(&ENABLED, ATTENTION_KERNEL_ENV)
+pub fn attention_kernel_enabled(default: KernelsByDefault) -> bool {
+    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    kernel_switch_once(&SET, ATTENTION_KERNEL_ENV, default)
 }
 
 /// `loss_kernel()` read once, for the trainer (the CLI has rejected a malformed value before it runs).
-pub fn loss_kernel_enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    switch_once(&ENABLED, LOSS_KERNEL_ENV)
+pub fn loss_kernel_enabled(default: KernelsByDefault) -> bool {
+    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    kernel_switch_once(&SET, LOSS_KERNEL_ENV, default)
 }
 
 /// `norm_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
-pub fn norm_kernel_enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    switch_once(&ENABLED, NORM_KERNEL_ENV)
+pub fn norm_kernel_enabled(default: KernelsByDefault) -> bool {
+    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    kernel_switch_once(&SET, NORM_KERNEL_ENV, default)
 }
 
 /// `conv_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
-pub fn conv_kernel_enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    switch_once(&ENABLED, CONV_KERNEL_ENV)
+pub fn conv_kernel_enabled(default: KernelsByDefault) -> bool {
+    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    kernel_switch_once(&SET, CONV_KERNEL_ENV, default)
 }
 
 /// `optim_kernel()` read once, for the trainer (the CLI has rejected a malformed value before it runs).
-pub fn optim_kernel_enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    switch_once(&ENABLED, OPTIM_KERNEL_ENV)
+pub fn optim_kernel_enabled(default: KernelsByDefault) -> bool {
+    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    kernel_switch_once(&SET, OPTIM_KERNEL_ENV, default)
 }
 
 /// `experts_batched()` read once, for the models (the CLI has rejected a malformed value before they run).
@@ -691,6 +729,10 @@ pub fn experts_batched_enabled() -> bool {
 
 fn switch_once(cell: &std::sync::OnceLock<bool>, name: &str) -> bool {
     *cell.get_or_init(|| switch(name).unwrap_or(true))
+}
+
+fn kernel_switch_once(cell: &std::sync::OnceLock<Option<bool>>, name: &str, default: KernelsByDefault) -> bool {
+    cell.get_or_init(|| kernel_switch(name).ok().flatten()).unwrap_or(matches!(default, KernelsByDefault::On))
 }
 
 /// Host values as a tensor created in `dtype`. burn's `from_data` without a dtype converts to the device's
@@ -906,8 +948,22 @@ mod tests {
         assert_eq!(fusion_for(false, Ok(true)), Ok(true));
         assert!(fusion_for(false, Ok(false)).unwrap_err().contains("bf16 CUDA backend only"));
         let err = parse_switch(FUSION_ENV, "unfused").unwrap_err();
-        assert!(err.contains("KILN_CUDA_FUSION=\"unfused\"") && err.contains("on (the default) or off"), "{err}");
+        assert!(err.contains("KILN_CUDA_FUSION=\"unfused\"") && err.contains("use on or off"), "{err}");
         let err = parse_switch(SCAN_KERNEL_ENV, "no").unwrap_err();
         assert!(err.starts_with("KILN_SCAN_KERNEL=\"no\""), "{err}");
+    }
+
+    #[test]
+    fn kernels_run_by_default_on_vulkan_and_not_on_cuda() {
+        assert!(matches!(kernels_by_default("cuda"), KernelsByDefault::Off));
+        assert!(matches!(kernels_by_default("vulkan"), KernelsByDefault::On));
+        // An unset switch is cached as unset: each runtime's default still applies after the first read.
+        let unset = std::sync::OnceLock::new();
+        let name = "KILN_TEST_SWITCH_NEVER_SET";
+        assert!(!kernel_switch_once(&unset, name, CUDA_KERNELS));
+        assert!(kernel_switch_once(&unset, name, VULKAN_KERNELS));
+        // A switch that is set holds on every runtime.
+        let set = std::sync::OnceLock::from(Some(true));
+        assert!(kernel_switch_once(&set, name, CUDA_KERNELS));
     }
 }

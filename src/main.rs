@@ -1087,6 +1087,20 @@ fn synth(args: SynthArgs) -> Result<()> {
     Ok(())
 }
 
+/// A kernel's switch for `kiln info`: as set, or each runtime's default where unset.
+fn kernel_setting(setting: Result<Option<bool>, String>) -> String {
+    use kiln::backend::{CUDA_KERNELS, KernelsByDefault, VULKAN_KERNELS};
+    let label = |default| match default {
+        KernelsByDefault::On => "on",
+        KernelsByDefault::Off => "off",
+    };
+    match setting {
+        Err(why) => why,
+        Ok(Some(on)) => if on { "on" } else { "off" }.into(),
+        Ok(None) => format!("unset: {} on cuda, {} on vulkan", label(CUDA_KERNELS), label(VULKAN_KERNELS)),
+    }
+}
+
 fn info(host_allocator: Option<&str>) -> Result<()> {
     let config = HubConfig::from_env();
     kiln::backend::smoke_test::<kiln::backend::Cpu>(&Default::default()).map_err(anyhow::Error::msg)?;
@@ -1112,13 +1126,12 @@ fn info(host_allocator: Option<&str>) -> Result<()> {
         },
         "cuda_autotune": if cfg!(feature = "autotune") { "on" } else { "off" },
         "cuda_fusion": kiln::backend::cuda_fusion().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
-        "scan_kernel": kiln::backend::scan_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
-        "attention_kernel": kiln::backend::attention_kernel()
-            .map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
-        "loss_kernel": kiln::backend::loss_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
-        "norm_kernel": kiln::backend::norm_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
-        "conv_kernel": kiln::backend::conv_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
-        "optim_kernel": kiln::backend::optim_kernel().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
+        "scan_kernel": kernel_setting(kiln::backend::scan_kernel()),
+        "attention_kernel": kernel_setting(kiln::backend::attention_kernel()),
+        "loss_kernel": kernel_setting(kiln::backend::loss_kernel()),
+        "norm_kernel": kernel_setting(kiln::backend::norm_kernel()),
+        "conv_kernel": kernel_setting(kiln::backend::conv_kernel()),
+        "optim_kernel": kernel_setting(kiln::backend::optim_kernel()),
         "experts_batched": kiln::backend::experts_batched()
             .map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
         "hub": {

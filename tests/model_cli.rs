@@ -185,15 +185,19 @@ fn info_reports_the_backends_and_the_switches() {
     let (ok, stdout, _) = run_kiln(&["info"], &[("KILN_CUDA_FUSION", "sideways")], &cwd);
     assert!(ok);
     let fusion = serde_json::from_str::<Value>(&stdout).unwrap()["cuda_fusion"].as_str().unwrap().to_string();
-    assert!(fusion.contains("KILN_CUDA_FUSION=\"sideways\"") && fusion.contains("on (the default) or off"), "{fusion}");
+    assert!(
+        fusion.contains("KILN_CUDA_FUSION=\"sideways\"") && fusion.contains("use on or off (unset: on)"),
+        "{fusion}"
+    );
 
-    // The DeltaNet scan kernel's switch: reported by info, and a malformed value stops other commands.
-    assert_eq!(info["scan_kernel"], "on");
+    // The DeltaNet scan kernel's switch: reported by info (unset: each runtime's default), and a malformed
+    // value stops other commands.
+    assert_eq!(info["scan_kernel"], "unset: off on cuda, on on vulkan");
     let (ok, stdout, _) = run_kiln(&["info"], &[("KILN_SCAN_KERNEL", "off")], &cwd);
     assert!(ok);
     assert_eq!(serde_json::from_str::<Value>(&stdout).unwrap()["scan_kernel"], "off");
     let (ok, _, stderr) = run_kiln(&["synth", "--out", "/nonexistent/x"], &[("KILN_SCAN_KERNEL", "no")], &cwd);
-    assert!(!ok && stderr.contains("KILN_SCAN_KERNEL=\"no\": use on (the default) or off"), "{stderr}");
+    assert!(!ok && stderr.contains("KILN_SCAN_KERNEL=\"no\": use on or off (unset: the device's default"), "{stderr}");
 }
 
 /// The tiny config's random-init checkpoint of seed 3 in `dir/m`.

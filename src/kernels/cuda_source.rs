@@ -10,6 +10,7 @@
 //! (directories joined by `:`), and its `libnvrtc-builtins` from the loader's path (`LD_LIBRARY_PATH`);
 //! .ci/run installs them from NVIDIA's pip wheels (CUDA 13.0, the GPU machines' version) and sets all three.
 //! Without them the kernels' CUDA C++ is still written and checked, and the test says that NVRTC did not run.
+//! `KILN_CUDA_SOURCE_OUT=<dir>` keeps each variant's CUDA C++ there (`<variant name>.cu`), to read what a GPU runs.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 
@@ -207,6 +208,10 @@ mod tests {
                 }
             };
             assert!(source.contains("extern \"C\" __global__"), "{name}: no kernel entry point in\n{source}");
+            if let Some(dir) = std::env::var_os("KILN_CUDA_SOURCE_OUT") {
+                let file = std::path::Path::new(&dir).join(format!("{}.cu", name.replace([' ', '/'], "_")));
+                std::fs::write(&file, &source).unwrap_or_else(|e| panic!("writing {}: {e}", file.display()));
+            }
             if let Some(nvrtc) = &nvrtc {
                 match nvrtc.compile(&source) {
                     Ok(ptx) => eprintln!("{name}: {ptx} bytes of PTX"),

@@ -115,12 +115,7 @@ pub fn recurrent<B: Backend>(
 /// forward substitution in one kernel instead (`ModelBackend::unit_lower_inverse`, `kernels::chunk_solve`).
 pub fn unit_lower_inverse<B: Backend>(l: Tensor<B, 5>, plan: &ChunkPlan<B>) -> Tensor<B, 5> {
     // Every round's bridge first: one element-wise kernel on the fused backends.
-    let mut bridges = plan
-        .bridges_kept
-        .iter()
-        .map(|kept| l.clone() * kept.clone())
-        .collect::<Vec<_>>()
-        .into_iter();
+    let mut bridges = plan.bridges_kept.iter().map(|kept| l.clone() * kept.clone()).collect::<Vec<_>>().into_iter();
     // The first round's blocks are 1×1 with inverse 1: `I − I N I` is `I − N`, no matmul needed.
     let mut inverse = match bridges.next() {
         Some(first) => plan.identity.clone() - first,
@@ -657,8 +652,7 @@ pub fn chunked_backward<B: ModelBackend>(
         d_new_values.matmul(f.v_beta.swap_dims(3, 4)) - neg_d_state_reads.matmul(f.keys_from_start.swap_dims(3, 4));
     // T = (I + L)⁻¹, L strictly lower: dL = −Tᵀ dT Tᵀ. L = (k_β kᵀ) ⊙ decay; decay = exp(cum_i − cum_j) (0
     // where blocked).
-    let d_lower =
-        inverse_t.clone().matmul(d_inverse).matmul(inverse_t).neg() * plan.strictly_lower.clone();
+    let d_lower = inverse_t.clone().matmul(d_inverse).matmul(inverse_t).neg() * plan.strictly_lower.clone();
     let d_products = d_lower.clone() * f.decay.clone();
     let d_gap = (d_decay_of_scores + d_lower * f.key_products) * f.decay;
     let d_k_beta_of_products = d_products.clone().matmul(f.k.clone());

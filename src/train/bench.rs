@@ -103,6 +103,7 @@ impl BenchRun {
     /// What `bench_on_device(config, cfg, device)` runs (the process's switches as they are now).
     pub fn of(config: &ModelConfig, cfg: &BenchConfig, device: &str) -> Self {
         let cubecl = device != "cpu";
+        let kernels = crate::backend::kernels_by_default(device);
         BenchRun {
             framework: "kiln".into(),
             model_type: config.model_type().into(),
@@ -116,12 +117,12 @@ impl BenchRun {
             fusion: (device == "cuda").then(|| crate::backend::cuda_fusion().unwrap_or(true)),
             moments: Some(cfg.moments),
             activation_checkpointing: cfg.activation_checkpointing,
-            scan_kernel: cubecl.then(crate::backend::scan_kernel_enabled),
-            attention_kernel: cubecl.then(crate::backend::attention_kernel_enabled),
-            loss_kernel: cubecl.then(crate::backend::loss_kernel_enabled),
-            norm_kernel: cubecl.then(crate::backend::norm_kernel_enabled),
-            conv_kernel: cubecl.then(crate::backend::conv_kernel_enabled),
-            optim_kernel: cubecl.then(crate::backend::optim_kernel_enabled),
+            scan_kernel: cubecl.then(|| crate::backend::scan_kernel_enabled(kernels)),
+            attention_kernel: cubecl.then(|| crate::backend::attention_kernel_enabled(kernels)),
+            loss_kernel: cubecl.then(|| crate::backend::loss_kernel_enabled(kernels)),
+            norm_kernel: cubecl.then(|| crate::backend::norm_kernel_enabled(kernels)),
+            conv_kernel: cubecl.then(|| crate::backend::conv_kernel_enabled(kernels)),
+            optim_kernel: cubecl.then(|| crate::backend::optim_kernel_enabled(kernels)),
             experts_batched: (cubecl && matches!(config, ModelConfig::Lfm2(c) if c.moe.is_some()))
                 .then(crate::backend::experts_batched_enabled),
         }

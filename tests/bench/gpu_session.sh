@@ -11,6 +11,11 @@
 #            `kiln bench-train` on the CPU in f32 and on DEVICE in f32 and bf16, losses side by side
 #            (tests/bench/parity.py: f32 within 1e-4 relative of the CPU, bf16 within 1e-2) — the fused
 #            backend's kernels and layouts checked against the reference before any speed is measured;
+#   kernels  kiln's CubeCL kernels (off by default on CUDA: backend::KernelsByDefault) each alone on, then
+#            all on, KERNEL_REPEATS runs of three steps of each of KERNEL_CONFIGS in KERNEL_PRECISIONS, losses
+#            against the CPU's (kernels.md): which kernel the NaN of 2026-12-04 comes from;
+#   sanitize the tiny LFM2 with every kernel on under compute-sanitizer (SANITIZE_TOOLS: initcheck, memcheck,
+#            racecheck), two bf16 steps: the kernel and the access at fault;
 #   table    the training-step table (tests/bench/train.sh): kiln with each of KILN_OPS, and transformers +
 #            PyTorch (bf16, amp) on the benchmark SHAPES;
 #   train    `kiln train` on the device for EPOCHS epochs of the offline pipeline's shards (`kiln sft --model
@@ -24,6 +29,8 @@
 #            directory, the log tabulated): what the step spends its time on, and beside the table's row of
 #            the shape (run before), the share of its step the kernels fill — the rest is the device waiting
 #            on the host;
+#   (The kernel A/B stages below switch one kernel off against the device's default: on CUDA, where the
+#   kernels are off by default, they change nothing until the kernels are cleared and on again.)
 #   noscan   for each of SCAN_AB, kiln's row again with the DeltaNet scan and chunk solve as tensor ops
 #            instead of kiln's kernels (KILN_OPS=noscan: KILN_SCAN_KERNEL=off), into table-noscan.md: what
 #            the kernels buy;
@@ -93,6 +100,8 @@ cd "$(dirname "$0")/../.."
 : "${PARITY_PRECISIONS=f32 bf16}"
 [[ " $SHAPES " == *" qwen3.5-0.8b "* ]] && : "${SCAN_AB=qwen3.5-0.8b}" || : "${SCAN_AB=}"
 : "${ATTN_AB=lfm2.5-1.2b}" "${LOSS_AB=lfm2.5-1.2b}" "${NORM_AB=lfm2.5-1.2b}" "${OPTIM_AB=qwen3.5-0.8b}"
+: "${KERNEL_CONFIGS=configs/models/tiny configs/models/tiny-qwen3.5}" "${KERNEL_PRECISIONS=bf16}" "${KERNEL_REPEATS:=3}"
+: "${SANITIZE_TOOLS=initcheck memcheck racecheck}"
 : "${CONV_AB=lfm2.5-1.2b}" "${MOMENTS_SHAPES=lfm2.5-1.2b}" "${FIT_SHAPES=lfm2.5-8b-a1b}" "${FIT_SEQ:=8192}"
 run=gpu-session
 step() { echo "== $*" >&2; }
@@ -162,6 +171,60 @@ stage_parity() {
     done
     python3 tests/bench/parity.py "$OUT"/parity/*.json >"$OUT/parity.md" || status=1
     cat "$OUT/parity.md"
+    return $status
+}
+
+# kiln's CubeCL kernels, off by default on CUDA since bf16 steps with them on turned NaN on an H200
+# (2026-12-04, backend::KernelsByDefault): each alone on, KERNEL_REPEATS times (the NaN came at a step that
+# changed from run to run), three steps of each of KERNEL_CONFIGS in KERNEL_PRECISIONS, losses against the
+# CPU's (parity.py); then all of them on. Which ones fail says where to look; `sanitize` says why.
+KERNEL_SWITCHES=(KILN_ATTENTION_KERNEL KILN_LOSS_KERNEL KILN_NORM_KERNEL KILN_OPTIM_KERNEL KILN_SCAN_KERNEL KILN_CONV_KERNEL)
+stage_kernels() {
+    step "kiln's kernels alone on $DEVICE: ${KERNEL_CONFIGS// /, } in $KERNEL_PRECISIONS, $KERNEL_REPEATS runs each"
+    mkdir -p "$OUT/kernels"
+    local config shape precision switch repeat tag status=0
+    for config in $KERNEL_CONFIGS; do
+        shape=$(basename "$config")
+        [[ -f $OUT/parity/$shape@cpu-f32.json ]] || { mkdir -p "$OUT/parity"; parity_run cpu f32 cpu-f32; }
+        for precision in $KERNEL_PRECISIONS; do
+            for switch in "${KERNEL_SWITCHES[@]}" all; do
+                for ((repeat = 1; repeat <= KERNEL_REPEATS; repeat++)); do
+                    tag=$DEVICE-$precision-${switch#KILN_}-$repeat
+                    if [[ $switch == all ]]; then
+                        with_switches "$(printf '%s=on ' "${KERNEL_SWITCHES[@]}")" parity_run "$DEVICE" "$precision" "$tag"
+                    else
+                        with_switches "$switch=on" parity_run "$DEVICE" "$precision" "$tag"
+                    fi || echo "$shape $tag failed (parity.log)" >&2
+                    cp "$OUT/parity/$shape@$tag.json" "$OUT/kernels/" 2>/dev/null
+                done
+            done
+        done
+        local runs=("$OUT/kernels/$shape@"*.json)
+        if [[ -f ${runs[0]} ]]; then
+            python3 tests/bench/parity.py "$OUT/parity/$shape@cpu-f32.json" "${runs[@]}" >>"$OUT/kernels.md" || status=1
+        else
+            echo "| $shape | no $DEVICE run finished (parity.log) | | | |" >>"$OUT/kernels.md"
+            status=1
+        fi
+    done
+    cat "$OUT/kernels.md"
+    return $status
+}
+
+# The tiny LFM2 with every kernel on under NVIDIA's compute-sanitizer (SANITIZER, SANITIZE_TOOLS): reads of
+# memory never written (initcheck), out-of-bounds accesses (memcheck) and shared-memory races (racecheck),
+# each with the kernel's name; two steps in bf16, where the NaN came.
+stage_sanitize() {
+    local sanitizer=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+    [[ -x $sanitizer ]] || { echo "sanitize: no compute-sanitizer ($sanitizer)" >&2; return 1; }
+    local tool status=0
+    for tool in $SANITIZE_TOOLS; do
+        step "compute-sanitizer --tool $tool: the tiny LFM2, bf16, every kernel on"
+        with_switches "$(printf '%s=on ' "${KERNEL_SWITCHES[@]}")" "$sanitizer" --tool "$tool" --print-limit 20 \
+            --log-file "$OUT/sanitize-$tool.log" "$KILN" --quiet bench-train --config configs/models/tiny --device "$DEVICE" \
+            --precision bf16 "${PARITY_SETTINGS[@]}" --steps 2 --out "$OUT/sanitize-$tool.json" >/dev/null 2>&1 || status=1
+        grep -m 20 -E "ERROR SUMMARY|Uninitialized|Invalid|Race|in kernel|kernel_" "$OUT/sanitize-$tool.log" >&2
+    done
     return $status
 }
 
@@ -441,7 +504,7 @@ pack_kernel_cache() {
 # Where the parity, table and train stages note the switches that mended a failed kiln run (fallback.sh;
 # train.sh's FALLBACK_MARK): the later runs take them.
 : "${FALLBACK_MARK:=$OUT/fallback}"
-export DEVICE STAGES SHAPES KILN_OPS TRAIN_SHAPE EPOCHS TRAIN_MICRO TRAIN_BATCH TRAIN_LR PROFILE_SHAPES SCAN_AB \
+export KERNEL_CONFIGS KERNEL_PRECISIONS KERNEL_REPEATS SANITIZE_TOOLS DEVICE STAGES SHAPES KILN_OPS TRAIN_SHAPE EPOCHS TRAIN_MICRO TRAIN_BATCH TRAIN_LR PROFILE_SHAPES SCAN_AB \
     MOMENTS_SHAPES FIT_SHAPES FIT_SEQ OUT KILN LD_LIBRARY_PATH FALLBACK_MARK
 
 step "machine"

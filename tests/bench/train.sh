@@ -10,7 +10,9 @@
 #   SEQ MICRO ACC STEPS WARMUP   4096 1 1 10 3 on cuda; 128 1 1 2 1 on cpu
 #   PEAK_TFLOPS 989 on cuda (H100/H200 SXM dense bf16), for MFU
 #   PRECISION   kiln's precision (auto: bf16 on cuda, f32 on cpu); MOMENTS kiln's AdamW moments (f32, bf16, q8)
-#   KILN_OPS    "ops" (kiln's hand-written attention / SwiGLU / loss ops), "reference" (burn's plain
+#   KILN_OPS    "ops" (kiln's hand-written attention / SwiGLU / loss ops, and kiln's CubeCL kernels where the
+#               device runs them by default: Vulkan, not CUDA), "kernels" (the ops with every one of kiln's
+#               CubeCL kernels on, KILN_*_KERNEL=on), "reference" (burn's plain
 #               compositions, `--reference-ops`), "unfused" (the ops without burn's fusion on CUDA,
 #               KILN_CUDA_FUSION=off), or the ops with one of kiln's CubeCL kernels switched off for its tensor
 #               ops: "noscan" (the DeltaNet scan and chunk solve, KILN_SCAN_KERNEL=off), "noattn" (the
@@ -74,9 +76,14 @@ OUT_OF_MEMORY=3
 kiln_row() {
     rm -f "$out"
     # shellcheck disable=SC2086  # $1 is a list of NAME=off assignments
-    env KILN_CUDA_FUSION=$fusion KILN_SCAN_KERNEL=$scan KILN_ATTENTION_KERNEL=$attn KILN_LOSS_KERNEL=$loss \
-        KILN_NORM_KERNEL=$norm KILN_CONV_KERNEL=$conv KILN_OPTIM_KERNEL=$optim \
-        KILN_EXPERTS_BATCHED=$experts $1 \
+    # A kernel switch left empty stays unset: the device's default (`kiln info`).
+    local kernels=() setting
+    for setting in KILN_SCAN_KERNEL=$scan KILN_ATTENTION_KERNEL=$attn KILN_LOSS_KERNEL=$loss KILN_NORM_KERNEL=$norm \
+        KILN_CONV_KERNEL=$conv KILN_OPTIM_KERNEL=$optim; do
+        [[ -n ${setting#*=} ]] && kernels+=("$setting")
+    done
+    env -u KILN_SCAN_KERNEL -u KILN_ATTENTION_KERNEL -u KILN_LOSS_KERNEL -u KILN_NORM_KERNEL -u KILN_CONV_KERNEL \
+        -u KILN_OPTIM_KERNEL KILN_CUDA_FUSION=$fusion "${kernels[@]}" KILN_EXPERTS_BATCHED=$experts $1 \
         "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" \
         --precision "$PRECISION" --moments "$MOMENTS" "${switch[@]}" "${common[@]}" --out "$out" >/dev/null
     local status=$?
@@ -99,20 +106,22 @@ for shape in "${shapes[@]}"; do
             echo "== $shape: no experts, so no noexperts row" >&2
             continue
         fi
-        attn=on loss=on norm=on conv=on optim=on experts=on
+        # Empty: unset, the device's default (kiln's kernels off on CUDA, on on Vulkan: backend::KernelsByDefault).
+        scan="" attn="" loss="" norm="" conv="" optim="" experts=on switch=() fusion=on
         case $ops in
-            ops) out=$OUT/$shape-kiln.json; switch=(); fusion=on; scan=on ;;
-            reference) out=$OUT/$shape-kiln-reference.json; switch=(--reference-ops); fusion=on; scan=on ;;
-            unfused) out=$OUT/$shape-kiln-unfused.json; switch=(); fusion=off; scan=on ;;
-            noscan) out=$OUT/$shape-kiln-noscan.json; switch=(); fusion=on; scan=off ;;
-            noattn) out=$OUT/$shape-kiln-noattn.json; switch=(); fusion=on; scan=on; attn=off ;;
-            noloss) out=$OUT/$shape-kiln-noloss.json; switch=(); fusion=on; scan=on; loss=off ;;
-            nonorm) out=$OUT/$shape-kiln-nonorm.json; switch=(); fusion=on; scan=on; norm=off ;;
-            noconv) out=$OUT/$shape-kiln-noconv.json; switch=(); fusion=on; scan=on; conv=off ;;
-            nooptim) out=$OUT/$shape-kiln-nooptim.json; switch=(); fusion=on; scan=on; optim=off ;;
-            noexperts) out=$OUT/$shape-kiln-noexperts.json; switch=(); fusion=on; scan=on; experts=off ;;
-            checkpointed) out=$OUT/$shape-kiln-checkpointed.json; switch=(--activation-checkpointing); fusion=on; scan=on ;;
-            *) echo "KILN_OPS: unknown '$ops' (ops, reference, unfused, noscan, noattn, noloss, nonorm, noconv, nooptim, noexperts or checkpointed)" >&2; exit 2 ;;
+            ops) out=$OUT/$shape-kiln.json ;;
+            kernels) out=$OUT/$shape-kiln-kernels.json; scan=on attn=on loss=on norm=on conv=on optim=on ;;
+            reference) out=$OUT/$shape-kiln-reference.json; switch=(--reference-ops) ;;
+            unfused) out=$OUT/$shape-kiln-unfused.json; fusion=off ;;
+            noscan) out=$OUT/$shape-kiln-noscan.json; scan=off ;;
+            noattn) out=$OUT/$shape-kiln-noattn.json; attn=off ;;
+            noloss) out=$OUT/$shape-kiln-noloss.json; loss=off ;;
+            nonorm) out=$OUT/$shape-kiln-nonorm.json; norm=off ;;
+            noconv) out=$OUT/$shape-kiln-noconv.json; conv=off ;;
+            nooptim) out=$OUT/$shape-kiln-nooptim.json; optim=off ;;
+            noexperts) out=$OUT/$shape-kiln-noexperts.json; experts=off ;;
+            checkpointed) out=$OUT/$shape-kiln-checkpointed.json; switch=(--activation-checkpointing) ;;
+            *) echo "KILN_OPS: unknown '$ops' (ops, kernels, reference, unfused, noscan, noattn, noloss, nonorm, noconv, nooptim, noexperts or checkpointed)" >&2; exit 2 ;;
         esac
         # What failed before (in this shape's rows, or in the parity stage's tiny runs) stays off.
         marked=$(marked_switches "$FALLBACK_MARK" "$shape")
