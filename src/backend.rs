@@ -212,10 +212,12 @@ fn kernel_switch_checked(name: &str) -> Result<Option<bool>, String> {
 ///
 /// On Vulkan they do: the tests check each against its tensor-op reference on lavapipe. On CUDA they do
 /// not, until a GPU session clears them: on an H200 (2026-12-04) bf16 steps of the tiny shapes with them on
-/// turned NaN at a step that changed from run to run, with any one of them switched off as well, and an f32
-/// step with the attention kernel on was 2e-3 off the CPU's loss from the first forward; the same steps on
-/// burn's fused ops alone matched the CPU within 1.3e-4 (bf16) and 5e-6 (f32). `KILN_<NAME>_KERNEL=on`
-/// runs one on CUDA all the same (tests/bench/gpu_session.sh's `kernels` stage tries each alone).
+/// turned NaN at a step that changed from run to run, and an f32 step with the attention kernel on was 2e-3
+/// off the CPU's loss from the first forward; the same steps on burn's fused ops alone matched the CPU
+/// within 1.3e-4 (bf16) and 5e-6 (f32). The cause found since (CUDA pitches the rows of the outputs the
+/// kernels wrote densely: `kernels` module comment) is mended but not yet run on a GPU.
+/// `KILN_<NAME>_KERNEL=on` runs one on CUDA all the same (tests/bench/gpu_session.sh's `kernels` stage
+/// tries each alone).
 #[derive(Debug, Clone, Copy)]
 pub enum KernelsByDefault {
     On,

@@ -14,7 +14,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::stream::Operation;
@@ -201,7 +201,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AdamWKerne
         }
         let updated: Vec<CubeTensor<R>> = slots
             .iter()
-            .map(|s| empty_device_dtype::<R>(client.clone(), device.clone(), s.param.shape(), param_dtype))
+            .map(|s| empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), s.param.shape(), param_dtype))
             .collect();
         let layout = CubeLayout::new(&lens);
         let bindings = 5 + usize::from(kept_masters);

@@ -19,7 +19,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::stream::Operation;
@@ -246,8 +246,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionR
     fn attention_probs(scores: FloatTensor<Self>, docs: IntTensor<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2] {
         let (count, args) = chunk_launch::<R>(&scores.shape(), &docs.shape(), rows);
         let (client, device, dtype) = (scores.client.clone(), scores.device.clone(), scores.dtype);
-        let probs = empty_device_dtype::<R>(client.clone(), device.clone(), scores.shape(), dtype);
-        let lse = empty_device_dtype::<R>(client.clone(), device, per_row_shape(&scores.shape()), DType::F32);
+        let probs = empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), scores.shape(), dtype);
+        let lse =
+            empty_device_contiguous_dtype::<R>(client.clone(), device, per_row_shape(&scores.shape()), DType::F32);
         let doc_dtype = docs.dtype;
         softmax_rows_kernel::launch::<R>(
             &client,
@@ -269,7 +270,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionR
         assert_eq!(grad_probs.dtype, scores.dtype, "the attention kernels take dP in the scores' dtype");
         let (client, device, dtype) = (scores.client.clone(), scores.device.clone(), scores.dtype);
         let [probs, grad_scores] =
-            [0, 1].map(|_| empty_device_dtype::<R>(client.clone(), device.clone(), scores.shape(), dtype));
+            [0, 1].map(|_| empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), scores.shape(), dtype));
         let doc_dtype = docs.dtype;
         score_grads_kernel::launch::<R>(
             &client,

@@ -13,7 +13,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::stream::Operation;
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
@@ -77,7 +77,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ChunkSolve
         assert_eq!(rows, size, "the chunk solve takes square matrices, not {rows}×{size}");
         let matrices = batch * heads * chunks;
         let (client, device) = (lower.client.clone(), lower.device.clone());
-        let inverse = empty_device_dtype::<R>(client.clone(), device, shape, DType::F32);
+        let inverse = empty_device_contiguous_dtype::<R>(client.clone(), device, shape, DType::F32);
         if matrices > 0 {
             unit_lower_inverse_kernel::launch::<R>(
                 &client,

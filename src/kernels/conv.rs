@@ -16,7 +16,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::stream::Operation;
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
@@ -267,7 +267,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ConvKernel
         seq: usize,
     ) -> FloatTensor<Self> {
         let (client, device) = (x.client.clone(), x.device.clone());
-        let out = empty_device_dtype::<R>(client.clone(), device, x.shape(), x.dtype);
+        let out = empty_device_contiguous_dtype::<R>(client.clone(), device, x.shape(), x.dtype);
         let (units, cubes, args) = conv_launch::<R>(&x.shape(), seq, FORWARD_TOKENS);
         if cubes > 0 {
             let dtypes = [x.dtype, kernel.dtype];
@@ -299,9 +299,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ConvKernel
         let (client, device) = (x.client.clone(), x.device.clone());
         let [tokens, channels] = x.shape().dims::<2>();
         let taps = kernel.shape().dims::<2>()[1];
-        let grad_x = empty_device_dtype::<R>(client.clone(), device.clone(), x.shape(), x.dtype);
+        let grad_x = empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), x.shape(), x.dtype);
         let share_shape = Shape::new([share_blocks(tokens), channels * taps]);
-        let shares = empty_device_dtype::<R>(client.clone(), device, share_shape, DType::F32);
+        let shares = empty_device_contiguous_dtype::<R>(client.clone(), device, share_shape, DType::F32);
         let (units, cubes, args) = conv_launch::<R>(&x.shape(), seq, BACKWARD_TOKENS);
         if cubes > 0 {
             let dtypes = [x.dtype, kernel.dtype];

@@ -13,7 +13,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Int, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::stream::Operation;
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
@@ -135,7 +135,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> CrossEntro
         let [rows, vocab] = logits.shape().dims::<2>();
         let (client, device, dtype) = (logits.client.clone(), logits.device.clone(), logits.dtype);
         let [nll, dlogits] = output_shapes(&logits.shape(), dtype, with_grads)
-            .map(|(shape, dtype)| empty_device_dtype::<R>(client.clone(), device.clone(), shape, dtype));
+            .map(|(shape, dtype)| empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), shape, dtype));
         let narrow = |n: usize| u32::try_from(n).expect("a logits chunk's sizes fit in u32");
         let target_dtype = targets.dtype;
         cross_entropy_rows_kernel::launch::<R>(

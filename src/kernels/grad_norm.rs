@@ -15,7 +15,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::stream::Operation;
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
@@ -104,7 +104,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SquaredSum
         assert!(tensors.iter().all(|t| t.dtype == dtype), "squared sums of one dtype per launch");
         let lens: Vec<usize> = tensors.iter().map(|t| t.shape().num_elements()).collect();
         let layout = CubeLayout::new(&lens);
-        let partials = empty_device_dtype::<R>(client.clone(), device, Shape::new([layout.cubes()]), DType::F32);
+        let partials =
+            empty_device_contiguous_dtype::<R>(client.clone(), device, Shape::new([layout.cubes()]), DType::F32);
         let mut tensors = tensors.into_iter();
         for launch in layout.launches(1, client.properties().hardware.max_bindings, MAX_TENSORS) {
             // The order of the values does not change their sum: a gradient whose buffer holds just its own

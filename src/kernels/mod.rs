@@ -6,6 +6,13 @@
 //! rows (`cross_entropy`), the RMSNorms (`norm`), the causal depthwise convolution (`conv`), the gradients'
 //! squared norm (`grad_norm`) and AdamW's update (`adamw`).
 //! `cuda_source` (a test) writes every one's CUDA launches as CUDA C++ and compiles them with NVRTC, no GPU needed.
+//!
+//! Every kernel indexes its tensors as dense rows, so its inputs go through `into_contiguous` and its outputs
+//! are allocated dense (`empty_device_contiguous_dtype`), never with burn's plain `empty_device…_dtype`: that
+//! asks CubeCL for the runtime's "optimized" layout, which on CUDA pitches each row to a power-of-two byte
+//! width (a row of 48 f32 takes 256 bytes; cubecl-runtime's `PitchedMemoryLayoutPolicy`) and on Vulkan is
+//! dense, so lavapipe could not show it. On an H200 the pitched outputs made the tiny shapes' losses wrong
+//! in f32 and NaN in bf16 (docs/BENCHMARKS.md, "Third GPU session").
 //! `backend` wires them into `ModelBackend`, `train::linear_ce::CrossEntropyRows` and
 //! `train::optim::OptimizerOps`, each behind an environment switch.
 
@@ -223,6 +230,21 @@ pub(crate) struct Launch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_outputs_are_allocated_dense() {
+        // The pitched allocation (module comment) by name, split so that this file does not hold it.
+        let pitched = concat!("empty_device", "_dtype");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernels");
+        let mut files = 0;
+        for entry in std::fs::read_dir(&dir).expect("src/kernels is readable") {
+            let path = entry.expect("a directory entry").path();
+            let source = std::fs::read_to_string(&path).expect("a kernel source is readable");
+            assert!(!source.contains(pitched), "{} allocates with {pitched}: CUDA may pitch its rows", path.display());
+            files += 1;
+        }
+        assert!(files >= 9, "{files} files in {}", dir.display());
+    }
 
     #[test]
     fn each_tensor_has_whole_cubes_of_its_own_and_a_large_model_few() {

@@ -15,7 +15,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::stream::Operation;
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
@@ -234,7 +234,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> NormKernel
         let (rows, width, args) = norm_args::<R>(&x.shape(), eps);
         let (client, device) = (x.client.clone(), x.device.clone());
         let dtypes = [x.dtype, weight.dtype, kind.output_dtype(x.dtype, weight.dtype)];
-        let out = empty_device_dtype::<R>(client.clone(), device, x.shape(), dtypes[2]);
+        let out = empty_device_contiguous_dtype::<R>(client.clone(), device, x.shape(), dtypes[2]);
         if rows > 0 {
             let units = units_for(width);
             rms_norm_kernel::launch::<R>(
@@ -270,8 +270,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> NormKernel
         );
         let dtypes = [x.dtype, weight.dtype, grad.dtype];
         let blocks = share_rows(rows);
-        let grad_x = empty_device_dtype::<R>(client.clone(), device.clone(), x.shape(), x.dtype);
-        let shares = empty_device_dtype::<R>(client.clone(), device, Shape::new([blocks, width]), DType::F32);
+        let grad_x = empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), x.shape(), x.dtype);
+        let shares =
+            empty_device_contiguous_dtype::<R>(client.clone(), device, Shape::new([blocks, width]), DType::F32);
         if rows > 0 {
             let units = units_for(width);
             rms_norm_grads_kernel::launch::<R>(

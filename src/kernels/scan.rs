@@ -13,7 +13,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::stream::Operation;
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
@@ -207,11 +207,12 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ChunkScanK
         let shapes = output_shapes(&reads.shape(), &base.shape());
         let (client, device) = (reads.client.clone(), reads.device.clone());
         let [states, corrections, last] =
-            shapes.map(|shape| empty_device_dtype::<R>(client.clone(), device.clone(), shape, DType::F32));
+            shapes.map(|shape| empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), shape, DType::F32));
         let has_extra = extra.is_some();
         // Never read without `has_extra`; its own buffer, as a binding may not alias an output's.
-        let extra =
-            extra.unwrap_or_else(|| empty_device_dtype::<R>(client.clone(), device.clone(), [1].into(), DType::F32));
+        let extra = extra.unwrap_or_else(|| {
+            empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), [1].into(), DType::F32)
+        });
         let columns = dv.div_ceil(TILE) as u32;
         chunk_recurrence_kernel::launch::<R>(
             &client,
