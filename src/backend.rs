@@ -122,7 +122,7 @@ pub fn cuda_fusion() -> Result<bool, String> {
 }
 
 /// The environment variable that runs the DeltaNet's scan across chunks and chunk solve as tensor ops instead
-/// of kiln's CubeCL kernels (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: `KERNELS_BY_DEFAULT`.
+/// of kiln's CubeCL kernels (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: the runtime's `KernelsByDefault`.
 pub const SCAN_KERNEL_ENV: &str = "KILN_SCAN_KERNEL";
 
 /// Whether the CubeCL backends run the DeltaNet scan and chunk solve as kiln's kernels, from
@@ -132,7 +132,7 @@ pub fn scan_kernel() -> Result<Option<bool>, String> {
 }
 
 /// The environment variable that runs the attention's softmax rows as tensor ops instead of kiln's CubeCL
-/// kernels (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: `KERNELS_BY_DEFAULT`.
+/// kernels (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: the runtime's `KernelsByDefault`.
 pub const ATTENTION_KERNEL_ENV: &str = "KILN_ATTENTION_KERNEL";
 
 /// Whether the CubeCL backends run the attention's softmax rows as kiln's kernels, from
@@ -142,7 +142,7 @@ pub fn attention_kernel() -> Result<Option<bool>, String> {
 }
 
 /// The environment variable that runs the cross-entropy's rows as tensor ops instead of kiln's CubeCL kernel
-/// (`off`/`0`/`false`) or as it (`on`/`1`/`true`); unset: `KERNELS_BY_DEFAULT`.
+/// (`off`/`0`/`false`) or as it (`on`/`1`/`true`); unset: the runtime's `KernelsByDefault`.
 pub const LOSS_KERNEL_ENV: &str = "KILN_LOSS_KERNEL";
 
 /// Whether the CubeCL backends run the cross-entropy's rows as kiln's kernel, from `KILN_LOSS_KERNEL`;
@@ -152,7 +152,7 @@ pub fn loss_kernel() -> Result<Option<bool>, String> {
 }
 
 /// The environment variable that runs the RMSNorms as tensor ops instead of kiln's CubeCL kernels
-/// (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: `KERNELS_BY_DEFAULT`.
+/// (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: the runtime's `KernelsByDefault`.
 pub const NORM_KERNEL_ENV: &str = "KILN_NORM_KERNEL";
 
 /// Whether the CubeCL backends run the RMSNorms as kiln's kernels, from `KILN_NORM_KERNEL`; malformed values
@@ -162,7 +162,7 @@ pub fn norm_kernel() -> Result<Option<bool>, String> {
 }
 
 /// The environment variable that runs the optimizer (the gradients' global norm, AdamW's update) as tensor ops
-/// instead of kiln's CubeCL kernels (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: `KERNELS_BY_DEFAULT`.
+/// instead of kiln's CubeCL kernels (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: the runtime's `KernelsByDefault`.
 pub const OPTIM_KERNEL_ENV: &str = "KILN_OPTIM_KERNEL";
 
 /// Whether the CubeCL backends run the optimizer as kiln's kernels, from `KILN_OPTIM_KERNEL`;
@@ -172,7 +172,7 @@ pub fn optim_kernel() -> Result<Option<bool>, String> {
 }
 
 /// The switch of kiln's causal-conv kernels (`kernels::conv`) on the CubeCL backends (unset:
-/// `KERNELS_BY_DEFAULT`).
+/// the runtime's `KernelsByDefault`).
 pub const CONV_KERNEL_ENV: &str = "KILN_CONV_KERNEL";
 
 /// Whether the CubeCL backends run the causal depthwise convolution as kiln's kernels, from
@@ -196,7 +196,7 @@ fn switch(name: &str) -> Result<bool, String> {
     kernel_switch(name).map(|set| set.unwrap_or(true)).map_err(|why| format!("{why} (unset: on)"))
 }
 
-/// A kernel's on/off switch from the environment: `None` when unset (the runtime's `KERNELS_BY_DEFAULT`
+/// A kernel's on/off switch from the environment: `None` when unset (the runtime's `KernelsByDefault`
 /// decides).
 fn kernel_switch(name: &str) -> Result<Option<bool>, String> {
     std::env::var_os(name).map(|value| parse_switch(name, &value.to_string_lossy())).transpose()

@@ -6,6 +6,8 @@
 //! rows (`cross_entropy`), the RMSNorms (`norm`), the causal depthwise convolution (`conv`), the gradients'
 //! squared norm (`grad_norm`) and AdamW's update (`adamw`).
 //! `cuda_source` (a test) writes every one's CUDA launches as CUDA C++ and compiles them with NVRTC, no GPU needed.
+//! `backend` wires them into `ModelBackend`, `train::linear_ce::CrossEntropyRows` and
+//! `train::optim::OptimizerOps`, each behind an environment switch.
 //!
 //! Every kernel indexes its tensors as dense rows, so its inputs go through `into_contiguous` and its outputs
 //! are allocated dense (`empty_device_contiguous_dtype`), never with burn's plain `empty_device…_dtype`: that
@@ -13,8 +15,6 @@
 //! width (a row of 48 f32 takes 256 bytes; cubecl-runtime's `PitchedMemoryLayoutPolicy`) and on Vulkan is
 //! dense, so lavapipe could not show it. On an H200 the pitched outputs made the tiny shapes' losses wrong
 //! in f32 and NaN in bf16 (docs/BENCHMARKS.md, "Third GPU session").
-//! `backend` wires them into `ModelBackend`, `train::linear_ce::CrossEntropyRows` and
-//! `train::optim::OptimizerOps`, each behind an environment switch.
 
 pub mod adamw;
 pub mod attention;
