@@ -6,6 +6,9 @@
 # attention's and the loss's softmax rows, the DeltaNet scan and chunk solve, the RMSNorms, the causal conv,
 # the optimizer's gradient norm and AdamW update: checked on lavapipe, and compiled by NVRTC 13.0 for sm_90a
 # without a GPU (src/kernels/cuda_source.rs), but never launched on one).
+# Since the third GPU session (2026-12-04) kiln's kernels are off by default on CUDA (their outputs were pitched
+# there; backend::KernelsByDefault), so the kernel variants below change a CUDA run only where it turned them
+# on (train.sh's `kernels` rows, gpu_session.sh's `kernels` stage).
 # Each has a switch that runs the same binary without it. A device session is minutes long, so a failure in
 # one must not cost the figures of the rest: the run is tried again with the switches below, in order, and
 # the first set that works is marked for the runs after it.
