@@ -13,7 +13,7 @@
 #            backend's kernels and layouts checked against the reference before any speed is measured;
 #   kernels  kiln's CubeCL kernels (off by default on CUDA: backend::KernelsByDefault) each alone on, then
 #            all on, KERNEL_REPEATS runs of three steps of each of KERNEL_CONFIGS in KERNEL_PRECISIONS, losses
-#            against the CPU's (kernels.md): which kernel the NaN of 2026-12-04 comes from;
+#            against the CPU's (kernels.md): whether dense outputs mended the NaN of 2026-12-04, and if not, where;
 #   sanitize the tiny LFM2 with every kernel on under compute-sanitizer (SANITIZE_TOOLS: initcheck, memcheck,
 #            racecheck), two bf16 steps: the kernel and the access at fault;
 #   table    the training-step table (tests/bench/train.sh): kiln with each of KILN_OPS, and transformers +
@@ -175,9 +175,10 @@ stage_parity() {
 }
 
 # kiln's CubeCL kernels, off by default on CUDA since bf16 steps with them on turned NaN on an H200
-# (2026-12-04, backend::KernelsByDefault): each alone on, KERNEL_REPEATS times (the NaN came at a step that
-# changed from run to run), three steps of each of KERNEL_CONFIGS in KERNEL_PRECISIONS, losses against the
-# CPU's (parity.py); then all of them on. Which ones fail says where to look; `sanitize` says why.
+# (2026-12-04, backend::KernelsByDefault; their outputs were pitched there, dense since): each alone on,
+# KERNEL_REPEATS times (the NaN came at a step that changed from run to run), three steps of each of
+# KERNEL_CONFIGS in KERNEL_PRECISIONS, losses against the CPU's (parity.py); then all of them on. All within
+# tolerance clears them; a failure says which to look at, and `sanitize` where.
 KERNEL_SWITCHES=(KILN_ATTENTION_KERNEL KILN_LOSS_KERNEL KILN_NORM_KERNEL KILN_OPTIM_KERNEL KILN_SCAN_KERNEL KILN_CONV_KERNEL)
 stage_kernels() {
     step "kiln's kernels alone on $DEVICE: ${KERNEL_CONFIGS// /, } in $KERNEL_PRECISIONS, $KERNEL_REPEATS runs each"
