@@ -47,7 +47,8 @@ impl PanicLog {
                  driver allows): {first}{repeats}. `kiln train` prints what the weights, gradients and optimizer \
                  state take when it starts; the rest is activations: lower --micro-batch \
                  (the global batch stays, by accumulation), add --activation-checkpointing, shorten the sequence, \
-                 or keep AdamW's moments in bf16 or 8 bits (--moments bf16|q8)"
+                 keep AdamW's moments in bf16 or 8 bits (--moments bf16|q8), or drop the f32 masters of bf16 \
+                 weights (--masters stochastic)"
             );
         }
         format!(
@@ -142,7 +143,12 @@ mod tests {
         let summary = log.summary();
         assert!(summary.starts_with("kiln stopped: the device could not allocate memory (it is full"), "{summary}");
         assert!(summary.contains("driver allows): 'called `Result::unwrap()`"), "{summary}");
-        assert!(summary.contains("--micro-batch") && summary.contains("--moments bf16|q8"), "{summary}");
+        assert!(
+            summary.contains("--micro-batch")
+                && summary.contains("--moments bf16|q8")
+                && summary.contains("--masters stochastic"),
+            "{summary}"
+        );
         assert!(!summary.contains("KILN_CUDA_FUSION"), "not a burn bug: {summary}");
     }
 

@@ -602,6 +602,10 @@ struct TrainArgs {
     /// 6 less, as bitsandbytes' AdamW8bit; tensors under 4,096 values keep f32).
     #[arg(long, value_enum)]
     moments: Option<kiln::train::optim::MomentDtype>,
+    /// How the update reaches bf16 parameters: f32 (an f32 master copy of each) or stochastic (no master,
+    /// 4 bytes a parameter less: the f32 update rounded into bf16 stochastically, unbiased).
+    #[arg(long, value_enum)]
+    masters: Option<kiln::train::optim::Masters>,
     /// burn's plain compositions instead of kiln's ops with hand-written backward passes (attention,
     /// norms, SwiGLU, convolution, expert matmul, DeltaNet scan, projection splits, loss): same results
     /// to rounding, more memory; an A/B switch.
@@ -647,6 +651,9 @@ struct BenchTrainArgs {
     /// How AdamW keeps its moments: f32, bf16 (4 bytes a parameter less) or q8 (block-wise 8-bit, 6 less).
     #[arg(long, value_enum, default_value = "f32")]
     moments: kiln::train::optim::MomentDtype,
+    /// How the update reaches bf16 parameters: f32 masters, or stochastic rounding without them (4 bytes less).
+    #[arg(long, value_enum, default_value = "f32")]
+    masters: kiln::train::optim::Masters,
     /// burn's plain compositions instead of kiln's ops with hand-written backward passes (to measure what
     /// the ops buy).
     #[arg(long)]
@@ -1719,6 +1726,9 @@ fn train_config(args: &TrainArgs) -> Result<kiln::train::TrainConfig> {
     if let Some(m) = args.moments {
         cfg.adamw.moments = m;
     }
+    if let Some(m) = args.masters {
+        cfg.adamw.masters = m;
+    }
     cfg.activation_checkpointing |= args.activation_checkpointing;
     cfg.save_state &= !args.no_state;
     Ok(cfg)
@@ -1740,6 +1750,7 @@ fn bench_train_cmd(args: BenchTrainArgs) -> Result<()> {
         activation_checkpointing: args.activation_checkpointing,
         precision: args.precision,
         moments: args.moments,
+        masters: args.masters,
         reference_ops: args.reference_ops,
     };
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -122,6 +122,43 @@ fn the_adamw_kernel_steps_half_precision_parameters_as_the_cpu_tensor_ops() {
     );
 }
 
+/// Stochastic rounding without masters on the fused f16 device: the noise's hash in the device's 32-bit
+/// integers draws the CPU's 64-bit values bit for bit, the rounding picks what the CPU picks from the same
+/// values and noise, and the tiny LFM2 trains three steps without masters within f16's tolerance of the
+/// CPU's f32 losses.
+#[test]
+fn stochastic_rounding_on_the_fused_half_device_equals_the_cpus() {
+    use burn::tensor::{DType, Tensor, TensorData};
+    use kiln::backend::Cpu;
+    use kiln::train::rounding::{noise, noise_key, stochastic_round};
+    claim_f16();
+    let (device, cpu) = (Default::default(), Default::default());
+    let shape = [37, 129];
+    let key = noise_key(3, 11);
+    let drawn = values(noise::<VkHalf, 2>(shape, key, &device));
+    assert_eq!(drawn, values(noise::<Cpu, 2>(shape, key, &cpu)), "the device's noise is not the CPU's");
+    // Values between f16 ones across magnitudes, subnormals included.
+    let x: Vec<f32> =
+        (0..shape[0] * shape[1]).map(|i| (i as f32 * 0.618_034).sin() * 10f32.powi(i as i32 % 7 - 5)).collect();
+    let on_device = Tensor::<VkHalf, 2>::from_data(TensorData::new(x.clone(), shape), (&device, DType::F32));
+    let on_cpu = Tensor::<Cpu, 2>::from_data(TensorData::new(x, shape), &cpu);
+    let rounded = stochastic_round(on_device, FloatDType::F16, noise::<VkHalf, 2>(shape, key, &device));
+    let want = stochastic_round(on_cpu, FloatDType::F16, noise::<Cpu, 2>(shape, key, &cpu));
+    assert_eq!(values(rounded.cast(FloatDType::F32)), values(want.cast(FloatDType::F32)));
+
+    let (shape, config) = common::tiny_shapes().next().unwrap();
+    let cfg = common::tiny_bench_config(Precision::F32, 1);
+    let cpu_f32 = kiln::train::bench::bench_on_device(&config, &cfg, "cpu").unwrap();
+    let stochastic = kiln::train::bench::BenchConfig {
+        precision: Precision::F16,
+        masters: kiln::train::optim::Masters::Stochastic,
+        ..cfg
+    };
+    let half = kiln::train::bench::bench_on_device(&config, &stochastic, "vulkan").unwrap();
+    assert_eq!(half.run.masters, Some(kiln::train::optim::Masters::Stochastic));
+    common::assert_losses_agree(&format!("{shape} f16 without masters, cpu f32"), &half, &cpu_f32, 1e-3);
+}
+
 /// kiln's gradient-norm kernel on half-precision gradients, and on f16 and f32 ones together (Qwen3.5 keeps
 /// `A_log` and its DeltaNet norm weight in f32: a launch per dtype), fused and unfused.
 #[test]

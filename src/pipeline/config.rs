@@ -517,6 +517,7 @@ mod tests {
             "train.lr=1e-3",
             "train.decay=linear",
             "train.adamw.moments=bf16",
+            "train.adamw.masters=stochastic",
             "train.adamw.beta2=0.95",
             "data.seq_len=512",
             "data.weights.terminal-synth=0.1",
@@ -533,6 +534,7 @@ mod tests {
             (2e-3, crate::train::schedule::Decay::Linear, 0.95)
         );
         assert_eq!(c.train.adamw.moments, crate::train::optim::MomentDtype::Bf16);
+        assert_eq!(c.train.adamw.masters, crate::train::optim::Masters::Stochastic);
         assert_eq!((c.data.seq_len, c.data.weights["terminal-synth"], c.eval.limit), (512, 0.1, Some(5)));
         assert_eq!(c.template.vars["enable_thinking"], serde_json::Value::Bool(false));
         assert_eq!((c.train.epochs, c.train.global_batch), (2, shipped.train.global_batch));

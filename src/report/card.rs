@@ -124,9 +124,10 @@ fn hardware(device: &str) -> String {
     format!("CPU: {} ({cores} cores)", crate::host::cpu_model().unwrap_or_else(|| std::env::consts::ARCH.into()))
 }
 
-/// The card's optimizer row: AdamW's settings and how its moments were kept (8-bit moments change the run).
+/// The card's optimizer row: AdamW's settings and how its moments and bf16 weights were kept (8-bit moments
+/// and stochastic rounding change the run).
 fn adamw_line(a: &crate::train::optim::AdamWConfig) -> String {
-    use crate::train::optim::MomentDtype;
+    use crate::train::optim::{Masters, MomentDtype};
     let moments = match a.moments {
         MomentDtype::F32 => "",
         MomentDtype::Bf16 => ", moments in bf16",
@@ -134,7 +135,11 @@ fn adamw_line(a: &crate::train::optim::AdamWConfig) -> String {
             ", moments in block-wise 8 bits (bitsandbytes' AdamW8bit scheme; f32 for tensors under 4,096 values)"
         }
     };
-    format!("β = ({}, {}), ε = {}, weight decay {}{moments}", a.beta1, a.beta2, a.eps, a.weight_decay)
+    let masters = match a.masters {
+        Masters::F32 => "",
+        Masters::Stochastic => ", bf16 weights updated by stochastic rounding instead of f32 master copies",
+    };
+    format!("β = ({}, {}), ε = {}, weight decay {}{moments}{masters}", a.beta1, a.beta2, a.eps, a.weight_decay)
 }
 
 /// The card's batch row: sequences (or tokens) a step and a forward pass, and how far a pass runs.
@@ -836,6 +841,12 @@ mod tests {
         assert_eq!(f32_moments, "β = (0.9, 0.999), ε = 0.00000001, weight decay 0.01");
         let q8 = adamw_line(&AdamWConfig { moments: MomentDtype::Q8, ..AdamWConfig::default() });
         assert!(q8.starts_with(&f32_moments) && q8.contains("block-wise 8 bits"), "{q8}");
+        let sr =
+            adamw_line(&AdamWConfig { masters: crate::train::optim::Masters::Stochastic, ..AdamWConfig::default() });
+        assert!(
+            sr.starts_with(&f32_moments) && sr.ends_with("by stochastic rounding instead of f32 master copies"),
+            "{sr}"
+        );
         assert!(precision_line(crate::train::Precision::Bf16).contains("f32 master weights"));
     }
 

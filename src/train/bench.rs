@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use super::linear_ce::LinearCrossEntropy;
-use super::optim::{AdamW, AdamWConfig, MomentDtype};
+use super::optim::{AdamW, AdamWConfig, Masters, MomentDtype};
 use super::step::{MicroBatch, StepRule, WHOLE_ROWS, optimizer_step};
 use super::trainer::{PeakMemory, Precision, StepFlops};
 use super::{TrainError, with_train_backend};
@@ -42,6 +42,9 @@ pub struct BenchConfig {
     pub precision: Precision,
     /// The dtype AdamW keeps its moments in (bf16 for the 8B model on one GPU).
     pub moments: MomentDtype,
+    /// Whether bf16 parameters keep f32 masters or take their update by stochastic rounding.
+    #[serde(default)]
+    pub masters: Masters,
     /// burn's plain compositions instead of the hand-written ops (`models::set_reference_ops`).
     #[serde(default)]
     pub reference_ops: bool,
@@ -68,6 +71,9 @@ pub struct BenchRun {
     /// How AdamW kept its moments (kiln only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moments: Option<MomentDtype>,
+    /// Whether bf16 parameters kept f32 masters (kiln only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub masters: Option<Masters>,
     /// Whether activations were recomputed in the backward pass (burn's activation checkpointing for kiln,
     /// transformers' gradient checkpointing for PyTorch rows).
     #[serde(default)]
@@ -116,6 +122,7 @@ impl BenchRun {
             reference_ops: cfg.reference_ops,
             fusion: (device == "cuda").then(|| crate::backend::cuda_fusion().unwrap_or(true)),
             moments: Some(cfg.moments),
+            masters: Some(cfg.masters),
             activation_checkpointing: cfg.activation_checkpointing,
             scan_kernel: cubecl.then(|| crate::backend::scan_kernel_enabled(kernels)),
             attention_kernel: cubecl.then(|| crate::backend::attention_kernel_enabled(kernels)),
@@ -210,7 +217,8 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         model = model.cast_params(dtype);
     }
     let flops = StepFlops::of(&model, config, cfg.seq);
-    let adamw = AdamWConfig { weight_decay: 0.01, moments: cfg.moments, ..AdamWConfig::default() };
+    let adamw =
+        AdamWConfig { weight_decay: 0.01, moments: cfg.moments, masters: cfg.masters, ..AdamWConfig::default() };
     let state_memory_bytes =
         super::optim::state_memory_on_device(&model, &adamw, cfg.accumulation > 1, B::total_bytes(device))
             .map_err(TrainError::OutOfMemory)?
@@ -305,6 +313,7 @@ mod tests {
             activation_checkpointing: false,
             precision: Precision::F16,
             moments: MomentDtype::F32,
+            masters: Masters::F32,
             reference_ops: false,
         };
         for device in ["cpu", "cuda"] {

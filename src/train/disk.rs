@@ -6,7 +6,7 @@ use std::path::Path;
 
 use burn::tensor::DType;
 
-use super::optim::MomentDtype;
+use super::optim::{AdamWConfig, Masters, MomentDtype};
 use super::quant8;
 use crate::models::hf::ExportDtype;
 use crate::models::weights::kept_in_f32;
@@ -44,12 +44,12 @@ pub struct DiskNeed {
 }
 
 impl DiskNeed {
-    /// `checkpoint` trained with `moments` and exported in `export_dtype`, with `exports` epochs and `saves`
+    /// `checkpoint` trained with `adamw`'s moments and masters and exported in `export_dtype`, with `exports` epochs and `saves`
     /// saves still to come; `state_exists` when the run folder holds a state the next save replaces;
     /// `replaced_bytes` what the epoch folders still to be exported hold now.
     pub fn of(
         checkpoint: &CheckpointBytes,
-        moments: MomentDtype,
+        adamw: &AdamWConfig,
         export_dtype: ExportDtype,
         exports: usize,
         saves: usize,
@@ -67,10 +67,10 @@ impl DiskNeed {
             let n = *values as u64;
             export_bytes += n * export_value(key);
             // The state keeps bf16 weights as bf16 and others in f32 (`CausalLm::export_exact`), beside f32
-            // masters of those below f32.
+            // masters of those below f32 (unless rounded into stochastically).
             let weights = if *dtype == DType::BF16 { 2 } else { 4 };
-            let master = if dtype.size() < 4 { 4 } else { 0 };
-            state_bytes += (weights + master) * n + moments_on_disk(*values, moments);
+            let master = if dtype.size() < 4 && adamw.masters == Masters::F32 { 4 } else { 0 };
+            state_bytes += (weights + master) * n + moments_on_disk(*values, adamw.moments);
         }
         let states = match (saves, state_exists) {
             (0, _) => 0,
@@ -191,6 +191,10 @@ pub fn folder_bytes(dir: &Path) -> u64 {
 mod tests {
     use super::*;
 
+    fn moments(moments: MomentDtype) -> AdamWConfig {
+        AdamWConfig { moments, ..AdamWConfig::default() }
+    }
+
     /// LFM2.5-8B-A1B-like: 8.47 B values in bf16 and a few f32 buffers.
     fn eight_b() -> CheckpointBytes {
         let mut loaded = vec![("model.embed_tokens.weight".to_string(), 128_000 * 2048, DType::BF16)];
@@ -205,7 +209,7 @@ mod tests {
     fn the_need_counts_exports_states_moments_and_masters() {
         let ckpt = eight_b();
         let values: u64 = ckpt.loaded.iter().map(|(_, n, _)| *n as u64).sum();
-        let need = DiskNeed::of(&ckpt, MomentDtype::Q8, ExportDtype::Bf16, 2, 2, false, 0);
+        let need = DiskNeed::of(&ckpt, &moments(MomentDtype::Q8), ExportDtype::Bf16, 2, 2, false, 0);
         // bf16 export, f32 expert_bias.
         assert_eq!(need.export_bytes, 2 * values + 2 * 24 * 32);
         // bf16 weights and their f32 masters, the f32 biases, 8-bit moments (the 32-value biases keep f32 ones).
@@ -215,12 +219,16 @@ mod tests {
         assert_eq!(need.state_bytes, state);
         assert_eq!((need.exports, need.states), (2, 2));
         assert_eq!(need.total(), 2 * need.export_bytes + 2 * state);
+        // Without masters (stochastic rounding) the bf16 weights' 4 bytes each are not saved.
+        let stochastic = AdamWConfig { masters: Masters::Stochastic, ..moments(MomentDtype::Q8) };
+        let need = DiskNeed::of(&ckpt, &stochastic, ExportDtype::Bf16, 2, 2, false, 0);
+        assert_eq!(need.state_bytes, state - 4 * bf16);
         // f32 moments on disk: 8 bytes a value; an f32 run has no masters.
         let f32_run = CheckpointBytes {
             loaded: ckpt.loaded.iter().map(|(k, n, _)| (k.clone(), *n, DType::F32)).collect(),
             copied_bytes: 1000,
         };
-        let need = DiskNeed::of(&f32_run, MomentDtype::F32, ExportDtype::F32, 1, 1, false, 0);
+        let need = DiskNeed::of(&f32_run, &moments(MomentDtype::F32), ExportDtype::F32, 1, 1, false, 0);
         assert_eq!(need.export_bytes, 4 * values + 1000);
         assert_eq!(need.state_bytes, 12 * values + 1000);
         assert_eq!(need.states, 1);
@@ -231,21 +239,22 @@ mod tests {
     #[test]
     fn states_beside_each_other_and_replaced_exports() {
         let ckpt = CheckpointBytes { loaded: vec![("w".into(), 1000, DType::F32)], copied_bytes: 0 };
-        let states =
-            |saves, exists| DiskNeed::of(&ckpt, MomentDtype::F32, ExportDtype::F32, 1, saves, exists, 0).states;
+        let states = |saves, exists| {
+            DiskNeed::of(&ckpt, &moments(MomentDtype::F32), ExportDtype::F32, 1, saves, exists, 0).states
+        };
         assert_eq!(
             [states(0, false), states(1, false), states(2, false), states(2, true), states(5, true)],
             [0, 1, 2, 1, 1]
         );
-        let replaced = DiskNeed::of(&ckpt, MomentDtype::F32, ExportDtype::F32, 2, 2, true, 3000);
+        let replaced = DiskNeed::of(&ckpt, &moments(MomentDtype::F32), ExportDtype::F32, 2, 2, true, 3000);
         assert_eq!(replaced.exports_bytes, 2 * 4000 - 3000);
-        let all_there = DiskNeed::of(&ckpt, MomentDtype::F32, ExportDtype::F32, 2, 0, true, 1 << 20);
+        let all_there = DiskNeed::of(&ckpt, &moments(MomentDtype::F32), ExportDtype::F32, 2, 0, true, 1 << 20);
         assert_eq!(all_there.total(), 0);
     }
 
     #[test]
     fn a_run_that_does_not_fit_is_refused_naming_the_folder_and_the_parts() {
-        let need = DiskNeed::of(&eight_b(), MomentDtype::Q8, ExportDtype::Bf16, 2, 2, false, 0);
+        let need = DiskNeed::of(&eight_b(), &moments(MomentDtype::Q8), ExportDtype::Bf16, 2, 2, false, 0);
         let dir = Path::new("runs/x");
         assert_eq!(need.verdict(dir, need.total(), true), Ok(None));
         let why = need.verdict(dir, 64_000_000_000, true).unwrap_err();

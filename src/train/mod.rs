@@ -10,6 +10,7 @@ pub mod linear_ce;
 pub mod optim;
 pub mod quant8;
 pub mod replicas;
+pub mod rounding;
 pub mod schedule;
 pub mod state;
 pub mod step;

@@ -6,7 +6,9 @@
 //! (bf16 on the GPU) gets an f32 master copy here; every update runs in f32 on the master and the parameter
 //! is the master rounded to its dtype — the update is the f32 update, bit for bit, whatever the compute
 //! dtype. Moments are f32, bf16 (`moments = "bf16"`, 4 bytes per parameter less) or block-wise 8-bit
-//! (`moments = "q8"`, 6 bytes less: `quant8`, as bitsandbytes' AdamW8bit) for the largest models.
+//! (`moments = "q8"`, 6 bytes less: `quant8`, as bitsandbytes' AdamW8bit) for the largest models. Without
+//! masters (`masters = "stochastic"`, 4 bytes less) the f32 update of a bf16 parameter is rounded into it
+//! stochastically (`rounding`): unbiased, where PyTorch's plain bf16 AdamW rounds small updates away.
 
 use std::collections::{HashMap, HashSet};
 
@@ -19,6 +21,7 @@ use safetensors::Dtype;
 use serde::{Deserialize, Serialize};
 
 use super::quant8::{self, Blocks, Map};
+use super::rounding;
 use crate::backend::{host_tensor, zeros_in};
 use crate::models::hf::StreamedTensor;
 use crate::models::weights::HostTensor;
@@ -123,6 +126,18 @@ impl<B: Backend> Moment<B> {
     }
 }
 
+/// How the update reaches a parameter stored below f32 (bf16 on the GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Masters {
+    /// An f32 master copy takes the update, and the parameter is the master rounded to nearest.
+    #[default]
+    F32,
+    /// No master: the update is computed in f32 from the parameter and rounded into it stochastically
+    /// (`rounding::stochastic_round`), 4 bytes a parameter less.
+    Stochastic,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdamWConfig {
@@ -131,11 +146,26 @@ pub struct AdamWConfig {
     pub eps: f64,
     pub weight_decay: f64,
     pub moments: MomentDtype,
+    pub masters: Masters,
 }
 
 impl Default for AdamWConfig {
     fn default() -> Self {
-        AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, moments: MomentDtype::F32 }
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            moments: MomentDtype::F32,
+            masters: Masters::F32,
+        }
+    }
+}
+
+impl AdamWConfig {
+    /// Whether a parameter stored as `dtype` gets an f32 master copy.
+    fn keeps_master(&self, dtype: DType) -> bool {
+        dtype != DType::F32 && self.masters == Masters::F32
     }
 }
 
@@ -306,23 +336,45 @@ pub fn tensors_fit_device(
     accumulating: bool,
     device_bytes: Option<u64>,
 ) -> Result<StateMemory, String> {
-    let memory = state_memory_of(tensors, config.moments, accumulating);
+    let memory = state_memory_of(tensors, config, accumulating);
     let Some(device_bytes) = device_bytes.filter(|&d| memory.total() > d) else { return Ok(memory) };
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let smaller = [MomentDtype::Bf16, MomentDtype::Q8]
-        .into_iter()
-        .filter(|&moments| moments != config.moments)
-        .map(|moments| (moments, state_memory_of(tensors, moments, accumulating).total()))
-        .find(|&(_, total)| total <= device_bytes);
+    // Smaller moments first, then without masters as well (the least change that fits).
+    let masters_to_try: &[Masters] =
+        if config.masters == Masters::F32 { &[Masters::F32, Masters::Stochastic] } else { &[Masters::Stochastic] };
+    let smaller = masters_to_try
+        .iter()
+        .flat_map(|&masters| [MomentDtype::Bf16, MomentDtype::Q8].map(|moments| (moments, masters)))
+        .chain([(config.moments, Masters::Stochastic)])
+        .filter(|&(moments, masters)| (moments, masters) != (config.moments, config.masters))
+        .filter(|&(moments, _)| moments_rank(moments) >= moments_rank(config.moments))
+        .map(|(moments, masters)| {
+            let total = state_memory_of(tensors, &AdamWConfig { moments, masters, ..*config }, accumulating).total();
+            (moments, masters, total)
+        })
+        .filter(|&(_, _, total)| total <= device_bytes)
+        .min_by_key(|&(moments, masters, _)| (masters != config.masters, moments_rank(moments)));
     let hint = match smaller {
-        Some((m, total)) => {
+        Some((m, masters, total)) => {
             let name = format!("{m:?}").to_lowercase();
-            format!(
-                "AdamW moments in {name} need {:.1} GiB before activations (`[train.adamw] moments = \"{name}\"` or `--moments {name}`)",
-                gib(total)
-            )
+            let (what, keys, flags) = if masters == config.masters {
+                (format!("AdamW moments in {name}"), format!("moments = \"{name}\""), format!("--moments {name}"))
+            } else if m == config.moments {
+                (
+                    "bf16 weights without f32 masters".into(),
+                    "masters = \"stochastic\"".into(),
+                    "--masters stochastic".into(),
+                )
+            } else {
+                (
+                    format!("AdamW moments in {name} and bf16 weights without f32 masters"),
+                    format!("moments = \"{name}\", masters = \"stochastic\""),
+                    format!("--moments {name} --masters stochastic"),
+                )
+            };
+            format!("{what} need {:.1} GiB before activations (`[train.adamw] {keys}` or `{flags}`)", gib(total))
         }
-        None => "no moment storage fits: this model needs a device with more memory".into(),
+        None => "no moment or master storage fits: this model needs a device with more memory".into(),
     };
     Err(format!(
         "the weights, gradients and AdamW state of {:.1} M parameters need {:.1} GiB before any activation, and the device has {:.1} GiB: {hint}",
@@ -330,6 +382,15 @@ pub fn tensors_fit_device(
         gib(memory.total()),
         gib(device_bytes)
     ))
+}
+
+/// How small moments of `dtype` are: f32 0, bf16 1, q8 2.
+fn moments_rank(dtype: MomentDtype) -> u8 {
+    match dtype {
+        MomentDtype::F32 => 0,
+        MomentDtype::Bf16 => 1,
+        MomentDtype::Q8 => 2,
+    }
 }
 
 /// Each float parameter of `model`: its id, number of values and bytes a value.
@@ -346,8 +407,8 @@ fn float_params<B: Backend, M: Module<B>>(model: &M) -> Vec<(ParamId, usize, usi
     tally.0
 }
 
-/// `StateMemory` of tensors of `(values, bytes a value)`.
-fn state_memory_of(tensors: &[(usize, usize)], moments: MomentDtype, accumulating: bool) -> StateMemory {
+/// `StateMemory` of tensors of `(values, bytes a value)` under `config`'s moments and masters.
+fn state_memory_of(tensors: &[(usize, usize)], config: &AdamWConfig, accumulating: bool) -> StateMemory {
     let mut m = StateMemory::default();
     for &(n, bytes) in tensors {
         let (n64, bytes) = (n as u64, bytes as u64);
@@ -355,8 +416,8 @@ fn state_memory_of(tensors: &[(usize, usize)], moments: MomentDtype, accumulatin
         m.weights += n64 * bytes;
         m.gradients += n64 * bytes;
         m.gradient_sum += if accumulating { n64 * 4 } else { 0 };
-        m.masters += if bytes < 4 { n64 * 4 } else { 0 };
-        m.moments += match moments {
+        m.masters += if bytes < 4 && config.masters == Masters::F32 { n64 * 4 } else { 0 };
+        m.moments += match config.moments {
             MomentDtype::Q8 if n >= quant8::MIN_ELEMENTS => {
                 let blocks = n.div_ceil(quant8::BLOCK) as u64;
                 2 * (blocks * quant8::BLOCK as u64 + blocks * 4)
@@ -633,7 +694,10 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_, B> {
         let len = tensor.shape().num_elements();
         let moments = self.opt.config.moments;
         let dtypes = (tensor.dtype(), grad.dtype());
+        // The kernels keep masters; stochastic rounding is the tensor ops' (`Step`).
+        let stochastic = tensor.dtype() != DType::F32 && self.opt.config.masters == Masters::Stochastic;
         if (moments == MomentDtype::Q8 && len >= quant8::MIN_ELEMENTS)
+            || stochastic
             || self.dtypes.is_some_and(|d| d != dtypes)
             || (!self.slots.is_empty() && self.values + len > CHUNK_VALUES)
         {
@@ -648,7 +712,11 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_, B> {
             None => {
                 let zeros =
                     || primitive(zeros_in::<B::InnerBackend, D>(tensor.dims(), moments.dense(), &tensor.device()));
-                let master = (tensor.dtype() != DType::F32).then(|| primitive(tensor.clone().cast(FloatDType::F32)));
+                let master = self
+                    .opt
+                    .config
+                    .keeps_master(tensor.dtype())
+                    .then(|| primitive(tensor.clone().cast(FloatDType::F32)));
                 (zeros(), zeros(), master)
             }
         };
@@ -684,11 +752,15 @@ struct Step<'a, B: AutodiffBackend> {
     scale: Option<&'a ClipScale<B::InnerBackend>>,
     /// Parameters the backend has updated already (`OptimizerOps::adamw_update`).
     done: &'a HashSet<ParamId>,
+    /// Float parameters visited so far: the place in the model that keys a parameter's rounding noise.
+    ordinal: usize,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
+        let ordinal = self.ordinal;
+        self.ordinal += 1;
         let grad = self.grads.get::<B::InnerBackend, D>(id).filter(|_| !self.done.contains(&id));
         let Some(grad) = grad else { return Param::from_mapped_value(id, tensor, mapper) };
         let require_grad = tensor.is_require_grad();
@@ -705,11 +777,18 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
         let state = self.opt.states.remove(&id).unwrap_or_else(|| {
             let zeros =
                 || Moment::Dense(primitive(zeros_in::<B::InnerBackend, D>(shape, FloatDType::F32, &param.device())));
-            let master = (param_dtype != FloatDType::F32).then(|| primitive(param.clone().cast(FloatDType::F32)));
+            let master = c.keeps_master(param.dtype()).then(|| primitive(param.clone().cast(FloatDType::F32)));
             ParamState { m: zeros(), v: zeros(), master }
         });
-        // The update runs on the f32 master when the parameter is stored below f32, else on the parameter.
-        let mut p = state.master.map_or(param, |master| shaped(master, shape));
+        let keeps_master = c.keeps_master(param.dtype());
+        let device = param.device();
+        // The update runs on the f32 master when there is one (a state restored from a run with masters has
+        // one at its first step, whatever `masters` says now), else on the parameter in f32.
+        let mut p = match state.master {
+            Some(master) => shaped(master, shape),
+            None if param_dtype == FloatDType::F32 => param,
+            None => param.cast(FloatDType::F32),
+        };
         if D > 1 && c.weight_decay != 0.0 {
             p = p * (1.0 - self.lr * c.weight_decay);
         }
@@ -719,14 +798,20 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
         let bias2 = 1.0 - c.beta2.powi(t);
         let denom = v.clone().sqrt() / bias2.sqrt() + c.eps;
         let p = p - m.clone() / denom * (self.lr / bias1);
-        let master = (param_dtype != FloatDType::F32).then(|| primitive(p.clone()));
+        let master = keeps_master.then(|| primitive(p.clone()));
         let state = ParamState {
             m: Moment::store(m, c.moments, Map::Signed),
             v: Moment::store(v, c.moments, Map::Unsigned),
             master,
         };
         self.opt.states.insert(id, state);
-        let mut out = Tensor::from_inner(p.cast(param_dtype));
+        let p = if keeps_master || param_dtype == FloatDType::F32 {
+            p.cast(param_dtype)
+        } else {
+            let noise = rounding::noise::<B::InnerBackend, D>(shape, rounding::noise_key(t as usize, ordinal), &device);
+            rounding::stochastic_round(p, param_dtype, noise)
+        };
+        let mut out = Tensor::from_inner(p);
         if require_grad {
             out = out.require_grad();
         }
@@ -800,7 +885,7 @@ where
             }
         }
     }
-    let mut mapper = Step::<B> { opt, grads, lr, scale, done: &done };
+    let mut mapper = Step::<B> { opt, grads, lr, scale, done: &done, ordinal: 0 };
     let model = model.map(&mut mapper);
     mapper.opt.steps += 1;
     model
@@ -813,20 +898,28 @@ mod tests {
     use crate::testing::{normal, values};
 
     /// The memory table of docs/TRAINING.md, per parameter: 16 B in f32; 16 B in bf16 (20 accumulating);
-    /// 12 (16) with bf16 moments; 10.03 (14.03) with 8-bit moments, whose small tensors keep f32 moments.
+    /// 12 (16) with bf16 moments; 10.03 (14.03) with 8-bit moments, whose small tensors keep f32 moments;
+    /// 4 B less for bf16 parameters without masters (8 B with bf16 moments, PyTorch's plain bf16 AdamW).
     #[test]
     fn state_memory_follows_the_table() {
-        let per_value = |bytes, moments, accumulating| {
-            let m = state_memory_of(&[(1 << 24, bytes)], moments, accumulating);
+        let memory = |tensors: &[(usize, usize)], moments, masters, accumulating| {
+            state_memory_of(tensors, &AdamWConfig { moments, masters, ..AdamWConfig::default() }, accumulating)
+        };
+        let per_value_of = |bytes, moments, masters, accumulating| {
+            let m = memory(&[(1 << 24, bytes)], moments, masters, accumulating);
             assert_eq!(m.parameters, 1 << 24);
             m.total() as f64 / (1u64 << 24) as f64
         };
+        let per_value = |bytes, moments, accumulating| per_value_of(bytes, moments, Masters::F32, accumulating);
+        assert_eq!(per_value_of(2, MomentDtype::Bf16, Masters::Stochastic, false), 8.0);
+        assert_eq!(per_value_of(2, MomentDtype::F32, Masters::Stochastic, true), 16.0);
+        assert_eq!(per_value_of(4, MomentDtype::F32, Masters::Stochastic, false), 16.0, "f32 parameters have none");
         assert_eq!(per_value(4, MomentDtype::F32, false), 16.0);
         assert_eq!(per_value(2, MomentDtype::F32, false), 16.0);
         assert_eq!(per_value(2, MomentDtype::F32, true), 20.0);
         assert_eq!(per_value(2, MomentDtype::Bf16, true), 16.0);
         assert_eq!((per_value(2, MomentDtype::Q8, false), per_value(2, MomentDtype::Q8, true)), (10.03125, 14.03125));
-        let small = state_memory_of(&[(4095, 2), (4096, 2)], MomentDtype::Q8, false);
+        let small = memory(&[(4095, 2), (4096, 2)], MomentDtype::Q8, Masters::F32, false);
         assert_eq!(small.moments, 4095 * 8 + 2 * (4096 + 16 * 4));
         assert_eq!(small.masters, 8191 * 4);
         assert!(small.summary().contains("0.0 M parameters") && small.summary().ends_with("before activations"));
@@ -846,10 +939,19 @@ mod tests {
         assert!(err.contains("need 0.0 GiB before any activation"), "{err}");
         assert!(err.ends_with("`[train.adamw] moments = \"bf16\"` or `--moments bf16`)"), "{err}");
         assert!(fits(Some(90_000)).unwrap_err().contains("AdamW moments in q8 need"));
+        // 6 B a value and the blocks' scales without masters: 49,408 B.
+        let err = fits(Some(50_000)).unwrap_err();
         assert!(
-            fits(Some(50_000))
+            err.ends_with("moments = \"q8\", masters = \"stochastic\"` or `--moments q8 --masters stochastic`)"),
+            "{err}"
+        );
+        let stochastic = AdamWConfig { masters: Masters::Stochastic, ..AdamWConfig::default() };
+        let err = state_memory_on_device(&weight, &stochastic, false, Some(90_000)).unwrap_err();
+        assert!(err.contains("AdamW moments in bf16 need 0.0 GiB"), "{err}");
+        assert!(
+            fits(Some(40_000))
                 .unwrap_err()
-                .ends_with("no moment storage fits: this model needs a device with more memory")
+                .ends_with("no moment or master storage fits: this model needs a device with more memory")
         );
         let q8 = AdamWConfig { moments: MomentDtype::Q8, ..AdamWConfig::default() };
         assert_eq!(state_memory_on_device(&weight, &q8, false, Some(90_000)).unwrap().total(), 8 * 8192 + 16_640);
@@ -891,6 +993,69 @@ mod tests {
             };
             assert!(err.contains(want), "{moments:?}: {err}");
         }
+    }
+
+    /// Without masters a bf16 parameter takes the f32 update of its own value, rounded stochastically: every
+    /// value lands on one of the two bf16 values around the f32 result (computed here from the same bf16
+    /// start with f32 masters, whose first step is that f32 result), no master is kept or saved, the same
+    /// step rounds alike every time (a resumed run, a replica), and a state saved with masters restores into a
+    /// run without them, its masters taking the next update and then dropped.
+    #[test]
+    fn without_masters_bf16_parameters_take_the_f32_update_rounded_stochastically() {
+        let device = Default::default();
+        let start = normal::<Cpu, 2>([64, 80], 0.0, 1.0, 1, &device).cast(FloatDType::BF16);
+        let param = || Param::from_tensor(Tensor::<CpuTrain, 2>::from_inner(start.clone()));
+        let grads = |p: &Param<Tensor<CpuTrain, 2>>, seed| {
+            let mut grads = GradientsParams::new();
+            grads.register(p.id, normal::<Cpu, 2>([64, 80], 0.0, 1.0, seed, &device).cast(FloatDType::BF16));
+            grads
+        };
+        let stochastic = AdamWConfig { masters: Masters::Stochastic, ..AdamWConfig::default() };
+        let names = |p: &Param<Tensor<CpuTrain, 2>>| HashMap::from([(p.id, "w".to_string())]);
+
+        let p = param();
+        let mut with_masters = AdamW::<Cpu>::new(AdamWConfig::default());
+        step::<CpuTrain, _>(p.clone(), &mut with_masters, &grads(&p, 2), 1e-3, None);
+        let exact =
+            with_masters.export_state(&names(&p)).unwrap().into_iter().find(|(k, _)| k == "w.master").unwrap().1;
+
+        let mut opt = AdamW::<Cpu>::new(stochastic);
+        let rounded = values(step::<CpuTrain, _>(p.clone(), &mut opt, &grads(&p, 2), 1e-3, None).0.val());
+        let bf16 = |x: f32| half::bf16::from_f32(x).to_f32();
+        let (mut moved_up, mut moved_down) = (0, 0);
+        for (&got, &x) in rounded.iter().zip(&exact.data) {
+            let nearest = bf16(x);
+            let ulp = (bf16(nearest.abs() * (1.0 + 2f32.powi(-7))) - nearest.abs()).max(f32::MIN_POSITIVE);
+            assert!((got - x).abs() <= ulp, "{got} is not a bf16 neighbour of {x}");
+            moved_up += usize::from(got > x);
+            moved_down += usize::from(got < x);
+        }
+        assert!(moved_up > 1000 && moved_down > 1000, "{moved_up} up, {moved_down} down");
+        let saved = opt.export_state(&names(&p)).unwrap();
+        assert!(
+            saved.iter().all(|(k, _)| !k.ends_with(".master")),
+            "{:?}",
+            saved.iter().map(|(k, _)| k).collect::<Vec<_>>()
+        );
+        let mut again = AdamW::<Cpu>::new(stochastic);
+        assert_eq!(values(step::<CpuTrain, _>(p.clone(), &mut again, &grads(&p, 2), 1e-3, None).0.val()), rounded);
+
+        // A state with masters, restored without them: the master's value takes the second update.
+        let saved: HashMap<String, HostTensor> = with_masters.export_state(&names(&p)).unwrap().into_iter().collect();
+        let mut switched = AdamW::<Cpu>::new(stochastic);
+        switched.steps = with_masters.steps;
+        switched.import_state(&HashMap::from([(p.id, ("w".to_string(), 5120))]), &saved, &device).unwrap();
+        let next = step::<CpuTrain, _>(p.clone(), &mut switched, &grads(&p, 3), 1e-3, None).0;
+        step::<CpuTrain, _>(p.clone(), &mut with_masters, &grads(&p, 3), 1e-3, None);
+        let exact =
+            with_masters.export_state(&names(&p)).unwrap().into_iter().find(|(k, _)| k == "w.master").unwrap().1;
+        let off: f32 = values(next.val())
+            .iter()
+            .zip(&exact.data)
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+            .fold(0.0, f32::max);
+        assert!(off <= 2f32.powi(-7), "{off}");
+        assert!(switched.export_state(&names(&p)).unwrap().iter().all(|(k, _)| !k.ends_with(".master")));
     }
 
     #[test]

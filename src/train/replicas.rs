@@ -487,8 +487,17 @@ mod tests {
 
     /// Through burn's collective, two replicas' gradients are summed; one that only the first replica has
     /// is summed with zeros; one that neither has stays absent (no update, as on one device).
+    /// burn's collective is one per backend type and process: tests that register with it take turns (under
+    /// `cargo test`'s parallel threads one's `reset_collective` would drop the other's peers).
+    static COLLECTIVE: Mutex<()> = Mutex::new(());
+
+    fn collective_to_myself() -> std::sync::MutexGuard<'static, ()> {
+        COLLECTIVE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     #[test]
     fn gradients_are_summed_across_replicas_and_those_none_has_stay_absent() {
+        let _turn = collective_to_myself();
         type Train = crate::backend::CpuTrain;
         type Inner = <Train as AutodiffBackend>::InnerBackend;
         let device = Default::default();
@@ -550,6 +559,7 @@ mod tests {
     /// A validation is shared out as a step is, round robin, and each replica thread answers its own share.
     #[test]
     fn each_replica_validates_its_share_of_the_micro_batches() {
+        let _turn = collective_to_myself();
         let device = Default::default();
         let (mut replicas, _own) =
             Replicas::<crate::backend::CpuTrain>::start(&[device; 3], ThreadNames).unwrap().unwrap();

@@ -489,8 +489,7 @@ fn check_disk<B: Backend>(
     let periodic = cfg.save_every.filter(|&n| n > 0).map_or(0, |n| total_steps / n - steps_done / n);
     let saves = if cfg.save_state { epochs.clone().count() + periodic } else { 0 };
     let state_exists = is_complete_state(&run_dir.join("train").join("state"));
-    let need =
-        DiskNeed::of(&checkpoint, cfg.adamw.moments, cfg.export_dtype, epochs.count(), saves, state_exists, replaced);
+    let need = DiskNeed::of(&checkpoint, &cfg.adamw, cfg.export_dtype, epochs.count(), saves, state_exists, replaced);
     let Some(free) = free_bytes(run_dir) else { return Ok(()) };
     match need.verdict(run_dir, free, disk_check_enabled()).map_err(TrainError::NoDiskSpace)? {
         Some(warning) => eprintln!("warning: {warning}"),

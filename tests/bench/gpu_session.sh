@@ -45,7 +45,8 @@
 #   nooptim  for each of OPTIM_AB, kiln's row again with the optimizer (the gradients' norm, AdamW's update)
 #            as tensor ops, two to six kernels a parameter, instead of kiln's kernels over many tensors
 #            (KILN_OPS=nooptim: KILN_OPTIM_KERNEL=off), into table-nooptim.md;
-#   moments  for each of MOMENTS_SHAPES, kiln's row again with bf16 and with 8-bit AdamW moments, into
+#   moments  for each of MOMENTS_SHAPES, kiln's row again with bf16 and with 8-bit AdamW moments, and with
+#            bf16 moments and no f32 masters (stochastic rounding: PyTorch's plain bf16 AdamW footprint), into
 #            table-moments.md: the peak memory beside the table's f32-moment row and PyTorch's;
 #   fit      each of FIT_SHAPES (LFM2.5-8B-A1B; gemma-4-e4b, Gemma 4 E4B's 7.5 B-parameter text tower, on
 #            request) as its recipe trains it: sequence FIT_SEQ (8192), two micro-batches accumulated (the
@@ -82,7 +83,7 @@
 # tiny LFM2, Qwen3.5, Gemma 4 and LFM2-MoE) and PARITY_PRECISIONS ("f32 bf16") for the parity and warm stages;
 # KERNEL_CACHE, KERNEL_CACHE_IN and KERNEL_CACHE_OUT (above);
 # SHAPES ("lfm2-350m lfm2.5-1.2b qwen3.5-0.8b") and KILN_OPS ("ops reference") for the table, where
-# train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION, MOMENTS and REFERENCE pass through; TRAIN_SHAPE
+# train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION, MOMENTS, MASTERS and REFERENCE pass through; TRAIN_SHAPE
 # (lfm2-350m), EPOCHS (2), TRAIN_MICRO (4), TRAIN_BATCH (8 sequences a step), TRAIN_LR (2e-5); PROFILE_SHAPES
 # ("lfm2.5-1.2b qwen3.5-0.8b", at SEQ or 4096); SCAN_AB and OPTIM_AB (qwen3.5-0.8b); ATTN_AB, LOSS_AB,
 # NORM_AB, CONV_AB and MOMENTS_SHAPES (lfm2.5-1.2b);
@@ -326,13 +327,16 @@ stage_nooptim() {
 
 stage_moments() {
     [[ -n $MOMENTS_SHAPES ]] || return 0
-    local moments status=0
+    local variant moments masters status=0
     : >"$OUT/table-moments.md"
-    for moments in bf16 q8; do
-        step "AdamW moments in $moments: $MOMENTS_SHAPES"
+    # The last: PyTorch's plain bf16 AdamW footprint (bf16 moments, no f32 masters), with stochastic rounding.
+    for variant in bf16:f32 q8:f32 bf16:stochastic; do
+        moments=${variant%:*} masters=${variant#*:}
+        step "AdamW moments in $moments, masters $masters: $MOMENTS_SHAPES"
         # shellcheck disable=SC2086  # MOMENTS_SHAPES is a list
-        DEVICE=$DEVICE KILN=$KILN KILN_OPS=ops MOMENTS=$moments REFERENCE=none OUT=$OUT/bench-moments-$moments \
-            tests/bench/train.sh $MOMENTS_SHAPES >>"$OUT/table-moments.md" || status=1
+        DEVICE=$DEVICE KILN=$KILN KILN_OPS=ops MOMENTS=$moments MASTERS=$masters REFERENCE=none \
+            OUT=$OUT/bench-moments-$moments-$masters tests/bench/train.sh $MOMENTS_SHAPES >>"$OUT/table-moments.md" \
+            || status=1
     done
     cat "$OUT/table-moments.md"
     return $status

@@ -9,7 +9,8 @@
 #   DEVICE      cuda when nvidia-smi sees a GPU, else cpu
 #   SEQ MICRO ACC STEPS WARMUP   4096 1 1 10 3 on cuda; 128 1 1 2 1 on cpu
 #   PEAK_TFLOPS 989 on cuda (H100/H200 SXM dense bf16), for MFU
-#   PRECISION   kiln's precision (auto: bf16 on cuda, f32 on cpu); MOMENTS kiln's AdamW moments (f32, bf16, q8)
+#   PRECISION   kiln's precision (auto: bf16 on cuda, f32 on cpu); MOMENTS kiln's AdamW moments (f32, bf16, q8);
+#               MASTERS how bf16 weights take the update (f32 masters, or stochastic rounding without them)
 #   KILN_OPS    "ops" (kiln's hand-written attention / SwiGLU / loss ops, and kiln's CubeCL kernels where the
 #               device runs them by default: Vulkan, not CUDA), "kernels" (the ops with every one of kiln's
 #               CubeCL kernels on, KILN_*_KERNEL=on), "reference" (burn's plain
@@ -45,7 +46,7 @@ else
     : "${SEQ:=128}" "${STEPS:=2}" "${WARMUP:=1}" "${PEAK_TFLOPS:=}" "${REFERENCE:=f32}"
     default_shapes=(tiny tiny-qwen3.5)
 fi
-: "${FALLBACK:=1}" "${FALLBACK_MARK:=}" "${MICRO:=1}" "${ACC:=1}" "${PRECISION:=auto}" "${MOMENTS:=f32}" "${KILN_OPS:=ops}" "${OUT:=runs/bench-train}"
+: "${FALLBACK:=1}" "${FALLBACK_MARK:=}" "${MICRO:=1}" "${ACC:=1}" "${PRECISION:=auto}" "${MOMENTS:=f32}" "${MASTERS:=f32}" "${KILN_OPS:=ops}" "${OUT:=runs/bench-train}"
 [[ $REFERENCE == none ]] && REFERENCE=""
 shapes=("$@")
 ((${#shapes[@]})) || shapes=("${default_shapes[@]}")
@@ -85,7 +86,7 @@ kiln_row() {
     env -u KILN_SCAN_KERNEL -u KILN_ATTENTION_KERNEL -u KILN_LOSS_KERNEL -u KILN_NORM_KERNEL -u KILN_CONV_KERNEL \
         -u KILN_OPTIM_KERNEL KILN_CUDA_FUSION=$fusion "${kernels[@]}" KILN_EXPERTS_BATCHED=$experts $1 \
         "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" \
-        --precision "$PRECISION" --moments "$MOMENTS" "${switch[@]}" "${common[@]}" --out "$out" >/dev/null
+        --precision "$PRECISION" --moments "$MOMENTS" --masters "$MASTERS" "${switch[@]}" "${common[@]}" --out "$out" >/dev/null
     local status=$?
     if ((status == 0 || status == OUT_OF_MEMORY)) && [[ -f $out ]]; then
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r['shape']=sys.argv[2]; json.dump(r, open(sys.argv[1],'w'))" \

@@ -175,7 +175,8 @@ def table(files) -> str:
             + (" (no optimizer kernels)" if r.get("optim_kernel") is False else "") \
             + (" (a matmul per expert)" if r.get("experts_batched") is False else "") \
             + (" (checkpointed)" if r.get("activation_checkpointing") else "") \
-            + (f" ({r['moments']} moments)" if r.get("moments", "f32") != "f32" else "")
+            + (f" ({r['moments']} moments)" if r.get("moments", "f32") != "f32" else "") \
+            + (" (no masters: stochastic rounding)" if r.get("masters") == "stochastic" else "")
         params = f"{r['params'] / 1e6:.1f}" if "params" in r else "-"
         if r.get("flops_params") not in (None, r.get("params")):
             params += f" ({r['flops_params'] / 1e6:.1f} in MFU)"

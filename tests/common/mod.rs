@@ -845,6 +845,7 @@ pub fn tiny_bench_config(precision: kiln::train::Precision, accumulation: usize)
         activation_checkpointing: false,
         precision,
         moments: kiln::train::optim::MomentDtype::F32,
+        masters: kiln::train::optim::Masters::F32,
         reference_ops: false,
     }
 }

@@ -104,6 +104,7 @@ where
         eps: number("eps"),
         weight_decay: number("weight_decay"),
         moments: MomentDtype::Q8,
+        masters: kiln::train::optim::Masters::F32,
     };
     let weight = Tensor::<B, 2>::from_data(TensorData::new(f.f32s("adamw.weight.initial"), [40, 130]), &device);
     let bias = Tensor::<B, 1>::from_data(TensorData::new(f.f32s("adamw.bias.initial"), [64]), &device);
