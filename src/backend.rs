@@ -121,64 +121,64 @@ pub fn cuda_fusion() -> Result<bool, String> {
     switch(FUSION_ENV)
 }
 
-/// The environment variable that runs the DeltaNet's scan across chunks and chunk solve as tensor ops instead
-/// of kiln's CubeCL kernels (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: the runtime's `KernelsByDefault`.
-pub const SCAN_KERNEL_ENV: &str = "KILN_SCAN_KERNEL";
-
-/// Whether the CubeCL backends run the DeltaNet scan and chunk solve as kiln's kernels, from
-/// `KILN_SCAN_KERNEL`; malformed values are an error (`main` checks before any command runs).
-pub fn scan_kernel() -> Result<Option<bool>, String> {
-    kernel_switch_checked(SCAN_KERNEL_ENV)
+/// kiln's own CubeCL kernels, each behind a switch `KILN_<NAME>_KERNEL` (`on`/`1`/`true` runs it,
+/// `off`/`0`/`false` runs its tensor ops instead; unset: the runtime's `KernelsByDefault`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// The DeltaNet's scan across chunks and its chunk solve (`kernels::scan`, `kernels::chunk_solve`).
+    Scan,
+    /// The attention's softmax rows (`kernels::attention`).
+    Attention,
+    /// The cross-entropy's rows (`kernels::cross_entropy`).
+    Loss,
+    /// The RMSNorms (`kernels::norm`).
+    Norm,
+    /// The causal depthwise convolution (`kernels::conv`).
+    Conv,
+    /// The optimizer: the gradients' global norm and AdamW's update (`kernels::grad_norm`, `kernels::adamw`).
+    Optim,
 }
 
-/// The environment variable that runs the attention's softmax rows as tensor ops instead of kiln's CubeCL
-/// kernels (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: the runtime's `KernelsByDefault`.
-pub const ATTENTION_KERNEL_ENV: &str = "KILN_ATTENTION_KERNEL";
+impl Kernel {
+    pub const ALL: [Kernel; 6] =
+        [Kernel::Scan, Kernel::Attention, Kernel::Loss, Kernel::Norm, Kernel::Conv, Kernel::Optim];
 
-/// Whether the CubeCL backends run the attention's softmax rows as kiln's kernels, from
-/// `KILN_ATTENTION_KERNEL`; malformed values are an error (`main` checks before any command runs).
-pub fn attention_kernel() -> Result<Option<bool>, String> {
-    kernel_switch_checked(ATTENTION_KERNEL_ENV)
-}
+    /// Its name in `KILN_<NAME>_KERNEL` (lower case), in `kiln info` and in benchmark rows (`<name>_kernel`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Scan => "scan",
+            Kernel::Attention => "attention",
+            Kernel::Loss => "loss",
+            Kernel::Norm => "norm",
+            Kernel::Conv => "conv",
+            Kernel::Optim => "optim",
+        }
+    }
 
-/// The environment variable that runs the cross-entropy's rows as tensor ops instead of kiln's CubeCL kernel
-/// (`off`/`0`/`false`) or as it (`on`/`1`/`true`); unset: the runtime's `KernelsByDefault`.
-pub const LOSS_KERNEL_ENV: &str = "KILN_LOSS_KERNEL";
+    /// The environment variable that switches it.
+    pub fn env(self) -> &'static str {
+        match self {
+            Kernel::Scan => "KILN_SCAN_KERNEL",
+            Kernel::Attention => "KILN_ATTENTION_KERNEL",
+            Kernel::Loss => "KILN_LOSS_KERNEL",
+            Kernel::Norm => "KILN_NORM_KERNEL",
+            Kernel::Conv => "KILN_CONV_KERNEL",
+            Kernel::Optim => "KILN_OPTIM_KERNEL",
+        }
+    }
 
-/// Whether the CubeCL backends run the cross-entropy's rows as kiln's kernel, from `KILN_LOSS_KERNEL`;
-/// malformed values are an error (`main` checks before any command runs).
-pub fn loss_kernel() -> Result<Option<bool>, String> {
-    kernel_switch_checked(LOSS_KERNEL_ENV)
-}
+    /// Its switch as the environment sets it: `None` where unset; a malformed value is an error (`main`
+    /// checks before any command runs).
+    pub fn setting(self) -> Result<Option<bool>, String> {
+        kernel_switch_checked(self.env())
+    }
 
-/// The environment variable that runs the RMSNorms as tensor ops instead of kiln's CubeCL kernels
-/// (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: the runtime's `KernelsByDefault`.
-pub const NORM_KERNEL_ENV: &str = "KILN_NORM_KERNEL";
-
-/// Whether the CubeCL backends run the RMSNorms as kiln's kernels, from `KILN_NORM_KERNEL`; malformed values
-/// are an error (`main` checks before any command runs).
-pub fn norm_kernel() -> Result<Option<bool>, String> {
-    kernel_switch_checked(NORM_KERNEL_ENV)
-}
-
-/// The environment variable that runs the optimizer (the gradients' global norm, AdamW's update) as tensor ops
-/// instead of kiln's CubeCL kernels (`off`/`0`/`false`) or as kernels (`on`/`1`/`true`); unset: the runtime's `KernelsByDefault`.
-pub const OPTIM_KERNEL_ENV: &str = "KILN_OPTIM_KERNEL";
-
-/// Whether the CubeCL backends run the optimizer as kiln's kernels, from `KILN_OPTIM_KERNEL`;
-/// malformed values are an error (`main` checks before any command runs).
-pub fn optim_kernel() -> Result<Option<bool>, String> {
-    kernel_switch_checked(OPTIM_KERNEL_ENV)
-}
-
-/// The switch of kiln's causal-conv kernels (`kernels::conv`) on the CubeCL backends (unset:
-/// the runtime's `KernelsByDefault`).
-pub const CONV_KERNEL_ENV: &str = "KILN_CONV_KERNEL";
-
-/// Whether the CubeCL backends run the causal depthwise convolution as kiln's kernels, from
-/// `KILN_CONV_KERNEL`; malformed values are an error (`main` checks before any command runs).
-pub fn conv_kernel() -> Result<Option<bool>, String> {
-    kernel_switch_checked(CONV_KERNEL_ENV)
+    /// Whether it runs on a device whose default is `default`: the switch read once per process, for the
+    /// models, the loss and the optimizer (the CLI has rejected a malformed value before they run).
+    pub fn enabled(self, default: KernelsByDefault) -> bool {
+        static SETTINGS: [std::sync::OnceLock<Option<bool>>; 6] = [const { std::sync::OnceLock::new() }; 6];
+        kernel_switch_once(&SETTINGS[self as usize], self.env(), default)
+    }
 }
 
 /// The switch of the MoE's experts batched into one matmul over padded groups (`models::experts`) on the
@@ -526,7 +526,7 @@ macro_rules! cubecl_model_backend {
                 coef: Tensor<Self, 2>,
                 with_grads: bool,
             ) -> (Tensor<Self, 2>, Option<Tensor<Self, 2>>) {
-                if loss_kernel_enabled($kernels) {
+                if Kernel::Loss.enabled($kernels) {
                     crate::kernels::cross_entropy::cross_entropy_rows(logits, targets, coef, with_grads)
                 } else {
                     crate::train::linear_ce::cross_entropy_rows(logits, targets, coef, with_grads)
@@ -536,7 +536,7 @@ macro_rules! cubecl_model_backend {
 
         impl OptimizerOps for $backend {
             fn squared_norm(tensors: Vec<burn::tensor::ops::FloatTensor<Self>>) -> Option<Tensor<Self, 1>> {
-                if optim_kernel_enabled($kernels) {
+                if Kernel::Optim.enabled($kernels) {
                     crate::kernels::grad_norm::squared_norm(tensors)
                 } else {
                     crate::train::optim::squared_sums_in_order(tensors)
@@ -548,7 +548,7 @@ macro_rules! cubecl_model_backend {
                 clip: Option<burn::tensor::ops::FloatTensor<Self>>,
                 scalars: crate::train::optim::AdamWScalars,
             ) -> Result<Vec<crate::train::optim::AdamWUpdated<Self>>, Vec<crate::train::optim::AdamWSlot<Self>>> {
-                if optim_kernel_enabled($kernels) {
+                if Kernel::Optim.enabled($kernels) {
                     Ok(crate::kernels::adamw::adamw_update(slots, clip, scalars))
                 } else {
                     Err(slots)
@@ -562,7 +562,7 @@ macro_rules! cubecl_model_backend {
                 docs: &DocumentAttention<Self>,
                 rows: crate::models::attention::ChunkRows,
             ) -> [Tensor<Self, 4>; 2] {
-                if attention_kernel_enabled($kernels) {
+                if Kernel::Attention.enabled($kernels) {
                     crate::kernels::attention::attention_probs(scores, docs, rows)
                 } else {
                     crate::models::attention::softmax_rows(scores, docs, rows)
@@ -577,7 +577,7 @@ macro_rules! cubecl_model_backend {
                 docs: &DocumentAttention<Self>,
                 rows: crate::models::attention::ChunkRows,
             ) -> [Tensor<Self, 4>; 2] {
-                if attention_kernel_enabled($kernels) {
+                if Kernel::Attention.enabled($kernels) {
                     crate::kernels::attention::attention_score_grads([scores, grad_probs, lse, delta], docs, rows)
                 } else {
                     crate::models::attention::score_grads(scores, grad_probs, lse, delta, docs, rows)
@@ -587,7 +587,7 @@ macro_rules! cubecl_model_backend {
             fn chunk_recurrence(
                 rec: crate::models::deltanet::ChunkRecurrence<Self>,
             ) -> crate::models::deltanet::RecurrenceOut<Self> {
-                if scan_kernel_enabled($kernels) {
+                if Kernel::Scan.enabled($kernels) {
                     crate::kernels::scan::chunk_recurrence(rec)
                 } else {
                     crate::models::deltanet::recurrence_by_chunk(rec)
@@ -600,7 +600,7 @@ macro_rules! cubecl_model_backend {
                 eps: f64,
                 kind: crate::models::ops::NormKind,
             ) -> Tensor<Self, D> {
-                if norm_kernel_enabled($kernels) {
+                if Kernel::Norm.enabled($kernels) {
                     crate::kernels::norm::rms_norm(x, weight, eps, kind)
                 } else {
                     crate::models::ops::rms_norm_forward(x, weight, eps, kind)
@@ -614,7 +614,7 @@ macro_rules! cubecl_model_backend {
                 kind: crate::models::ops::NormKind,
                 grad: Tensor<Self, D>,
             ) -> (Tensor<Self, D>, Tensor<Self, 1>) {
-                if norm_kernel_enabled($kernels) {
+                if Kernel::Norm.enabled($kernels) {
                     crate::kernels::norm::rms_norm_grads(x, weight, eps, kind, grad)
                 } else {
                     crate::models::ops::rms_norm_backward(x, weight, eps, kind, grad)
@@ -626,7 +626,7 @@ macro_rules! cubecl_model_backend {
                 kernel: Tensor<Self, 2>,
                 shifts: &crate::models::layers::ConvShifts<Self>,
             ) -> Tensor<Self, 3> {
-                if conv_kernel_enabled($kernels) {
+                if Kernel::Conv.enabled($kernels) {
                     crate::kernels::conv::causal_conv(x, kernel, shifts)
                 } else {
                     crate::models::layers::causal_depthwise_conv(x, kernel, shifts)
@@ -639,7 +639,7 @@ macro_rules! cubecl_model_backend {
                 shifts: &crate::models::layers::ConvShifts<Self>,
                 grad: Tensor<Self, 3>,
             ) -> (Tensor<Self, 3>, Tensor<Self, 2>) {
-                if conv_kernel_enabled($kernels) {
+                if Kernel::Conv.enabled($kernels) {
                     crate::kernels::conv::causal_conv_grads(x, kernel, shifts, grad)
                 } else {
                     crate::models::layers::causal_depthwise_conv_backward(x, kernel, shifts, grad)
@@ -663,7 +663,7 @@ macro_rules! cubecl_model_backend {
                 lower: Tensor<Self, 5>,
                 plan: &crate::models::deltanet::ChunkPlan<Self>,
             ) -> Tensor<Self, 5> {
-                if scan_kernel_enabled($kernels) {
+                if Kernel::Scan.enabled($kernels) {
                     crate::kernels::chunk_solve::unit_lower_inverse(lower)
                 } else {
                     crate::models::deltanet::unit_lower_inverse(lower, plan)
@@ -686,42 +686,6 @@ cubecl_model_backend!(VkHalf, VULKAN_KERNELS);
 cubecl_model_backend!(VkUnfused, VULKAN_KERNELS);
 #[cfg(feature = "vulkan")]
 cubecl_model_backend!(VkHalfUnfused, VULKAN_KERNELS);
-
-/// `scan_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
-pub fn scan_kernel_enabled(default: KernelsByDefault) -> bool {
-    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    kernel_switch_once(&SET, SCAN_KERNEL_ENV, default)
-}
-
-/// `attention_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
-pub fn attention_kernel_enabled(default: KernelsByDefault) -> bool {
-    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    kernel_switch_once(&SET, ATTENTION_KERNEL_ENV, default)
-}
-
-/// `loss_kernel()` read once, for the trainer (the CLI has rejected a malformed value before it runs).
-pub fn loss_kernel_enabled(default: KernelsByDefault) -> bool {
-    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    kernel_switch_once(&SET, LOSS_KERNEL_ENV, default)
-}
-
-/// `norm_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
-pub fn norm_kernel_enabled(default: KernelsByDefault) -> bool {
-    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    kernel_switch_once(&SET, NORM_KERNEL_ENV, default)
-}
-
-/// `conv_kernel()` read once, for the models (the CLI has rejected a malformed value before they run).
-pub fn conv_kernel_enabled(default: KernelsByDefault) -> bool {
-    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    kernel_switch_once(&SET, CONV_KERNEL_ENV, default)
-}
-
-/// `optim_kernel()` read once, for the trainer (the CLI has rejected a malformed value before it runs).
-pub fn optim_kernel_enabled(default: KernelsByDefault) -> bool {
-    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    kernel_switch_once(&SET, OPTIM_KERNEL_ENV, default)
-}
 
 /// `experts_batched()` read once, for the models (the CLI has rejected a malformed value before they run).
 pub fn experts_batched_enabled() -> bool {
@@ -944,14 +908,14 @@ mod tests {
             assert_eq!(parse_switch(FUSION_ENV, on), Ok(true), "{on:?}");
         }
         for off in ["off", "Off", "0", "false"] {
-            assert_eq!(parse_switch(SCAN_KERNEL_ENV, off), Ok(false), "{off:?}");
+            assert_eq!(parse_switch(Kernel::Scan.env(), off), Ok(false), "{off:?}");
         }
         assert_eq!(fusion_for(true, Ok(false)), Ok(false));
         assert_eq!(fusion_for(false, Ok(true)), Ok(true));
         assert!(fusion_for(false, Ok(false)).unwrap_err().contains("bf16 CUDA backend only"));
         let err = parse_switch(FUSION_ENV, "unfused").unwrap_err();
         assert!(err.contains("KILN_CUDA_FUSION=\"unfused\"") && err.contains("use on or off"), "{err}");
-        let err = parse_switch(SCAN_KERNEL_ENV, "no").unwrap_err();
+        let err = parse_switch(Kernel::Scan.env(), "no").unwrap_err();
         assert!(err.starts_with("KILN_SCAN_KERNEL=\"no\""), "{err}");
     }
 
@@ -967,5 +931,10 @@ mod tests {
         // A switch that is set holds on every runtime.
         let set = std::sync::OnceLock::from(Some(true));
         assert!(kernel_switch_once(&set, name, CUDA_KERNELS));
+        // Each kernel has its own switch (and cell of `Kernel::enabled`), named after it.
+        for (i, kernel) in Kernel::ALL.into_iter().enumerate() {
+            assert_eq!(kernel as usize, i);
+            assert_eq!(kernel.env(), format!("KILN_{}_KERNEL", kernel.name().to_uppercase()));
+        }
     }
 }

@@ -764,12 +764,9 @@ fn run(cli: Cli, host_allocator: Option<&str>) -> Result<()> {
     // Read deep inside the models, where no error can surface: a malformed value stops any command that
     // could run them here (`info` reports it).
     if !matches!(cli.command, Command::Info) {
-        kiln::backend::scan_kernel().map_err(anyhow::Error::msg)?;
-        kiln::backend::attention_kernel().map_err(anyhow::Error::msg)?;
-        kiln::backend::loss_kernel().map_err(anyhow::Error::msg)?;
-        kiln::backend::norm_kernel().map_err(anyhow::Error::msg)?;
-        kiln::backend::conv_kernel().map_err(anyhow::Error::msg)?;
-        kiln::backend::optim_kernel().map_err(anyhow::Error::msg)?;
+        for kernel in kiln::backend::Kernel::ALL {
+            kernel.setting().map_err(anyhow::Error::msg)?;
+        }
         kiln::backend::experts_batched().map_err(anyhow::Error::msg)?;
     }
     match cli.command {
@@ -1114,7 +1111,7 @@ fn info(host_allocator: Option<&str>) -> Result<()> {
     // The CPU trainer's device memory (what it checks the training state against), to a tenth of a GiB.
     let host_memory_gib =
         kiln::host::host_memory_bytes().map(|b| (b as f64 / (1u64 << 30) as f64 * 10.0).round() / 10.0);
-    let report = serde_json::json!({
+    let mut report = serde_json::json!({
         "kiln": env!("CARGO_PKG_VERSION"),
         "backends": kiln::backend::compiled(),
         "cpu_smoke_test": "ok",
@@ -1133,21 +1130,21 @@ fn info(host_allocator: Option<&str>) -> Result<()> {
         },
         "cuda_autotune": if cfg!(feature = "autotune") { "on" } else { "off" },
         "cuda_fusion": kiln::backend::cuda_fusion().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
-        "scan_kernel": kernel_setting(kiln::backend::scan_kernel()),
-        "attention_kernel": kernel_setting(kiln::backend::attention_kernel()),
-        "loss_kernel": kernel_setting(kiln::backend::loss_kernel()),
-        "norm_kernel": kernel_setting(kiln::backend::norm_kernel()),
-        "conv_kernel": kernel_setting(kiln::backend::conv_kernel()),
-        "optim_kernel": kernel_setting(kiln::backend::optim_kernel()),
-        "experts_batched": kiln::backend::experts_batched()
-            .map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
-        "hub": {
-            "endpoint": config.endpoint,
-            "cache_dir": config.cache_dir,
-            "offline": config.offline,
-            "token": config.token_source.unwrap_or_else(|| "none".into()),
-        },
     });
+    let switches = report.as_object_mut().expect("a JSON object");
+    for kernel in kiln::backend::Kernel::ALL {
+        switches.insert(format!("{}_kernel", kernel.name()), kernel_setting(kernel.setting()).into());
+    }
+    let experts_batched =
+        kiln::backend::experts_batched().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into());
+    switches.insert("experts_batched".into(), experts_batched.into());
+    let hub = serde_json::json!({
+        "endpoint": config.endpoint,
+        "cache_dir": config.cache_dir,
+        "offline": config.offline,
+        "token": config.token_source.unwrap_or_else(|| "none".into()),
+    });
+    switches.insert("hub".into(), hub);
     write_json(None, &report)
 }
 

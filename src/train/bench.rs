@@ -15,6 +15,7 @@ use super::step::{MicroBatch, StepRule, WHOLE_ROWS, optimizer_step};
 use super::trainer::{PeakMemory, Precision, StepFlops};
 use super::{TrainError, with_train_backend};
 use crate::backend::DeviceMemory;
+use crate::backend::Kernel;
 use crate::models::ops::reference_ops;
 use crate::models::{ModelConfig, random_model, set_reference_ops};
 use crate::tokens::shards::Row;
@@ -110,6 +111,7 @@ impl BenchRun {
     pub fn of(config: &ModelConfig, cfg: &BenchConfig, device: &str) -> Self {
         let cubecl = device != "cpu";
         let kernels = crate::backend::kernels_by_default(device);
+        let enabled = |kernel: Kernel| cubecl.then(|| kernel.enabled(kernels));
         BenchRun {
             framework: "kiln".into(),
             model_type: config.model_type().into(),
@@ -124,12 +126,12 @@ impl BenchRun {
             moments: Some(cfg.moments),
             masters: Some(cfg.masters),
             activation_checkpointing: cfg.activation_checkpointing,
-            scan_kernel: cubecl.then(|| crate::backend::scan_kernel_enabled(kernels)),
-            attention_kernel: cubecl.then(|| crate::backend::attention_kernel_enabled(kernels)),
-            loss_kernel: cubecl.then(|| crate::backend::loss_kernel_enabled(kernels)),
-            norm_kernel: cubecl.then(|| crate::backend::norm_kernel_enabled(kernels)),
-            conv_kernel: cubecl.then(|| crate::backend::conv_kernel_enabled(kernels)),
-            optim_kernel: cubecl.then(|| crate::backend::optim_kernel_enabled(kernels)),
+            scan_kernel: enabled(Kernel::Scan),
+            attention_kernel: enabled(Kernel::Attention),
+            loss_kernel: enabled(Kernel::Loss),
+            norm_kernel: enabled(Kernel::Norm),
+            conv_kernel: enabled(Kernel::Conv),
+            optim_kernel: enabled(Kernel::Optim),
             experts_batched: (cubecl && matches!(config, ModelConfig::Lfm2(c) if c.moe.is_some()))
                 .then(crate::backend::experts_batched_enabled),
         }
