@@ -8,7 +8,7 @@
 # without a GPU (src/kernels/cuda_source.rs), but never launched on one).
 # Since the third GPU session (2026-12-04) kiln's kernels are off by default on CUDA (their outputs were pitched
 # there; backend::KernelsByDefault), so the kernel variants below change a CUDA run only where it turned them
-# on (train.sh's `kernels` rows, gpu_session.sh's `kernels` stage).
+# on (train.sh's `kernels` rows, gpu_session.sh's `kernels` stage); `fallback_runs` leaves them out elsewhere.
 # Each has a switch that runs the same binary without it. A device session is minutes long, so a failure in
 # one must not cost the figures of the rest: the run is tried again with the switches below, in order, and
 # the first set that works is marked for the runs after it.
@@ -42,6 +42,43 @@ switches_with() {
     # shellcheck disable=SC2086  # word lists
     union=$(printf '%s\n' $1 $2 | sort -u | paste -sd' ')
     [[ $union != "$1" ]] && echo "$union"
+}
+
+# Whether $KILN runs its own kernels on CUDA where their switches are unset (`kiln info`;
+# backend::KernelsByDefault): asked once.
+cuda_kernels_by_default() {
+    if [[ -z ${KILN_CUDA_KERNELS_DEFAULT:-} ]]; then
+        KILN_CUDA_KERNELS_DEFAULT=off
+        "$KILN" info 2>/dev/null | grep -q '"scan_kernel": "unset: on on cuda' && KILN_CUDA_KERNELS_DEFAULT=on
+    fi
+    [[ $KILN_CUDA_KERNELS_DEFAULT == on ]]
+}
+
+# $1 without its KILN_<NAME>_KERNEL=off switches.
+without_kernel_switches() {
+    local switch kept=()
+    for switch in $1; do
+        [[ $switch == KILN_*_KERNEL=off ]] || kept+=("$switch")
+    done
+    echo "${kept[*]}"
+}
+
+# The switch sets to try after a CUDA run with the switches $2 (what was marked) failed, one a line: each
+# variant of the array named $1 added to $2, those that change nothing left out. Unless $3 is 1 (the run
+# turned kiln's kernels on) and where CUDA runs them only when asked, the variants' kernel switches change
+# nothing either and are dropped, so "kernels off" is not run again and "fusion off, kernels off" is "fusion off".
+fallback_runs() {
+    local -n variant_list=$1
+    local marked=$2 kernels_on=${3:-0} variant switches tried=" "
+    for variant in "${variant_list[@]}"; do
+        if [[ $kernels_on != 1 ]] && ! cuda_kernels_by_default; then
+            variant=$(without_kernel_switches "$variant")
+        fi
+        switches=$(switches_with "$marked" "$variant") || continue
+        [[ $tried == *" [$switches] "* ]] && continue
+        tried+="[$switches] "
+        echo "$switches"
+    done
 }
 
 # A short label of a set of switches, for file names and messages ("nokernels", "unfused-noattn", …).

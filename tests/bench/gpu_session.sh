@@ -141,6 +141,15 @@ parity_ok() {
     python3 tests/bench/parity.py "$OUT/parity/$shape@cpu-f32.json" "$OUT/parity/$shape@$1.json" >/dev/null 2>&1
 }
 
+# 1 when the environment turns one of kiln's kernels on (the parity and train stages run with it), else 0.
+kernels_turned_on() {
+    local name
+    for name in "${KERNEL_SWITCHES[@]}"; do
+        [[ ${!name:-} =~ ^(on|1|true)$ ]] && { echo 1; return; }
+    done
+    echo 0
+}
+
 stage_parity() {
     step "parity: tiny shapes on cpu f32 and $DEVICE ${PARITY_PRECISIONS// /, }"
     local config shape run status=0 marked tag variant switches scope scoped
@@ -158,8 +167,7 @@ stage_parity() {
             status=1
             [[ $1 == cuda ]] || continue
             # Which switch mends it says whose bug it is; it then holds for every run after this one.
-            for variant in "${FALLBACK_DIAGNOSIS[@]}"; do
-                switches=$(switches_with "$marked" "$variant") || continue
+            while read -r -u 3 switches; do
                 tag=$1-$2-$(switches_label "$switches")
                 if with_switches "$switches" parity_run "$1" "$2" "$tag" && parity_ok "$tag"; then
                     scope=${PARITY_SCOPE[$shape]:-*}
@@ -167,7 +175,7 @@ stage_parity() {
                     for scoped in $scope; do echo "$scoped $switches"; done >>"$FALLBACK_MARK"
                     break
                 fi
-            done
+            done 3< <(fallback_runs FALLBACK_DIAGNOSIS "$marked" "$(kernels_turned_on)")
         done
     done
     python3 tests/bench/parity.py "$OUT"/parity/*.json >"$OUT/parity.md" || status=1
@@ -405,10 +413,9 @@ stage_train() {
         # A non-finite loss or a failure on CUDA: the same run without what has never run on a GPU before
         # (fallback.sh) says whose bug it is.
         if [[ $DEVICE == cuda ]]; then
-            local marked variant switches label
+            local marked switches label
             marked=$(marked_switches "$FALLBACK_MARK" "$TRAIN_SHAPE")
-            for variant in "${FALLBACK_VARIANTS[@]}"; do
-                switches=$(switches_with "$marked" "$variant") || continue
+            while read -r -u 3 switches; do
                 label=$(switches_label "$switches")
                 step "kiln train again with $switches"
                 with_switches "$switches" run_train "$train_run-$label" >"$OUT/train-$label.log" 2>&1
@@ -420,7 +427,7 @@ stage_train() {
                     echo "$TRAIN_SHAPE $switches" >>"$FALLBACK_MARK"
                     break
                 fi
-            done
+            done 3< <(fallback_runs FALLBACK_VARIANTS "$marked" "$(kernels_turned_on)")
         fi
     fi
     mkdir -p "$OUT/train"

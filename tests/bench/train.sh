@@ -149,8 +149,9 @@ for shape in "${shapes[@]}"; do
         [[ $DEVICE == cuda && $FALLBACK == 1 ]] || continue
         # The row again without what has never run on a GPU before, so the table still has kiln's figures and
         # the row that worked says whose bug it was.
-        for variant in "${FALLBACK_VARIANTS[@]}"; do
-            switches=$(switches_with "$marked" "$variant") || continue
+        kernels_on=0
+        [[ " $scan $attn $loss $norm $conv $optim " == *" on "* ]] && kernels_on=1
+        while read -r -u 3 switches; do
             out=${row_out%.json}-$(switches_label "$switches").json
             echo "== $shape: kiln again with $switches" >&2
             kiln_row "$switches"
@@ -162,7 +163,7 @@ for shape in "${shapes[@]}"; do
             fi
             # Without these parts the step may need more memory than with them: the row says so.
             ((status == OUT_OF_MEMORY)) && [[ -f $out ]] && results+=("$out")
-        done
+        done 3< <(fallback_runs FALLBACK_VARIANTS "$marked" "$kernels_on")
     done
     ((have_torch)) || continue
     for precision in $REFERENCE; do
