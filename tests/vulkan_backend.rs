@@ -321,10 +321,12 @@ fn the_squared_norm_kernel_equals_the_tensor_op_sums() {
 fn the_adamw_kernel_steps_as_the_cpu_tensor_ops() {
     use kiln::train::optim::MomentDtype;
     for moments in [MomentDtype::F32, MomentDtype::Q8] {
-        common::optimizer_ops::assert_adamw_matches_the_cpu::<VkTrain>(FloatDType::F32, moments, 1e-6);
+        let masters = kiln::train::optim::Masters::F32;
+        common::optimizer_ops::assert_adamw_matches_the_cpu::<VkTrain>(FloatDType::F32, moments, masters, 1e-6);
         common::optimizer_ops::assert_adamw_matches_the_cpu::<burn::backend::Autodiff<VkUnfused>>(
             FloatDType::F32,
             moments,
+            masters,
             1e-6,
         );
     }

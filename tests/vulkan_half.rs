@@ -109,17 +109,27 @@ fn the_conv_kernels_equal_the_tensor_op_conv_in_half_precision() {
     }
 }
 
-/// kiln's AdamW kernel on half-precision parameters (f32 masters kept, as for bf16 on CUDA) against the
-/// CPU's tensor ops in f16: masters and moments within f32 rounding, parameters within an f16 ulp.
+/// kiln's AdamW kernel on half-precision parameters (f32 masters kept, as for bf16 on CUDA; and without
+/// them, rounded into stochastically) against the CPU's tensor ops in f16: masters and moments within f32
+/// rounding, parameters within an f16 ulp.
 #[test]
 fn the_adamw_kernel_steps_half_precision_parameters_as_the_cpu_tensor_ops() {
+    use kiln::train::optim::Masters;
     claim_f16();
-    common::optimizer_ops::assert_adamw_matches_the_cpu::<VkHalfTrain>(FloatDType::F16, MomentDtype::F32, 1e-3);
-    common::optimizer_ops::assert_adamw_matches_the_cpu::<burn::backend::Autodiff<kiln::backend::VkHalfUnfused>>(
-        FloatDType::F16,
-        MomentDtype::F32,
-        1e-3,
-    );
+    for masters in [Masters::F32, Masters::Stochastic] {
+        common::optimizer_ops::assert_adamw_matches_the_cpu::<VkHalfTrain>(
+            FloatDType::F16,
+            MomentDtype::F32,
+            masters,
+            1e-3,
+        );
+        common::optimizer_ops::assert_adamw_matches_the_cpu::<burn::backend::Autodiff<kiln::backend::VkHalfUnfused>>(
+            FloatDType::F16,
+            MomentDtype::F32,
+            masters,
+            1e-3,
+        );
+    }
 }
 
 /// Stochastic rounding without masters on the fused f16 device: the noise's hash in the device's 32-bit

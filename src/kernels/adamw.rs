@@ -6,8 +6,9 @@
 //! from 5,058 to 4,625. Here one kernel updates up to `MAX_TENSORS` parameters of one dtype class
 //! (parameter, gradient and moment dtypes; with or without f32 masters): each unit reads a value's
 //! gradient, master (or parameter) and moments once, and writes the moments and master back in place and
-//! the parameter, rounded to its dtype, into a new tensor. The arithmetic is the tensor ops' in f32, in
-//! their order (`optim::Step`); tested against them
+//! the parameter, rounded to its dtype, into a new tensor: to nearest, or without a master stochastically
+//! with the noise `train::rounding` hashes from the parameter's key and each value's coordinates. The
+//! arithmetic is the tensor ops' in f32, in their order (`optim::Step`); tested against them
 //! (tests/vulkan_backend.rs, vulkan_half.rs).
 
 use burn::tensor::backend::Backend;
@@ -39,13 +40,59 @@ struct AdamWArgs {
     step_size: f32,
     bias2_root: f32,
     eps: f32,
+    /// Stochastic rounding: the reach to the neighbour as a share of the nearest value's magnitude
+    /// (`0.6·2^-bits`), and its least (f16's subnormal spacing; 0 for bf16): `rounding::stochastic_round`.
+    reach_scale: f32,
+    min_reach: f32,
     base: u32,
     per_cube: u32,
 }
 
+/// `rounding::mix31` in the kernel's 32-bit integers (its constants; the tests hold the two equal).
+#[cube]
+fn mix31(x: u32) -> u32 {
+    let mask = 0x7FFF_FFFFu32;
+    let mut x = x & mask;
+    x ^= x >> 16u32;
+    x = (x * 0x21F0_AAADu32) & mask;
+    x ^= x >> 15u32;
+    x = (x * 0x735A_2D39u32) & mask;
+    x ^ (x >> 15u32)
+}
+
+/// `rounding::noise` of value `at` (flat, row-major) of contiguous `t` from `key`: uniform in [0, 1).
+#[cube]
+fn rounding_noise<P: Float>(t: &Tensor<P>, at: usize, key: u32) -> f32 {
+    let mut hash = key & 0x7FFF_FFFFu32;
+    for axis in 0..t.rank() {
+        let coordinate = (at / t.stride(axis)) % t.shape(axis);
+        hash = mix31(hash ^ u32::cast_from(coordinate));
+    }
+    f32::cast_from((hash >> 15u32) & 0xFFFFu32) / 65536.0
+}
+
+/// `p` rounded into `P`: to one of the two values of `P` around it, the farther with probability
+/// `distance / gap` against `u` (`rounding::stochastic_round`, same casts and arithmetic).
+#[cube]
+fn round_stochastically<P: Float>(p: f32, u: f32, reach_scale: f32, min_reach: f32) -> P {
+    let nearest = f32::cast_from(P::cast_from(p));
+    let past = p - nearest;
+    let mut reach = nearest.abs() * reach_scale;
+    if reach < min_reach {
+        reach = min_reach;
+    }
+    let toward = if past < 0.0 { -reach } else { reach };
+    let other = f32::cast_from(P::cast_from(nearest + toward));
+    let gap = (other - nearest).abs();
+    let probability = past.abs() / gap;
+    let rounded = if u < probability && other.abs() <= 3.402_823_5e38 { other } else { nearest };
+    P::cast_from(rounded)
+}
+
 /// Cube `k = base + c` updates values `(k − starts[i]) · per_cube …` of parameter `i`, where
 /// `starts[i] ≤ k < starts[i + 1]`: `p ← p · decay_i − m̂ / (√v̂ + eps) · lr` with the moments' update, on the
-/// master when `kept_masters` (written back) or on the parameter; the parameter goes to `updated`.
+/// master when `kept_masters` (written back) or on the parameter; the parameter goes to `updated`, rounded
+/// to nearest, or `stochastic`ally with the noise of key `keys[i]`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn adamw_kernel<P: Float, G: Float, M: Float>(
@@ -58,8 +105,10 @@ fn adamw_kernel<P: Float, G: Float, M: Float>(
     clip: &Tensor<f32>,
     starts: Sequence<u32>,
     decays: Sequence<f32>,
+    keys: Sequence<u32>,
     args: AdamWArgs,
     #[comptime] kept_masters: bool,
+    #[comptime] stochastic: bool,
     #[define(P, G, M)] _dtypes: [StorageType; 3],
 ) {
     let cube = args.base as usize + grid_row();
@@ -91,7 +140,12 @@ fn adamw_kernel<P: Float, G: Float, M: Float>(
                 if kept_masters {
                     masters.index_mut(i)[at] = p;
                 }
-                updated.index_mut(i)[at] = P::cast_from(p);
+                if stochastic {
+                    let u = rounding_noise::<P>(params.index(i), at, *keys.index(i));
+                    updated.index_mut(i)[at] = round_stochastically::<P>(p, u, args.reach_scale, args.min_reach);
+                } else {
+                    updated.index_mut(i)[at] = P::cast_from(p);
+                }
                 at += UNITS;
             }
         }
@@ -109,13 +163,14 @@ pub trait AdamWKernel: Backend {
 }
 
 /// What one launch needs alike in all its parameters: the parameter's, gradient's and moments' dtypes, and
-/// whether masters are kept.
+/// whether masters are kept and the parameters rounded into stochastically.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Class {
     param: DType,
     grad: DType,
     moments: DType,
     kept_masters: bool,
+    stochastic: bool,
 }
 
 fn class_of<B: Backend>(slot: &AdamWSlot<B>) -> Class {
@@ -124,6 +179,15 @@ fn class_of<B: Backend>(slot: &AdamWSlot<B>) -> Class {
         grad: slot.grad.dtype(),
         moments: slot.m.dtype(),
         kept_masters: slot.master.is_some(),
+        stochastic: slot.noise_key.is_some(),
+    }
+}
+
+/// `AdamWArgs`' `reach_scale` and `min_reach` for parameters of `dtype` (`rounding::stochastic_round`).
+fn reach_of(dtype: DType) -> (f32, f32) {
+    match dtype {
+        DType::F16 => (0.6 * 2f32.powi(-10), 0.6 * 2f32.powi(-24)),
+        _ => (0.6 * 2f32.powi(-7), 0.0),
     }
 }
 
@@ -176,7 +240,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AdamWKerne
         let (client, device) = (first.param.client.clone(), first.param.device.clone());
         let class = class_of(first);
         assert!(slots.iter().all(|s| class_of(s) == class), "AdamW's kernel takes one dtype class per launch");
-        let Class { param: param_dtype, grad: grad_dtype, moments: moment_dtype, kept_masters } = class;
+        let Class { param: param_dtype, grad: grad_dtype, moments: moment_dtype, kept_masters, stochastic } = class;
+        let (reach_scale, min_reach) = reach_of(param_dtype);
         // All of a parameter's tensors are read and written at the same flat index: contiguous, each in the
         // parameter's element order.
         let slots: Vec<AdamWSlot<Self>> = slots
@@ -188,6 +253,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AdamWKerne
                 m: writable(s.m),
                 v: writable(s.v),
                 decay: s.decay,
+                noise_key: s.noise_key,
             })
             .collect();
         let lens: Vec<usize> = slots.iter().map(|s| s.param.shape().num_elements()).collect();
@@ -216,6 +282,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AdamWKerne
                 scalars.step_size,
                 scalars.bias2_root,
                 scalars.eps,
+                reach_scale,
+                min_reach,
                 launch.base,
                 launch.per_cube,
             );
@@ -233,8 +301,10 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AdamWKerne
                 clip.clone().into_tensor_arg(),
                 launch.starts.into_iter().collect(),
                 part.iter().map(|s| s.decay).collect(),
+                part.iter().map(|s| s.noise_key.unwrap_or(0)).collect(),
                 args,
                 kept_masters,
+                stochastic,
                 [param_dtype, grad_dtype, moment_dtype].map(Into::into),
             );
         }
@@ -253,6 +323,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AdamWKerne
 struct FusedAdamW<B> {
     desc: CustomOpIr,
     decays: Vec<f32>,
+    noise_keys: Vec<Option<u32>>,
     kept_masters: bool,
     scalars: AdamWScalars,
     _backend: std::marker::PhantomData<B>,
@@ -265,13 +336,15 @@ impl<B: FusionBackend + AdamWKernel> Operation<B::FusionRuntime> for FusedAdamW<
         let slots: Vec<AdamWSlot<B>> = self
             .decays
             .iter()
-            .map(|&decay| AdamWSlot {
+            .zip(&self.noise_keys)
+            .map(|(&decay, &noise_key)| AdamWSlot {
                 param: next(),
                 grad: next(),
                 master: self.kept_masters.then(&mut next),
                 m: next(),
                 v: next(),
                 decay,
+                noise_key,
             })
             .collect();
         let clip = next();
@@ -292,6 +365,7 @@ impl<B: FusionBackend + AdamWKernel> AdamWKernel for Fusion<B> {
         let kept_masters = first.master.is_some();
         let count = slots.len();
         let decays = slots.iter().map(|s| s.decay).collect();
+        let noise_keys = slots.iter().map(|s| s.noise_key).collect();
         let described = |t: &FloatTensor<Self>| (t.shape(), t.dtype());
         let mut inputs = Vec::new();
         let mut outputs: Vec<(Shape, DType)> = Vec::new();
@@ -305,6 +379,7 @@ impl<B: FusionBackend + AdamWKernel> AdamWKernel for Fusion<B> {
         let results = register_custom::<B, _>("kiln_adamw", inputs, &outputs, |desc| FusedAdamW::<B> {
             desc,
             decays,
+            noise_keys,
             kept_masters,
             scalars,
             _backend: std::marker::PhantomData,
@@ -318,7 +393,8 @@ impl<B: FusionBackend + AdamWKernel> AdamWKernel for Fusion<B> {
 }
 
 /// The launches CUDA makes (`cuda_source`): f32 parameters, and bf16 ones with f32 masters kept, moments in
-/// f32 or bf16; a full launch of tensors and a short last one.
+/// f32 or bf16, or without masters (stochastic rounding) with bf16 moments; a full launch of tensors and a
+/// short last one.
 #[cfg(all(test, feature = "vulkan"))]
 pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::cuda_source::Variant> {
     use super::cuda_source::{Runtime, Variant, scalars, settings, tensor, tensors};
@@ -330,17 +406,23 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
         step_size: (),
         bias2_root: (),
         eps: (),
+        reach_scale: (),
+        min_reach: (),
         base: (),
         per_cube: (),
     };
     let mut variants = Vec::new();
-    for (param, moment, kept_masters) in
-        [(DType::F32, DType::F32, false), (DType::BF16, DType::F32, true), (DType::BF16, DType::BF16, true)]
-    {
+    for (param, moment, kept_masters) in [
+        (DType::F32, DType::F32, false),
+        (DType::BF16, DType::F32, true),
+        (DType::BF16, DType::BF16, true),
+        (DType::BF16, DType::BF16, false),
+    ] {
+        let stochastic = param != DType::F32 && !kept_masters;
         for count in [MAX_TENSORS, 3] {
             let masters = if kept_masters { count } else { 0 };
             variants.push(Variant::new(
-                format!("adamw {param:?} parameters, {moment:?} moments, {count} tensors"),
+                format!("adamw {param:?} parameters, {moment:?} moments, {count} tensors, stochastic {stochastic}"),
                 adamw_kernel::AdamwKernel::<Runtime>::new(
                     settings(UNITS as u32),
                     client.clone(),
@@ -353,8 +435,10 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                     tensor(),
                     scalars(count + 1),
                     scalars(count),
+                    scalars(count),
                     args(),
                     kept_masters,
+                    stochastic,
                     [param, param, moment].map(Into::into),
                 ),
             ));

@@ -537,8 +537,10 @@ pub fn squared_sums_in_order<B: Backend>(tensors: Vec<FloatTensor<B>>) -> Option
 }
 
 /// What AdamW's update of one parameter reads, rank-erased: the parameter as stored, its gradient, its f32
-/// master (a parameter stored below f32), both moments in their dense dtype (f32 or bf16; a moment restored
-/// from a file is flat), and the weight-decay multiplier (`1 − lr·wd` for matrices, 1 for vectors).
+/// master (a parameter stored below f32 with masters kept), both moments in their dense dtype (f32 or bf16;
+/// a moment restored from a file is flat), the weight-decay multiplier (`1 − lr·wd` for matrices, 1 for
+/// vectors), and for a parameter below f32 without a master the key of its rounding noise
+/// (`rounding::noise_key`): the update is then rounded into it stochastically.
 pub struct AdamWSlot<B: Backend> {
     pub param: FloatTensor<B>,
     pub grad: FloatTensor<B>,
@@ -546,6 +548,7 @@ pub struct AdamWSlot<B: Backend> {
     pub m: FloatTensor<B>,
     pub v: FloatTensor<B>,
     pub decay: f32,
+    pub noise_key: Option<u32>,
 }
 
 /// What it writes: the parameter in its own dtype and shape, the master and the moments.
@@ -677,6 +680,10 @@ struct Gather<'a, B: AutodiffBackend> {
     grads: &'a GradientsParams,
     /// `1 − lr·wd` in f32, for matrices.
     decay: f32,
+    /// The optimizer step being taken (from 1), for the rounding noise's keys.
+    step: usize,
+    /// Float parameters visited so far (`Step::ordinal`).
+    ordinal: usize,
     done: &'a HashSet<ParamId>,
     dtypes: Option<(DType, DType)>,
     values: usize,
@@ -686,6 +693,8 @@ struct Gather<'a, B: AutodiffBackend> {
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let ordinal = self.ordinal;
+        self.ordinal += 1;
         if self.slots.len() == CHUNK_PARAMS || self.done.contains(&param.id) {
             return;
         }
@@ -694,17 +703,20 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_, B> {
         let len = tensor.shape().num_elements();
         let moments = self.opt.config.moments;
         let dtypes = (tensor.dtype(), grad.dtype());
-        // The kernels keep masters; stochastic rounding is the tensor ops' (`Step`).
-        let stochastic = tensor.dtype() != DType::F32 && self.opt.config.masters == Masters::Stochastic;
         if (moments == MomentDtype::Q8 && len >= quant8::MIN_ELEMENTS)
-            || stochastic
             || self.dtypes.is_some_and(|d| d != dtypes)
             || (!self.slots.is_empty() && self.values + len > CHUNK_VALUES)
         {
             return;
         }
+        let keeps_master = self.opt.config.keeps_master(tensor.dtype());
         let (m, v, master) = match self.opt.states.remove(&param.id) {
-            Some(ParamState { m: Moment::Dense(m), v: Moment::Dense(v), master }) => (m, v, master),
+            // A master restored into a run without masters takes one more update, as tensor ops (`Step`).
+            Some(ParamState { m: Moment::Dense(m), v: Moment::Dense(v), master })
+                if keeps_master || master.is_none() =>
+            {
+                (m, v, master)
+            }
             Some(state) => {
                 self.opt.states.insert(param.id, state);
                 return;
@@ -712,19 +724,18 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_, B> {
             None => {
                 let zeros =
                     || primitive(zeros_in::<B::InnerBackend, D>(tensor.dims(), moments.dense(), &tensor.device()));
-                let master = self
-                    .opt
-                    .config
-                    .keeps_master(tensor.dtype())
-                    .then(|| primitive(tensor.clone().cast(FloatDType::F32)));
-                (zeros(), zeros(), master)
+                (zeros(), zeros(), None)
             }
         };
+        // A state saved without masters, restored into a run with them, gets its master here.
+        let master = master.or_else(|| keeps_master.then(|| primitive(tensor.clone().cast(FloatDType::F32))));
         let decay = if D > 1 { self.decay } else { 1.0 };
+        let noise_key =
+            (master.is_none() && tensor.dtype() != DType::F32).then(|| rounding::noise_key(self.step, ordinal));
         self.dtypes = Some(dtypes);
         self.values += len;
         self.ids.push(param.id);
-        self.slots.push(AdamWSlot { param: primitive(tensor), grad: primitive(grad), master, m, v, decay });
+        self.slots.push(AdamWSlot { param: primitive(tensor), grad: primitive(grad), master, m, v, decay, noise_key });
     }
 }
 
@@ -854,11 +865,22 @@ where
 {
     let c = opt.config;
     let decay = if c.weight_decay != 0.0 { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 };
-    let scalars = AdamWScalars::new(&c, lr, (opt.steps + 1) as i32);
+    let scalars_step = opt.steps + 1;
+    let scalars = AdamWScalars::new(&c, lr, scalars_step as i32);
     let mut done = HashSet::new();
     loop {
-        let mut gather =
-            Gather::<B> { opt, grads, decay, done: &done, dtypes: None, values: 0, ids: Vec::new(), slots: Vec::new() };
+        let mut gather = Gather::<B> {
+            opt,
+            grads,
+            decay,
+            step: scalars_step,
+            ordinal: 0,
+            done: &done,
+            dtypes: None,
+            values: 0,
+            ids: Vec::new(),
+            slots: Vec::new(),
+        };
         model.visit(&mut gather);
         let Gather { ids, slots, .. } = gather;
         if slots.is_empty() {
