@@ -80,7 +80,8 @@
 #
 # Settings (environment): DEVICE (cuda); STAGES ("warm parity table train pipeline profile noscan"); STAGE_TIMEOUT
 # (600), and STAGE_TIMEOUTS for stages that need another limit ("table=220 train=100"); PARITY_CONFIGS (the
-# tiny LFM2, Qwen3.5, Gemma 4 and LFM2-MoE) and PARITY_PRECISIONS ("f32 bf16") for the parity and warm stages;
+# tiny LFM2, Qwen3.5, Gemma 4 and LFM2-MoE) and PARITY_PRECISIONS ("f32 bf16"; "bf16+stochastic" is bf16 without
+# f32 masters, AdamW rounding into the weights stochastically) for the parity and warm stages;
 # KERNEL_CACHE, KERNEL_CACHE_IN and KERNEL_CACHE_OUT (above);
 # SHAPES ("lfm2-350m lfm2.5-1.2b qwen3.5-0.8b") and KILN_OPS ("ops reference") for the table, where
 # train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION, MOMENTS, MASTERS and REFERENCE pass through; TRAIN_SHAPE
@@ -132,8 +133,10 @@ marked_for_shapes() {
 
 # One parity run of `$config` as `$shape@$3.json` on device $1 in precision $2: three optimizer steps.
 parity_run() {
-    "$KILN" --quiet bench-train --config "$config" --device "$1" --precision "$2" "${PARITY_SETTINGS[@]}" --steps 3 \
-        --out "$OUT/parity/$shape@$3.json" >/dev/null 2>>"$OUT/parity.log"
+    local masters=f32
+    [[ $2 == *+stochastic ]] && masters=stochastic
+    "$KILN" --quiet bench-train --config "$config" --device "$1" --precision "${2%+*}" --masters "$masters" \
+        "${PARITY_SETTINGS[@]}" --steps 3 --out "$OUT/parity/$shape@$3.json" >/dev/null 2>>"$OUT/parity.log"
 }
 
 # Whether the parity run tagged $1 of $shape is within its precision's tolerance of the shape's CPU f32 run.
@@ -252,7 +255,7 @@ stage_warm() {
     for config in $PARITY_CONFIGS; do
         for precision in $PARITY_PRECISIONS; do
             names+=("$(basename "$config")@$precision")
-            "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" --precision "$precision" \
+            "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" --precision "${precision%+*}" \
                 "${PARITY_SETTINGS[@]}" --steps 1 --out "$OUT/warm/${names[-1]}.json" >/dev/null 2>"$OUT/warm/${names[-1]}.log" &
             pids+=($!)
         done

@@ -26,7 +26,8 @@ def label(run: dict) -> str:
     off = [name for key, name in names.items() if run.get(f"{key}_kernel") is False]
     kernels = f", without the {'/'.join(off)} kernel{'s' if len(off) > 1 else ''}" if off else ""
     experts = ", a matmul per expert" if run.get("experts_batched") is False else ""
-    return f"{run['device']} {run['precision']}{fusion}{kernels}{experts}"
+    masters = ", no masters (stochastic rounding)" if run.get("masters") == "stochastic" else ""
+    return f"{run['device']} {run['precision']}{fusion}{kernels}{experts}{masters}"
 
 
 def main(paths: list[str]) -> int:
