@@ -785,14 +785,13 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Step<'_, B> {
             Some(scale) => g * scale.shaped::<D>(),
             None => g,
         };
-        let state = self.opt.states.remove(&id).unwrap_or_else(|| {
-            let zeros =
-                || Moment::Dense(primitive(zeros_in::<B::InnerBackend, D>(shape, FloatDType::F32, &param.device())));
-            let master = c.keeps_master(param.dtype()).then(|| primitive(param.clone().cast(FloatDType::F32)));
-            ParamState { m: zeros(), v: zeros(), master }
-        });
         let keeps_master = c.keeps_master(param.dtype());
         let device = param.device();
+        let state = self.opt.states.remove(&id).unwrap_or_else(|| {
+            let zeros = || Moment::Dense(primitive(zeros_in::<B::InnerBackend, D>(shape, FloatDType::F32, &device)));
+            let master = keeps_master.then(|| primitive(param.clone().cast(FloatDType::F32)));
+            ParamState { m: zeros(), v: zeros(), master }
+        });
         // The update runs on the f32 master when there is one (a state restored from a run with masters has
         // one at its first step, whatever `masters` says now), else on the parameter in f32.
         let mut p = match state.master {
@@ -865,15 +864,15 @@ where
 {
     let c = opt.config;
     let decay = if c.weight_decay != 0.0 { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 };
-    let scalars_step = opt.steps + 1;
-    let scalars = AdamWScalars::new(&c, lr, scalars_step as i32);
+    let step_number = opt.steps + 1;
+    let scalars = AdamWScalars::new(&c, lr, step_number as i32);
     let mut done = HashSet::new();
     loop {
         let mut gather = Gather::<B> {
             opt,
             grads,
             decay,
-            step: scalars_step,
+            step: step_number,
             ordinal: 0,
             done: &done,
             dtypes: None,
