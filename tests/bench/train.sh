@@ -13,7 +13,8 @@
 #               MASTERS how bf16 weights take the update (f32 masters, or stochastic rounding without them)
 #   KILN_OPS    "ops" (kiln's hand-written attention / SwiGLU / loss ops, and kiln's CubeCL kernels where the
 #               device runs them by default: Vulkan, not CUDA), "kernels" (the ops with every one of kiln's
-#               CubeCL kernels on, KILN_*_KERNEL=on), "reference" (burn's plain
+#               CubeCL kernels on, KILN_*_KERNEL=on), "optim" (the ops with kiln's optimizer kernels on,
+#               KILN_OPTIM_KERNEL=on: stochastic rounding in AdamW's launch), "reference" (burn's plain
 #               compositions, `--reference-ops`), "unfused" (the ops without burn's fusion on CUDA,
 #               KILN_CUDA_FUSION=off), or the ops with one of kiln's CubeCL kernels switched off for its tensor
 #               ops: "noscan" (the DeltaNet scan and chunk solve, KILN_SCAN_KERNEL=off), "noattn" (the
@@ -112,6 +113,7 @@ for shape in "${shapes[@]}"; do
         case $ops in
             ops) out=$OUT/$shape-kiln.json ;;
             kernels) out=$OUT/$shape-kiln-kernels.json; scan=on attn=on loss=on norm=on conv=on optim=on ;;
+            optim) out=$OUT/$shape-kiln-optim.json; optim=on ;;
             reference) out=$OUT/$shape-kiln-reference.json; switch=(--reference-ops) ;;
             unfused) out=$OUT/$shape-kiln-unfused.json; fusion=off ;;
             noscan) out=$OUT/$shape-kiln-noscan.json; scan=off ;;
@@ -122,7 +124,7 @@ for shape in "${shapes[@]}"; do
             nooptim) out=$OUT/$shape-kiln-nooptim.json; optim=off ;;
             noexperts) out=$OUT/$shape-kiln-noexperts.json; experts=off ;;
             checkpointed) out=$OUT/$shape-kiln-checkpointed.json; switch=(--activation-checkpointing) ;;
-            *) echo "KILN_OPS: unknown '$ops' (ops, kernels, reference, unfused, noscan, noattn, noloss, nonorm, noconv, nooptim, noexperts or checkpointed)" >&2; exit 2 ;;
+            *) echo "KILN_OPS: unknown '$ops' (ops, kernels, optim, reference, unfused, noscan, noattn, noloss, nonorm, noconv, nooptim, noexperts or checkpointed)" >&2; exit 2 ;;
         esac
         # What failed before (in this shape's rows, or in the parity stage's tiny runs) stays off.
         marked=$(marked_switches "$FALLBACK_MARK" "$shape")

@@ -173,6 +173,7 @@ def table(files) -> str:
             + (" (no norm kernels)" if r.get("norm_kernel") is False else "") \
             + (" (no conv kernels)" if r.get("conv_kernel") is False else "") \
             + (" (no optimizer kernels)" if r.get("optim_kernel") is False else "") \
+            + (" (optimizer kernels on)" if r.get("optim_kernel") and r.get("device") == "cuda" else "") \
             + (" (a matmul per expert)" if r.get("experts_batched") is False else "") \
             + (" (checkpointed)" if r.get("activation_checkpointing") else "") \
             + (f" ({r['moments']} moments)" if r.get("moments", "f32") != "f32" else "") \
