@@ -48,15 +48,15 @@ struct AdamWArgs {
     per_cube: u32,
 }
 
-/// `rounding::mix31` in the kernel's 32-bit integers (its constants; the tests hold the two equal).
+/// `rounding::mix31` in the kernel's 32-bit integers (the tests hold the two equal).
 #[cube]
 fn mix31(x: u32) -> u32 {
     let mask = 0x7FFF_FFFFu32;
     let mut x = x & mask;
     x ^= x >> 16u32;
-    x = (x * 0x21F0_AAADu32) & mask;
+    x = (x * comptime!(crate::train::rounding::MUL1)) & mask;
     x ^= x >> 15u32;
-    x = (x * 0x735A_2D39u32) & mask;
+    x = (x * comptime!(crate::train::rounding::MUL2)) & mask;
     x ^ (x >> 15u32)
 }
 
@@ -183,14 +183,6 @@ fn class_of<B: Backend>(slot: &AdamWSlot<B>) -> Class {
     }
 }
 
-/// `AdamWArgs`' `reach_scale` and `min_reach` for parameters of `dtype` (`rounding::stochastic_round`).
-fn reach_of(dtype: DType) -> (f32, f32) {
-    match dtype {
-        DType::F16 => (0.6 * 2f32.powi(-10), 0.6 * 2f32.powi(-24)),
-        _ => (0.6 * 2f32.powi(-7), 0.0),
-    }
-}
-
 /// `OptimizerOps::adamw_update` on a CubeCL backend: the slots grouped by dtype class (in their order within
 /// each), a few launches per class, the results in the slots' order. Without clipping the gradients are
 /// scaled by 1.
@@ -241,7 +233,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AdamWKerne
         let class = class_of(first);
         assert!(slots.iter().all(|s| class_of(s) == class), "AdamW's kernel takes one dtype class per launch");
         let Class { param: param_dtype, grad: grad_dtype, moments: moment_dtype, kept_masters, stochastic } = class;
-        let (reach_scale, min_reach) = reach_of(param_dtype);
+        // Unused (zeros) where the class does not round stochastically.
+        let (reach_scale, min_reach) =
+            crate::train::rounding::reach(burn::tensor::FloatDType::from(param_dtype)).unwrap_or((0.0, 0.0));
         // All of a parameter's tensors are read and written at the same flat index: contiguous, each in the
         // parameter's element order.
         let slots: Vec<AdamWSlot<Self>> = slots

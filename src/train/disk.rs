@@ -6,7 +6,7 @@ use std::path::Path;
 
 use burn::tensor::DType;
 
-use super::optim::{AdamWConfig, Masters, MomentDtype};
+use super::optim::{AdamWConfig, MomentDtype};
 use super::quant8;
 use crate::models::hf::ExportDtype;
 use crate::models::weights::kept_in_f32;
@@ -69,7 +69,7 @@ impl DiskNeed {
             // The state keeps bf16 weights as bf16 and others in f32 (`CausalLm::export_exact`), beside f32
             // masters of those below f32 (unless rounded into stochastically).
             let weights = if *dtype == DType::BF16 { 2 } else { 4 };
-            let master = if dtype.size() < 4 && adamw.masters == Masters::F32 { 4 } else { 0 };
+            let master = if adamw.keeps_master(*dtype) { 4 } else { 0 };
             state_bytes += (weights + master) * n + moments_on_disk(*values, adamw.moments);
         }
         let states = match (saves, state_exists) {
@@ -190,6 +190,7 @@ pub fn folder_bytes(dir: &Path) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::train::optim::Masters;
 
     fn moments(moments: MomentDtype) -> AdamWConfig {
         AdamWConfig { moments, ..AdamWConfig::default() }

@@ -164,7 +164,7 @@ impl Default for AdamWConfig {
 
 impl AdamWConfig {
     /// Whether a parameter stored as `dtype` gets an f32 master copy.
-    fn keeps_master(&self, dtype: DType) -> bool {
+    pub(crate) fn keeps_master(&self, dtype: DType) -> bool {
         dtype != DType::F32 && self.masters == Masters::F32
     }
 }

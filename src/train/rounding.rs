@@ -14,9 +14,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, FloatDType, Int, Tensor};
 
 const MASK31: u32 = 0x7FFF_FFFF;
-/// Odd multipliers below 2^31 (a product with a 31-bit value stays below 2^62 in 64-bit integers).
-const MUL1: u32 = 0x21F0_AAAD;
-const MUL2: u32 = 0x735A_2D39;
+/// Odd multipliers below 2^31 (a product with a 31-bit value stays below 2^62 in 64-bit integers); kiln's
+/// AdamW kernel hashes with them too.
+pub(crate) const MUL1: u32 = 0x21F0_AAAD;
+pub(crate) const MUL2: u32 = 0x735A_2D39;
 
 /// A bijection on 31-bit values that spreads every input bit over the output (xor-shifts and odd
 /// multiplications modulo 2^31). The host form of `mix31_tensor`.
@@ -68,12 +69,14 @@ pub fn noise<B: Backend, const D: usize>(dims: [usize; D], key: u32, device: &B:
     (byte(23) * 256.0 + byte(15)) / 65536.0
 }
 
-/// Significand bits below the leading one (bf16: 7, f16: 10); `None` for dtypes stochastic rounding does not
-/// apply to.
-fn fraction_bits(dtype: FloatDType) -> Option<i32> {
+/// How far `stochastic_round` reaches from the nearest value toward the neighbour in `dtype`: a share of the
+/// nearest value's magnitude (0.6 of a step, `0.6·2^-bits` for its significand bits below the leading one),
+/// and at least a least reach (f16's subnormals are evenly spaced 2^-24 apart; bf16 shares f32's range, 0).
+/// `None` for dtypes stochastic rounding does not apply to. kiln's AdamW kernel takes the same pair.
+pub(crate) fn reach(dtype: FloatDType) -> Option<(f32, f32)> {
     match dtype {
-        FloatDType::BF16 => Some(7),
-        FloatDType::F16 => Some(10),
+        FloatDType::BF16 => Some((0.6 * 2f32.powi(-7), 0.0)),
+        FloatDType::F16 => Some((0.6 * 2f32.powi(-10), 0.6 * 2f32.powi(-24))),
         _ => None,
     }
 }
@@ -91,15 +94,11 @@ pub fn stochastic_round<B: Backend, const D: usize>(
     dtype: FloatDType,
     u: Tensor<B, D>,
 ) -> Tensor<B, D> {
-    let Some(bits) = fraction_bits(dtype) else { return x.cast(dtype) };
+    let Some((scale, least)) = reach(dtype) else { return x.cast(dtype) };
     let x = x.cast(FloatDType::F32);
     let nearest = x.clone().cast(dtype).cast(FloatDType::F32);
     let past = x - nearest.clone();
-    let mut reach = nearest.clone().abs() * (0.6 * 2f64.powi(-bits));
-    if dtype == FloatDType::F16 {
-        // f16's subnormals are evenly spaced 2^-24 apart; bf16 shares f32's range.
-        reach = reach.clamp_min(0.6 * 2f64.powi(-24));
-    }
+    let reach = (nearest.clone().abs() * scale).clamp_min(least);
     let other = (nearest.clone() + past.clone().sign() * reach).cast(dtype).cast(FloatDType::F32);
     let gap = (other.clone() - nearest.clone()).abs();
     // past = 0 gives 0/0 (no move); a zero gap with past ≠ 0 gives +∞, and `other` is `nearest` then.
