@@ -3,7 +3,8 @@
 //! Stages and where they live (see the README's stage table): `hub` (Hub access) → `data` (recipes,
 //! readers, normalization, decontamination) → `chat` (native templates, thinking policy, supervised spans)
 //! → `tokens` (tokenizer, token masks, shards, `prepare`). `synth` makes the project's own sample data;
-//! `backend` names the burn backends compiled in, `kernels` holds kiln's CubeCL kernels for the CubeCL ones;
+//! `backend` names the burn backends compiled in, `kernels` holds kiln's CubeCL kernels for the CubeCL ones
+//! and `kernel_cache` where CubeCL keeps compiled kernels between processes;
 //! `device_panics` shapes what a panic on one of their device threads shows; `errors` tells an error with
 //! its causes in one line.
 
@@ -16,6 +17,7 @@ pub mod eval;
 pub mod files;
 pub mod host;
 pub mod hub;
+pub mod kernel_cache;
 #[cfg(any(feature = "cuda", feature = "vulkan"))]
 pub mod kernels;
 pub mod models;

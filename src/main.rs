@@ -702,6 +702,8 @@ fn main() {
     let host_allocator = kiln::backend::tune_host_allocator();
     let cli = Cli::parse();
     kiln::device_panics::install();
+    // Before any CubeCL runtime reads its settings (the first device does).
+    kiln::kernel_cache::install();
     // A panic (above all one on a GPU backend's device thread, which kills the command from there) ends in
     // one error line that names the first panic instead of its echoes.
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(cli, host_allocator))) {
@@ -1129,6 +1131,7 @@ fn info(host_allocator: Option<&str>) -> Result<()> {
             "not built".to_string()
         },
         "cuda_autotune": if cfg!(feature = "autotune") { "on" } else { "off" },
+        "kernel_cache": kiln::kernel_cache::install().describe(),
         "cuda_fusion": kiln::backend::cuda_fusion().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into()),
     });
     let switches = report.as_object_mut().expect("a JSON object");

@@ -512,6 +512,56 @@ fn the_kernel_profile_tabulates_a_training_step() {
     assert!(prefix.with_extension("log.gz").exists());
 }
 
+/// The compiled-kernel cache kiln gives CubeCL (`kiln::kernel_cache`): a training step's kernels land in the
+/// folder `KILN_KERNEL_CACHE` names, a second process loads every one of them instead of compiling any, and a
+/// cubecl.toml in the working folder takes over from kiln.
+#[test]
+fn a_second_process_loads_its_kernels_from_the_cache() {
+    if let Err(why) = kiln::backend::vulkan_ready(false) {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("kernels");
+    let config = common::project_dir().join("configs/models/tiny/config.json");
+    let env = [("KILN_KERNEL_CACHE", cache.to_str().unwrap())];
+    let (ok, stdout, stderr) = common::run_kiln(&["info"], &env, dir.path());
+    assert!(ok, "{stderr}");
+    let info: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let folder = PathBuf::from(info["kernel_cache"].as_str().unwrap());
+    assert!(folder.starts_with(&cache), "{info}");
+    // The table of contents of the SPIR-V kernels: a line a kernel compiled.
+    let entries = || {
+        let toc = folder.join("vulkan").read_dir().ok().and_then(|mut versions| versions.next());
+        let toc = toc.map(|v| v.unwrap().path().join("spirv/toc.json.log"));
+        toc.and_then(|toc| std::fs::read_to_string(toc).ok()).map_or(0, |text| text.lines().count())
+    };
+    let out = dir.path().join("step.json");
+    let args = ["--quiet", "bench-train", "--config", config.to_str().unwrap(), "--device", "vulkan", "--seq", "32"];
+    let args = [&args[..], &["--steps", "1", "--warmup", "0", "--out", out.to_str().unwrap()]].concat();
+    let (ok, _, stderr) = common::run_kiln(&args, &env, dir.path());
+    assert!(ok, "{stderr}");
+    let compiled = entries();
+    assert!(compiled >= 20, "{compiled} kernels in the cache after a training step");
+    let (ok, _, stderr) = common::run_kiln(&args, &env, dir.path());
+    assert!(ok, "{stderr}");
+    assert_eq!(entries(), compiled, "the second process compiled kernels the first had cached");
+
+    // A folder that cannot be made leaves CubeCL's defaults, and the command runs.
+    let blocked = dir.path().join("step.json/kernels");
+    let (ok, stdout, stderr) =
+        common::run_kiln(&["info"], &[("KILN_KERNEL_CACHE", blocked.to_str().unwrap())], dir.path());
+    assert!(ok, "{stderr}");
+    let info: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert!(info["kernel_cache"].as_str().unwrap().starts_with("off (cannot make "), "{info}");
+
+    std::fs::write(dir.path().join("cubecl.toml"), "[autotune]\nlevel = \"minimal\"\n").unwrap();
+    let (ok, stdout, stderr) = common::run_kiln(&["info"], &env, dir.path());
+    assert!(ok, "{stderr}");
+    let info: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert!(info["kernel_cache"].as_str().unwrap().contains("cubecl.toml says"), "{info}");
+}
+
 /// The MoE's experts batched into one matmul over padded groups (`models::experts`, what the CubeCL backends
 /// run) against a matmul per expert on the CPU, fused and unfused: outputs and both gradients, with short
 /// groups padded, long groups split into overflow matmuls (their weight gradients added into the batch's

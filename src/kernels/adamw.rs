@@ -109,6 +109,7 @@ fn adamw_kernel<P: Float, G: Float, M: Float>(
     args: AdamWArgs,
     #[comptime] kept_masters: bool,
     #[comptime] stochastic: bool,
+    #[comptime] _revision: u64,
     #[define(P, G, M)] _dtypes: [StorageType; 3],
 ) {
     let cube = args.base as usize + grid_row();
@@ -299,6 +300,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AdamWKerne
                 args,
                 kept_masters,
                 stochastic,
+                super::REVISION,
                 [param_dtype, grad_dtype, moment_dtype].map(Into::into),
             );
         }
@@ -433,6 +435,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                     args(),
                     kept_masters,
                     stochastic,
+                    super::REVISION,
                     [param, param, moment].map(Into::into),
                 ),
             ));

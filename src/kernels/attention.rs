@@ -93,6 +93,7 @@ fn softmax_rows_kernel<F: Float, I: Numeric>(
     probs: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     args: ChunkArgs,
+    #[comptime] _revision: u64,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let place = row_place(&args);
@@ -143,6 +144,7 @@ fn score_grads_kernel<F: Float, I: Numeric>(
     probs: &mut Tensor<F>,
     grad_scores: &mut Tensor<F>,
     args: ChunkArgs,
+    #[comptime] _revision: u64,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let place = row_place(&args);
@@ -259,6 +261,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionR
             probs.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             args,
+            super::REVISION,
             [dtype.into(), doc_dtype.into()],
         );
         [probs, lse]
@@ -284,6 +287,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionR
             probs.clone().into_tensor_arg(),
             grad_scores.clone().into_tensor_arg(),
             args,
+            super::REVISION,
             [dtype.into(), doc_dtype.into()],
         );
         [probs, grad_scores]
@@ -387,6 +391,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                 tensor(),
                 tensor(),
                 args(),
+                super::REVISION,
                 dtypes,
             ),
         ));
@@ -403,6 +408,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                 tensor(),
                 tensor(),
                 args(),
+                super::REVISION,
                 dtypes,
             ),
         ));

@@ -25,7 +25,13 @@ use super::{float_tensor, grid_row, outputs, register_custom, register_float_out
 /// One cube of `size` units per matrix of `lower` `[matrices, size, size]` (f32, contiguous, strictly lower:
 /// what is on and above the diagonal is not read); writes `inverse` in the same layout.
 #[cube(launch)]
-fn unit_lower_inverse_kernel(lower: &Tensor<f32>, inverse: &mut Tensor<f32>, matrices: u32, #[comptime] size: usize) {
+fn unit_lower_inverse_kernel(
+    lower: &Tensor<f32>,
+    inverse: &mut Tensor<f32>,
+    matrices: u32,
+    #[comptime] size: usize,
+    #[comptime] _revision: u64,
+) {
     let matrix = grid_row();
     // Whole cubes leave: the matrix is the cube's, so no unit waits at a barrier another has left.
     if matrix >= matrices as usize {
@@ -87,6 +93,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ChunkSolve
                 inverse.clone().into_tensor_arg(),
                 u32::try_from(matrices).expect("a chunk count that fits in u32"),
                 size,
+                super::REVISION,
             );
         }
         inverse
@@ -133,6 +140,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                     tensor(),
                     (),
                     size,
+                    super::REVISION,
                 ),
             )
         })

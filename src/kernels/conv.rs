@@ -83,6 +83,7 @@ fn causal_conv_kernel<F: Float, W: Float>(
     out: &mut Tensor<F>,
     args: ConvArgs,
     #[comptime] taps: usize,
+    #[comptime] _revision: u64,
     #[define(F, W)] _dtypes: [StorageType; 2],
 ) {
     let (channel, first, last, active) = unit_span(&args);
@@ -121,6 +122,7 @@ fn causal_conv_grads_kernel<F: Float, W: Float>(
     args: ConvArgs,
     #[comptime] taps: usize,
     #[comptime] units: usize,
+    #[comptime] _revision: u64,
     #[define(F, W)] _dtypes: [StorageType; 2],
 ) {
     let (channel, first, last, active) = unit_span(&args);
@@ -282,6 +284,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ConvKernel
                 out.clone().into_tensor_arg(),
                 args,
                 taps,
+                super::REVISION,
                 dtypes.map(Into::into),
             );
         }
@@ -318,6 +321,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ConvKernel
                 args,
                 taps,
                 units,
+                super::REVISION,
                 dtypes.map(Into::into),
             );
         }
@@ -410,6 +414,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                     tensor(),
                     args(),
                     taps,
+                    super::REVISION,
                     dtypes,
                 ),
             ));
@@ -427,6 +432,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                     args(),
                     taps,
                     units,
+                    super::REVISION,
                     dtypes,
                 ),
             ));

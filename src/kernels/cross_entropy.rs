@@ -41,6 +41,7 @@ fn cross_entropy_rows_kernel<F: Float, I: Numeric>(
     rows: u32,
     vocab: u32,
     #[comptime] with_grads: bool,
+    #[comptime] _revision: u64,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let row = grid_row();
@@ -150,6 +151,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> CrossEntro
             narrow(rows),
             narrow(vocab),
             with_grads,
+            super::REVISION,
             [dtype.into(), target_dtype.into()],
         );
         [nll, dlogits]
@@ -214,6 +216,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                     (),
                     (),
                     with_grads,
+                    super::REVISION,
                     [dtype.into(), DType::I32.into()],
                 ),
             ));

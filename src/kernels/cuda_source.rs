@@ -42,16 +42,18 @@ pub(super) fn scalars<C: LaunchArg<CompilationArg = ()>>(count: usize) -> Sequen
     SequenceCompilationArg { values: (0..count).map(|_| ()).collect() }
 }
 
-/// One launch configuration of a kernel: a name for the report, its definition and its address type.
+/// One launch configuration of a kernel: a name for the report, its definition and its address type, and
+/// the id CubeCL files its compiled form under.
 pub(super) struct Variant {
     pub(super) name: String,
     pub(super) definition: KernelDefinition,
     pub(super) address_type: StorageType,
+    pub(super) id: KernelId,
 }
 
 impl Variant {
     pub(super) fn new<K: CubeKernel>(name: impl Into<String>, kernel: K) -> Self {
-        Variant { name: name.into(), definition: kernel.define(), address_type: kernel.address_type() }
+        Variant { name: name.into(), definition: kernel.define(), address_type: kernel.address_type(), id: kernel.id() }
     }
 }
 
@@ -200,6 +202,9 @@ mod tests {
         let count = variants.len();
         for variant in variants {
             let name = variant.name.clone();
+            // A persistent kernel cache files kernels by id, not body: the id must change with the sources.
+            let id = format!("{:?}", variant.id);
+            assert!(id.contains(&super::super::REVISION.to_string()), "{name}: its id has no revision: {id}");
             let source = match cuda_source(variant) {
                 Ok(source) => source,
                 Err(why) => {

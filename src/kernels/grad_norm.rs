@@ -38,6 +38,7 @@ fn squared_sums_kernel<F: Float>(
     partials: &mut Tensor<f32>,
     base: u32,
     per_cube: u32,
+    #[comptime] _revision: u64,
     #[define(F)] _dtype: StorageType,
 ) {
     let per_cube = per_cube as usize;
@@ -125,6 +126,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SquaredSum
                 partials.clone().into_tensor_arg(),
                 launch.base,
                 launch.per_cube,
+                super::REVISION,
                 dtype.into(),
             );
         }
@@ -178,6 +180,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                     tensor(),
                     (),
                     (),
+                    super::REVISION,
                     dtype.into(),
                 ),
             ));

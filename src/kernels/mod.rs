@@ -1,7 +1,8 @@
 //! kiln's own CubeCL kernels, for burn's CubeCL backends (CUDA, Vulkan) with and without burn-fusion, and
-//! what they share: registering a kernel as one custom operation in burn-fusion's stream, and the grid of
-//! one cube per row. Each kernel replaces a tensor-op composition that stays the reference it is tested
-//! against (tests/vulkan_backend.rs) and the path of every other backend: the DeltaNet scan across chunks
+//! what they share: registering a kernel as one custom operation in burn-fusion's stream, the grid of one
+//! cube per row, and the sources' `REVISION` every kernel takes (so no kernel cache serves an older body).
+//! Each kernel replaces a tensor-op composition that stays the reference it is tested against
+//! (tests/vulkan_backend.rs) and the path of every other backend: the DeltaNet scan across chunks
 //! (`scan`) and chunk solve (`chunk_solve`), the attention's softmax rows (`attention`), the cross-entropy's
 //! rows (`cross_entropy`), the RMSNorms (`norm`), the causal depthwise convolution (`conv`), the gradients'
 //! squared norm (`grad_norm`) and AdamW's update (`adamw`).
@@ -26,6 +27,23 @@ mod cuda_source;
 pub mod grad_norm;
 pub mod norm;
 pub mod scan;
+
+/// The revision of kiln's kernels: a hash of their sources (and of `train::rounding`, whose constants the AdamW
+/// kernel compiles in), passed to every kernel as a compile-time value. CubeCL keys a compiled kernel by its
+/// name and compile-time values only, not by its body, so a persistent kernel cache (`crate::kernel_cache`)
+/// would otherwise hand a newer kiln the PTX or SPIR-V of an older kernel of the same name.
+pub(crate) const REVISION: u64 = crate::kernel_cache::fnv1a(&[
+    include_bytes!("mod.rs"),
+    include_bytes!("adamw.rs"),
+    include_bytes!("attention.rs"),
+    include_bytes!("chunk_solve.rs"),
+    include_bytes!("conv.rs"),
+    include_bytes!("cross_entropy.rs"),
+    include_bytes!("grad_norm.rs"),
+    include_bytes!("norm.rs"),
+    include_bytes!("scan.rs"),
+    include_bytes!("../train/rounding.rs"),
+]);
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;

@@ -74,6 +74,7 @@ fn rms_norm_kernel<F: Float, W: Float, O: Float>(
     #[comptime] adds_one: bool,
     #[comptime] rounds_first: bool,
     #[comptime] units: usize,
+    #[comptime] _revision: u64,
     #[define(F, W, O)] _dtypes: [StorageType; 3],
 ) {
     let row = grid_row();
@@ -116,6 +117,7 @@ fn rms_norm_grads_kernel<F: Float, W: Float, O: Float>(
     #[comptime] rounds_first: bool,
     #[comptime] units: usize,
     #[comptime] width: usize,
+    #[comptime] _revision: u64,
     #[define(F, W, O)] _dtypes: [StorageType; 3],
 ) {
     let block = grid_row();
@@ -248,6 +250,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> NormKernel
                 kind.adds_one(),
                 kind.rounds_first(),
                 units,
+                super::REVISION,
                 dtypes.map(Into::into),
             );
         }
@@ -289,6 +292,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> NormKernel
                 kind.rounds_first(),
                 units,
                 width,
+                super::REVISION,
                 dtypes.map(Into::into),
             );
         }
@@ -378,6 +382,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                         kind.adds_one(),
                         kind.rounds_first(),
                         units,
+                        super::REVISION,
                         dtypes,
                     ),
                 ));
@@ -396,6 +401,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                         kind.rounds_first(),
                         units,
                         width,
+                        super::REVISION,
                         dtypes,
                     ),
                 ));

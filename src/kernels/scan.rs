@@ -51,6 +51,7 @@ fn chunk_recurrence_kernel(
     #[comptime] size: usize,
     #[comptime] backward: bool,
     #[comptime] has_extra: bool,
+    #[comptime] _revision: u64,
 ) {
     let head = CUBE_POS_Y as usize;
     let first_column = CUBE_POS_X as usize * TILE;
@@ -233,6 +234,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ChunkScanK
             size,
             direction == Direction::Backward,
             has_extra,
+            super::REVISION,
         );
         [states, corrections, last]
     }
@@ -306,6 +308,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                         64,
                         backward,
                         has_extra,
+                        super::REVISION,
                     ),
                 ));
             }
