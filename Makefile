@@ -94,21 +94,25 @@ bench: build
 	KILN=$(KILN) tests/bench/chat.sh
 
 # The CUDA build packed for a GPU machine without a toolchain (tests/bench/gpu_session.sh unpacks it there):
-# the stripped binary is ~96 MB, over what the device tool carries (64 MiB); gzip brings it to ~26 MB.
+# the stripped binary is ~105 MB, over what the device tool carries (64 MiB); xz -9 brings it to ~19 MB (gzip
+# -9: 30 MB), so the build with burn's autotune fits beside it and the kernel cache.
 # Without nvcc, cudarc binds the newest CUDA API it knows (13.4); the GPU machines' driver (580) has 13.0's,
 # so the carried build binds that one (the H200 session of 2026-11-26 ran such a build).
-# GPU_FEATURES=autotune adds burn's autotune (see Cargo.toml: its first steps compile ~10 kernels a matmul shape).
-GPU_CARRY := gpu/kiln.gz
+# GPU_FEATURES=autotune builds burn's autotune in (see Cargo.toml: its first steps compile ~10 kernels a matmul
+# shape) as gpu/kiln-autotune.xz, in a target directory of its own so that neither build undoes the other.
 GPU_FEATURES ?= cuda
+GPU_VARIANT := $(if $(filter autotune,$(GPU_FEATURES)),-autotune)
+GPU_CARRY := gpu/kiln$(GPU_VARIANT).xz
+GPU_TARGET := target$(if $(GPU_VARIANT),/autotune)
 gpu-carry: export CUDARC_CUDA_VERSION ?= 13000
 gpu-carry:
-	$(CARGO) build --release --features $(GPU_FEATURES)
+	CARGO_TARGET_DIR=$(GPU_TARGET) $(CARGO) build --release --features $(GPU_FEATURES)
 	mkdir -p gpu
-	gzip -9 -c $(KILN) > $(GPU_CARRY)
+	xz -9 -c $(GPU_TARGET)/release/kiln > $(GPU_CARRY).partial && mv $(GPU_CARRY).partial $(GPU_CARRY)
 	@# Which source the binary is, for a later session deciding whether to rebuild it.
 	@git describe --always --dirty > $(GPU_CARRY).commit 2>/dev/null || true
-	@size=$$(wc -c < $(GPU_CARRY)); echo "$(GPU_CARRY): $$size bytes, from $$(cat $(GPU_CARRY).commit 2>/dev/null)"; \
-	    test $$size -lt 67108864 || { echo "$(GPU_CARRY) is over 64 MiB: the device tool cannot carry it" >&2; exit 1; }
+	@size=$$(du -cb gpu | tail -1 | cut -f1); echo "$(GPU_CARRY): $$(wc -c < $(GPU_CARRY)) bytes, from $$(cat $(GPU_CARRY).commit 2>/dev/null); gpu/ holds $$size bytes"; \
+	    test $$size -lt 67108864 || { echo "gpu/ is over 64 MiB: the device tool cannot carry it (remove what the session does not need)" >&2; exit 1; }
 
 clean:
 	$(CARGO) clean

@@ -69,6 +69,10 @@ pub struct BenchRun {
     /// Whether burn's fusion ran (kiln on CUDA only: `KILN_CUDA_FUSION`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fusion: Option<bool>,
+    /// Whether the build has burn's autotune (kiln on CUDA only: the `autotune` feature): each matmul and
+    /// fused reduction timed among its candidate kernels, rather than cubek's default kernel for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autotune: Option<bool>,
     /// How AdamW kept its moments (kiln only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moments: Option<MomentDtype>,
@@ -123,6 +127,7 @@ impl BenchRun {
             docs_per_row: cfg.docs_per_row,
             reference_ops: cfg.reference_ops,
             fusion: (device == "cuda").then(|| crate::backend::cuda_fusion().unwrap_or(true)),
+            autotune: (device == "cuda").then_some(cfg!(feature = "autotune")),
             moments: Some(cfg.moments),
             masters: Some(cfg.masters),
             activation_checkpointing: cfg.activation_checkpointing,
@@ -154,6 +159,10 @@ pub struct BenchResult {
     pub state_memory_bytes: Option<u64>,
     pub tokens_per_step: u64,
     pub warmup: usize,
+    /// Wall seconds of each warm-up step: the first holds the kernels' compilation (and with burn's
+    /// autotune, the timing of each matmul's candidates). Absent in results older than the field.
+    #[serde(default)]
+    pub warmup_seconds: Vec<f64>,
     /// Wall seconds of each timed step (the device synchronized at its end).
     pub step_seconds: Vec<f64>,
     pub median_step_seconds: f64,
@@ -228,7 +237,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
     let mut opt = AdamW::<B::InnerBackend>::new(adamw);
     let rows_per_step = cfg.micro_batch * cfg.accumulation;
     let mut peak = PeakMemory::default();
-    let (mut step_seconds, mut losses) = (Vec::new(), Vec::new());
+    let (mut warmup_seconds, mut step_seconds, mut losses) = (Vec::new(), Vec::new(), Vec::new());
     let mut tokens_per_step = 0;
     let rule = StepRule { lr: cfg.lr, max_norm: Some(1.0), expert_bias_rate: 0.0 };
     for step in 0..cfg.warmup + cfg.steps {
@@ -246,9 +255,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         let secs = started.elapsed().as_secs_f64();
         peak.observe::<B>(device);
         losses.push(outcome.map_or(f64::NAN, |o| o.loss));
-        if step >= cfg.warmup {
-            step_seconds.push(secs);
-        }
+        if step >= cfg.warmup { step_seconds.push(secs) } else { warmup_seconds.push(secs) }
     }
     let median_step_seconds = median(&step_seconds);
     let tokens = tokens_per_step as f64;
@@ -263,6 +270,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         tokens_per_s: tokens / median_step_seconds,
         mfu: cfg.peak_tflops.map(|p| flops.step_flops(tokens) / (median_step_seconds * p * 1e12)),
         peak_memory_bytes: peak.observe::<B>(device),
+        warmup_seconds,
         step_seconds,
         losses,
     })

@@ -15,7 +15,8 @@
 #            all on, KERNEL_REPEATS runs of three steps of each of KERNEL_CONFIGS in KERNEL_PRECISIONS, losses
 #            against the CPU's (kernels.md): whether dense outputs mended the NaN of 2026-12-04, and if not, where;
 #   sanitize the tiny LFM2 with every kernel on under compute-sanitizer (SANITIZE_TOOLS: initcheck, memcheck,
-#            racecheck), two bf16 steps: the kernel and the access at fault;
+#            racecheck), two bf16 steps: the kernel and the access at fault; skipped when the kernels
+#            stage before it passed (SANITIZE_WHEN=failed, the default; "always" runs it whatever came before);
 #   table    the training-step table (tests/bench/train.sh): kiln with each of KILN_OPS, and transformers +
 #            PyTorch (bf16, amp) on the benchmark SHAPES;
 #   train    `kiln train` on the device for EPOCHS epochs of the offline pipeline's shards (`kiln sft --model
@@ -48,6 +49,11 @@
 #   moments  for each of MOMENTS_SHAPES, kiln's row again with bf16 and with 8-bit AdamW moments, and with
 #            bf16 moments and no f32 masters (stochastic rounding: PyTorch's plain bf16 AdamW footprint), into
 #            table-moments.md: the peak memory beside the table's f32-moment row and PyTorch's;
+#   autotune for each of AUTOTUNE_SHAPES, kiln's row again (KILN_OPS=$AUTOTUNE_OPS) with the build that has burn's
+#            autotune (KILN_AUTOTUNE: gpu/kiln-autotune.xz, `GPU_FEATURES=autotune make gpu-carry`), into
+#            table-autotune.md: its warm-up steps compile and time each matmul shape's candidate kernels (the
+#            picks kept in the kernel cache's autotune file, which KERNEL_CACHE_OUT brings back for the next
+#            session), its timed steps run the fastest — beside the table's row on cubek's default kernels;
 #   fit      each of FIT_SHAPES (LFM2.5-8B-A1B; gemma-4-e4b, Gemma 4 E4B's 7.5 B-parameter text tower, on
 #            request) as its recipe trains it: sequence FIT_SEQ (8192), two micro-batches accumulated (the
 #            f32 gradient sum the recipe's global batch needs), 8-bit moments, two steps, without and with
@@ -63,10 +69,11 @@
 # table stages run a failed shape's other rows with the switches that worked for it, and the train, pipeline
 # and profile stages run with every switch marked before (FALLBACK_MARK, $OUT/fallback: "<shape|*> NAME=off …").
 #
-#   KILN=gpu/kiln.gz OUT=$OUT PACK=$OUT/session.tgz tests/bench/gpu_session.sh   (make gpu-carry packs gpu/kiln.gz)
+#   KILN=gpu/kiln.xz OUT=$OUT PACK=$OUT/session.tgz tests/bench/gpu_session.sh   (make gpu-carry packs gpu/kiln.xz)
 #
-# KILN may be gzipped (the CUDA build is over the device tool's 64 MiB carry limit; packed it is ~26 MB): it
-# is unpacked to $TMPDIR first, and the unpacked binary's path is passed on to the stages.
+# KILN and KILN_AUTOTUNE may be packed with xz or gzip (the CUDA build is over the device tool's 64 MiB carry
+# limit; xz brings it to ~19 MB): they are unpacked to $TMPDIR first (by python's lzma where the machine has
+# no xz), and the unpacked binaries' paths are passed on to the stages.
 #
 # CubeCL compiles every kernel when a process first launches it (NVRTC on CUDA: ~1 s a kernel on the H100 machines, so a
 # first step spends minutes compiling), and each stage runs several kiln processes. The script keeps three caches in the
@@ -87,7 +94,8 @@
 # train.sh's SEQ, MICRO, ACC, STEPS, WARMUP, PRECISION, MOMENTS, MASTERS and REFERENCE pass through; TRAIN_SHAPE
 # (lfm2-350m), EPOCHS (2), TRAIN_MICRO (4), TRAIN_BATCH (8 sequences a step), TRAIN_LR (2e-5); PROFILE_SHAPES
 # ("lfm2.5-1.2b qwen3.5-0.8b", at SEQ or 4096); SCAN_AB and OPTIM_AB (qwen3.5-0.8b); ATTN_AB, LOSS_AB,
-# NORM_AB, CONV_AB and MOMENTS_SHAPES (lfm2.5-1.2b);
+# NORM_AB, CONV_AB and MOMENTS_SHAPES (lfm2.5-1.2b); KILN_AUTOTUNE (gpu/kiln-autotune.xz where it exists),
+# AUTOTUNE_SHAPES (lfm2.5-1.2b) and AUTOTUNE_OPS ("ops");
 # FIT_SHAPES (lfm2.5-8b-a1b), FIT_SEQ (8192); OUT (runs/gpu-session), where
 # everything worth keeping is copied; PACK, a .tgz path to pack OUT into at the end (the device tool brings
 # back at most 8 files).
@@ -103,7 +111,8 @@ cd "$(dirname "$0")/../.."
 [[ " $SHAPES " == *" qwen3.5-0.8b "* ]] && : "${SCAN_AB=qwen3.5-0.8b}" || : "${SCAN_AB=}"
 : "${ATTN_AB=lfm2.5-1.2b}" "${LOSS_AB=lfm2.5-1.2b}" "${NORM_AB=lfm2.5-1.2b}" "${OPTIM_AB=qwen3.5-0.8b}"
 : "${KERNEL_CONFIGS=configs/models/tiny configs/models/tiny-qwen3.5}" "${KERNEL_PRECISIONS=bf16}" "${KERNEL_REPEATS:=3}"
-: "${SANITIZE_TOOLS=initcheck memcheck racecheck}"
+: "${SANITIZE_TOOLS=initcheck memcheck racecheck}" "${SANITIZE_WHEN:=failed}"
+: "${AUTOTUNE_SHAPES=lfm2.5-1.2b}" "${AUTOTUNE_OPS:=ops}"
 : "${CONV_AB=lfm2.5-1.2b}" "${MOMENTS_SHAPES=lfm2.5-1.2b}" "${FIT_SHAPES=lfm2.5-8b-a1b}" "${FIT_SEQ:=8192}"
 run=gpu-session
 step() { echo "== $*" >&2; }
@@ -221,6 +230,7 @@ stage_kernels() {
         fi
     done
     cat "$OUT/kernels.md"
+    echo "$status" >"$OUT/kernels.status"
     return $status
 }
 
@@ -228,6 +238,10 @@ stage_kernels() {
 # memory never written (initcheck), out-of-bounds accesses (memcheck) and shared-memory races (racecheck),
 # each with the kernel's name; two steps in bf16, where the NaN came.
 stage_sanitize() {
+    if [[ $SANITIZE_WHEN == failed && $(cat "$OUT/kernels.status" 2>/dev/null) == 0 ]]; then
+        echo "sanitize: every kernels run was within tolerance; skipped (SANITIZE_WHEN=always runs it)" >&2
+        return 0
+    fi
     local sanitizer=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
     [[ -x $sanitizer ]] || { echo "sanitize: no compute-sanitizer ($sanitizer)" >&2; return 1; }
     local tool status=0
@@ -358,6 +372,21 @@ stage_moments() {
     return $status
 }
 
+stage_autotune() {
+    [[ -n $AUTOTUNE_SHAPES ]] || return 0
+    if [[ -z $KILN_AUTOTUNE ]]; then
+        echo "autotune: no build with burn's autotune (KILN_AUTOTUNE; GPU_FEATURES=autotune make gpu-carry)" >&2
+        return 1
+    fi
+    step "burn's autotune: $AUTOTUNE_SHAPES ($AUTOTUNE_OPS)"
+    # shellcheck disable=SC2086  # AUTOTUNE_SHAPES is a list
+    DEVICE=$DEVICE KILN=$KILN_AUTOTUNE KILN_OPS=$AUTOTUNE_OPS REFERENCE=none OUT=$OUT/bench-autotune \
+        tests/bench/train.sh $AUTOTUNE_SHAPES >"$OUT/table-autotune.md"
+    local status=$?
+    cat "$OUT/table-autotune.md"
+    return $status
+}
+
 stage_fit() {
     [[ -n $FIT_SHAPES ]] || return 0
     step "fit: $FIT_SHAPES at $FIT_SEQ, 2 micro-batches, 8-bit moments, without and with checkpointing, per expert"
@@ -484,13 +513,31 @@ mkdir -p "$OUT"
 OUT=$(realpath "$OUT")
 # shellcheck source=tests/bench/cuda_env.sh
 [[ $DEVICE == cuda ]] && source tests/bench/cuda_env.sh
-KILN=${KILN:-target/release/kiln}
-if [[ $KILN == *.gz ]]; then
-    unpacked=${TMPDIR:-/tmp}/kiln-$$
-    gzip -dc "$KILN" >"$unpacked" && chmod +x "$unpacked" || { echo "cannot unpack $KILN" >&2; exit 2; }
-    KILN=$unpacked
+# What the script makes for its own run goes at its exit: the unpacked binaries, the cubecl.toml (below).
+unpack_dir=$(mktemp -d)
+made_cubecl_toml=0
+trap 'rm -rf "$unpack_dir"; ((made_cubecl_toml)) && rm -f cubecl.toml' EXIT
+# The path of binary $1, unpacked into $unpack_dir first where it is packed (xz or gzip).
+unpacked_binary() {
+    local unpacked
+    unpacked=$unpack_dir/$(basename "${1%.*}")
+    case $1 in
+        *.xz)
+            if command -v xz >/dev/null; then
+                xz -dc "$1" >"$unpacked"
+            else
+                python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' "$1" >"$unpacked"
+            fi ;;
+        *.gz) gzip -dc "$1" >"$unpacked" ;;
+        *) realpath "$1"; return ;;
+    esac || { echo "cannot unpack $1" >&2; return 1; }
+    chmod +x "$unpacked" && realpath "$unpacked"
+}
+KILN=$(unpacked_binary "${KILN:-target/release/kiln}") || exit 2
+[[ -z ${KILN_AUTOTUNE+set} && -f gpu/kiln-autotune.xz ]] && KILN_AUTOTUNE=gpu/kiln-autotune.xz
+if [[ -n ${KILN_AUTOTUNE:-} ]]; then
+    KILN_AUTOTUNE=$(unpacked_binary "$KILN_AUTOTUNE") || exit 2
 fi
-KILN=$(realpath "$KILN")
 : "${KERNEL_CACHE:=runs/kernel-cache}" "${KERNEL_CACHE_IN=gpu/kernel-cache.tgz}" "${KERNEL_CACHE_OUT:=}"
 if [[ $KERNEL_CACHE != off ]]; then
     mkdir -p "$KERNEL_CACHE"
@@ -505,7 +552,7 @@ if [[ $KERNEL_CACHE != off ]]; then
     if [[ ! -e cubecl.toml ]]; then
         printf '[compilation]\ncache = { file = "%s" }\n[compilation.logger]\nlevel = "basic"\nfile = "%s"\nappend = true\n[autotune]\ncache = { file = "%s" }\n' \
             "$KERNEL_CACHE" "$OUT/compile.log" "$KERNEL_CACHE" >cubecl.toml
-        trap 'rm -f cubecl.toml' EXIT
+        made_cubecl_toml=1
     fi
 fi
 export KERNEL_CACHE
@@ -524,8 +571,8 @@ pack_kernel_cache() {
 # Where the parity, table and train stages note the switches that mended a failed kiln run (fallback.sh;
 # train.sh's FALLBACK_MARK): the later runs take them.
 : "${FALLBACK_MARK:=$OUT/fallback}"
-export KERNEL_CONFIGS KERNEL_PRECISIONS KERNEL_REPEATS SANITIZE_TOOLS DEVICE STAGES SHAPES KILN_OPS TRAIN_SHAPE EPOCHS TRAIN_MICRO TRAIN_BATCH TRAIN_LR PROFILE_SHAPES SCAN_AB \
-    MOMENTS_SHAPES FIT_SHAPES FIT_SEQ OUT KILN LD_LIBRARY_PATH FALLBACK_MARK
+export KERNEL_CONFIGS KERNEL_PRECISIONS KERNEL_REPEATS SANITIZE_TOOLS SANITIZE_WHEN DEVICE STAGES SHAPES KILN_OPS TRAIN_SHAPE EPOCHS TRAIN_MICRO TRAIN_BATCH TRAIN_LR PROFILE_SHAPES SCAN_AB \
+    MOMENTS_SHAPES FIT_SHAPES FIT_SEQ OUT KILN KILN_AUTOTUNE AUTOTUNE_SHAPES AUTOTUNE_OPS LD_LIBRARY_PATH FALLBACK_MARK
 
 step "machine"
 {
@@ -535,6 +582,7 @@ step "machine"
     echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
     [[ $KERNEL_CACHE != off ]] && echo "kernel cache: $(find "$KERNEL_CACHE" -type f | wc -l) files, $(du -sh "$KERNEL_CACHE" | cut -f1)$([[ -f $KERNEL_CACHE_IN ]] && echo " from $KERNEL_CACHE_IN")"
     "$KILN" info  # cuda_smoke_test: "ok", or what is missing
+    [[ -n ${KILN_AUTOTUNE:-} ]] && "$KILN_AUTOTUNE" info | grep -E '"(kiln|cuda_smoke_test|cuda_autotune)"'
 } >"$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt" >&2
 

@@ -102,7 +102,7 @@ def bench(args) -> dict:
     tokens_per_step = args.seq * args.micro_batch * args.accumulation
     autocast = args.precision == "amp"
     cuda = device.type == "cuda"
-    step_seconds, losses = [], []
+    warmup_seconds, step_seconds, losses = [], [], []
     for step in range(args.warmup + args.steps):
         batches = [torch.randint(0, vocab, (args.micro_batch, args.seq), generator=generator).to(device)
                    for _ in range(args.accumulation)]
@@ -122,8 +122,7 @@ def bench(args) -> dict:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         losses.append(total)
-        if step >= args.warmup:
-            step_seconds.append(seconds)
+        (step_seconds if step >= args.warmup else warmup_seconds).append(seconds)
     median = statistics.median(step_seconds)
     n_flops = flops_params(model.named_parameters(), raw)
     flops = 6 * n_flops * tokens_per_step + 12 * attention_width(raw, args.seq) * args.seq * tokens_per_step
@@ -133,6 +132,7 @@ def bench(args) -> dict:
         "flops_params": n_flops,
         "tokens_per_step": tokens_per_step,
         "warmup": args.warmup,
+        "warmup_seconds": warmup_seconds,
         "step_seconds": step_seconds,
         "median_step_seconds": median,
         "tokens_per_s": tokens_per_step / median,
@@ -167,6 +167,7 @@ def table(files) -> str:
                                  for o in refs if o.get("peak_memory_bytes") and r.get("peak_memory_bytes"))
         framework = r["framework"] + (" (reference ops)" if r.get("reference_ops") else "") \
             + (" (unfused)" if r.get("fusion") is False else "") \
+            + (" (burn's autotune)" if r.get("autotune") else "") \
             + (" (no scan kernel)" if r.get("scan_kernel") is False else "") \
             + (" (no attention kernels)" if r.get("attention_kernel") is False else "") \
             + (" (no loss kernel)" if r.get("loss_kernel") is False else "") \
