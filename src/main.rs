@@ -415,6 +415,11 @@ struct ChatArgs {
     /// A system message opening the conversation.
     #[arg(long)]
     system: Option<String>,
+    /// Tools offered on every turn: a JSON list of function schemas (OpenAI's `tools`; a bare `{name,
+    /// description, parameters}` is wrapped as `{"type": "function", "function": …}`). A reply's call stays in
+    /// its text; `/tool RESULT` answers it.
+    #[arg(long, value_name = "FILE")]
+    tools: Option<PathBuf>,
     /// Most tokens a reply may take.
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
@@ -1513,7 +1518,8 @@ fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Re
     }
     let (tokenizer, _) = model_tokenizer(dir)?;
     let template = ChatTemplate::load(dir, None, PinnedClock::now())?;
-    let mut session = ChatSession::new(template, args.system.clone(), args.enable_thinking);
+    let tools = args.tools.as_deref().map(read_tools).transpose()?;
+    let mut session = ChatSession::new(template, args.system.clone(), tools, args.enable_thinking);
     let (mut picker, seed) = args.sampling.picker(dir)?;
     let transcript = args.transcript.as_deref().map(Transcript::open).transpose()?;
     let (config, model) = kiln::models::load_model::<B>(dir, device)?;
@@ -1534,8 +1540,8 @@ fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Re
     })
     .context("installing the Ctrl-C handler")?;
     eprintln!(
-        "kiln chat: {} ({}); a line is a message, a line ending in \\ goes on; /reset starts over, Ctrl-C stops a \
-         reply, /exit or end of input ends",
+        "kiln chat: {} ({}); a line is a message, a line ending in \\ goes on; /tool RESULT answers a call; /reset \
+         starts over, Ctrl-C stops a reply, /exit or end of input ends",
         dir.display(),
         decoding_summary(&picker, seed)
     );
@@ -1549,7 +1555,7 @@ fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Re
             eprint!("> ");
         }
         let Some(line) = read_line(&mut lines).context("reading stdin")? else { break };
-        let user = match line {
+        let (sender, message) = match line {
             ChatLine::Exit => break,
             ChatLine::Reset => {
                 if session.turns() > 0 {
@@ -1560,10 +1566,10 @@ fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Re
                 eprintln!("(a new conversation)");
                 continue;
             }
-            ChatLine::Message(user) => user,
+            ChatLine::Message(sender, text) => (sender, text),
         };
         // A template that refuses the message, or a conversation past the context, leaves it as it was.
-        let text = match session.prompt(&user) {
+        let text = match session.prompt(sender, &message) {
             Ok(text) => text,
             Err(e) => {
                 eprintln!("error: {}", kiln::errors::chain(&e));
@@ -1583,7 +1589,7 @@ fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Re
         }
         // Where the conversation ends before the generation prompt: the next turn repeats it even where it
         // renders this reply differently (thinking dropped), so its state is kept too.
-        let settled = session.settled(&user).ok().and_then(|text| tokenizer.encode(&text).ok());
+        let settled = session.settled(sender, &message).ok().and_then(|text| tokenizer.encode(&text).ok());
         let marks: Vec<usize> = settled
             .map(|(ids, _)| ids)
             .filter(|ids| prompt.starts_with(ids))
@@ -1613,7 +1619,7 @@ fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Re
         let ids = &reply.ids;
         println!();
         let stopped = ids.last().is_some_and(|t| stop.contains(t));
-        session.record(&user, &tokenizer.decode(&ids[..ids.len() - usize::from(stopped)]));
+        session.record(sender, &message, &tokenizer.decode(&ids[..ids.len() - usize::from(stopped)]));
         let seconds = started.elapsed().as_secs_f64();
         let cut = match (stopped, interrupted.load(Ordering::SeqCst)) {
             (true, _) => "",
@@ -1632,6 +1638,14 @@ fn chat<B: kiln::models::ModelBackend>(args: ChatArgs, device: &B::Device) -> Re
         }
     }
     Ok(())
+}
+
+/// `kiln chat --tools FILE`: the function schemas, as the data readers normalize a row's tools.
+fn read_tools(path: &Path) -> Result<Vec<serde_json::Value>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading the tools file {}", path.display()))?;
+    let list: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not JSON (a list of function schemas is expected)", path.display()))?;
+    kiln::data::schema::function_tools(&list).map_err(|why| anyhow::anyhow!("{}: {why}", path.display()))
 }
 
 /// A conversation JSONL file `kiln chat` keeps current: what the file held before, then this session's

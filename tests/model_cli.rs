@@ -299,6 +299,46 @@ fn generate_samples_as_configured_and_chat_keeps_the_conversation() {
     assert!(stderr.contains("error: this turn would pass the context length"), "{stderr}");
 }
 
+/// `kiln chat --tools`: the schemas are offered every turn and kept in the transcript, `/tool` answers a call
+/// as a tool message, and a tools file that is not a list of schemas is refused before the model loads.
+#[test]
+fn chat_offers_tools_and_takes_their_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = random_tiny_checkpoint(dir.path());
+    let m = model.to_str().unwrap();
+    let tools = dir.path().join("tools.json");
+    let bash = serde_json::json!({"name": "bash", "description": "Runs a command", "parameters": {"type": "object"}});
+    std::fs::write(&tools, serde_json::json!([bash]).to_string()).unwrap();
+    let transcript = dir.path().join("chat.jsonl");
+    let (t, tr) = (tools.to_str().unwrap(), transcript.to_str().unwrap());
+    let args = ["chat", "--model-dir", m, "--greedy", "--max-tokens", "6", "--tools", t, "--transcript", tr];
+    let (ok, _, stderr) = run_kiln_with_input(&args, "list files\n/tool a.txt\\\nb.txt\n", &project_dir());
+    assert!(ok && stderr.matches(" tokens in ").count() == 2, "{stderr}");
+    let line: Value = serde_json::from_str(std::fs::read_to_string(&transcript).unwrap().trim()).unwrap();
+    assert_eq!(line["tools"], serde_json::json!([{"type": "function", "function": bash}]));
+    let messages = line["messages"].as_array().unwrap();
+    let roles: Vec<&str> = messages.iter().map(|m| m["role"].as_str().unwrap()).collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant"]);
+    assert_eq!(messages[2]["content"], "a.txt\nb.txt");
+    // The second reply continues the prompt the template renders with the tools and the result.
+    let template = kiln::chat::ChatTemplate::load(&model, None, kiln::chat::PinnedClock::now()).unwrap();
+    let prompt = template.render(&messages[..3], Some(&line["tools"]), true, &serde_json::Map::new()).unwrap().text;
+    assert!(prompt.contains("<|tool_list_start|>") && prompt.contains("<|tool_response_start|>a.txt\nb.txt"));
+    let (ok, reply, stderr) =
+        run_kiln(&["generate", "--model-dir", m, "--max-tokens", "6", "--prompt", &prompt], &[], &project_dir());
+    assert!(ok, "{stderr}");
+    assert_eq!(messages[3]["content"].as_str().unwrap(), reply.strip_suffix('\n').unwrap());
+
+    for (text, why) in
+        [("{\"name\": \"bash\"}", "not a list of function schemas"), ("[", "not JSON"), ("[]", "no tools")]
+    {
+        std::fs::write(&tools, text).unwrap();
+        // Refused before any input is read (run_kiln gives it none).
+        let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
+        assert!(!ok && stderr.contains(t) && stderr.contains(why), "{text}: {stderr}");
+    }
+}
+
 /// Ctrl-C during a reply ends that reply, keeps what was shown in the conversation, and the chat goes on; at
 /// the prompt it ends the chat (exit status 130). It ends `kiln generate`'s stream with a summary (130).
 #[test]

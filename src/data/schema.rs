@@ -311,6 +311,20 @@ fn tool_call(v: &Value) -> Result<ToolCall, DropReason> {
     Ok(ToolCall::new(id, name, arguments))
 }
 
+/// A tools list given by hand (`kiln chat --tools`), checked and wrapped as a row's are (`tools_of`): the
+/// reason it is refused otherwise, where the list has no tools.
+pub fn function_tools(list: &Value) -> Result<Vec<Value>, String> {
+    if !list.is_array() {
+        return Err("not a list of function schemas".into());
+    }
+    match tools_of(list) {
+        Ok(tools) if tools.is_empty() => Err("an empty list: no tools to offer".into()),
+        Ok(tools) => Ok(tools),
+        Err(DropReason::BadTools(why)) => Err(why),
+        Err(other) => Err(other.to_string()),
+    }
+}
+
 /// The function schemas of a row, each as `{"type": "function", "function": {…}}`: a bare `{name,
 /// description, parameters}` is wrapped, as OpenAI's API and vLLM hand tools to the template at inference
 /// (LFM2.5's and Gemma 4's templates read `tool.function.name`).
@@ -484,6 +498,19 @@ mod tests {
         );
         let back: Conversation = serde_json::from_value(line).unwrap();
         assert_eq!(back, conv);
+    }
+
+    #[test]
+    fn a_hand_given_tools_list_is_checked_and_wrapped_as_a_rows() {
+        let bare = json!({"name": "bash", "parameters": {"type": "object"}});
+        let wrapped = json!({"type": "function", "function": {"name": "ls"}});
+        let tools = function_tools(&json!([bare.clone(), wrapped.clone()])).unwrap();
+        assert_eq!(tools, [json!({"type": "function", "function": bare}), wrapped]);
+        assert_eq!(function_tools(&json!([])).unwrap_err(), "an empty list: no tools to offer");
+        assert_eq!(function_tools(&json!({"name": "bash"})).unwrap_err(), "not a list of function schemas");
+        assert_eq!(function_tools(&json!("[]")).unwrap_err(), "not a list of function schemas", "no JSON in a string");
+        let unnamed = function_tools(&json!([{"description": "runs"}])).unwrap_err();
+        assert_eq!(unnamed, "a tool that is not a function schema with a name");
     }
 
     #[test]
