@@ -525,11 +525,16 @@ fn a_second_process_loads_its_kernels_from_the_cache() {
     let cache = dir.path().join("kernels");
     let config = common::project_dir().join("configs/models/tiny/config.json");
     let env = [("KILN_KERNEL_CACHE", cache.to_str().unwrap())];
-    let (ok, stdout, stderr) = common::run_kiln(&["info"], &env, dir.path());
-    assert!(ok, "{stderr}");
-    let info: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-    let folder = PathBuf::from(info["kernel_cache"].as_str().unwrap());
-    assert!(folder.starts_with(&cache), "{info}");
+    // What `kiln info` says of the cache, run in the test's folder.
+    let kernel_cache = |env: &[(&str, &str)]| {
+        let (ok, stdout, stderr) = common::run_kiln(&["info"], env, dir.path());
+        assert!(ok, "{stderr}");
+        let info: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        info["kernel_cache"].as_str().unwrap().to_string()
+    };
+    let said = kernel_cache(&env);
+    let folder = PathBuf::from(&said);
+    assert!(folder.starts_with(&cache), "{said}");
     // The table of contents of the SPIR-V kernels: a line a kernel compiled.
     let entries = || {
         let toc = folder.join("vulkan").read_dir().ok().and_then(|mut versions| versions.next());
@@ -549,17 +554,12 @@ fn a_second_process_loads_its_kernels_from_the_cache() {
 
     // A folder that cannot be made leaves CubeCL's defaults, and the command runs.
     let blocked = dir.path().join("step.json/kernels");
-    let (ok, stdout, stderr) =
-        common::run_kiln(&["info"], &[("KILN_KERNEL_CACHE", blocked.to_str().unwrap())], dir.path());
-    assert!(ok, "{stderr}");
-    let info: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-    assert!(info["kernel_cache"].as_str().unwrap().starts_with("off (cannot make "), "{info}");
+    let said = kernel_cache(&[("KILN_KERNEL_CACHE", blocked.to_str().unwrap())]);
+    assert!(said.starts_with("off (cannot make "), "{said}");
 
     std::fs::write(dir.path().join("cubecl.toml"), "[autotune]\nlevel = \"minimal\"\n").unwrap();
-    let (ok, stdout, stderr) = common::run_kiln(&["info"], &env, dir.path());
-    assert!(ok, "{stderr}");
-    let info: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-    assert!(info["kernel_cache"].as_str().unwrap().contains("cubecl.toml says"), "{info}");
+    let said = kernel_cache(&env);
+    assert!(said.contains("cubecl.toml says"), "{said}");
 }
 
 /// The MoE's experts batched into one matmul over padded groups (`models::experts`, what the CubeCL backends

@@ -317,20 +317,22 @@ pub fn function_tools(list: &Value) -> Result<Vec<Value>, String> {
     if !list.is_array() {
         return Err("not a list of function schemas".into());
     }
-    match tools_of(list) {
-        Ok(tools) if tools.is_empty() => Err("an empty list: no tools to offer".into()),
-        Ok(tools) => Ok(tools),
-        Err(DropReason::BadTools(why)) => Err(why),
-        Err(other) => Err(other.to_string()),
+    let tools = function_schemas(list)?;
+    if tools.is_empty() {
+        return Err("an empty list: no tools to offer".into());
     }
+    Ok(tools)
 }
 
 /// The function schemas of a row, each as `{"type": "function", "function": {…}}`: a bare `{name,
 /// description, parameters}` is wrapped, as OpenAI's API and vLLM hand tools to the template at inference
 /// (LFM2.5's and Gemma 4's templates read `tool.function.name`).
 fn tools_of(v: &Value) -> Result<Vec<Value>, DropReason> {
-    let bad = |why: &str| DropReason::BadTools(why.to_string());
-    let list = list_or_json_list(v).map_err(bad)?;
+    function_schemas(v).map_err(DropReason::BadTools)
+}
+
+fn function_schemas(v: &Value) -> Result<Vec<Value>, String> {
+    let list = list_or_json_list(v)?;
     let named = |o: &Map<String, Value>| o.get("name").and_then(Value::as_str).is_some_and(|n| !n.trim().is_empty());
     list.into_iter()
         .map(|tool| match &tool {
@@ -338,7 +340,7 @@ fn tools_of(v: &Value) -> Result<Vec<Value>, DropReason> {
             Value::Object(o) if !o.contains_key("function") && named(o) => {
                 Ok(serde_json::json!({"type": "function", "function": tool}))
             }
-            _ => Err(bad("a tool that is not a function schema with a name")),
+            _ => Err("a tool that is not a function schema with a name".into()),
         })
         .collect()
 }
