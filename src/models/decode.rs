@@ -9,7 +9,7 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::deltanet::{self, ChunkPlan, DocSegments};
 use super::gemma4::Gemma4Model;
-use super::layers::{RopeTables, SequenceLayout, causal_depthwise_conv_cached, head_logits, soft_cap};
+use super::layers::{Project, RopeTables, SequenceLayout, causal_depthwise_conv_cached, head_logits, soft_cap};
 use super::lfm2::{Attention, FeedForward, Lfm2Model, Mixer, ShortConv};
 use super::ops::ModelBackend;
 use super::qwen3_5::{GatedAttention, GatedDeltaNet, Qwen35Mixer, Qwen35Model, SCAN_CHUNK};
@@ -213,9 +213,9 @@ impl<B: Backend> DecodeCache<B> {
     }
 }
 
-impl<B: Backend> ShortConv<B> {
+impl<B: ModelBackend> ShortConv<B> {
     fn forward_cached(&self, x: Tensor<B, 3>, valid: &Tensor<B, 3>, state: &mut Tensor<B, 3>) -> Tensor<B, 3> {
-        let parts = self.in_proj.forward(x).chunk(3, 2);
+        let parts = self.in_proj.project(x).chunk(3, 2);
         let (b, c, xx) = (parts[0].clone(), parts[1].clone(), parts[2].clone());
         let (mut y, next) = causal_depthwise_conv_cached(b * xx * valid.clone(), self.conv.val(), state.clone());
         *state = next;
@@ -223,7 +223,7 @@ impl<B: Backend> ShortConv<B> {
             let hidden = y.dims()[2];
             y = y + bias.val().reshape([1, 1, hidden]);
         }
-        self.out_proj.forward(c * y)
+        self.out_proj.project(c * y)
     }
 }
 
@@ -342,7 +342,7 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
     ) -> Tensor<B, 3> {
         let dtype = burn::tensor::FloatDType::from(x.dtype());
         let (y, next) =
-            causal_depthwise_conv_cached(self.in_proj_qkv.forward(x.clone()), self.conv1d.val(), conv.clone());
+            causal_depthwise_conv_cached(self.in_proj_qkv.project(x.clone()), self.conv1d.val(), conv.clone());
         *conv = next;
         let inputs = self.scan_inputs(x, silu(y));
         let (core, last) = match plan {

@@ -15,7 +15,7 @@ use burn::tensor::{DType, FloatDType, Int, Tensor};
 
 use super::attention::{DocumentAttention, merge_heads};
 use super::config::{Gemma4Config, Gemma4LayerKind, Gemma4Rope, shared_kv_key};
-use super::layers::{F32ScaledRmsNorm, RopeTables, SequenceLayout, head_logits, soft_cap};
+use super::layers::{F32ScaledRmsNorm, Project, RopeTables, SequenceLayout, head_logits, soft_cap};
 use super::ops::{GateActivation, ModelBackend, NormKind};
 use super::weights::{HostTensor, TensorSource, load_linear, load_param};
 
@@ -38,8 +38,8 @@ pub struct GeGlu<B: Backend> {
 
 impl<B: ModelBackend> GeGlu<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let gated = B::glu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x), GateActivation::GeluTanh);
-        self.down_proj.forward(gated)
+        let gated = B::glu(self.gate_proj.project(x.clone()), self.up_proj.project(x), GateActivation::GeluTanh);
+        self.down_proj.project(gated)
     }
 }
 
@@ -70,7 +70,7 @@ impl<B: ModelBackend> Gemma4Attention<B> {
     /// Queries `[batch, heads, seq, hd]` of `x` (normed, rotated).
     pub fn queries(&self, x: Tensor<B, 3>, rope: &RopeTables<B>) -> Tensor<B, 4> {
         let [batch, seq, _] = x.dims();
-        let q = self.q_proj.forward(x).reshape([batch, seq, self.num_heads, self.head_dim]);
+        let q = self.q_proj.project(x).reshape([batch, seq, self.num_heads, self.head_dim]);
         B::rope(self.q_norm.forward(q).swap_dims(1, 2), rope)
     }
 
@@ -80,8 +80,8 @@ impl<B: ModelBackend> Gemma4Attention<B> {
         let kv = self.kv.as_ref().expect("a layer that computes its keys and values holds their weights");
         let [batch, seq, _] = x.dims();
         let (nkv, hd) = (self.num_kv_heads, self.head_dim);
-        let k = kv.k_norm.forward(kv.k_proj.forward(x.clone()).reshape([batch, seq, nkv, hd])).swap_dims(1, 2);
-        let v = kv.v_proj.forward(x).reshape([batch, seq, nkv, hd]);
+        let k = kv.k_norm.forward(kv.k_proj.project(x.clone()).reshape([batch, seq, nkv, hd])).swap_dims(1, 2);
+        let v = kv.v_proj.project(x).reshape([batch, seq, nkv, hd]);
         let unit = Tensor::<B, 1>::ones([hd], &v.device()).cast(FloatDType::from(v.dtype()));
         let v = B::rms_norm(v, unit, self.eps, NormKind::ScaledInF32).swap_dims(1, 2);
         (B::rope(k, rope), v)
@@ -89,7 +89,7 @@ impl<B: ModelBackend> Gemma4Attention<B> {
 
     /// The output projection of the attended heads `[batch, heads, seq, hd]`.
     pub fn output(&self, heads: Tensor<B, 4>) -> Tensor<B, 3> {
-        self.o_proj.forward(merge_heads(heads))
+        self.o_proj.project(merge_heads(heads))
     }
 }
 
@@ -127,8 +127,8 @@ impl<B: ModelBackend> Gemma4Layer<B> {
         let y = self.mlp.forward(self.pre_feedforward_layernorm.forward(h.clone()));
         let mut h = h + self.post_feedforward_layernorm.forward(y);
         if let (Some(branch), Some(input)) = (&self.per_layer, per_layer_input) {
-            let gated = B::glu(branch.per_layer_input_gate.forward(h.clone()), input, GateActivation::GeluTanh);
-            h = h.clone() + branch.post_per_layer_input_norm.forward(branch.per_layer_projection.forward(gated));
+            let gated = B::glu(branch.per_layer_input_gate.project(h.clone()), input, GateActivation::GeluTanh);
+            h = h.clone() + branch.post_per_layer_input_norm.forward(branch.per_layer_projection.project(gated));
         }
         h * self.layer_scalar
     }
@@ -253,7 +253,7 @@ impl<B: ModelBackend> Gemma4Model<B> {
         let [batch, seq, _] = embedded.dims();
         let (layers, ple) = (self.layers.len(), self.ple_dim);
         let tokens = Self::lookup(table, ids) * in_dtype((ple as f64).sqrt(), table.val().dtype());
-        let context = projection.forward(embedded.clone()) * (hidden as f64).powf(-0.5);
+        let context = projection.project(embedded.clone()) * (hidden as f64).powf(-0.5);
         let context = norm.forward(context.reshape([batch, seq, layers, ple]));
         let per_layer = (context + tokens.reshape([batch, seq, layers, ple])) * 0.5f64.sqrt();
         (embedded, Some(per_layer))

@@ -268,7 +268,23 @@ pub struct SwiGlu<B: Backend> {
 
 impl<B: ModelBackend> SwiGlu<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        self.w2.forward(B::glu(self.w1.forward(x.clone()), self.w3.forward(x), GateActivation::Silu))
+        self.w2.project(B::glu(self.w1.project(x.clone()), self.w3.project(x), GateActivation::Silu))
+    }
+}
+
+/// A checkpoint's projection applied through `ModelBackend::projection` (whose backward pass takes the weight
+/// gradient in one matmul over all rows), then its bias. The models call this, not burn's `Linear::forward`.
+pub trait Project<B: Backend> {
+    fn project<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D>;
+}
+
+impl<B: ModelBackend> Project<B> for Linear<B> {
+    fn project<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let y = B::projection(x, self.weight.val());
+        match &self.bias {
+            Some(bias) => y + bias.val().unsqueeze(),
+            None => y,
+        }
     }
 }
 

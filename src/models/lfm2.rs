@@ -11,7 +11,7 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
 use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{LayerKind, Lfm2Config};
-use super::layers::{ConvShifts, RmsNorm, RopeTables, SequenceLayout, SwiGlu, head_logits};
+use super::layers::{ConvShifts, Project, RmsNorm, RopeTables, SequenceLayout, SwiGlu, head_logits};
 use super::ops::{GateActivation, ModelBackend};
 use super::routing::{self, ExpertLoad};
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
@@ -31,12 +31,12 @@ pub struct ShortConv<B: Backend> {
 impl<B: ModelBackend> ShortConv<B> {
     pub fn forward(&self, x: Tensor<B, 3>, shifts: &ConvShifts<B>) -> Tensor<B, 3> {
         let hidden = self.out_proj.weight.dims()[0];
-        let [b, c, xx] = B::split_last(self.in_proj.forward(x), [hidden; 3]);
+        let [b, c, xx] = B::split_last(self.in_proj.project(x), [hidden; 3]);
         let mut y = B::causal_conv(b * xx, self.conv.val(), shifts);
         if let Some(bias) = &self.conv_bias {
             y = y + bias.val().reshape([1, 1, hidden]);
         }
-        self.out_proj.forward(c * y)
+        self.out_proj.project(c * y)
     }
 }
 
@@ -68,21 +68,21 @@ impl<B: ModelBackend> Attention<B> {
             };
             t.swap_dims(1, 2)
         };
-        let q = heads(self.q_proj.forward(x.clone()), Some(&self.q_layernorm), self.num_heads);
-        let k = heads(self.k_proj.forward(x.clone()), Some(&self.k_layernorm), self.num_kv_heads);
-        let v = heads(self.v_proj.forward(x), None, self.num_kv_heads);
+        let q = heads(self.q_proj.project(x.clone()), Some(&self.q_layernorm), self.num_heads);
+        let k = heads(self.k_proj.project(x.clone()), Some(&self.k_layernorm), self.num_kv_heads);
+        let v = heads(self.v_proj.project(x), None, self.num_kv_heads);
         (B::rope(q, rope), B::rope(k, rope), v)
     }
 
     /// `out_proj(softmax(q kᵀ / √d + mask) v)` over grouped kv heads.
     pub fn attend(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, mask: &Tensor<B, 4>) -> Tensor<B, 3> {
-        self.out_proj.forward(grouped_attention(q, k, v, mask))
+        self.out_proj.project(grouped_attention(q, k, v, mask))
     }
 
     /// Attention over the whole sequence, inside each document (the training and full-forward path).
     pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, docs: &DocumentAttention<B>) -> Tensor<B, 3> {
         let (q, k, v) = self.qkv(x, rope);
-        self.out_proj.forward(merge_heads(B::document_attention(q, k, v, docs)))
+        self.out_proj.project(merge_heads(B::document_attention(q, k, v, docs)))
     }
 }
 
@@ -106,7 +106,7 @@ impl<B: ModelBackend> MoeBlock<B> {
         let [batch, seq, hidden] = x.dims();
         let tokens = batch * seq;
         let x = x.reshape([tokens, hidden]);
-        let probs = sigmoid(self.gate.forward(x.clone()));
+        let probs = sigmoid(self.gate.project(x.clone()));
         let choice = match &self.expert_bias {
             // Selection in f32, as the fp32 `expert_bias` buffer promotes it in transformers.
             Some(bias) => probs.clone().cast(FloatDType::F32) + bias.val().cast(FloatDType::F32).unsqueeze::<2>(),

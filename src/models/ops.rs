@@ -9,12 +9,14 @@
 //! Qwen3.5's q and k (keeps its input, not an f32 copy), RoPE (keeps the tables alone; its gradient
 //! `grad·cos + (grad·sin)[swap]` gathers where burn's scatters into zeros), the MoE's grouped expert matmul (one weight
 //! gradient for all experts instead of a full-size one per expert slice), Qwen3.5's gated delta rule (`deltanet`: the
-//! inputs and chunk states kept, the chunk solve recomputed) and the split of a fused projection into its
+//! inputs and chunk states kept, the chunk solve recomputed), the split of a fused projection into its
 //! parts (`split_last`: one gradient for the whole projection, each part written into it, instead of one
-//! zero-filled full-size gradient per part, summed). Plain backends run the same forward without a
-//! graph. `set_reference_ops` switches autodiff backends back to burn's compositions on the thread that
-//! records the graph: the A/B switch for measuring what the ops buy, or for ruling them out when a run
-//! misbehaves.
+//! zero-filled full-size gradient per part, summed) and the projections themselves (`projection`: the weight
+//! gradient as one matmul over all rows, `xᵀ·g`, where burn's `linear` takes one per batch row and sums them:
+//! a `[batch, in, out]` tensor, and a reduction kernel a projection even at batch 1). Plain backends run the
+//! same forward without a graph. `set_reference_ops` switches autodiff backends back to burn's compositions
+//! on the thread that records the graph: the A/B switch for measuring what the ops buy, or for ruling them
+//! out when a run misbehaves.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -147,6 +149,12 @@ pub trait ModelBackend: Backend {
         rows: ChunkRows,
     ) -> [Tensor<Self, 4>; 2] {
         score_grads(scores, grad_probs, lse, delta, docs, rows)
+    }
+
+    /// `x · weight` over the last dimension of `x` for a weight `[in, out]`: a projection without its bias, as
+    /// burn's `linear` computes it.
+    fn projection<const D: usize>(x: Tensor<Self, D>, weight: Tensor<Self, 2>) -> Tensor<Self, D> {
+        burn::tensor::module::linear(x, weight, None)
     }
 
     /// A gated MLP's gate `act(gate) · up` (SwiGLU, GeGLU), in the inputs' dtype (`glu_forward`; the CPU
@@ -463,6 +471,13 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             return scaled_softmax_attention(q, k, v, &mask, scale);
         }
         tracked_document_attention(q, k, v, docs)
+    }
+
+    fn projection<const D: usize>(x: Tensor<Self, D>, weight: Tensor<Self, 2>) -> Tensor<Self, D> {
+        if reference_ops() {
+            return burn::tensor::module::linear(x, weight, None);
+        }
+        record_binary(ProjectionBackward::<D>, x, weight, (), |x, weight| B::projection(x, weight))
     }
 
     fn glu<const D: usize>(gate: Tensor<Self, D>, up: Tensor<Self, D>, act: GateActivation) -> Tensor<Self, D> {
@@ -839,6 +854,35 @@ pub fn glu_backward<B: Backend, const D: usize>(
 }
 
 #[derive(Debug)]
+struct ProjectionBackward<const D: usize>;
+
+impl<B: Backend, const D: usize> Backward<B, 2> for ProjectionBackward<D> {
+    /// The input and the weight, through the checkpointer.
+    type State = (NodeId, NodeId, ());
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        backward_binary(ops, grads, checkpointer, |x, weight, (), grad: Tensor<B, D>| {
+            projection_backward(x, weight, grad)
+        });
+    }
+}
+
+/// The gradients `(dx, dweight)` of `x · weight` for the output gradient `grad`: `dx = grad · weightᵀ` as burn
+/// computes it, and `dweight = xᵀ · grad` with every leading dimension of `x` and `grad` taken as rows, so one
+/// matmul sums over the batch inside its accumulator.
+pub fn projection_backward<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 2>,
+    grad: Tensor<B, D>,
+) -> (Tensor<B, D>, Tensor<B, 2>) {
+    let [d_in, d_out] = weight.dims();
+    let rows = x.dims()[..D - 1].iter().product();
+    let grad_x = grad.clone().matmul(weight.transpose().unsqueeze::<D>());
+    let grad_weight = x.reshape([rows, d_in]).transpose().matmul(grad.reshape([rows, d_out]));
+    (grad_x, grad_weight)
+}
+
+#[derive(Debug)]
 struct GluBackward<const D: usize>;
 
 impl<B: ModelBackend, const D: usize> Backward<B, 2> for GluBackward<D> {
@@ -949,6 +993,35 @@ mod tests {
             })
             .collect();
         assert_eq!(got, want);
+    }
+
+    /// Output and gradients (x, weight) of `Σ (x · w) ⊙ R` through the op and through burn's `linear`, for
+    /// `x` of a batch of 3 rows of 5 tokens (burn sums the 3 rows' weight gradients, the op takes one matmul).
+    fn projections<B: ModelBackend + AutodiffBackend>(dtype: FloatDType) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
+        let device = Default::default();
+        let x = normal::<B, 3>([3, 5, 12], 0.0, 1.0, 21, &device).cast(dtype).require_grad();
+        let weight = normal::<B, 2>([12, 7], 0.0, 0.3, 22, &device).cast(dtype).require_grad();
+        let weights = normal::<B, 3>([3, 5, 7], 0.0, 1.0, 23, &device);
+        let run = |out: Tensor<B, 3>| {
+            let grads = (out.clone().cast(FloatDType::F32) * weights.clone()).sum().backward();
+            [values(out), values(x.grad(&grads).expect("d x")), values(weight.grad(&grads).expect("d w"))]
+        };
+        let op = run(B::projection(x.clone(), weight.clone()));
+        let burns = run(burn::tensor::module::linear(x.clone(), weight.clone(), None));
+        (op, burns)
+    }
+
+    #[test]
+    fn projections_and_their_backward_equal_burns_linear() {
+        for (dtype, tolerance) in [(FloatDType::F32, 1e-6), (FloatDType::BF16, 1.0 / 128.0)] {
+            for (op, burns) in [projections::<CpuTrain>(dtype), projections::<CpuTrainCheckpointed>(dtype)] {
+                assert_eq!(op[0], burns[0], "{dtype:?}: the forward is burn's");
+                assert_eq!(op[1], burns[1], "{dtype:?}: d x is burn's");
+                // One matmul over the 15 rows against burn's three of 5 rows summed: equal up to the order
+                // of the additions in f32, and in bf16 up to the rounding of each row's share before the sum.
+                assert_close(&format!("{dtype:?} d weight"), &op[2], &burns[2], tolerance);
+            }
+        }
     }
 
     /// Output and gradients (x, weight) of `Σ rms_norm(x, w) ⊙ R` through the op and through the

@@ -13,7 +13,7 @@ use super::attention::{DocumentAttention, grouped_attention, merge_heads};
 use super::config::{Qwen35Config, Qwen35LayerKind};
 use super::deltanet::{ChunkPlan, DocSegments, ScanInputs};
 use super::layers::{
-    ConvShifts, RmsNorm, RopeTables, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, head_logits, softplus,
+    ConvShifts, Project, RmsNorm, RopeTables, SequenceLayout, SwiGlu, ZeroCenteredRmsNorm, head_logits, softplus,
 };
 use super::ops::{GateActivation, ModelBackend};
 use super::weights::{TensorSource, device_tensor, load_linear, load_param};
@@ -69,10 +69,10 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
         let q = heads(q) * (1.0 / (dk as f64).sqrt());
         let k = heads(k);
         let v = v.reshape([batch, seq, nv, dv]).swap_dims(1, 2);
-        let z = self.in_proj_z.forward(x.clone()).reshape([batch, seq, nv, dv]);
-        let beta = sigmoid(self.in_proj_b.forward(x.clone())).swap_dims(1, 2);
+        let z = self.in_proj_z.project(x.clone()).reshape([batch, seq, nv, dv]);
+        let beta = sigmoid(self.in_proj_b.project(x.clone())).swap_dims(1, 2);
         let a =
-            self.in_proj_a.forward(x).cast(FloatDType::F32) + self.dt_bias.val().cast(FloatDType::F32).unsqueeze::<3>();
+            self.in_proj_a.project(x).cast(FloatDType::F32) + self.dt_bias.val().cast(FloatDType::F32).unsqueeze::<3>();
         let rate = self.a_log.val().cast(FloatDType::F32).exp().unsqueeze::<3>();
         let g = (softplus(a) * rate).neg().swap_dims(1, 2);
         DeltaNetInputs { scan: ScanInputs { q, k, v, g, beta }, z }
@@ -84,12 +84,12 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
         let normed = self.norm.forward(core.swap_dims(1, 2).cast(dtype));
         // In f32 as transformers gates; through the gate op, which keeps the two f32 inputs only.
         let gated = B::glu(z.cast(FloatDType::F32), normed.cast(FloatDType::F32), GateActivation::Silu).cast(dtype);
-        self.out_proj.forward(gated.reshape([batch, seq, nv * dv]))
+        self.out_proj.project(gated.reshape([batch, seq, nv * dv]))
     }
 
     pub fn forward(&self, x: Tensor<B, 3>, shifts: &ConvShifts<B>, plan: &ChunkPlan<B>) -> Tensor<B, 3> {
         let dtype = FloatDType::from(x.dtype());
-        let mixed = silu(B::causal_conv(self.in_proj_qkv.forward(x.clone()), self.conv1d.val(), shifts));
+        let mixed = silu(B::causal_conv(self.in_proj_qkv.project(x.clone()), self.conv1d.val(), shifts));
         let inputs = self.scan_inputs(x, mixed);
         let core = B::gated_delta_rule(inputs.scan, plan);
         self.output(core, inputs.z, dtype)
@@ -121,12 +121,12 @@ impl<B: ModelBackend> GatedAttention<B> {
     ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 3>) {
         let [batch, seq, _] = x.dims();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let query_gate = self.q_proj.forward(x.clone()).reshape([batch, seq, nh, 2 * hd]);
+        let query_gate = self.q_proj.project(x.clone()).reshape([batch, seq, nh, 2 * hd]);
         let [query, gate] = B::split_last(query_gate, [hd, hd]);
         let q = self.q_norm.forward(query).swap_dims(1, 2);
         let gate = gate.reshape([batch, seq, nh * hd]);
-        let k = self.k_norm.forward(self.k_proj.forward(x.clone()).reshape([batch, seq, nkv, hd])).swap_dims(1, 2);
-        let v = self.v_proj.forward(x).reshape([batch, seq, nkv, hd]).swap_dims(1, 2);
+        let k = self.k_norm.forward(self.k_proj.project(x.clone()).reshape([batch, seq, nkv, hd])).swap_dims(1, 2);
+        let v = self.v_proj.project(x).reshape([batch, seq, nkv, hd]).swap_dims(1, 2);
         (B::rope(q, rope), B::rope(k, rope), v, gate)
     }
 
@@ -138,13 +138,13 @@ impl<B: ModelBackend> GatedAttention<B> {
         gate: Tensor<B, 3>,
         mask: &Tensor<B, 4>,
     ) -> Tensor<B, 3> {
-        self.o_proj.forward(grouped_attention(q, k, v, mask) * sigmoid(gate))
+        self.o_proj.project(grouped_attention(q, k, v, mask) * sigmoid(gate))
     }
 
     /// Attention over the whole sequence, inside each document (the training and full-forward path).
     pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, docs: &DocumentAttention<B>) -> Tensor<B, 3> {
         let (q, k, v, gate) = self.qkv_gate(x, rope);
-        self.o_proj.forward(merge_heads(B::document_attention(q, k, v, docs)) * sigmoid(gate))
+        self.o_proj.project(merge_heads(B::document_attention(q, k, v, docs)) * sigmoid(gate))
     }
 }
 
