@@ -775,6 +775,7 @@ fn run(cli: Cli, host_allocator: Option<&str>) -> Result<()> {
             kernel.setting().map_err(anyhow::Error::msg)?;
         }
         kiln::backend::experts_batched().map_err(anyhow::Error::msg)?;
+        kiln::models::attention::chunk_score_budget().map_err(anyhow::Error::msg)?;
     }
     match cli.command {
         Command::Pull(args) => pull(args, &cli.datasets_dir, cli.quiet),
@@ -1146,6 +1147,9 @@ fn info(host_allocator: Option<&str>) -> Result<()> {
     let experts_batched =
         kiln::backend::experts_batched().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into());
     switches.insert("experts_batched".into(), experts_batched.into());
+    let chunk_mib =
+        kiln::models::attention::chunk_score_budget().map_or_else(|why| why.into(), |bytes| (bytes >> 20).into());
+    switches.insert("attention_chunk_mib".into(), chunk_mib);
     let hub = serde_json::json!({
         "endpoint": config.endpoint,
         "cache_dir": config.cache_dir,

@@ -198,6 +198,14 @@ fn info_reports_the_backends_and_the_switches() {
     assert_eq!(serde_json::from_str::<Value>(&stdout).unwrap()["scan_kernel"], "off");
     let (ok, _, stderr) = run_kiln(&["synth", "--out", "/nonexistent/x"], &[("KILN_SCAN_KERNEL", "no")], &cwd);
     assert!(!ok && stderr.contains("KILN_SCAN_KERNEL=\"no\": use on or off (unset: the device's default"), "{stderr}");
+
+    // The attention's chunk budget: info reports it in MiB, and a malformed value stops other commands.
+    assert_eq!(info["attention_chunk_mib"], 256);
+    let (ok, stdout, _) = run_kiln(&["info"], &[("KILN_ATTENTION_CHUNK_MIB", "1024")], &cwd);
+    assert!(ok);
+    assert_eq!(serde_json::from_str::<Value>(&stdout).unwrap()["attention_chunk_mib"], 1024);
+    let (ok, _, stderr) = run_kiln(&["synth", "--out", "/nonexistent/x"], &[("KILN_ATTENTION_CHUNK_MIB", "1g")], &cwd);
+    assert!(!ok && stderr.contains("KILN_ATTENTION_CHUNK_MIB=\"1g\": use a whole number of MiB"), "{stderr}");
 }
 
 /// The tiny config's random-init checkpoint of seed 3 in `dir/m`.

@@ -28,8 +28,43 @@ use super::SequenceLayout;
 use super::ops::{ModelBackend, record_op};
 use crate::backend::zeros_in;
 
-/// The f32 scores one chunk of queries may hold (all heads and rows of the batch together).
+/// The f32 scores one chunk of queries may hold (all heads and rows of the batch together), unless
+/// `KILN_ATTENTION_CHUNK_MIB` says otherwise.
 pub const CHUNK_SCORE_BYTES: usize = 256 << 20;
+
+/// The environment variable that sets a process's chunk budget in MiB of f32 scores: the trade between the
+/// attention's transient memory (a chunk's scores, probabilities and their gradients) and its kernels (on
+/// lavapipe about 27 a chunk and layer forwards and back with kiln's kernels, 50 without). LFM2.5-1.2B at
+/// sequence 4096 (32 heads) runs 8 chunks a layer at the default 256, 2 at 1024. The results are the same
+/// to f32 rounding (the key and value gradients sum over chunks).
+pub const CHUNK_MIB_ENV: &str = "KILN_ATTENTION_CHUNK_MIB";
+
+/// The chunk budget in bytes from `KILN_ATTENTION_CHUNK_MIB` (`CHUNK_SCORE_BYTES` when unset); malformed
+/// values are an error (`main` checks before any command runs).
+pub fn chunk_score_budget() -> Result<usize, String> {
+    std::env::var_os(CHUNK_MIB_ENV).map_or(Ok(CHUNK_SCORE_BYTES), |value| parse_chunk_mib(&value.to_string_lossy()))
+}
+
+/// A chunk budget in MiB, a whole number from 1 to 1 TiB's worth, as bytes; empty is the default.
+fn parse_chunk_mib(value: &str) -> Result<usize, String> {
+    let value = value.trim();
+    if value.is_empty() {
+        return Ok(CHUNK_SCORE_BYTES);
+    }
+    match value.parse::<usize>() {
+        Ok(mib @ 1..=1_048_576) => Ok(mib << 20),
+        _ => Err(format!(
+            "{CHUNK_MIB_ENV}={value:?}: use a whole number of MiB from 1 to 1048576 (unset: {})",
+            CHUNK_SCORE_BYTES >> 20
+        )),
+    }
+}
+
+/// `chunk_score_budget()` read once, for the models (the CLI has rejected a malformed value before they run).
+pub fn chunk_score_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| chunk_score_budget().unwrap_or(CHUNK_SCORE_BYTES))
+}
 
 /// `ModelBackend::document_attention` on an autodiff backend: the inner backend's `attention_forward`,
 /// recorded as one op whose backward is its `attention_backward`.
@@ -66,7 +101,7 @@ pub struct DocumentAttention<B: Backend> {
     docs: Tensor<B, 2, Int>,
     /// `[batch * seq]`: the first key each query may attend to.
     starts: Vec<usize>,
-    /// Queries per chunk; `None`: as many as keep a chunk's f32 scores within `CHUNK_SCORE_BYTES`.
+    /// Queries per chunk; `None`: as many as keep a chunk's f32 scores within `chunk_score_bytes()`.
     chunk_rows: Option<usize>,
     /// A query sees at most this many keys, itself included (Gemma's sliding-window layers).
     window: Option<usize>,
@@ -143,7 +178,7 @@ impl<B: Backend> DocumentAttention<B> {
     /// `first_key..start + len`.
     fn chunks(&self, heads: usize) -> Vec<(usize, usize, usize)> {
         let [batch, seq] = self.docs.dims();
-        let rows = self.chunk_rows.unwrap_or_else(|| chunk_rows_for(batch, heads, seq));
+        let rows = self.chunk_rows.unwrap_or_else(|| chunk_rows_for(batch, heads, seq, chunk_score_bytes()));
         (0..seq).step_by(rows).map(|start| (start, rows.min(seq - start), self.first_key(start))).collect()
     }
 
@@ -187,11 +222,11 @@ impl<B: AutodiffBackend> DocumentAttention<B> {
     }
 }
 
-/// Queries per chunk so that `batch · heads · rows · seq` f32 scores stay within `CHUNK_SCORE_BYTES`,
-/// a multiple of 64 (matmul tiles) when that many fit, never more than the sequence.
-pub fn chunk_rows_for(batch: usize, heads: usize, seq: usize) -> usize {
+/// Queries per chunk so that `batch · heads · rows · seq` f32 scores stay within `budget` bytes, a
+/// multiple of 64 (matmul tiles) when that many fit, never more than the sequence.
+pub fn chunk_rows_for(batch: usize, heads: usize, seq: usize, budget: usize) -> usize {
     let per_row = batch.max(1).saturating_mul(heads.max(1)).saturating_mul(seq.max(1)).saturating_mul(4);
-    let rows = (CHUNK_SCORE_BYTES / per_row).max(1);
+    let rows = (budget / per_row).max(1);
     let rows = if rows >= 64 { rows / 64 * 64 } else { rows };
     rows.min(seq.max(1))
 }
@@ -624,11 +659,26 @@ mod tests {
 
     #[test]
     fn chunks_hold_a_bounded_share_of_scores() {
-        // LFM2.5-1.2B at 4096: 32 heads → 512 queries a chunk (256 MiB of f32 scores).
-        assert_eq!(chunk_rows_for(1, 32, 4096), 512);
-        assert_eq!(chunk_rows_for(2, 32, 4096), 256);
-        assert_eq!(chunk_rows_for(1, 16, 8192), 512);
-        assert_eq!(chunk_rows_for(1, 4, 12), 12);
-        assert_eq!(chunk_rows_for(64, 64, 1 << 20), 1);
+        // LFM2.5-1.2B at 4096: 32 heads → 512 queries a chunk (256 MiB of f32 scores), 2048 at 1 GiB.
+        let budget = CHUNK_SCORE_BYTES;
+        assert_eq!(chunk_rows_for(1, 32, 4096, budget), 512);
+        assert_eq!(chunk_rows_for(1, 32, 4096, 1 << 30), 2048);
+        assert_eq!(chunk_rows_for(2, 32, 4096, budget), 256);
+        assert_eq!(chunk_rows_for(1, 16, 8192, budget), 512);
+        assert_eq!(chunk_rows_for(1, 4, 12, budget), 12);
+        assert_eq!(chunk_rows_for(64, 64, 1 << 20, budget), 1);
+        // 1 MiB: 2 queries of 32 heads by 4096 keys, below a tile.
+        assert_eq!(chunk_rows_for(1, 32, 4096, 1 << 20), 2);
+    }
+
+    #[test]
+    fn the_chunk_budget_reads_whole_mib_and_rejects_the_rest() {
+        assert_eq!(parse_chunk_mib("1024"), Ok(1 << 30));
+        assert_eq!(parse_chunk_mib(" 1 "), Ok(1 << 20));
+        assert_eq!(parse_chunk_mib(""), Ok(CHUNK_SCORE_BYTES));
+        for bad in ["0", "-1", "1.5", "1g", "1048577"] {
+            let why = parse_chunk_mib(bad).expect_err(bad);
+            assert!(why.contains(CHUNK_MIB_ENV) && why.contains("unset: 256"), "{bad}: {why}");
+        }
     }
 }

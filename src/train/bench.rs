@@ -83,6 +83,10 @@ pub struct BenchRun {
     /// transformers' gradient checkpointing for PyTorch rows).
     #[serde(default)]
     pub activation_checkpointing: bool,
+    /// The MiB of f32 scores a chunk of the attention's queries may hold (kiln only:
+    /// `KILN_ATTENTION_CHUNK_MIB`). Absent in results older than the field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_chunk_mib: Option<usize>,
     /// Whether the DeltaNet scan ran as kiln's kernel (kiln on a CubeCL device only: `KILN_SCAN_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scan_kernel: Option<bool>,
@@ -131,6 +135,7 @@ impl BenchRun {
             moments: Some(cfg.moments),
             masters: Some(cfg.masters),
             activation_checkpointing: cfg.activation_checkpointing,
+            attention_chunk_mib: Some(crate::models::attention::chunk_score_bytes() >> 20),
             scan_kernel: enabled(Kernel::Scan),
             attention_kernel: enabled(Kernel::Attention),
             loss_kernel: enabled(Kernel::Loss),

@@ -23,8 +23,10 @@
 #               conv, KILN_CONV_KERNEL=off), "nooptim" (the optimizer's
 #               gradient norm and AdamW update, KILN_OPTIM_KERNEL=off); "noexperts" (MoE shapes only: the
 #               experts as a matmul each instead of one batched matmul over padded groups, KILN_EXPERTS_BATCHED=off);
-#               "checkpointed" (the ops with --activation-checkpointing); or several:
-#               "ops reference unfused noscan noattn noloss nonorm noconv nooptim noexperts checkpointed"
+#               "checkpointed" (the ops with --activation-checkpointing); "chunk<MiB>" (the ops with the
+#               attention's query chunks holding up to that many MiB of f32 scores, KILN_ATTENTION_CHUNK_MIB;
+#               256 by default: chunk1024 trades memory for fewer kernels); or several:
+#               "ops reference unfused noscan noattn noloss nonorm noconv nooptim noexperts checkpointed chunk1024"
 #   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py), or none
 #   PYTHON      a python with torch and transformers (python3); without them the reference is skipped
 #   FALLBACK    1: after a kiln row of a shape fails on CUDA, it runs again without kiln's own kernels, then
@@ -84,6 +86,7 @@ kiln_row() {
         KILN_CONV_KERNEL=$conv KILN_OPTIM_KERNEL=$optim; do
         [[ -n ${setting#*=} ]] && kernels+=("$setting")
     done
+    [[ -n $chunk ]] && kernels+=("KILN_ATTENTION_CHUNK_MIB=$chunk")
     env -u KILN_SCAN_KERNEL -u KILN_ATTENTION_KERNEL -u KILN_LOSS_KERNEL -u KILN_NORM_KERNEL -u KILN_CONV_KERNEL \
         -u KILN_OPTIM_KERNEL KILN_CUDA_FUSION=$fusion "${kernels[@]}" KILN_EXPERTS_BATCHED=$experts $1 \
         "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" \
@@ -109,7 +112,7 @@ for shape in "${shapes[@]}"; do
             continue
         fi
         # Empty: unset, the device's default (kiln's kernels off on CUDA, on on Vulkan: backend::KernelsByDefault).
-        scan="" attn="" loss="" norm="" conv="" optim="" experts=on switch=() fusion=on
+        scan="" attn="" loss="" norm="" conv="" optim="" chunk="" experts=on switch=() fusion=on
         case $ops in
             ops) out=$OUT/$shape-kiln.json ;;
             kernels) out=$OUT/$shape-kiln-kernels.json; scan=on attn=on loss=on norm=on conv=on optim=on ;;
@@ -124,7 +127,8 @@ for shape in "${shapes[@]}"; do
             nooptim) out=$OUT/$shape-kiln-nooptim.json; optim=off ;;
             noexperts) out=$OUT/$shape-kiln-noexperts.json; experts=off ;;
             checkpointed) out=$OUT/$shape-kiln-checkpointed.json; switch=(--activation-checkpointing) ;;
-            *) echo "KILN_OPS: unknown '$ops' (ops, kernels, optim, reference, unfused, noscan, noattn, noloss, nonorm, noconv, nooptim, noexperts or checkpointed)" >&2; exit 2 ;;
+            chunk[1-9]*) out=$OUT/$shape-kiln-$ops.json; chunk=${ops#chunk} ;;
+            *) echo "KILN_OPS: unknown '$ops' (ops, kernels, optim, reference, unfused, noscan, noattn, noloss, nonorm, noconv, nooptim, noexperts, checkpointed or chunk<MiB>)" >&2; exit 2 ;;
         esac
         # What failed before (in this shape's rows, or in the parity stage's tiny runs) stays off.
         marked=$(marked_switches "$FALLBACK_MARK" "$shape")

@@ -177,6 +177,8 @@ def table(files) -> str:
             + (" (optimizer kernels on)" if r.get("optim_kernel") and r.get("device") == "cuda" else "") \
             + (" (a matmul per expert)" if r.get("experts_batched") is False else "") \
             + (" (checkpointed)" if r.get("activation_checkpointing") else "") \
+            + (f" (attention chunks of {r['attention_chunk_mib']} MiB)"
+               if r.get("attention_chunk_mib") not in (None, 256) else "") \
             + (f" ({r['moments']} moments)" if r.get("moments", "f32") != "f32" else "") \
             + (" (no masters: stochastic rounding)" if r.get("masters") == "stochastic" else "")
         params = f"{r['params'] / 1e6:.1f}" if "params" in r else "-"
