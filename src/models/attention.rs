@@ -7,11 +7,15 @@
 //! full scores and probabilities of every attention layer until the end of the step. Between the matmuls,
 //! each chunk's softmax rows go through the backend (`ModelBackend::attention_probs`,
 //! `attention_score_grads`): the tensor ops here (`softmax_rows`, `score_grads`), one CubeCL kernel each on
-//! the CubeCL backends (`kernels::attention`).
+//! the CubeCL backends (`kernels::attention`). The tensor ops' additive chunk masks are built once a layout
+//! (a forward pass) and shared by its layers, forwards and back (`ChunkMasks`).
 //!
 //! `grouped_attention` (one softmax over an explicit additive mask) stays the path of cached decoding and
 //! the reference the tests hold the chunked computation to. The models reach this through
 //! `ops::ModelBackend::document_attention`.
+
+use std::any::{Any, TypeId};
+use std::sync::{Arc, Mutex};
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::NodeId;
@@ -34,7 +38,7 @@ pub const CHUNK_SCORE_BYTES: usize = 256 << 20;
 
 /// The environment variable that sets a process's chunk budget in MiB of f32 scores: the trade between the
 /// attention's transient memory (a chunk's scores, probabilities and their gradients) and its kernels (on
-/// lavapipe about 27 a chunk and layer forwards and back with kiln's kernels, 50 without). LFM2.5-1.2B at
+/// lavapipe about 27 a chunk and layer forwards and back with kiln's kernels, 35 without). LFM2.5-1.2B at
 /// sequence 4096 (32 heads) runs 8 chunks a layer at the default 256, 2 at 1024. The results are the same
 /// to f32 rounding (the key and value gradients sum over chunks).
 pub const CHUNK_MIB_ENV: &str = "KILN_ATTENTION_CHUNK_MIB";
@@ -107,6 +111,41 @@ pub struct DocumentAttention<B: Backend> {
     window: Option<usize>,
     /// The scores' scale; `None`: `1/√d`.
     scale: Option<f64>,
+    /// The chunk masks built so far (`chunk_mask`).
+    masks: ChunkMasks,
+}
+
+/// The additive chunk masks a layout has built, shared by every layer's forward and backward pass over it
+/// and by its inner backend's copy (`inner`): a `[batch, len, keys]` f32 tensor a chunk, built once a
+/// step, where each layer's chunk built its own forwards and again backwards — on CUDA without kiln's kernels
+/// seven kernels each time (the document comparison, the causal and window masks, their union, the fill).
+/// Keyed by the backend's type and the chunk's `(start, len, first, keys)`; held while any pass that may
+/// read them lives (about 40 MB a sequence of 4096 for LFM2.5-1.2B's 8 chunks, the causal half skipped).
+#[derive(Clone, Default)]
+struct ChunkMasks(Arc<Mutex<Vec<ChunkMask>>>);
+
+type ChunkMask = ((TypeId, [usize; 4]), Box<dyn Any + Send>);
+
+impl ChunkMasks {
+    /// The mask of `key` on backend `B`, built by `build` the first time.
+    fn get_or_build<B: Backend>(&self, key: [usize; 4], build: impl FnOnce() -> Tensor<B, 3>) -> Tensor<B, 3> {
+        let key = (TypeId::of::<B>(), key);
+        // A pass that panicked holding the lock left whole entries: the masks stay usable.
+        let mut masks = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(mask) = masks.iter().find(|(k, _)| *k == key).and_then(|(_, m)| m.downcast_ref::<Tensor<B, 3>>()) {
+            return mask.clone();
+        }
+        let mask = build();
+        masks.push((key, Box::new(mask.clone())));
+        mask
+    }
+}
+
+impl std::fmt::Debug for ChunkMasks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let built = self.0.lock().map_or(0, |masks| masks.len());
+        write!(f, "ChunkMasks({built} built)")
+    }
 }
 
 impl<B: Backend> DocumentAttention<B> {
@@ -121,6 +160,7 @@ impl<B: Backend> DocumentAttention<B> {
             chunk_rows: None,
             window: None,
             scale: None,
+            masks: ChunkMasks::default(),
         }
     }
 
@@ -133,6 +173,8 @@ impl<B: Backend> DocumentAttention<B> {
             *start = (*start).max((at % seq + 1).saturating_sub(window));
         }
         self.window = Some(window);
+        // Another layout's masks: not the ones a clone of it without the window built.
+        self.masks = ChunkMasks::default();
         self
     }
 
@@ -185,6 +227,10 @@ impl<B: Backend> DocumentAttention<B> {
     /// The additive mask `[batch, len, keys]` (0 allowed, -inf blocked) of queries `start..start + len`
     /// against keys `first..first + keys`: same document, not in the future, and within the window. In f32.
     fn chunk_mask(&self, start: usize, len: usize, first: usize, keys: usize) -> Tensor<B, 3> {
+        self.masks.get_or_build([start, len, first, keys], || self.build_chunk_mask(start, len, first, keys))
+    }
+
+    fn build_chunk_mask(&self, start: usize, len: usize, first: usize, keys: usize) -> Tensor<B, 3> {
         let [batch, _] = self.docs.dims();
         let device = self.docs.device();
         let query_docs = self.docs.clone().narrow(1, start, len).unsqueeze_dim::<3>(2);
@@ -205,7 +251,8 @@ impl<B: Backend> DocumentAttention<B> {
     /// The whole `[batch, 1, seq, seq]` additive mask in `dtype` (for the single-softmax reference path).
     pub fn full_mask(&self, dtype: FloatDType) -> Tensor<B, 4> {
         let [_, seq] = self.docs.dims();
-        self.chunk_mask(0, seq, 0, seq).cast(dtype).unsqueeze_dim(1)
+        // Built afresh: kept, the whole `[seq, seq]` mask would outlive the layer that reads it.
+        self.build_chunk_mask(0, seq, 0, seq).cast(dtype).unsqueeze_dim(1)
     }
 }
 
@@ -218,6 +265,7 @@ impl<B: AutodiffBackend> DocumentAttention<B> {
             chunk_rows: self.chunk_rows,
             window: self.window,
             scale: self.scale,
+            masks: self.masks.clone(),
         }
     }
 }
@@ -524,6 +572,21 @@ mod tests {
         let windowed = docs.with_window(4);
         assert_eq!((0..12).map(|i| windowed.first_key(i)).collect::<Vec<_>>(), [0, 0, 0, 0, 1, 2, 3, 4, 5, 8, 9, 9]);
         assert_eq!(&windowed.query_starts()[12..], [0, 0, 0, 0, 1, 2, 3, 4, 5, 9, 9, 9]);
+    }
+
+    #[test]
+    fn a_layout_builds_each_chunk_mask_once_for_all_its_passes() {
+        let docs = DocumentAttention::<CpuTrain>::new(&layout(), &Default::default()).with_chunk_rows(5);
+        let built = |masks: &ChunkMasks| masks.0.lock().map(|m| m.len()).expect("not poisoned");
+        let first = values(docs.inner().chunk_mask(5, 5, 0, 10));
+        // Another layer's (or the backward pass's) copy of the layout finds it.
+        assert_eq!(values(docs.inner().chunk_mask(5, 5, 0, 10)), first);
+        assert_eq!(built(&docs.masks), 1);
+        assert_eq!(first, values(docs.inner().build_chunk_mask(5, 5, 0, 10)));
+        // The same documents through a window have masks of their own.
+        let windowed = docs.clone().with_window(2).inner();
+        assert_ne!(values(windowed.chunk_mask(5, 5, 0, 10)), first);
+        assert_eq!((built(&docs.masks), built(&windowed.masks)), (1, 1));
     }
 
     /// The full mask and every chunking's masks of `docs` allow exactly the keys of a query's document up to
