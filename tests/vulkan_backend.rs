@@ -333,9 +333,11 @@ fn the_adamw_kernel_steps_as_the_cpu_tensor_ops() {
 }
 
 /// One attention chunk's inputs for the softmax-row kernels: unscaled scores and `dP`
-/// `[batch, kv_heads, group · len, keys]`, per-row log-sum-exp and `δ` `[.., 1]` in f32, in `dtype`.
+/// `[batch, kv_heads, len · group, keys]` in `dtype`, and the whole sequence's log-sum-exp and `δ`
+/// `[batch, kv_heads, seq · group, 1]` in f32.
 fn chunk_rows_inputs<B: ModelBackend>(
     [batch, kv_heads, group]: [usize; 3],
+    seq: usize,
     rows: ChunkRows,
     dtype: FloatDType,
     device: &B::Device,
@@ -345,11 +347,11 @@ fn chunk_rows_inputs<B: ModelBackend>(
         let values = spread(shape.iter().product(), seed, lo, hi);
         kiln::backend::host_tensor::<B, 1>(values, [shape.iter().product()], dtype, device).reshape(shape)
     };
-    let scores = tensor(11, [batch, kv_heads, group * len, keys], -6.0, 6.0, dtype);
-    let grad_probs = tensor(12, [batch, kv_heads, group * len, keys], -1.0, 1.0, dtype);
+    let scores = tensor(11, [batch, kv_heads, len * group, keys], -6.0, 6.0, dtype);
+    let grad_probs = tensor(12, [batch, kv_heads, len * group, keys], -1.0, 1.0, dtype);
     // A log-sum-exp at or above each row's largest scaled score, as the forward pass leaves it.
-    let lse = tensor(13, [batch, kv_heads, group * len, 1], 1.0, 3.0, FloatDType::F32) + 6.0 * rows.scale;
-    let delta = tensor(14, [batch, kv_heads, group * len, 1], -0.5, 0.5, FloatDType::F32);
+    let lse = tensor(13, [batch, kv_heads, seq * group, 1], 1.0, 3.0, FloatDType::F32) + 6.0 * rows.scale;
+    let delta = tensor(14, [batch, kv_heads, seq * group, 1], -0.5, 0.5, FloatDType::F32);
     [scores, grad_probs, lse, delta]
 }
 
@@ -362,7 +364,8 @@ fn chunk_rows_inputs<B: ModelBackend>(
 fn the_attention_kernels_equal_the_tensor_op_softmax_rows() {
     // Document lengths per batch row, sequence, [batch, kv heads, group], the chunk.
     type Case<'a> = (&'a [Vec<u32>], usize, [usize; 3], ChunkRows);
-    let chunk = |start, len, first, window, scale| ChunkRows { start, len, first, window, scale };
+    // Each case's group is its third head count (set below).
+    let chunk = |start, len, first, window, scale| ChunkRows { start, len, group: 1, first, window, scale };
     let cases: [Case; 7] = [
         (&[vec![3, 5, 2], vec![9, 3]], 12, [2, 2, 2], chunk(0, 12, 0, None, 0.35)),
         (&[vec![3, 5, 2], vec![9, 3]], 12, [2, 2, 2], chunk(9, 3, 8, None, 0.35)),
@@ -374,6 +377,7 @@ fn the_attention_kernels_equal_the_tensor_op_softmax_rows() {
     ];
     let device = Default::default();
     for (docs, seq, heads, rows) in cases {
+        let rows = ChunkRows { group: heads[2], ..rows };
         let layout = SequenceLayout::from_doc_lengths(docs, seq);
         for dtype in [FloatDType::F32, FloatDType::F16] {
             // f16 results are rounded to f16 (2⁻¹¹ relative) on both sides, at different points.
@@ -383,7 +387,7 @@ fn the_attention_kernels_equal_the_tensor_op_softmax_rows() {
                 Some(window) => attention.with_window(window).with_scale(rows.scale),
                 None => attention,
             };
-            let [scores, grad_probs, lse, delta] = chunk_rows_inputs::<Vk>(heads, rows, dtype, &device);
+            let [scores, grad_probs, lse, delta] = chunk_rows_inputs::<Vk>(heads, seq, rows, dtype, &device);
             let kernel = attention_kernel::attention_probs(scores.clone(), &attention, rows);
             let [probs, log_sum] = softmax_rows(scores.clone(), &attention, rows);
             let inputs = [scores.clone(), grad_probs.clone(), lse.clone(), delta.clone()];

@@ -1,7 +1,7 @@
 //! The softmax rows of the chunked attention (`attention::chunked_attention`) as CubeCL kernels, for burn's
 //! CubeCL backends (CUDA, Vulkan) with and without burn-fusion; the matmuls around them stay burn's.
 //!
-//! As tensor ops, a chunk's scores `[batch, kv_heads, group · len, keys]` pass through device memory about
+//! As tensor ops, a chunk's scores `[batch, kv_heads, len · group, keys]` pass through device memory about
 //! a dozen times per step in f32: cast and scale, the additive document mask, the max, `exp`, the sum, the
 //! probabilities, then again in the backward pass (burn's reductions do not fuse a broadcast operand, so each
 //! intermediate is written out). At sequence 4096 that is a gigabyte per attention layer and pass. Here the
@@ -36,14 +36,16 @@ use crate::models::attention::{ChunkRows, DocumentAttention};
 /// Units per cube (one score row): a power of two, for the tree reduction.
 const UNITS: u32 = 128;
 
-/// What both kernels know of their chunk: `rows` score rows of `keys` keys, `len` queries from `start`
-/// (each batch row holds `rows_per_batch` = kv heads × group × len rows, of sequences of `seq` tokens), keys
-/// from `first`, the most keys a query sees (`u32::MAX`: no window), and the scores' scale.
+/// What both kernels know of their chunk: `rows` score rows of `keys` keys, `len` queries from `start`,
+/// each query's `group` heads in consecutive rows (each batch row holds `rows_per_batch` = kv heads × len ×
+/// group rows, of sequences of `seq` tokens), keys from `first`, the most keys a query sees (`u32::MAX`: no
+/// window), and the scores' scale.
 #[derive(CubeLaunch, CubeType)]
 struct ChunkArgs {
     rows: u32,
     keys: u32,
     len: u32,
+    group: u32,
     rows_per_batch: u32,
     seq: u32,
     start: u32,
@@ -53,26 +55,31 @@ struct ChunkArgs {
 }
 
 /// Where a cube's score row sits: its index among the chunk's rows, the offset of its batch row in the
-/// document ids, its query's position, and the last key index it may see (its own position; later keys are
-/// future).
+/// document ids, its query's position, the last key index it may see (its own position; later keys are
+/// future), and its index among the whole sequence's query rows (`[batch, kv_heads, seq · group]`, where
+/// the backward pass reads its log-sum-exp and `δ`).
 #[derive(CubeType)]
 struct RowPlace {
     row: usize,
     batch_offset: usize,
     query: usize,
     last_key: usize,
+    sequence_row: usize,
 }
 
 /// The running cube's row (`kernels::row_grid`) in the chunk.
 #[cube]
 fn row_place(args: &ChunkArgs) -> RowPlace {
     let row = grid_row();
-    let query = args.start as usize + row % args.len as usize;
+    let group = args.group as usize;
+    let head_rows = args.len as usize * group;
+    let query = args.start as usize + row % head_rows / group;
     RowPlace {
         row,
         batch_offset: row / args.rows_per_batch as usize * args.seq as usize,
         query,
         last_key: query - args.first as usize,
+        sequence_row: row / head_rows * args.seq as usize * group + args.start as usize * group + row % head_rows,
     }
 }
 
@@ -133,7 +140,7 @@ fn softmax_rows_kernel<F: Float, I: Numeric>(
 }
 
 /// Backward: `probs = exp(S·scale − lse)` (0 where unseen) and `grad_scores = probs · (dP − δ) · scale`, per
-/// element in f32, written in `F`.
+/// element in f32, written in `F`; `lse` and `δ` are the whole sequence's (`RowPlace::sequence_row`).
 #[cube(launch)]
 fn score_grads_kernel<F: Float, I: Numeric>(
     scores: &Tensor<F>,
@@ -152,8 +159,8 @@ fn score_grads_kernel<F: Float, I: Numeric>(
         terminate!();
     }
     let base = place.row * args.keys as usize;
-    let log_sum = lse[place.row];
-    let row_delta = delta[place.row];
+    let log_sum = lse[place.sequence_row];
+    let row_delta = delta[place.sequence_row];
     let mut key = UNIT_POS_X as usize;
     while key < args.keys as usize {
         let at = base + key;
@@ -212,7 +219,7 @@ pub fn attention_score_grads<B: AttentionRowKernels>(
     B::score_grads(inputs, rows).map(float_tensor)
 }
 
-/// The per-row output shape `[.., 1]` of scores `[batch, kv_heads, group · len, keys]`.
+/// The per-row output shape `[.., 1]` of scores `[batch, kv_heads, len · group, keys]`.
 fn per_row_shape(scores: &Shape) -> Shape {
     let [batch, kv_heads, rows, _] = scores.dims::<4>();
     Shape::new([batch, kv_heads, rows, 1])
@@ -223,12 +230,14 @@ fn chunk_launch<R: Runtime>(scores: &Shape, docs: &Shape, chunk: ChunkRows) -> (
     let [batch, kv_heads, group_rows, keys] = scores.dims::<4>();
     let seq = docs.dims::<2>()[1];
     assert_eq!(keys, chunk.keys(), "the attention chunk's scores span its keys");
+    assert_eq!(group_rows, chunk.len * chunk.group, "the attention chunk's scores hold a row per query and head");
     let rows = batch * kv_heads * group_rows;
     let narrow = |n: usize| u32::try_from(n).expect("attention chunk sizes fit in u32");
     let args = ChunkArgsLaunch::new(
         narrow(rows),
         narrow(keys),
         narrow(chunk.len),
+        narrow(chunk.group),
         narrow(kv_heads * group_rows),
         narrow(seq),
         narrow(chunk.start),
@@ -239,8 +248,19 @@ fn chunk_launch<R: Runtime>(scores: &Shape, docs: &Shape, chunk: ChunkRows) -> (
     (row_grid(rows), args)
 }
 
-fn f32_per_row<R: CubeRuntime>(t: CubeTensor<R>, what: &str) -> CubeTensor<R> {
+/// The whole sequence's `what` per query row, `[batch, kv_heads, seq · group, 1]` in f32, for chunk rows
+/// of `scores`' shape.
+fn f32_per_row<R: CubeRuntime>(
+    t: CubeTensor<R>,
+    scores: &Shape,
+    seq: usize,
+    rows: ChunkRows,
+    what: &str,
+) -> CubeTensor<R> {
     assert_eq!(t.dtype, DType::F32, "the attention kernels take the {what} in f32, not {:?}", t.dtype);
+    let [batch, kv_heads, ..] = scores.dims::<4>();
+    let expected = Shape::new([batch, kv_heads, seq * rows.group, 1]);
+    assert_eq!(t.shape(), expected, "the attention kernels take the whole sequence's {what}");
     into_contiguous(t)
 }
 
@@ -270,6 +290,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionR
     fn score_grads(inputs: ScoreGradInputs<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2] {
         let ScoreGradInputs { scores, grad_probs, lse, delta, docs } = inputs;
         let (count, args) = chunk_launch::<R>(&scores.shape(), &docs.shape(), rows);
+        let (shape, seq) = (scores.shape(), docs.shape().dims::<2>()[1]);
         assert_eq!(grad_probs.dtype, scores.dtype, "the attention kernels take dP in the scores' dtype");
         let (client, device, dtype) = (scores.client.clone(), scores.device.clone(), scores.dtype);
         let [probs, grad_scores] =
@@ -281,8 +302,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionR
             CubeDim::new_1d(UNITS),
             into_contiguous(scores).into_tensor_arg(),
             into_contiguous(grad_probs).into_tensor_arg(),
-            f32_per_row(lse, "log-sum-exp").into_tensor_arg(),
-            f32_per_row(delta, "rowsum(dO ⊙ O)").into_tensor_arg(),
+            f32_per_row(lse, &shape, seq, rows, "log-sum-exp").into_tensor_arg(),
+            f32_per_row(delta, &shape, seq, rows, "rowsum(dO ⊙ O)").into_tensor_arg(),
             into_contiguous(docs).into_tensor_arg(),
             probs.clone().into_tensor_arg(),
             grad_scores.clone().into_tensor_arg(),
@@ -371,6 +392,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
         rows: (),
         keys: (),
         len: (),
+        group: (),
         rows_per_batch: (),
         seq: (),
         start: (),

@@ -8,7 +8,9 @@
 //! each chunk's softmax rows go through the backend (`ModelBackend::attention_probs`,
 //! `attention_score_grads`): the tensor ops here (`softmax_rows`, `score_grads`), one CubeCL kernel each on
 //! the CubeCL backends (`kernels::attention`). The tensor ops' additive chunk masks are built once a layout
-//! (a forward pass) and shared by its layers, forwards and back (`ChunkMasks`).
+//! (a forward pass) and shared by its layers, forwards and back (`ChunkMasks`). The queries are laid out
+//! once a pass so that each chunk's rows are one block (`query_rows`), and the chunks write the output
+//! positions first (`positions_first`): no chunk copies its operands.
 //!
 //! `grouped_attention` (one softmax over an explicit additive mask) stays the path of cached decoding and
 //! the reference the tests hold the chunked computation to. The models reach this through
@@ -38,7 +40,7 @@ pub const CHUNK_SCORE_BYTES: usize = 256 << 20;
 
 /// The environment variable that sets a process's chunk budget in MiB of f32 scores: the trade between the
 /// attention's transient memory (a chunk's scores, probabilities and their gradients) and its kernels (on
-/// lavapipe about 27 a chunk and layer forwards and back with kiln's kernels, 35 without). LFM2.5-1.2B at
+/// lavapipe about 16 a chunk and layer forwards and back with kiln's kernels, 30 without). LFM2.5-1.2B at
 /// sequence 4096 (32 heads) runs 8 chunks a layer at the default 256, 2 at 1024. The results are the same
 /// to f32 rounding (the key and value gradients sum over chunks).
 pub const CHUNK_MIB_ENV: &str = "KILN_ATTENTION_CHUNK_MIB";
@@ -280,34 +282,74 @@ pub fn chunk_rows_for(batch: usize, heads: usize, seq: usize, budget: usize) -> 
 }
 
 /// The chunked forward pass: the output `[batch, heads, seq, d]` and each query's log-sum-exp of its
-/// scaled, masked scores `[batch, kv_heads, group, seq, 1]` in f32 (what the backward pass needs to
-/// rebuild the probabilities).
+/// scaled, masked scores `[batch, kv_heads, seq, group, 1]` in f32, in the order of `query_rows` (what the
+/// backward pass needs to rebuild the probabilities).
 pub struct AttentionForward<B: Backend> {
     pub out: Tensor<B, 4>,
     pub lse: Tensor<B, 5>,
 }
 
-/// Queries regrouped by the kv head they read: `[batch, kv_heads, group, seq, d]`.
-fn grouped_queries<B: Backend>(q: Tensor<B, 4>, kv_heads: usize) -> Tensor<B, 5> {
+/// Queries `[batch, heads, seq, d]` as the score rows of their kv head, `[batch, kv_heads, seq · group, d]`
+/// dense: position by position, each position's `group` query heads side by side. A chunk of positions is
+/// then one block of rows, which the matmuls read in place; grouped head by head instead, every chunk's
+/// queries (and, backwards, their output gradients, log-sum-exps and `δ`) were copied out before each matmul.
+fn query_rows<B: Backend>(q: Tensor<B, 4>, kv_heads: usize) -> Tensor<B, 4> {
     let [batch, heads, seq, d] = q.dims();
-    q.reshape([batch, kv_heads, heads / kv_heads, seq, d])
+    let group = heads / kv_heads;
+    dense_rows(q.reshape([batch, kv_heads, group, seq, d]).swap_dims(2, 3).reshape([batch, kv_heads, seq * group, d]))
 }
 
-/// Which queries and keys one chunk's score rows cover: queries `start..start + len` (of each batch row, kv
-/// head and query head of its group), keys `first..start + len`, the window bounding what a query sees
-/// (`DocumentAttention::with_window`), and the scale of their scores.
+/// `[batch, heads, rows, d]` with each head's rows one dense block (a copy only where they are not), so that
+/// a chunk of rows goes to a matmul as it is: burn's CubeCL matmul copies any operand whose batch strides
+/// are smaller than its row stride, as keys and values viewed out of `[batch, seq, heads, d]` are.
+fn dense_rows<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+    let [batch, heads, rows, d] = x.dims();
+    x.reshape([batch, heads, rows * d]).reshape([batch, heads, rows, d])
+}
+
+/// A chunk's rows `[batch, kv_heads, len · group, d]` (`query_rows`' order) viewed positions first, `[batch,
+/// len, kv_heads, group, d]`: concatenated along positions (`heads_of_positions`), the chunks write `[batch,
+/// seq, heads, d]` directly, the layout the output projection reads.
+fn positions_first<B: Backend>(rows: Tensor<B, 4>, group: usize) -> Tensor<B, 5> {
+    let [batch, kv_heads, group_len, d] = rows.dims();
+    rows.reshape([batch, kv_heads, group_len / group, group, d]).permute([0, 2, 1, 3, 4])
+}
+
+/// The chunks' `positions_first` views concatenated: `[batch, heads, seq, d]`, a view of a dense `[batch,
+/// seq, heads, d]` (so `merge_heads` copies nothing).
+fn heads_of_positions<B: Backend>(chunks: Vec<Tensor<B, 5>>) -> Tensor<B, 4> {
+    let whole = Tensor::cat(chunks, 1);
+    let [batch, seq, kv_heads, group, d] = whole.dims();
+    whole.reshape([batch, seq, kv_heads * group, d]).swap_dims(1, 2)
+}
+
+/// Which queries and keys one chunk's score rows cover: queries `start..start + len` (of each batch row and
+/// kv head, each position's `group` query heads in consecutive rows: `query_rows`), keys `first..start +
+/// len`, the window bounding what a query sees (`DocumentAttention::with_window`), and the scale of their
+/// scores.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ChunkRows {
     pub start: usize,
     pub len: usize,
+    pub group: usize,
     pub first: usize,
     pub window: Option<usize>,
     pub scale: f64,
 }
 
 impl ChunkRows {
-    fn new<B: Backend>((start, len, first): (usize, usize, usize), docs: &DocumentAttention<B>, d: usize) -> Self {
-        ChunkRows { start, len, first, window: docs.window(), scale: docs.scale(d) }
+    fn new<B: Backend>(
+        (start, len, first): (usize, usize, usize),
+        group: usize,
+        docs: &DocumentAttention<B>,
+        d: usize,
+    ) -> Self {
+        ChunkRows { start, len, group, first, window: docs.window(), scale: docs.scale(d) }
+    }
+
+    /// The chunk's rows of a `[batch, kv_heads, seq · group, width]` tensor in `query_rows`' order: a view.
+    fn of<B: Backend>(&self, rows: &Tensor<B, 4>) -> Tensor<B, 4> {
+        rows.clone().narrow(2, self.start * self.group, self.len * self.group)
     }
 
     /// Keys per score row.
@@ -316,8 +358,9 @@ impl ChunkRows {
     }
 }
 
-/// One chunk's queries `[batch, kv_heads, group · len, d]`, keys and values `[batch, kv_heads, keys, d]`,
-/// and its unscaled scores `q kᵀ` in the inputs' dtype `[batch, kv_heads, group · len, keys]`.
+/// One chunk's queries `[batch, kv_heads, len · group, d]` (`query_rows`), keys and values `[batch,
+/// kv_heads, keys, d]`, all views, and its unscaled scores `q kᵀ` in the inputs' dtype `[batch, kv_heads,
+/// len · group, keys]`.
 struct Chunk<B: Backend> {
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -326,27 +369,26 @@ struct Chunk<B: Backend> {
 }
 
 impl<B: Backend> Chunk<B> {
-    fn new(q5: &Tensor<B, 5>, k: &Tensor<B, 4>, v: &Tensor<B, 4>, rows: ChunkRows) -> Self {
-        let [batch, kv_heads, group, _, d] = q5.dims();
-        let ChunkRows { start, len, first, .. } = rows;
-        let q = q5.clone().narrow(3, start, len).reshape([batch, kv_heads, group * len, d]);
-        let k = k.clone().narrow(2, first, rows.keys());
-        let v = v.clone().narrow(2, first, rows.keys());
+    /// From the queries as `query_rows` lays them out and dense keys and values (`dense_rows`).
+    fn new(q_rows: &Tensor<B, 4>, k: &Tensor<B, 4>, v: &Tensor<B, 4>, rows: ChunkRows) -> Self {
+        let q = rows.of(q_rows);
+        let k = k.clone().narrow(2, rows.first, rows.keys());
+        let v = v.clone().narrow(2, rows.first, rows.keys());
         let scores = q.clone().matmul(k.clone().swap_dims(2, 3));
         Chunk { q, k, v, scores }
     }
 }
 
-/// A chunk's scaled, masked scores in f32 `[batch, kv_heads, group, len, keys]` from its unscaled ones.
+/// A chunk's scaled, masked scores in f32 `[batch, kv_heads, len, group, keys]` from its unscaled ones.
 fn masked_scores<B: Backend>(scores: Tensor<B, 4>, docs: &DocumentAttention<B>, rows: ChunkRows) -> Tensor<B, 5> {
-    let [batch, kv_heads, group_len, keys] = scores.dims();
-    let ChunkRows { start, len, first, scale, .. } = rows;
-    let mask = docs.chunk_mask(start, len, first, keys).reshape([batch, 1, 1, len, keys]);
-    (scores.cast(FloatDType::F32) * scale).reshape([batch, kv_heads, group_len / len, len, keys]) + mask
+    let [batch, kv_heads, _, keys] = scores.dims();
+    let ChunkRows { start, len, group, first, scale, .. } = rows;
+    let mask = docs.chunk_mask(start, len, first, keys).reshape([batch, 1, len, 1, keys]);
+    (scores.cast(FloatDType::F32) * scale).reshape([batch, kv_heads, len, group, keys]) + mask
 }
 
 /// `ModelBackend::attention_probs` as tensor ops: the softmax of each score row over the keys its query may
-/// see, in the scores' dtype, and its log-sum-exp `[batch, kv_heads, group · len, 1]` in f32.
+/// see, in the scores' dtype, and its log-sum-exp `[batch, kv_heads, len · group, 1]` in f32.
 pub fn softmax_rows<B: Backend>(
     scores: Tensor<B, 4>,
     docs: &DocumentAttention<B>,
@@ -363,9 +405,10 @@ pub fn softmax_rows<B: Backend>(
 }
 
 /// `ModelBackend::attention_score_grads` as tensor ops: from a chunk's unscaled scores `S`, the gradient
-/// `dP = dO Vᵀ` of its probabilities, and per row the log-sum-exp and `δ = rowsum(dO ⊙ O)` (`[.., 1]`, f32),
-/// the probabilities `P = exp(S/√d − lse)` (0 where masked) and the scores' gradient `P ⊙ (dP − δ) / √d`,
-/// both in the scores' dtype.
+/// `dP = dO Vᵀ` of its probabilities, and the whole sequence's log-sum-exp and `δ = rowsum(dO ⊙ O)` per
+/// query row (`[batch, kv_heads, seq · group, 1]` in `query_rows`' order, f32; the chunk reads its rows in
+/// place), the probabilities `P = exp(S/√d − lse)` (0 where masked) and the scores' gradient
+/// `P ⊙ (dP − δ) / √d`, both in the scores' dtype.
 pub fn score_grads<B: Backend>(
     scores: Tensor<B, 4>,
     grad_probs: Tensor<B, 4>,
@@ -375,12 +418,12 @@ pub fn score_grads<B: Backend>(
     rows: ChunkRows,
 ) -> [Tensor<B, 4>; 2] {
     let shape = scores.dims();
-    let [batch, kv_heads, group_len, keys] = shape;
+    let [batch, kv_heads, _, keys] = shape;
     let dtype = FloatDType::from(scores.dtype());
-    let five = |t: Tensor<B, 4>, width| t.reshape([batch, kv_heads, group_len / rows.len, rows.len, width]);
-    let probs = (masked_scores(scores, docs, rows) - five(lse, 1)).exp();
+    let five = |t: Tensor<B, 4>, width| t.reshape([batch, kv_heads, rows.len, rows.group, width]);
+    let probs = (masked_scores(scores, docs, rows) - five(rows.of(&lse), 1)).exp();
     let grad_probs = five(grad_probs.cast(FloatDType::F32), keys);
-    let grad_scores = (probs.clone() * (grad_probs - five(delta, 1))) * rows.scale;
+    let grad_scores = (probs.clone() * (grad_probs - five(rows.of(&delta), 1))) * rows.scale;
     [probs.cast(dtype).reshape(shape), grad_scores.cast(dtype).reshape(shape)]
 }
 
@@ -394,18 +437,21 @@ pub fn chunked_attention<B: ModelBackend>(
 ) -> AttentionForward<B> {
     let [batch, heads, seq, d] = q.dims();
     let kv_heads = k.dims()[1];
-    let q5 = grouped_queries(q, kv_heads);
     let group = heads / kv_heads;
+    let (q_rows, k, v) = (query_rows(q, kv_heads), dense_rows(k), dense_rows(v));
     let mut outs = Vec::new();
     let mut lses = Vec::new();
     for chunk in docs.chunks(heads) {
-        let rows = ChunkRows::new(chunk, docs, d);
-        let Chunk { v, scores, .. } = Chunk::new(&q5, &k, &v, rows);
+        let rows = ChunkRows::new(chunk, group, docs, d);
+        let Chunk { v, scores, .. } = Chunk::new(&q_rows, &k, &v, rows);
         let [probs, lse] = B::attention_probs(scores, docs, rows);
-        outs.push(probs.matmul(v).reshape([batch, kv_heads, group, rows.len, d]));
-        lses.push(lse.reshape([batch, kv_heads, group, rows.len, 1]));
+        outs.push(positions_first(probs.matmul(v), group));
+        lses.push(lse);
     }
-    AttentionForward { out: Tensor::cat(outs, 3).reshape([batch, heads, seq, d]), lse: Tensor::cat(lses, 3) }
+    AttentionForward {
+        out: heads_of_positions(outs),
+        lse: Tensor::cat(lses, 2).reshape([batch, kv_heads, seq, group, 1]),
+    }
 }
 
 /// Gradients of `chunked_attention` with respect to q, k and v (in their dtypes) for the output gradient
@@ -425,31 +471,30 @@ pub fn chunked_attention_backward<B: ModelBackend>(
     let group = heads / kv_heads;
     let dtype = FloatDType::from(q.dtype());
     let device = q.device();
-    let q5 = grouped_queries(q, kv_heads);
-    let grad_out = grouped_queries(grad_out.cast(dtype), kv_heads);
-    let out = grouped_queries(forward.out, kv_heads);
-    let delta = (grad_out.clone().cast(FloatDType::F32) * out.cast(FloatDType::F32)).sum_dim(4);
+    let (q_rows, k, v) = (query_rows(q, kv_heads), dense_rows(k), dense_rows(v));
+    let grad_out = grad_out.cast(dtype);
+    let delta =
+        query_rows((grad_out.clone().cast(FloatDType::F32) * forward.out.cast(FloatDType::F32)).sum_dim(3), kv_heads);
+    let grad_rows = query_rows(grad_out, kv_heads);
+    let lse = forward.lse.reshape([batch, kv_heads, seq * group, 1]);
     let zeros = || zeros_in::<B, 4>([batch, kv_heads, seq, d], FloatDType::F32, &device);
     let (mut grad_k, mut grad_v) = (zeros(), zeros());
     let mut grad_q = Vec::new();
     for chunk in docs.chunks(heads) {
-        let rows = ChunkRows::new(chunk, docs, d);
+        let rows = ChunkRows::new(chunk, group, docs, d);
         let ChunkRows { start, len, first, .. } = rows;
-        let Chunk { q, k, v, scores } = Chunk::new(&q5, &k, &v, rows);
-        let per_row = |t: &Tensor<B, 5>| t.clone().narrow(3, start, len).reshape([batch, kv_heads, group * len, 1]);
-        let grad_o = grad_out.clone().narrow(3, start, len).reshape([batch, kv_heads, group * len, d]);
+        let Chunk { q, k, v, scores } = Chunk::new(&q_rows, &k, &v, rows);
+        let grad_o = rows.of(&grad_rows);
         let grad_probs = grad_o.clone().matmul(v.swap_dims(2, 3));
-        let [probs, grad_s] =
-            B::attention_score_grads(scores, grad_probs, per_row(&forward.lse), per_row(&delta), docs, rows);
+        let [probs, grad_s] = B::attention_score_grads(scores, grad_probs, lse.clone(), delta.clone(), docs, rows);
         let part_v = probs.swap_dims(2, 3).matmul(grad_o);
-        grad_q.push(grad_s.clone().matmul(k).reshape([batch, kv_heads, group, len, d]));
+        grad_q.push(positions_first(grad_s.clone().matmul(k), group));
         let part_k = grad_s.swap_dims(2, 3).matmul(q);
         let keys = [0..batch, 0..kv_heads, first..start + len, 0..d];
         grad_k = grad_k.clone().slice_assign(keys.clone(), grad_k.slice(keys.clone()) + part_k.cast(FloatDType::F32));
         grad_v = grad_v.clone().slice_assign(keys.clone(), grad_v.slice(keys) + part_v.cast(FloatDType::F32));
     }
-    let grad_q = Tensor::cat(grad_q, 3).reshape([batch, heads, seq, d]);
-    (grad_q, grad_k.cast(dtype), grad_v.cast(dtype))
+    (heads_of_positions(grad_q), grad_k.cast(dtype), grad_v.cast(dtype))
 }
 
 /// The inputs the backward pass needs: q, k, v through the checkpointer (recomputed or kept, as the

@@ -289,7 +289,7 @@ pub fn takes<B: Backend, const N: usize>(tensors: [&Tensor<B, 4>; N]) -> bool {
 }
 
 /// `attention::chunked_attention` through `forward`: the same output and log-sum-exp (`[batch, kv_heads,
-/// group, seq, 1]`), in f32.
+/// seq, group, 1]`, a view of `forward`'s head-by-head order), in f32.
 pub fn forward_on_host<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -302,7 +302,8 @@ pub fn forward_on_host<B: Backend>(
     let AttentionDims { batch, heads, kv_heads, seq, d, .. } = dims;
     AttentionForward {
         out: host_tensor(out, [batch, heads, seq, d], FloatDType::F32, &device),
-        lse: host_tensor(lse, [batch, kv_heads, dims.group(), seq, 1], FloatDType::F32, &device),
+        lse: host_tensor::<B, 5>(lse, [batch, kv_heads, dims.group(), seq, 1], FloatDType::F32, &device)
+            .swap_dims(2, 3),
     }
 }
 
@@ -342,7 +343,7 @@ pub fn backward_on_host<B: Backend>(
         &host(k),
         &host(v),
         &host(forward.out),
-        &host(forward.lse),
+        &host(forward.lse.swap_dims(2, 3)),
         &host(grad_out),
         docs.query_starts(),
         dims,

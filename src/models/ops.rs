@@ -127,7 +127,7 @@ pub trait ModelBackend: Backend {
     }
 
     /// One attention chunk's probabilities and log-sum-exp from its unscaled scores `q kᵀ`
-    /// `[batch, kv_heads, group · len, keys]`: the softmax of `S/√d` over the keys each query may see, in the
+    /// `[batch, kv_heads, len · group, keys]`: the softmax of `S/√d` over the keys each query may see, in the
     /// scores' dtype, and `[.., 1]` in f32 (`attention::softmax_rows`; the CubeCL backends run one kernel,
     /// `kernels::attention`).
     fn attention_probs(
@@ -138,8 +138,9 @@ pub trait ModelBackend: Backend {
         softmax_rows(scores, docs, rows)
     }
 
-    /// The backward pass's probabilities and score gradients of one attention chunk
-    /// (`attention::score_grads`; the CubeCL backends run one kernel, `kernels::attention`).
+    /// The backward pass's probabilities and score gradients of one attention chunk, from the whole
+    /// sequence's log-sum-exp and `δ` `[batch, kv_heads, seq · group, 1]` (`attention::score_grads`; the
+    /// CubeCL backends run one kernel, `kernels::attention`).
     fn attention_score_grads(
         scores: Tensor<Self, 4>,
         grad_probs: Tensor<Self, 4>,
