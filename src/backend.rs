@@ -191,6 +191,53 @@ pub fn experts_batched() -> Result<bool, String> {
     switch(EXPERTS_BATCHED_ENV)
 }
 
+/// The switch of the CUDA backends' matrix products: `KILN_MATMUL=cublas` runs them through NVIDIA's cuBLAS
+/// (`kernels::cublas`), `cubecl` (or unset) through burn's own kernels. Other devices ignore it.
+pub const MATMUL_ENV: &str = "KILN_MATMUL";
+
+/// Which kernels compute the CUDA backends' matrix products (`MATMUL_ENV`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulKernels {
+    /// burn's (cubek's) kernels, fused with their neighbours by burn-fusion where it can.
+    Cubecl,
+    /// cuBLAS's, loaded at run time.
+    Cublas,
+}
+
+impl MatmulKernels {
+    /// The setting of `KILN_MATMUL`: unset is `Cubecl`; anything but `cubecl` or `cublas` is an error that
+    /// says so (`main` checks before any command runs).
+    pub fn from_env() -> Result<Self, String> {
+        match std::env::var(MATMUL_ENV) {
+            Err(_) => Ok(MatmulKernels::Cubecl),
+            Ok(value) => Self::parse(&value),
+        }
+    }
+
+    fn parse(value: &str) -> Result<Self, String> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "" | "cubecl" => Ok(MatmulKernels::Cubecl),
+            "cublas" => Ok(MatmulKernels::Cublas),
+            _ => Err(format!("{MATMUL_ENV}={value:?}: use cubecl (burn's kernels, the default) or cublas")),
+        }
+    }
+
+    /// Its name in `KILN_MATMUL`, `kiln info` and benchmark rows.
+    pub fn name(self) -> &'static str {
+        match self {
+            MatmulKernels::Cubecl => "cubecl",
+            MatmulKernels::Cublas => "cublas",
+        }
+    }
+}
+
+/// Whether the CUDA backends' products run through cuBLAS: `KILN_MATMUL` read once per process (a malformed
+/// value reads as burn's kernels here; the CLI has rejected it before any model runs).
+pub fn cublas_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| MatmulKernels::from_env() == Ok(MatmulKernels::Cublas))
+}
+
 /// An on/off switch from the environment: on when unset.
 fn switch(name: &str) -> Result<bool, String> {
     kernel_switch(name).map(|set| set.unwrap_or(true)).map_err(|why| format!("{why} (unset: on)"))
@@ -518,7 +565,7 @@ impl ModelBackend for Flex {
 
 #[cfg(any(feature = "cuda", feature = "vulkan"))]
 macro_rules! cubecl_model_backend {
-    ($backend:ty, $kernels:expr) => {
+    ($backend:ty, $kernels:expr, $matmul:path, $projection:path) => {
         impl CrossEntropyRows for $backend {
             fn cross_entropy_rows(
                 logits: Tensor<Self, 2>,
@@ -557,6 +604,14 @@ macro_rules! cubecl_model_backend {
         }
 
         impl ModelBackend for $backend {
+            fn matmul<const D: usize>(lhs: Tensor<Self, D>, rhs: Tensor<Self, D>) -> Tensor<Self, D> {
+                $matmul(lhs, rhs)
+            }
+
+            fn projection<const D: usize>(x: Tensor<Self, D>, weight: Tensor<Self, 2>) -> Tensor<Self, D> {
+                $projection(x, weight)
+            }
+
             fn attention_probs(
                 scores: Tensor<Self, 4>,
                 docs: &DocumentAttention<Self>,
@@ -646,6 +701,31 @@ macro_rules! cubecl_model_backend {
                 }
             }
 
+            fn gated_conv(
+                bcx: Tensor<Self, 3>,
+                kernel: Tensor<Self, 2>,
+                shifts: &crate::models::layers::ConvShifts<Self>,
+            ) -> Tensor<Self, 3> {
+                if Kernel::Conv.enabled($kernels) {
+                    crate::kernels::conv::gated_conv(bcx, kernel, shifts)
+                } else {
+                    crate::models::layers::gated_conv(bcx, kernel, shifts)
+                }
+            }
+
+            fn gated_conv_grads(
+                bcx: Tensor<Self, 3>,
+                kernel: Tensor<Self, 2>,
+                shifts: &crate::models::layers::ConvShifts<Self>,
+                grad: Tensor<Self, 3>,
+            ) -> (Tensor<Self, 3>, Tensor<Self, 2>) {
+                if Kernel::Conv.enabled($kernels) {
+                    crate::kernels::conv::gated_conv_grads(bcx, kernel, shifts, grad)
+                } else {
+                    crate::models::layers::gated_conv_backward(bcx, kernel, shifts, grad)
+                }
+            }
+
             fn grouped_matmul(x: Tensor<Self, 2>, weights: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
                 crate::models::experts::grouped_matmul(x, weights, counts, experts_batched_enabled())
             }
@@ -672,20 +752,29 @@ macro_rules! cubecl_model_backend {
         }
     };
 }
+// CUDA's products go through cuBLAS where `KILN_MATMUL=cublas` (`kernels::cublas`); Vulkan's are burn's.
 #[cfg(feature = "cuda")]
-cubecl_model_backend!(burn::backend::Cuda<f32>, CUDA_KERNELS);
+use crate::kernels::cublas;
 #[cfg(feature = "cuda")]
-cubecl_model_backend!(Gpu, CUDA_KERNELS);
+cubecl_model_backend!(burn::backend::Cuda<f32>, CUDA_KERNELS, cublas::matmul, cublas::projection);
 #[cfg(feature = "cuda")]
-cubecl_model_backend!(GpuUnfused, CUDA_KERNELS);
+cubecl_model_backend!(Gpu, CUDA_KERNELS, cublas::matmul, cublas::projection);
+#[cfg(feature = "cuda")]
+cubecl_model_backend!(GpuUnfused, CUDA_KERNELS, cublas::matmul, cublas::projection);
 #[cfg(feature = "vulkan")]
-cubecl_model_backend!(Vk, VULKAN_KERNELS);
+cubecl_model_backend!(Vk, VULKAN_KERNELS, Tensor::matmul, burn_projection);
 #[cfg(feature = "vulkan")]
-cubecl_model_backend!(VkHalf, VULKAN_KERNELS);
+cubecl_model_backend!(VkHalf, VULKAN_KERNELS, Tensor::matmul, burn_projection);
 #[cfg(feature = "vulkan")]
-cubecl_model_backend!(VkUnfused, VULKAN_KERNELS);
+cubecl_model_backend!(VkUnfused, VULKAN_KERNELS, Tensor::matmul, burn_projection);
 #[cfg(feature = "vulkan")]
-cubecl_model_backend!(VkHalfUnfused, VULKAN_KERNELS);
+cubecl_model_backend!(VkHalfUnfused, VULKAN_KERNELS, Tensor::matmul, burn_projection);
+
+/// burn's `linear` without a bias, `ModelBackend::projection`'s default, for the macro's Vulkan backends.
+#[cfg(feature = "vulkan")]
+fn burn_projection<B: Backend, const D: usize>(x: Tensor<B, D>, weight: Tensor<B, 2>) -> Tensor<B, D> {
+    burn::tensor::module::linear(x, weight, None)
+}
 
 /// `experts_batched()` read once, for the models (the CLI has rejected a malformed value before they run).
 pub fn experts_batched_enabled() -> bool {
@@ -736,7 +825,18 @@ pub fn cuda_ready(bf16: bool) -> Result<(), String> {
                  libnvrtc.so.<major> at run time; where only PyTorch's pip wheels bring NVRTC, add their \
                  site-packages/nvidia/.../lib directory to LD_LIBRARY_PATH; or use --device cpu)"
             )
-        })
+        })?;
+        if !cublas_enabled() {
+            return Ok(());
+        }
+        // cuBLAS's products checked against burn's once per precision before a run relies on them.
+        static CUBLAS: [std::sync::OnceLock<Result<(), String>>; 2] = [const { std::sync::OnceLock::new() }; 2];
+        let check: fn(&()) -> Result<(), String> = if bf16 {
+            |_| crate::kernels::cublas::self_check::<Gpu>(&Default::default())
+        } else {
+            |_| crate::kernels::cublas::self_check::<burn::backend::Cuda<f32>>(&Default::default())
+        };
+        CUBLAS[usize::from(bf16)].get_or_init(|| probe(check)).clone()
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -917,6 +1017,15 @@ mod tests {
         assert!(err.contains("KILN_CUDA_FUSION=\"unfused\"") && err.contains("use on or off"), "{err}");
         let err = parse_switch(Kernel::Scan.env(), "no").unwrap_err();
         assert!(err.starts_with("KILN_SCAN_KERNEL=\"no\""), "{err}");
+    }
+
+    #[test]
+    fn the_matmul_switch_reads_cubecl_or_cublas_and_rejects_the_rest() {
+        assert_eq!(MatmulKernels::parse(""), Ok(MatmulKernels::Cubecl));
+        assert_eq!(MatmulKernels::parse(" cuBLAS "), Ok(MatmulKernels::Cublas));
+        assert_eq!(MatmulKernels::parse("cubecl"), Ok(MatmulKernels::Cubecl));
+        let err = MatmulKernels::parse("torch").unwrap_err();
+        assert!(err.starts_with("KILN_MATMUL=\"torch\"") && err.contains("cublas"), "{err}");
     }
 
     #[test]

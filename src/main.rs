@@ -775,6 +775,7 @@ fn run(cli: Cli, host_allocator: Option<&str>) -> Result<()> {
             kernel.setting().map_err(anyhow::Error::msg)?;
         }
         kiln::backend::experts_batched().map_err(anyhow::Error::msg)?;
+        kiln::backend::MatmulKernels::from_env().map_err(anyhow::Error::msg)?;
         kiln::models::attention::chunk_score_budget().map_err(anyhow::Error::msg)?;
     }
     match cli.command {
@@ -1147,6 +1148,8 @@ fn info(host_allocator: Option<&str>) -> Result<()> {
     let experts_batched =
         kiln::backend::experts_batched().map_or_else(|why| why, |on| if on { "on" } else { "off" }.into());
     switches.insert("experts_batched".into(), experts_batched.into());
+    let matmul = kiln::backend::MatmulKernels::from_env().map_or_else(|why| why, |kernels| kernels.name().into());
+    switches.insert("matmul".into(), matmul.into());
     let chunk_mib =
         kiln::models::attention::chunk_score_budget().map_or_else(|why| why.into(), |bytes| (bytes >> 20).into());
     switches.insert("attention_chunk_mib".into(), chunk_mib);

@@ -18,7 +18,7 @@ use std::path::PathBuf;
 
 use burn::tensor::FloatDType;
 use burn::tensor::Tensor;
-use common::convs::{conv_parts, conv_parts_by_tensor_ops};
+use common::convs::{conv_parts, conv_parts_by_tensor_ops, gated_conv_parts, gated_conv_parts_by_tensor_ops};
 use common::norms::{norm_parts, norm_parts_by_tensor_ops};
 use common::parity::{self, KernelComparison, KernelResults, ids_tensor, masked_ce, max_abs_diff, spread, values};
 use kiln::backend::{Cpu, Vk, VkTrain, VkUnfused};
@@ -289,6 +289,27 @@ fn the_conv_kernels_equal_the_tensor_op_conv() {
             ["output", "d x", "d kernel"],
             &kernel_comparisons(&fused, &unfused, &device_ops, &cpu),
             [1e-6, 1e-6, 1e-5],
+        );
+    }
+}
+
+/// The gated conv kernels (LFM2's `C ⊙ conv(B ⊙ x)` read from the projection, its whole gradient written
+/// at once) against the split, products and tensor-op conv they replace, on the same cases.
+#[test]
+fn the_gated_conv_kernels_equal_the_tensor_ops() {
+    for case in common::convs::conv_cases() {
+        let f32 = FloatDType::F32;
+        let fused = gated_conv_parts::<Vk>(&case, f32);
+        let unfused = gated_conv_parts::<VkUnfused>(&case, f32);
+        let device_ops = gated_conv_parts_by_tensor_ops::<Vk>(&case, f32);
+        let cpu = gated_conv_parts_by_tensor_ops::<Cpu>(&case, f32);
+        // The kernels round once where the tensor ops round B ⊙ x and the conv's output (exact in f32 but
+        // for the order of a product of three).
+        parity::assert_kernel_results(
+            &format!("gated {case:?}"),
+            ["output", "d projection", "d kernel"],
+            &kernel_comparisons(&fused, &unfused, &device_ops, &cpu),
+            [1e-5, 1e-5, 1e-5],
         );
     }
 }

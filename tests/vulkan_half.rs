@@ -9,7 +9,7 @@
 mod common;
 
 use burn::tensor::FloatDType;
-use common::convs::{conv_parts, conv_parts_by_tensor_ops};
+use common::convs::{conv_parts, conv_parts_by_tensor_ops, gated_conv_parts, gated_conv_parts_by_tensor_ops};
 use common::norms::{norm_parts, norm_parts_by_tensor_ops};
 use common::parity::{self, ids_tensor, values};
 use kiln::backend::{VkHalf, VkHalfTrain};
@@ -105,6 +105,26 @@ fn the_conv_kernels_equal_the_tensor_op_conv_in_half_precision() {
             ["output", "d x", "d kernel"],
             &[("fused", &fused, &device_ops), ("unfused", &unfused, &device_ops)],
             [1.0 / 1024.0; 3],
+        );
+    }
+}
+
+/// The gated conv kernels (LFM2's `C ⊙ conv(B ⊙ x)`) in half precision against the tensor ops they replace:
+/// the kernels round once, the tensor ops round `B ⊙ x`, the conv's output and every product to f16, so they
+/// differ by a few f16 ulps (of the largest value).
+#[test]
+fn the_gated_conv_kernels_equal_the_tensor_ops_in_half_precision() {
+    claim_f16();
+    for case in common::convs::conv_cases() {
+        let f16 = FloatDType::F16;
+        let fused = gated_conv_parts::<VkHalf>(&case, f16);
+        let unfused = gated_conv_parts::<kiln::backend::VkHalfUnfused>(&case, f16);
+        let device_ops = gated_conv_parts_by_tensor_ops::<VkHalf>(&case, f16);
+        parity::assert_kernel_results(
+            &format!("gated {case:?}"),
+            ["output", "d projection", "d kernel"],
+            &[("fused", &fused, &device_ops), ("unfused", &unfused, &device_ops)],
+            [1.0 / 256.0, 1.0 / 256.0, 1.0 / 128.0],
         );
     }
 }

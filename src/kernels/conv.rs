@@ -10,6 +10,13 @@
 //! tensor ops' in f32, rounded once to the input's dtype; only the order of the weight gradient's sums
 //! differs. Tested against them (tests/vulkan_backend.rs,
 //! tests/vulkan_half.rs).
+//!
+//! Gated (`gated`, LFM2's short convolution `C ⊙ conv(B ⊙ x)` on its in-projection `B | C | x`), the kernels
+//! read the three parts from the projection's rows and apply both gates themselves: the forward pass writes
+//! the gated output alone, and the backward pass recomputes `B ⊙ x` and the conv's output at each token and
+//! writes the projection's whole gradient `d B | d C | d x`. As tensor ops the gates cost a layer ~7 more
+//! kernels (the products, their gradients, the split's three writes) and keep two more activations a token
+//! (`B ⊙ x` and the conv's output) for the backward pass.
 
 use burn::tensor::Tensor as BurnTensor;
 use burn::tensor::backend::Backend;
@@ -74,7 +81,30 @@ fn lags_back(reach: &Tensor<f32>, token: usize, seq: usize) -> usize {
     back
 }
 
-/// Forward: `y[t, c] = Σ_{lag ≤ back(t)} w[c, taps − 1 − lag] · x[t − lag, c]`, in f32, written in `F`.
+/// The conv's input at `token`, `channel`, in f32: `x` itself, or gated, `B ⊙ x` from the projection's row
+/// `B | C | x` (`3 · channels` wide).
+#[cube]
+fn conv_input<F: Float>(x: &Tensor<F>, token: usize, channel: usize, channels: usize, #[comptime] gated: bool) -> f32 {
+    if comptime!(gated) {
+        let row = token * 3 * channels;
+        f32::cast_from(x[row + channel]) * f32::cast_from(x[row + 2 * channels + channel])
+    } else {
+        f32::cast_from(x[token * channels + channel])
+    }
+}
+
+/// The output gate at `token`, `channel`: gated, `C` from the projection's row; else 1.
+#[cube]
+fn output_gate<F: Float>(x: &Tensor<F>, token: usize, channel: usize, channels: usize, #[comptime] gated: bool) -> f32 {
+    let mut gate = 1.0f32;
+    if comptime!(gated) {
+        gate = f32::cast_from(x[token * 3 * channels + channels + channel]);
+    }
+    gate
+}
+
+/// Forward: `y[t, c] = Σ_{lag ≤ back(t)} w[c, taps − 1 − lag] · x[t − lag, c]`, in f32, written in `F`; gated,
+/// `C[t, c] · y[t, c]` with `B ⊙ x` for `x`.
 #[cube(launch)]
 fn causal_conv_kernel<F: Float, W: Float>(
     x: &Tensor<F>,
@@ -83,6 +113,7 @@ fn causal_conv_kernel<F: Float, W: Float>(
     out: &mut Tensor<F>,
     args: ConvArgs,
     #[comptime] taps: usize,
+    #[comptime] gated: bool,
     #[comptime] _revision: u64,
     #[define(F, W)] _dtypes: [StorageType; 2],
 ) {
@@ -99,17 +130,19 @@ fn causal_conv_kernel<F: Float, W: Float>(
         for lag in 0..taps {
             if lag <= back {
                 let w = f32::cast_from(kernel[channel * taps + taps - 1 - lag]);
-                sum += w * f32::cast_from(x[(token - lag) * channels + channel]);
+                sum += w * conv_input(x, token - lag, channel, channels, gated);
             }
         }
-        out[token * channels + channel] = F::cast_from(sum);
+        out[token * channels + channel] = F::cast_from(sum * output_gate(x, token, channel, channels, gated));
         token += 1;
     }
 }
 
 /// Backward, in f32: `d x[t, c] = Σ_lag w[c, taps − 1 − lag] · g[t + lag, c]` over the lags whose token
 /// `t + lag` reads `t`, written in `F`; and the block's `Σ_t g[t, c] · x[t − lag, c]` over its tokens that read
-/// `lag` back, into `shares[block, c, taps − 1 − lag]` (f32).
+/// `lag` back, into `shares[block, c, taps − 1 − lag]` (f32). Gated, `g` is the gated output's gradient times
+/// `C` and `x` is `B ⊙ x`; the row written is `d B = d u · x`, `d C = g · y`, `d x = d u · B` (`d u` the sum
+/// above, `y` the conv's output recomputed).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn causal_conv_grads_kernel<F: Float, W: Float>(
@@ -122,6 +155,7 @@ fn causal_conv_grads_kernel<F: Float, W: Float>(
     args: ConvArgs,
     #[comptime] taps: usize,
     #[comptime] units: usize,
+    #[comptime] gated: bool,
     #[comptime] _revision: u64,
     #[define(F, W)] _dtypes: [StorageType; 2],
 ) {
@@ -139,21 +173,34 @@ fn causal_conv_grads_kernel<F: Float, W: Float>(
     }
     let mut token = first;
     while token < last {
-        let g = f32::cast_from(grad[token * channels + channel]);
+        let g_out = f32::cast_from(grad[token * channels + channel]);
+        let g = g_out * output_gate(x, token, channel, channels, gated);
         let back = lags_back(reach, token, seq);
         let mut dx = 0.0f32;
+        let mut y = 0.0f32;
         #[unroll]
         for lag in 0..taps {
             let w = f32::cast_from(kernel[channel * taps + taps - 1 - lag]);
             let ahead = token + lag;
             if ahead < tokens && lag <= lags_back(reach, ahead, seq) {
-                dx += w * f32::cast_from(grad[ahead * channels + channel]);
+                let g_ahead = f32::cast_from(grad[ahead * channels + channel]);
+                dx += w * g_ahead * output_gate(x, ahead, channel, channels, gated);
             }
             if lag <= back {
-                partials[slot + lag] += g * f32::cast_from(x[(token - lag) * channels + channel]);
+                let input = conv_input(x, token - lag, channel, channels, gated);
+                partials[slot + lag] += g * input;
+                y += w * input;
             }
         }
-        grad_x[token * channels + channel] = F::cast_from(dx);
+        if comptime!(gated) {
+            let row = token * 3 * channels;
+            let (b, x_in) = (f32::cast_from(x[row + channel]), f32::cast_from(x[row + 2 * channels + channel]));
+            grad_x[row + channel] = F::cast_from(dx * x_in);
+            grad_x[row + channels + channel] = F::cast_from(g_out * y);
+            grad_x[row + 2 * channels + channel] = F::cast_from(dx * b);
+        } else {
+            grad_x[token * channels + channel] = F::cast_from(dx);
+        }
         token += 1;
     }
     let block = first / args.tokens_per_cube as usize;
@@ -163,15 +210,17 @@ fn causal_conv_grads_kernel<F: Float, W: Float>(
     }
 }
 
-/// The kernels as backend primitives on `x` `[tokens, channels]`, `kernel` `[channels, taps]`, each token's
-/// reach `[tokens]` (f32) and rows of `seq` tokens: `causal_conv` returns the output, `causal_conv_grads`
-/// `[d x, the blocks' shares of d kernel]` (`[blocks, channels · taps]`, f32).
+/// The kernels as backend primitives on `x` `[tokens, channels]` (gated: the projection's rows `[tokens,
+/// 3 · channels]`), `kernel` `[channels, taps]`, each token's reach `[tokens]` (f32) and rows of `seq` tokens:
+/// `causal_conv` returns the output `[tokens, channels]`, `causal_conv_grads` `[d x, the blocks' shares of
+/// d kernel]` (d x shaped as `x`; the shares `[blocks, channels · taps]`, f32).
 pub trait ConvKernels: Backend {
     fn causal_conv(
         x: FloatTensor<Self>,
         kernel: FloatTensor<Self>,
         reach: FloatTensor<Self>,
         seq: usize,
+        gated: bool,
     ) -> FloatTensor<Self>;
 
     fn causal_conv_grads(
@@ -180,16 +229,17 @@ pub trait ConvKernels: Backend {
         reach: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         seq: usize,
+        gated: bool,
     ) -> [FloatTensor<Self>; 2];
 }
 
-/// `x` `[batch, seq, channels]` as `[tokens, channels]`, the kernel's taps checked against the shifts'.
+/// `x` `[batch, seq, width]` as `[tokens, width]`, the kernel's taps checked against the shifts'.
 fn conv_operands<B: Backend>(
     x: BurnTensor<B, 3>,
     kernel: &BurnTensor<B, 2>,
     shifts: &ConvShifts<B>,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let [batch, seq, channels] = x.dims();
+    let [batch, seq, width] = x.dims();
     assert!(
         kernel.dims()[1] <= shifts.max_lag() + 1,
         "a conv kernel of {} taps over shifts of {} lags",
@@ -197,7 +247,12 @@ fn conv_operands<B: Backend>(
         shifts.max_lag()
     );
     let reach = shifts.reach().clone().into_primitive().tensor();
-    (x.reshape([batch * seq, channels]).into_primitive().tensor(), reach)
+    (x.reshape([batch * seq, width]).into_primitive().tensor(), reach)
+}
+
+/// The conv's channels for an input `width` wide: gated, a third of the projection.
+fn channels_of(width: usize, gated: bool) -> usize {
+    if gated { width / 3 } else { width }
 }
 
 /// `ModelBackend::causal_conv` on a CubeCL backend: one kernel launch.
@@ -206,10 +261,28 @@ pub fn causal_conv<B: ConvKernels>(
     kernel: BurnTensor<B, 2>,
     shifts: &ConvShifts<B>,
 ) -> BurnTensor<B, 3> {
-    let dims = x.dims();
+    conv_forward(x, kernel, shifts, false)
+}
+
+/// `ModelBackend::gated_conv` on a CubeCL backend: one kernel launch on the projection `B | C | x`.
+pub fn gated_conv<B: ConvKernels>(
+    bcx: BurnTensor<B, 3>,
+    kernel: BurnTensor<B, 2>,
+    shifts: &ConvShifts<B>,
+) -> BurnTensor<B, 3> {
+    conv_forward(bcx, kernel, shifts, true)
+}
+
+fn conv_forward<B: ConvKernels>(
+    x: BurnTensor<B, 3>,
+    kernel: BurnTensor<B, 2>,
+    shifts: &ConvShifts<B>,
+    gated: bool,
+) -> BurnTensor<B, 3> {
+    let [batch, seq, width] = x.dims();
     let (x, reach) = conv_operands(x, &kernel, shifts);
-    let out: BurnTensor<B, 2> = float_tensor(B::causal_conv(x, kernel.into_primitive().tensor(), reach, dims[1]));
-    out.reshape(dims)
+    let out: BurnTensor<B, 2> = float_tensor(B::causal_conv(x, kernel.into_primitive().tensor(), reach, seq, gated));
+    out.reshape([batch, seq, channels_of(width, gated)])
 }
 
 /// `ModelBackend::causal_conv_grads` on a CubeCL backend: one kernel launch and the sum of the blocks'
@@ -220,14 +293,38 @@ pub fn causal_conv_grads<B: ConvKernels>(
     shifts: &ConvShifts<B>,
     grad: BurnTensor<B, 3>,
 ) -> (BurnTensor<B, 3>, BurnTensor<B, 2>) {
-    let dims = x.dims();
     if x.shape().num_elements() == 0 {
         return crate::models::layers::causal_depthwise_conv_backward(x, kernel, shifts, grad);
     }
+    conv_backward(x, kernel, shifts, grad, false)
+}
+
+/// `ModelBackend::gated_conv_grads` on a CubeCL backend: one kernel launch writing the projection's whole
+/// gradient, and the sum of the blocks' shares.
+pub fn gated_conv_grads<B: ConvKernels + crate::models::ModelBackend>(
+    bcx: BurnTensor<B, 3>,
+    kernel: BurnTensor<B, 2>,
+    shifts: &ConvShifts<B>,
+    grad: BurnTensor<B, 3>,
+) -> (BurnTensor<B, 3>, BurnTensor<B, 2>) {
+    if bcx.shape().num_elements() == 0 {
+        return crate::models::layers::gated_conv_backward(bcx, kernel, shifts, grad);
+    }
+    conv_backward(bcx, kernel, shifts, grad, true)
+}
+
+fn conv_backward<B: ConvKernels>(
+    x: BurnTensor<B, 3>,
+    kernel: BurnTensor<B, 2>,
+    shifts: &ConvShifts<B>,
+    grad: BurnTensor<B, 3>,
+    gated: bool,
+) -> (BurnTensor<B, 3>, BurnTensor<B, 2>) {
+    let dims = x.dims();
     let (kernel_dtype, kernel_dims) = (FloatDType::from(kernel.dtype()), kernel.dims());
     let (x, reach) = conv_operands(x, &kernel, shifts);
-    let grad = grad.reshape([dims[0] * dims[1], dims[2]]).into_primitive().tensor();
-    let [grad_x, shares] = B::causal_conv_grads(x, kernel.into_primitive().tensor(), reach, grad, dims[1]);
+    let grad = grad.reshape([dims[0] * dims[1], channels_of(dims[2], gated)]).into_primitive().tensor();
+    let [grad_x, shares] = B::causal_conv_grads(x, kernel.into_primitive().tensor(), reach, grad, dims[1], gated);
     let grad_x: BurnTensor<B, 3> = float_tensor::<B, 2>(grad_x).reshape(dims);
     let grad_kernel = column_sums(float_tensor::<B, 2>(shares)).reshape(kernel_dims).cast(kernel_dtype);
     (grad_x, grad_kernel)
@@ -243,10 +340,14 @@ fn share_blocks(tokens: usize) -> usize {
     tokens.div_ceil(BACKWARD_TOKENS).max(1)
 }
 
-/// A launch over `[tokens, channels]` in blocks of `tokens_per_cube`: its units per cube, its cubes and
+/// A launch over `tokens` of `channels` in blocks of `tokens_per_cube`: its units per cube, its cubes and
 /// its arguments.
-fn conv_launch<R: Runtime>(shape: &Shape, seq: usize, tokens_per_cube: usize) -> (usize, usize, ConvArgsLaunch<R>) {
-    let [tokens, channels] = shape.dims::<2>();
+fn conv_launch<R: Runtime>(
+    tokens: usize,
+    channels: usize,
+    seq: usize,
+    tokens_per_cube: usize,
+) -> (usize, usize, ConvArgsLaunch<R>) {
     let units = units_for(channels);
     let groups = channels.div_ceil(units);
     let cubes = tokens.div_ceil(tokens_per_cube) * groups;
@@ -267,10 +368,13 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ConvKernel
         kernel: FloatTensor<Self>,
         reach: FloatTensor<Self>,
         seq: usize,
+        gated: bool,
     ) -> FloatTensor<Self> {
         let (client, device) = (x.client.clone(), x.device.clone());
-        let out = empty_device_contiguous_dtype::<R>(client.clone(), device, x.shape(), x.dtype);
-        let (units, cubes, args) = conv_launch::<R>(&x.shape(), seq, FORWARD_TOKENS);
+        let [tokens, width] = x.shape().dims::<2>();
+        let channels = channels_of(width, gated);
+        let out = empty_device_contiguous_dtype::<R>(client.clone(), device, Shape::new([tokens, channels]), x.dtype);
+        let (units, cubes, args) = conv_launch::<R>(tokens, channels, seq, FORWARD_TOKENS);
         if cubes > 0 {
             let dtypes = [x.dtype, kernel.dtype];
             let taps = kernel.shape().dims::<2>()[1];
@@ -284,6 +388,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ConvKernel
                 out.clone().into_tensor_arg(),
                 args,
                 taps,
+                gated,
                 super::REVISION,
                 dtypes.map(Into::into),
             );
@@ -297,15 +402,17 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ConvKernel
         reach: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         seq: usize,
+        gated: bool,
     ) -> [FloatTensor<Self>; 2] {
         assert_eq!(grad.dtype, x.dtype, "the conv's gradient is in its output's dtype, the input's");
         let (client, device) = (x.client.clone(), x.device.clone());
-        let [tokens, channels] = x.shape().dims::<2>();
+        let [tokens, width] = x.shape().dims::<2>();
+        let channels = channels_of(width, gated);
         let taps = kernel.shape().dims::<2>()[1];
         let grad_x = empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), x.shape(), x.dtype);
         let share_shape = Shape::new([share_blocks(tokens), channels * taps]);
         let shares = empty_device_contiguous_dtype::<R>(client.clone(), device, share_shape, DType::F32);
-        let (units, cubes, args) = conv_launch::<R>(&x.shape(), seq, BACKWARD_TOKENS);
+        let (units, cubes, args) = conv_launch::<R>(tokens, channels, seq, BACKWARD_TOKENS);
         if cubes > 0 {
             let dtypes = [x.dtype, kernel.dtype];
             causal_conv_grads_kernel::launch::<R>(
@@ -321,6 +428,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ConvKernel
                 args,
                 taps,
                 units,
+                gated,
                 super::REVISION,
                 dtypes.map(Into::into),
             );
@@ -335,13 +443,14 @@ struct FusedConv<B> {
     desc: CustomOpIr,
     seq: usize,
     grads: bool,
+    gated: bool,
     _backend: std::marker::PhantomData<B>,
 }
 
 impl<B> FusedConv<B> {
     /// What makes the operation from its description in `register_custom`.
-    fn maker(seq: usize, grads: bool) -> impl FnOnce(CustomOpIr) -> Self {
-        move |desc| FusedConv { desc, seq, grads, _backend: std::marker::PhantomData }
+    fn maker(seq: usize, grads: bool, gated: bool) -> impl FnOnce(CustomOpIr) -> Self {
+        move |desc| FusedConv { desc, seq, grads, gated, _backend: std::marker::PhantomData }
     }
 }
 
@@ -350,11 +459,12 @@ impl<B: FusionBackend + ConvKernels> Operation<B::FusionRuntime> for FusedConv<B
         let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
         let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
         let (x, kernel, reach) = (get(0), get(1), get(2));
+        let (seq, gated) = (self.seq, self.gated);
         if self.grads {
             let grad = get(3);
-            register_float_outputs::<B>(handles, outputs, B::causal_conv_grads(x, kernel, reach, grad, self.seq));
+            register_float_outputs::<B>(handles, outputs, B::causal_conv_grads(x, kernel, reach, grad, seq, gated));
         } else {
-            register_float_outputs::<B>(handles, outputs, [B::causal_conv(x, kernel, reach, self.seq)]);
+            register_float_outputs::<B>(handles, outputs, [B::causal_conv(x, kernel, reach, seq, gated)]);
         }
     }
 }
@@ -365,13 +475,15 @@ impl<B: FusionBackend + ConvKernels> ConvKernels for Fusion<B> {
         kernel: FloatTensor<Self>,
         reach: FloatTensor<Self>,
         seq: usize,
+        gated: bool,
     ) -> FloatTensor<Self> {
-        let out = (x.shape(), x.dtype());
+        let [tokens, width] = x.shape().dims::<2>();
+        let out = (Shape::new([tokens, channels_of(width, gated)]), x.dtype());
         let [y] = outputs(register_custom::<B, _>(
             "kiln_causal_conv",
             vec![x, kernel, reach],
             &[out],
-            FusedConv::<B>::maker(seq, false),
+            FusedConv::<B>::maker(seq, false, gated),
         ));
         y
     }
@@ -382,17 +494,20 @@ impl<B: FusionBackend + ConvKernels> ConvKernels for Fusion<B> {
         reach: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         seq: usize,
+        gated: bool,
     ) -> [FloatTensor<Self>; 2] {
-        let [tokens, channels] = x.shape().dims::<2>();
+        let [tokens, width] = x.shape().dims::<2>();
         let taps = kernel.shape().dims::<2>()[1];
-        let shapes = [(x.shape(), x.dtype()), (Shape::new([share_blocks(tokens), channels * taps]), DType::F32)];
+        let share_shape = Shape::new([share_blocks(tokens), channels_of(width, gated) * taps]);
+        let shapes = [(x.shape(), x.dtype()), (share_shape, DType::F32)];
         let inputs = vec![x, kernel, reach, grad];
-        outputs(register_custom::<B, _>("kiln_causal_conv_grads", inputs, &shapes, FusedConv::<B>::maker(seq, true)))
+        let maker = FusedConv::<B>::maker(seq, true, gated);
+        outputs(register_custom::<B, _>("kiln_causal_conv_grads", inputs, &shapes, maker))
     }
 }
 
 /// The launches CUDA makes (`cuda_source`): inputs in f32 and bf16 with kernels in their dtype or f32, LFM2's
-/// three taps and Qwen3.5's four, over narrow and wide channels.
+/// three taps (gated) and Qwen3.5's four (plain), over narrow and wide channels.
 #[cfg(all(test, feature = "vulkan"))]
 pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::cuda_source::Variant> {
     use super::cuda_source::{Runtime, Variant, settings, tensor};
@@ -402,7 +517,8 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
         let dtypes = [x.into(), kernel.into()];
         for (taps, channels) in [(3, 1024), (4, 6144), (3, 48)] {
             let units = units_for(channels);
-            let name = format!("causal conv {x:?}/{kernel:?} {taps} taps, {channels} channels");
+            let gated = taps == 3;
+            let name = format!("causal conv {x:?}/{kernel:?} {taps} taps, {channels} channels, gated: {gated}");
             variants.push(Variant::new(
                 format!("{name} forward"),
                 causal_conv_kernel::CausalConvKernel::<Runtime>::new(
@@ -414,6 +530,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                     tensor(),
                     args(),
                     taps,
+                    gated,
                     super::REVISION,
                     dtypes,
                 ),
@@ -432,6 +549,7 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                     args(),
                     taps,
                     units,
+                    gated,
                     super::REVISION,
                     dtypes,
                 ),

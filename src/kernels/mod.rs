@@ -7,6 +7,7 @@
 //! rows (`cross_entropy`), the RMSNorms (`norm`), the causal depthwise convolution (`conv`), the gradients'
 //! squared norm (`grad_norm`) and AdamW's update (`adamw`).
 //! `cuda_source` (a test) writes every one's CUDA launches as CUDA C++ and compiles them with NVRTC, no GPU needed.
+//! `cublas` is no CubeCL kernel: the CUDA backends' matrix products through NVIDIA's cuBLAS (`KILN_MATMUL`).
 //! `backend` wires them into `ModelBackend`, `train::linear_ce::CrossEntropyRows` and
 //! `train::optim::OptimizerOps`, each behind an environment switch.
 //!
@@ -22,6 +23,7 @@ pub mod attention;
 pub mod chunk_solve;
 pub mod conv;
 pub mod cross_entropy;
+pub mod cublas;
 #[cfg(all(test, feature = "vulkan"))]
 mod cuda_source;
 pub mod grad_norm;

@@ -368,13 +368,13 @@ struct Chunk<B: Backend> {
     scores: Tensor<B, 4>,
 }
 
-impl<B: Backend> Chunk<B> {
+impl<B: ModelBackend> Chunk<B> {
     /// From the queries as `query_rows` lays them out and dense keys and values (`dense_rows`).
     fn new(q_rows: &Tensor<B, 4>, k: &Tensor<B, 4>, v: &Tensor<B, 4>, rows: ChunkRows) -> Self {
         let q = rows.of(q_rows);
         let k = k.clone().narrow(2, rows.first, rows.keys());
         let v = v.clone().narrow(2, rows.first, rows.keys());
-        let scores = q.clone().matmul(k.clone().swap_dims(2, 3));
+        let scores = B::matmul(q.clone(), k.clone().swap_dims(2, 3));
         Chunk { q, k, v, scores }
     }
 }
@@ -445,7 +445,7 @@ pub fn chunked_attention<B: ModelBackend>(
         let rows = ChunkRows::new(chunk, group, docs, d);
         let Chunk { v, scores, .. } = Chunk::new(&q_rows, &k, &v, rows);
         let [probs, lse] = B::attention_probs(scores, docs, rows);
-        outs.push(positions_first(probs.matmul(v), group));
+        outs.push(positions_first(B::matmul(probs, v), group));
         lses.push(lse);
     }
     AttentionForward {
@@ -485,11 +485,11 @@ pub fn chunked_attention_backward<B: ModelBackend>(
         let ChunkRows { start, len, first, .. } = rows;
         let Chunk { q, k, v, scores } = Chunk::new(&q_rows, &k, &v, rows);
         let grad_o = rows.of(&grad_rows);
-        let grad_probs = grad_o.clone().matmul(v.swap_dims(2, 3));
+        let grad_probs = B::matmul(grad_o.clone(), v.swap_dims(2, 3));
         let [probs, grad_s] = B::attention_score_grads(scores, grad_probs, lse.clone(), delta.clone(), docs, rows);
-        let part_v = probs.swap_dims(2, 3).matmul(grad_o);
-        grad_q.push(positions_first(grad_s.clone().matmul(k), group));
-        let part_k = grad_s.swap_dims(2, 3).matmul(q);
+        let part_v = B::matmul(probs.swap_dims(2, 3), grad_o);
+        grad_q.push(positions_first(B::matmul(grad_s.clone(), k), group));
+        let part_k = B::matmul(grad_s.swap_dims(2, 3), q);
         let keys = [0..batch, 0..kv_heads, first..start + len, 0..d];
         grad_k = grad_k.clone().slice_assign(keys.clone(), grad_k.slice(keys.clone()) + part_k.cast(FloatDType::F32));
         grad_v = grad_v.clone().slice_assign(keys.clone(), grad_v.slice(keys) + part_v.cast(FloatDType::F32));

@@ -239,6 +239,34 @@ pub fn causal_depthwise_conv_backward<B: Backend>(
     (grad_x.cast(x_dtype), Tensor::cat(grad_taps, 1).cast(kernel_dtype))
 }
 
+/// LFM2's gated short convolution on its in-projection `bcx` `[batch, seq, 3 · hidden]` (`B | C | x`):
+/// `C ⊙ conv(B ⊙ x)`, through the backend's split, products and convolution (`ModelBackend::gated_conv`'s
+/// composition; the CubeCL backends run one kernel, `kernels::conv`).
+pub fn gated_conv<B: ModelBackend>(bcx: Tensor<B, 3>, kernel: Tensor<B, 2>, shifts: &ConvShifts<B>) -> Tensor<B, 3> {
+    let hidden = bcx.dims()[2] / 3;
+    let [b, c, x] = B::split_last(bcx, [hidden; 3]);
+    c * B::causal_conv(b * x, kernel, shifts)
+}
+
+/// Gradients of `gated_conv` with respect to `bcx` (`d B | d C | d x`, in its dtype) and the kernel for the
+/// output gradient `grad`, with `B ⊙ x` and the conv's output recomputed: `d C = g ⊙ y`,
+/// `d u = conv_grads(u, g ⊙ C)`, `d B = d u ⊙ x`, `d x = d u ⊙ B`, the products burn's autodiff would take.
+pub fn gated_conv_backward<B: ModelBackend>(
+    bcx: Tensor<B, 3>,
+    kernel: Tensor<B, 2>,
+    shifts: &ConvShifts<B>,
+    grad: Tensor<B, 3>,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let hidden = bcx.dims()[2] / 3;
+    let [b, c, x] = B::split_last(bcx, [hidden; 3]);
+    let u = b.clone() * x.clone();
+    let y = B::causal_conv(u.clone(), kernel.clone(), shifts);
+    let grad_c = grad.clone() * y;
+    let (grad_u, grad_kernel) = B::causal_conv_grads(u, kernel, shifts, grad * c);
+    let (grad_b, grad_x) = (grad_u.clone() * x, grad_u * b);
+    (Tensor::cat(vec![grad_b, grad_c, grad_x], 2), grad_kernel)
+}
+
 /// The same convolution continuing `state` (the last `L-1` inputs before `x`, zeros before a sequence
 /// starts), summed in f32 and rounded once as the full one is; returns the outputs and the new state.
 pub fn causal_depthwise_conv_cached<B: Backend>(

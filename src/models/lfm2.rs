@@ -30,12 +30,14 @@ pub struct ShortConv<B: Backend> {
 
 impl<B: ModelBackend> ShortConv<B> {
     pub fn forward(&self, x: Tensor<B, 3>, shifts: &ConvShifts<B>) -> Tensor<B, 3> {
+        let bcx = self.in_proj.project(x);
+        let Some(bias) = &self.conv_bias else {
+            return self.out_proj.project(B::gated_conv(bcx, self.conv.val(), shifts));
+        };
+        // A conv bias (no released LFM2 has one) sits between the conv and the output gate.
         let hidden = self.out_proj.weight.dims()[0];
-        let [b, c, xx] = B::split_last(self.in_proj.project(x), [hidden; 3]);
-        let mut y = B::causal_conv(b * xx, self.conv.val(), shifts);
-        if let Some(bias) = &self.conv_bias {
-            y = y + bias.val().reshape([1, 1, hidden]);
-        }
+        let [b, c, xx] = B::split_last(bcx, [hidden; 3]);
+        let y = B::causal_conv(b * xx, self.conv.val(), shifts) + bias.val().reshape([1, 1, hidden]);
         self.out_proj.project(c * y)
     }
 }

@@ -5,7 +5,9 @@
 //! activation: `σ(gate)` and `silu(gate)`, or GELU's cube, tanh and sums), the RMSNorms
 //! (keep the input and weight instead of an f32 copy of the input and the normalized rows; the statistics
 //! are recomputed in the backward pass), the causal depthwise convolution (keeps its input instead of each
-//! lag's shifted and masked copies; the CubeCL backends run it as kernels, `kernels::conv`), the L2 norm of
+//! lag's shifted and masked copies; the CubeCL backends run it as kernels, `kernels::conv`), LFM2's gated
+//! convolution `C ⊙ conv(B ⊙ x)` (keeps the projection alone, not `B ⊙ x` and the conv's output; one kernel
+//! each way on the CubeCL backends, gates included), the L2 norm of
 //! Qwen3.5's q and k (keeps its input, not an f32 copy), RoPE (keeps the tables alone; its gradient
 //! `grad·cos + (grad·sin)[swap]` gathers where burn's scatters into zeros), the MoE's grouped expert matmul (one weight
 //! gradient for all experts instead of a full-size one per expert slice), Qwen3.5's gated delta rule (`deltanet`: the
@@ -45,7 +47,7 @@ use super::deltanet::{
 use super::experts::{grouped_matmul_backward, grouped_matmul_forward};
 use super::layers::{
     ConvShifts, RopeTables, apply_rope, apply_rope_backward, causal_depthwise_conv, causal_depthwise_conv_backward,
-    l2_normalize, l2_normalize_backward,
+    gated_conv, gated_conv_backward, l2_normalize, l2_normalize_backward,
 };
 use crate::backend::zeros_in;
 
@@ -153,9 +155,17 @@ pub trait ModelBackend: Backend {
     }
 
     /// `x · weight` over the last dimension of `x` for a weight `[in, out]`: a projection without its bias, as
-    /// burn's `linear` computes it.
+    /// burn's `linear` computes it (on CUDA with `KILN_MATMUL=cublas`, one cuBLAS product over all rows,
+    /// `kernels::cublas`).
     fn projection<const D: usize>(x: Tensor<Self, D>, weight: Tensor<Self, 2>) -> Tensor<Self, D> {
         burn::tensor::module::linear(x, weight, None)
+    }
+
+    /// `lhs · rhs` over the last two dimensions, batch dimensions broadcast, as burn's `matmul` computes it:
+    /// the products inside the ops (the projections' gradients, the attention's chunks, the loss's head). On
+    /// CUDA with `KILN_MATMUL=cublas`, cuBLAS computes them (`kernels::cublas`).
+    fn matmul<const D: usize>(lhs: Tensor<Self, D>, rhs: Tensor<Self, D>) -> Tensor<Self, D> {
+        lhs.matmul(rhs)
     }
 
     /// A gated MLP's gate `act(gate) · up` (SwiGLU, GeGLU), in the inputs' dtype (`glu_forward`; the CPU
@@ -218,6 +228,25 @@ pub trait ModelBackend: Backend {
         grad: Tensor<Self, 3>,
     ) -> (Tensor<Self, 3>, Tensor<Self, 2>) {
         causal_depthwise_conv_backward(x, kernel, shifts, grad)
+    }
+
+    /// LFM2's gated short convolution `C ⊙ conv(B ⊙ x)` on its in-projection `bcx` `[batch, seq, 3 · hidden]`
+    /// (`B | C | x`): `layers::gated_conv` (the split, the products and `causal_conv`); the CubeCL backends'
+    /// conv kernel applies both gates itself (`kernels::conv`). As one autodiff op it keeps `bcx` alone for
+    /// the backward pass, not `B ⊙ x` and the conv's output as well.
+    fn gated_conv(bcx: Tensor<Self, 3>, kernel: Tensor<Self, 2>, shifts: &ConvShifts<Self>) -> Tensor<Self, 3> {
+        gated_conv(bcx, kernel, shifts)
+    }
+
+    /// The gradients of `gated_conv` with respect to `bcx` and `kernel` for the output gradient `grad`
+    /// (`layers::gated_conv_backward`; the CubeCL backends' kernel writes `d B | d C | d x` at once).
+    fn gated_conv_grads(
+        bcx: Tensor<Self, 3>,
+        kernel: Tensor<Self, 2>,
+        shifts: &ConvShifts<Self>,
+        grad: Tensor<Self, 3>,
+    ) -> (Tensor<Self, 3>, Tensor<Self, 2>) {
+        gated_conv_backward(bcx, kernel, shifts, grad)
     }
 
     /// Rows grouped by expert times each group's weights: `x` `[n, in]` holds `counts[e]` consecutive rows
@@ -536,6 +565,14 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         record_binary(CausalConvBackward, x, kernel, shifts.clone(), |x, kernel| B::causal_conv(x, kernel, &shifts))
     }
 
+    fn gated_conv(bcx: Tensor<Self, 3>, kernel: Tensor<Self, 2>, shifts: &ConvShifts<Self>) -> Tensor<Self, 3> {
+        if reference_ops() {
+            return gated_conv(bcx, kernel, shifts);
+        }
+        let shifts = shifts.inner();
+        record_binary(GatedConvBackward, bcx, kernel, shifts.clone(), |bcx, kernel| B::gated_conv(bcx, kernel, &shifts))
+    }
+
     fn grouped_matmul(x: Tensor<Self, 2>, weights: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
         if reference_ops() {
             return grouped_matmul_forward(x, weights, counts);
@@ -712,6 +749,20 @@ impl<B: ModelBackend> Backward<B, 2> for CausalConvBackward {
 }
 
 #[derive(Debug)]
+struct GatedConvBackward;
+
+impl<B: ModelBackend> Backward<B, 2> for GatedConvBackward {
+    /// The projection `B | C | x` and the kernel through the checkpointer, the layout's shifts.
+    type State = (NodeId, NodeId, ConvShifts<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        backward_binary(ops, grads, checkpointer, |bcx, kernel, shifts, grad| {
+            B::gated_conv_grads(bcx, kernel, &shifts, grad)
+        });
+    }
+}
+
+#[derive(Debug)]
 struct GroupedMatmulBackward;
 
 impl<B: ModelBackend> Backward<B, 2> for GroupedMatmulBackward {
@@ -857,7 +908,7 @@ pub fn glu_backward<B: Backend, const D: usize>(
 #[derive(Debug)]
 struct ProjectionBackward<const D: usize>;
 
-impl<B: Backend, const D: usize> Backward<B, 2> for ProjectionBackward<D> {
+impl<B: ModelBackend, const D: usize> Backward<B, 2> for ProjectionBackward<D> {
     /// The input and the weight, through the checkpointer.
     type State = (NodeId, NodeId, ());
 
@@ -871,15 +922,15 @@ impl<B: Backend, const D: usize> Backward<B, 2> for ProjectionBackward<D> {
 /// The gradients `(dx, dweight)` of `x · weight` for the output gradient `grad`: `dx = grad · weightᵀ` as burn
 /// computes it, and `dweight = xᵀ · grad` with every leading dimension of `x` and `grad` taken as rows, so one
 /// matmul sums over the batch inside its accumulator.
-pub fn projection_backward<B: Backend, const D: usize>(
+pub fn projection_backward<B: ModelBackend, const D: usize>(
     x: Tensor<B, D>,
     weight: Tensor<B, 2>,
     grad: Tensor<B, D>,
 ) -> (Tensor<B, D>, Tensor<B, 2>) {
     let [d_in, d_out] = weight.dims();
     let rows = x.dims()[..D - 1].iter().product();
-    let grad_x = grad.clone().matmul(weight.transpose().unsqueeze::<D>());
-    let grad_weight = x.reshape([rows, d_in]).transpose().matmul(grad.reshape([rows, d_out]));
+    let grad_x = B::matmul(grad.clone(), weight.transpose().unsqueeze::<D>());
+    let grad_weight = B::matmul(x.reshape([rows, d_in]).transpose(), grad.reshape([rows, d_out]));
     (grad_x, grad_weight)
 }
 
@@ -1148,6 +1199,42 @@ mod tests {
         for (name, (a, b)) in ["output", "d x", "d kernel"].iter().zip(op.iter().zip(&composed)).skip(1) {
             assert_close(&format!("bf16 {name}"), a, b, 1.0 / 64.0);
         }
+    }
+
+    /// Output and gradients (projection, kernel) of `Σ gated_conv(bcx, w) ⊙ R` through the op and through the
+    /// ops LFM2's layer recorded before it (the split, both products and the conv op, each its own autodiff
+    /// op), for rows packed with documents of `lengths` in `seq` tokens and LFM2's 3 taps.
+    fn gated_convs<B: ModelBackend + AutodiffBackend>(
+        lengths: &[Vec<u32>],
+        seq: usize,
+        dtype: FloatDType,
+    ) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
+        let device = Default::default();
+        let layout = super::super::SequenceLayout::from_doc_lengths(lengths, seq);
+        let shifts = super::super::layers::ConvShifts::<B>::new(&layout, 2, &device);
+        let bcx = normal::<B, 3>([lengths.len(), seq, 15], 0.0, 1.0, 19, &device).cast(dtype).require_grad();
+        let kernel = normal::<B, 2>([5, 3], 0.0, 0.5, 20, &device).cast(dtype).require_grad();
+        let r = normal::<B, 3>([lengths.len(), seq, 5], 0.0, 1.0, 21, &device);
+        let run = |out: Tensor<B, 3>| {
+            let grads = (out.clone().cast(FloatDType::F32) * r.clone()).sum().backward();
+            [values(out), values(bcx.grad(&grads).expect("d bcx")), values(kernel.grad(&grads).expect("d kernel"))]
+        };
+        let op = run(B::gated_conv(bcx.clone(), kernel.clone(), &shifts));
+        let [b, c, x] = B::split_last(bcx.clone(), [5; 3]);
+        (op, run(c * B::causal_conv(b * x, kernel.clone(), &shifts)))
+    }
+
+    #[test]
+    fn the_gated_conv_equals_lfm2s_separate_ops_bit_for_bit_in_f32() {
+        // The same products in the same order: equal to the bit, so the CPU's training steps did not move.
+        for (lengths, seq) in [(&[vec![4, 5], vec![2, 3, 1, 2]][..], 10), (&[vec![2]][..], 2)] {
+            let (op, separate) = gated_convs::<CpuTrain>(lengths, seq, FloatDType::F32);
+            assert_eq!(op, separate, "seq {seq}");
+        }
+        let (op, separate) = gated_convs::<CpuTrainCheckpointed>(&[vec![3, 7]], 10, FloatDType::F32);
+        assert_eq!(op, separate, "checkpointed");
+        let (op, separate) = gated_convs::<CpuTrain>(&[vec![4, 5], vec![9]], 10, FloatDType::BF16);
+        assert_eq!(op, separate, "bf16");
     }
 
     /// Output and gradients (rows, weights) of `Σ grouped_matmul(x, W) ⊙ R` through the op and through the

@@ -73,6 +73,9 @@ pub struct BenchRun {
     /// fused reduction timed among its candidate kernels, rather than cubek's default kernel for it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autotune: Option<bool>,
+    /// Which kernels ran the matrix products (kiln on CUDA only: `KILN_MATMUL`, burn's `cubecl` or `cublas`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub matmul: Option<String>,
     /// How AdamW kept its moments (kiln only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moments: Option<MomentDtype>,
@@ -132,6 +135,12 @@ impl BenchRun {
             reference_ops: cfg.reference_ops,
             fusion: (device == "cuda").then(|| crate::backend::cuda_fusion().unwrap_or(true)),
             autotune: (device == "cuda").then_some(cfg!(feature = "autotune")),
+            matmul: (device == "cuda").then(|| {
+                let cublas = crate::backend::cublas_enabled();
+                if cublas { crate::backend::MatmulKernels::Cublas } else { crate::backend::MatmulKernels::Cubecl }
+                    .name()
+                    .into()
+            }),
             moments: Some(cfg.moments),
             masters: Some(cfg.masters),
             activation_checkpointing: cfg.activation_checkpointing,

@@ -90,7 +90,7 @@ pub fn chunked_cross_entropy<B: CrossEntropyRows>(
     for start in (0..rows).step_by(chunk) {
         let len = chunk.min(rows - start);
         let rows_in = hidden.clone().narrow(0, start, len);
-        let logits = rows_in.clone().matmul(head_t.clone());
+        let logits = B::matmul(rows_in.clone(), head_t.clone());
         let (logits, cap_slope) = match softcap {
             Some(cap) => {
                 let t = tanh(logits / cap);
@@ -112,10 +112,10 @@ pub fn chunked_cross_entropy<B: CrossEntropyRows>(
             None => dlogits,
         };
         if want_hidden {
-            grad_rows.push(dlogits.clone().matmul(head.clone()));
+            grad_rows.push(B::matmul(dlogits.clone(), head.clone()));
         }
         if want_head {
-            let part = dlogits.transpose().matmul(rows_in).cast(FloatDType::F32);
+            let part = B::matmul(dlogits.transpose(), rows_in).cast(FloatDType::F32);
             grad_head = Some(match grad_head {
                 Some(sum) => sum + part,
                 None => part,
@@ -135,7 +135,7 @@ pub fn chunked_cross_entropy<B: CrossEntropyRows>(
 /// log-likelihood `[rows, 1]` in f32 and, `with_grads`, `dlogits = coef · (softmax − onehot(target))` in the
 /// logits' dtype. The tensor ops of `cross_entropy_rows` by default; the CubeCL backends run one kernel
 /// (`kernels::cross_entropy`) unless `KILN_LOSS_KERNEL=off`.
-pub trait CrossEntropyRows: Backend {
+pub trait CrossEntropyRows: ModelBackend {
     fn cross_entropy_rows(
         logits: Tensor<Self, 2>,
         targets: Tensor<Self, 2, Int>,

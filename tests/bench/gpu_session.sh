@@ -198,8 +198,9 @@ stage_parity() {
 # kiln's CubeCL kernels, off by default on CUDA since bf16 steps with them on turned NaN on an H200
 # (2026-12-04, backend::KernelsByDefault; their outputs were pitched there, dense since): each alone on,
 # KERNEL_REPEATS times (the NaN came at a step that changed from run to run), three steps of each of
-# KERNEL_CONFIGS in KERNEL_PRECISIONS, losses against the CPU's (parity.py); then all of them on. All within
-# tolerance clears them; a failure says which to look at, and `sanitize` where.
+# KERNEL_CONFIGS in KERNEL_PRECISIONS, losses against the CPU's (parity.py); then all of them on; then the
+# matrix products through cuBLAS (KILN_MATMUL=cublas, kernels/cublas.rs: never run on a GPU before either). All
+# within tolerance clears them; a failure says which to look at, and `sanitize` where.
 KERNEL_SWITCHES=(KILN_ATTENTION_KERNEL KILN_LOSS_KERNEL KILN_NORM_KERNEL KILN_OPTIM_KERNEL KILN_SCAN_KERNEL KILN_CONV_KERNEL)
 stage_kernels() {
     step "kiln's kernels alone on $DEVICE: ${KERNEL_CONFIGS// /, } in $KERNEL_PRECISIONS, $KERNEL_REPEATS runs each"
@@ -209,11 +210,13 @@ stage_kernels() {
         shape=$(basename "$config")
         [[ -f $OUT/parity/$shape@cpu-f32.json ]] || { mkdir -p "$OUT/parity"; parity_run cpu f32 cpu-f32; }
         for precision in $KERNEL_PRECISIONS; do
-            for switch in "${KERNEL_SWITCHES[@]}" all; do
+            for switch in "${KERNEL_SWITCHES[@]}" all cublas; do
                 for ((repeat = 1; repeat <= KERNEL_REPEATS; repeat++)); do
                     tag=$DEVICE-$precision-${switch#KILN_}-$repeat
                     if [[ $switch == all ]]; then
                         with_switches "$(printf '%s=on ' "${KERNEL_SWITCHES[@]}")" parity_run "$DEVICE" "$precision" "$tag"
+                    elif [[ $switch == cublas ]]; then
+                        with_switches KILN_MATMUL=cublas parity_run "$DEVICE" "$precision" "$tag"
                     else
                         with_switches "$switch=on" parity_run "$DEVICE" "$precision" "$tag"
                     fi || echo "$shape $tag failed (parity.log)" >&2

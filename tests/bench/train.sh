@@ -25,8 +25,10 @@
 #               experts as a matmul each instead of one batched matmul over padded groups, KILN_EXPERTS_BATCHED=off);
 #               "checkpointed" (the ops with --activation-checkpointing); "chunk<MiB>" (the ops with the
 #               attention's query chunks holding up to that many MiB of f32 scores, KILN_ATTENTION_CHUNK_MIB;
-#               256 by default: chunk1024 trades memory for fewer kernels); or several:
-#               "ops reference unfused noscan noattn noloss nonorm noconv nooptim noexperts checkpointed chunk1024"
+#               256 by default: chunk1024 trades memory for fewer kernels); "cublas" (the ops with the matrix
+#               products through cuBLAS, KILN_MATMUL=cublas: CUDA only), "cublas-kernels" (that and every one
+#               of kiln's CubeCL kernels on); or several:
+#               "ops reference unfused noscan noattn noloss nonorm noconv nooptim noexperts checkpointed chunk1024 cublas"
 #   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py), or none
 #   PYTHON      a python with torch and transformers (python3); without them the reference is skipped
 #   FALLBACK    1: after a kiln row of a shape fails on CUDA, it runs again without kiln's own kernels, then
@@ -88,7 +90,7 @@ kiln_row() {
     done
     [[ -n $chunk ]] && kernels+=("KILN_ATTENTION_CHUNK_MIB=$chunk")
     env -u KILN_SCAN_KERNEL -u KILN_ATTENTION_KERNEL -u KILN_LOSS_KERNEL -u KILN_NORM_KERNEL -u KILN_CONV_KERNEL \
-        -u KILN_OPTIM_KERNEL KILN_CUDA_FUSION=$fusion "${kernels[@]}" KILN_EXPERTS_BATCHED=$experts $1 \
+        -u KILN_OPTIM_KERNEL KILN_CUDA_FUSION=$fusion "${kernels[@]}" KILN_EXPERTS_BATCHED=$experts KILN_MATMUL=$matmul $1 \
         "$KILN" --quiet bench-train --config "$config" --device "$DEVICE" \
         --precision "$PRECISION" --moments "$MOMENTS" --masters "$MASTERS" "${switch[@]}" "${common[@]}" --out "$out" >/dev/null
     local status=$?
@@ -112,7 +114,7 @@ for shape in "${shapes[@]}"; do
             continue
         fi
         # Empty: unset, the device's default (kiln's kernels off on CUDA, on on Vulkan: backend::KernelsByDefault).
-        scan="" attn="" loss="" norm="" conv="" optim="" chunk="" experts=on switch=() fusion=on
+        scan="" attn="" loss="" norm="" conv="" optim="" chunk="" experts=on switch=() fusion=on matmul=cubecl
         case $ops in
             ops) out=$OUT/$shape-kiln.json ;;
             kernels) out=$OUT/$shape-kiln-kernels.json; scan=on attn=on loss=on norm=on conv=on optim=on ;;
@@ -128,7 +130,9 @@ for shape in "${shapes[@]}"; do
             noexperts) out=$OUT/$shape-kiln-noexperts.json; experts=off ;;
             checkpointed) out=$OUT/$shape-kiln-checkpointed.json; switch=(--activation-checkpointing) ;;
             chunk[1-9]*) out=$OUT/$shape-kiln-$ops.json; chunk=${ops#chunk} ;;
-            *) echo "KILN_OPS: unknown '$ops' (ops, kernels, optim, reference, unfused, noscan, noattn, noloss, nonorm, noconv, nooptim, noexperts, checkpointed or chunk<MiB>)" >&2; exit 2 ;;
+            cublas) out=$OUT/$shape-kiln-cublas.json; matmul=cublas ;;
+            cublas-kernels) out=$OUT/$shape-kiln-cublas-kernels.json; matmul=cublas; scan=on attn=on loss=on norm=on conv=on optim=on ;;
+            *) echo "KILN_OPS: unknown '$ops' (ops, kernels, optim, reference, unfused, noscan, noattn, noloss, nonorm, noconv, nooptim, noexperts, checkpointed, chunk<MiB>, cublas or cublas-kernels)" >&2; exit 2 ;;
         esac
         # What failed before (in this shape's rows, or in the parity stage's tiny runs) stays off.
         marked=$(marked_switches "$FALLBACK_MARK" "$shape")

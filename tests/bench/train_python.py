@@ -168,6 +168,7 @@ def table(files) -> str:
         framework = r["framework"] + (" (reference ops)" if r.get("reference_ops") else "") \
             + (" (unfused)" if r.get("fusion") is False else "") \
             + (" (burn's autotune)" if r.get("autotune") else "") \
+            + (" (cuBLAS matmuls)" if r.get("matmul") == "cublas" else "") \
             + (" (no scan kernel)" if r.get("scan_kernel") is False else "") \
             + (" (no attention kernels)" if r.get("attention_kernel") is False else "") \
             + (" (no loss kernel)" if r.get("loss_kernel") is False else "") \

@@ -52,6 +52,40 @@ pub fn conv_parts_by_tensor_ops<B: ModelBackend>(case: &ConvCase, dtype: FloatDT
     [values(out), values(grad_x), values(grad_kernel)]
 }
 
+/// LFM2's gated conv `C ⊙ conv(B ⊙ x)` on a projection `B | C | x` (`3 · channels` wide) of the case: output
+/// and gradients (projection, kernel) through `ModelBackend::gated_conv` (kiln's gated kernels on the CubeCL
+/// backends).
+pub fn gated_conv_parts<B: ModelBackend>(case: &ConvCase, dtype: FloatDType) -> [Vec<f32>; 3] {
+    let (bcx, kernel, grad, shifts) = gated_inputs::<B>(case, dtype);
+    let out = B::gated_conv(bcx.clone(), kernel.clone(), &shifts);
+    let (grad_bcx, grad_kernel) = B::gated_conv_grads(bcx, kernel, &shifts, grad);
+    [values(out), values(grad_bcx), values(grad_kernel)]
+}
+
+/// The same through tensor ops: the parts cut out, their products and the tensor-op conv and its backward.
+pub fn gated_conv_parts_by_tensor_ops<B: ModelBackend>(case: &ConvCase, dtype: FloatDType) -> [Vec<f32>; 3] {
+    let (bcx, kernel, grad, shifts) = gated_inputs::<B>(case, dtype);
+    let part = |i: usize| bcx.clone().narrow(2, i * case.channels, case.channels);
+    let (b, c, x) = (part(0), part(1), part(2));
+    let u = b.clone() * x.clone();
+    let y = causal_depthwise_conv(u.clone(), kernel.clone(), &shifts);
+    let out = c.clone() * y.clone();
+    let (grad_u, grad_kernel) = causal_depthwise_conv_backward(u, kernel, &shifts, grad.clone() * c);
+    let grad_bcx = Tensor::cat(vec![grad_u.clone() * x, grad * y, grad_u * b], 2);
+    [values(out), values(grad_bcx), values(grad_kernel)]
+}
+
+/// A gated case's projection `[batch, seq, 3 · channels]`, kernel, output gradient and shifts.
+fn gated_inputs<B: ModelBackend>(
+    case: &ConvCase,
+    dtype: FloatDType,
+) -> (Tensor<B, 3>, Tensor<B, 2>, Tensor<B, 3>, ConvShifts<B>) {
+    let wide = ConvCase { channels: 3 * case.channels, ..case.clone() };
+    let (bcx, _, _, shifts) = conv_inputs::<B>(&wide, dtype);
+    let (_, kernel, grad, _) = conv_inputs::<B>(case, dtype);
+    (bcx, kernel, grad, shifts)
+}
+
 /// The cases the kernel tests run: LFM2's 3 taps and Qwen3.5's 4, one document a row and rows packed with
 /// documents shorter than the taps and padding, channels that leave a cube part-filled and more than one
 /// cube wide, and more tokens than a backward block (128) so that the weight gradient sums blocks' shares.
