@@ -231,11 +231,16 @@ impl MatmulKernels {
     }
 }
 
-/// Whether the CUDA backends' products run through cuBLAS: `KILN_MATMUL` read once per process (a malformed
+/// The kernels in force for the CUDA backends' products: `KILN_MATMUL` read once per process (a malformed
 /// value reads as burn's kernels here; the CLI has rejected it before any model runs).
+pub fn matmul_kernels() -> MatmulKernels {
+    static KERNELS: std::sync::OnceLock<MatmulKernels> = std::sync::OnceLock::new();
+    *KERNELS.get_or_init(|| MatmulKernels::from_env().unwrap_or(MatmulKernels::Cubecl))
+}
+
+/// Whether the CUDA backends' products run through cuBLAS (`matmul_kernels`).
 pub fn cublas_enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| MatmulKernels::from_env() == Ok(MatmulKernels::Cublas))
+    matmul_kernels() == MatmulKernels::Cublas
 }
 
 /// An on/off switch from the environment: on when unset.

@@ -303,13 +303,13 @@ fn the_gated_conv_kernels_equal_the_tensor_ops() {
         let unfused = gated_conv_parts::<VkUnfused>(&case, f32);
         let device_ops = gated_conv_parts_by_tensor_ops::<Vk>(&case, f32);
         let cpu = gated_conv_parts_by_tensor_ops::<Cpu>(&case, f32);
-        // The kernels round once where the tensor ops round B ⊙ x and the conv's output (exact in f32 but
-        // for the order of a product of three).
+        // The kernels round once where the tensor ops round B ⊙ x and the conv's output: equal in f32 but for
+        // the order of a product of three and of the kernel gradient's sum.
         parity::assert_kernel_results(
             &format!("gated {case:?}"),
             ["output", "d projection", "d kernel"],
             &kernel_comparisons(&fused, &unfused, &device_ops, &cpu),
-            [1e-5, 1e-5, 1e-5],
+            [1e-6, 1e-6, 1e-5],
         );
     }
 }

@@ -111,7 +111,7 @@ fn the_conv_kernels_equal_the_tensor_op_conv_in_half_precision() {
 
 /// The gated conv kernels (LFM2's `C ⊙ conv(B ⊙ x)`) in half precision against the tensor ops they replace:
 /// the kernels round once, the tensor ops round `B ⊙ x`, the conv's output and every product to f16, so they
-/// differ by a few f16 ulps (of the largest value).
+/// differ by an f16 ulp or two of the largest value.
 #[test]
 fn the_gated_conv_kernels_equal_the_tensor_ops_in_half_precision() {
     claim_f16();
@@ -124,7 +124,7 @@ fn the_gated_conv_kernels_equal_the_tensor_ops_in_half_precision() {
             &format!("gated {case:?}"),
             ["output", "d projection", "d kernel"],
             &[("fused", &fused, &device_ops), ("unfused", &unfused, &device_ops)],
-            [1.0 / 256.0, 1.0 / 256.0, 1.0 / 128.0],
+            [1.0 / 512.0; 3],
         );
     }
 }

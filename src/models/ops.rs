@@ -1157,25 +1157,48 @@ mod tests {
         assert_close("checkpointed d x", &op[1], &composed[1], 1e-6);
     }
 
-    /// Output and gradients (x, kernel) of `Σ causal_conv(x, w) ⊙ R` through the op and the composition,
-    /// for rows packed with documents of `lengths` in `seq` tokens and a kernel of 4 taps.
+    /// A conv as a function of its input, kernel and shifts.
+    type ConvForm<'a, B> = &'a dyn Fn(Tensor<B, 3>, Tensor<B, 2>, &ConvShifts<B>) -> Tensor<B, 3>;
+
+    /// A conv's output under `forms`, each on the same input `[rows, seq, width]` and kernel `[channels, taps]`
+    /// (from `seed`), with the gradients (x, kernel) of `Σ f(x, w) ⊙ R`, for rows packed with documents of
+    /// `lengths` in `seq` tokens.
+    fn conv_forms<B: ModelBackend + AutodiffBackend>(
+        lengths: &[Vec<u32>],
+        seq: usize,
+        dtype: FloatDType,
+        [width, channels, taps]: [usize; 3],
+        seed: u64,
+        forms: [ConvForm<B>; 2],
+    ) -> [[Vec<f32>; 3]; 2] {
+        let device = Default::default();
+        let layout = super::super::SequenceLayout::from_doc_lengths(lengths, seq);
+        let shifts = ConvShifts::<B>::new(&layout, taps - 1, &device);
+        let x = normal::<B, 3>([lengths.len(), seq, width], 0.0, 1.0, seed, &device).cast(dtype).require_grad();
+        let kernel = normal::<B, 2>([channels, taps], 0.0, 0.5, seed + 1, &device).cast(dtype).require_grad();
+        let r = normal::<B, 3>([lengths.len(), seq, channels], 0.0, 1.0, seed + 2, &device);
+        forms.map(|form| {
+            let out = form(x.clone(), kernel.clone(), &shifts);
+            let grads = (out.clone().cast(FloatDType::F32) * r.clone()).sum().backward();
+            [values(out), values(x.grad(&grads).expect("d x")), values(kernel.grad(&grads).expect("d kernel"))]
+        })
+    }
+
+    /// The causal conv through the op and the composition, a kernel of 4 taps over 6 channels.
     fn convs<B: ModelBackend + AutodiffBackend>(
         lengths: &[Vec<u32>],
         seq: usize,
         dtype: FloatDType,
     ) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
-        let device = Default::default();
-        let layout = super::super::SequenceLayout::from_doc_lengths(lengths, seq);
-        let shifts = super::super::layers::ConvShifts::<B>::new(&layout, 3, &device);
-        let x = normal::<B, 3>([lengths.len(), seq, 6], 0.0, 1.0, 9, &device).cast(dtype).require_grad();
-        let kernel = normal::<B, 2>([6, 4], 0.0, 0.5, 10, &device).cast(dtype).require_grad();
-        let r = normal::<B, 3>([lengths.len(), seq, 6], 0.0, 1.0, 11, &device);
-        let run = |out: Tensor<B, 3>| {
-            let grads = (out.clone().cast(FloatDType::F32) * r.clone()).sum().backward();
-            [values(out), values(x.grad(&grads).expect("d x")), values(kernel.grad(&grads).expect("d kernel"))]
-        };
-        let op = run(B::causal_conv(x.clone(), kernel.clone(), &shifts));
-        (op, run(super::super::layers::causal_depthwise_conv(x.clone(), kernel.clone(), &shifts)))
+        let [op, composed] = conv_forms::<B>(
+            lengths,
+            seq,
+            dtype,
+            [6, 6, 4],
+            9,
+            [&|x, kernel, shifts| B::causal_conv(x, kernel, shifts), &causal_depthwise_conv],
+        );
+        (op, composed)
     }
 
     #[test]
@@ -1201,27 +1224,26 @@ mod tests {
         }
     }
 
-    /// Output and gradients (projection, kernel) of `Σ gated_conv(bcx, w) ⊙ R` through the op and through the
-    /// ops LFM2's layer recorded before it (the split, both products and the conv op, each its own autodiff
-    /// op), for rows packed with documents of `lengths` in `seq` tokens and LFM2's 3 taps.
+    /// LFM2's gated conv through the op and through the ops its layer recorded before it (the split, both
+    /// products and the conv op, each its own autodiff op), LFM2's 3 taps over 5 channels.
     fn gated_convs<B: ModelBackend + AutodiffBackend>(
         lengths: &[Vec<u32>],
         seq: usize,
         dtype: FloatDType,
     ) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
-        let device = Default::default();
-        let layout = super::super::SequenceLayout::from_doc_lengths(lengths, seq);
-        let shifts = super::super::layers::ConvShifts::<B>::new(&layout, 2, &device);
-        let bcx = normal::<B, 3>([lengths.len(), seq, 15], 0.0, 1.0, 19, &device).cast(dtype).require_grad();
-        let kernel = normal::<B, 2>([5, 3], 0.0, 0.5, 20, &device).cast(dtype).require_grad();
-        let r = normal::<B, 3>([lengths.len(), seq, 5], 0.0, 1.0, 21, &device);
-        let run = |out: Tensor<B, 3>| {
-            let grads = (out.clone().cast(FloatDType::F32) * r.clone()).sum().backward();
-            [values(out), values(bcx.grad(&grads).expect("d bcx")), values(kernel.grad(&grads).expect("d kernel"))]
+        let separate = |bcx, kernel, shifts: &ConvShifts<B>| {
+            let [b, c, x] = B::split_last(bcx, [5; 3]);
+            c * B::causal_conv(b * x, kernel, shifts)
         };
-        let op = run(B::gated_conv(bcx.clone(), kernel.clone(), &shifts));
-        let [b, c, x] = B::split_last(bcx.clone(), [5; 3]);
-        (op, run(c * B::causal_conv(b * x, kernel.clone(), &shifts)))
+        let [op, separate] = conv_forms::<B>(
+            lengths,
+            seq,
+            dtype,
+            [15, 5, 3],
+            19,
+            [&|bcx, kernel, shifts| B::gated_conv(bcx, kernel, shifts), &separate],
+        );
+        (op, separate)
     }
 
     #[test]

@@ -135,12 +135,7 @@ impl BenchRun {
             reference_ops: cfg.reference_ops,
             fusion: (device == "cuda").then(|| crate::backend::cuda_fusion().unwrap_or(true)),
             autotune: (device == "cuda").then_some(cfg!(feature = "autotune")),
-            matmul: (device == "cuda").then(|| {
-                let cublas = crate::backend::cublas_enabled();
-                if cublas { crate::backend::MatmulKernels::Cublas } else { crate::backend::MatmulKernels::Cubecl }
-                    .name()
-                    .into()
-            }),
+            matmul: (device == "cuda").then(|| crate::backend::matmul_kernels().name().into()),
             moments: Some(cfg.moments),
             masters: Some(cfg.masters),
             activation_checkpointing: cfg.activation_checkpointing,

@@ -12,8 +12,9 @@
 #            (tests/bench/parity.py: f32 within 1e-4 relative of the CPU, bf16 within 1e-2) — the fused
 #            backend's kernels and layouts checked against the reference before any speed is measured;
 #   kernels  kiln's CubeCL kernels (off by default on CUDA: backend::KernelsByDefault) each alone on, then
-#            all on, KERNEL_REPEATS runs of three steps of each of KERNEL_CONFIGS in KERNEL_PRECISIONS, losses
-#            against the CPU's (kernels.md): whether dense outputs mended the NaN of 2026-12-04, and if not, where;
+#            all on, then the products through cuBLAS (KILN_MATMUL=cublas, off by default too), KERNEL_REPEATS
+#            runs of three steps of each of KERNEL_CONFIGS in KERNEL_PRECISIONS, losses against the CPU's
+#            (kernels.md): whether dense outputs mended the NaN of 2026-12-04, and if not, where;
 #   sanitize the tiny LFM2 with every kernel on under compute-sanitizer (SANITIZE_TOOLS: initcheck, memcheck,
 #            racecheck), two bf16 steps: the kernel and the access at fault; skipped when the kernels
 #            stage before it passed (SANITIZE_WHEN=failed, the default; "always" runs it whatever came before);
