@@ -619,13 +619,14 @@ macro_rules! cubecl_model_backend {
 
             fn attention_probs(
                 scores: Tensor<Self, 4>,
+                lse: Tensor<Self, 4>,
                 docs: &DocumentAttention<Self>,
                 rows: crate::models::attention::ChunkRows,
             ) -> [Tensor<Self, 4>; 2] {
                 if Kernel::Attention.enabled($kernels) {
-                    crate::kernels::attention::attention_probs(scores, docs, rows)
+                    crate::kernels::attention::attention_probs(scores, lse, docs, rows)
                 } else {
-                    crate::models::attention::softmax_rows(scores, docs, rows)
+                    crate::models::attention::softmax_rows_into(scores, lse, docs, rows)
                 }
             }
 
@@ -641,6 +642,18 @@ macro_rules! cubecl_model_backend {
                     crate::kernels::attention::attention_score_grads([scores, grad_probs, lse, delta], docs, rows)
                 } else {
                     crate::models::attention::score_grads(scores, grad_probs, lse, delta, docs, rows)
+                }
+            }
+
+            fn attention_add_key_grads(
+                grads: [Tensor<Self, 4>; 2],
+                parts: [Tensor<Self, 4>; 2],
+                first: usize,
+            ) -> [Tensor<Self, 4>; 2] {
+                if Kernel::Attention.enabled($kernels) {
+                    crate::kernels::attention::attention_add_key_grads(grads, parts, first)
+                } else {
+                    crate::models::attention::add_key_grads(grads, parts, first)
                 }
             }
 

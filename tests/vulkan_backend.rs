@@ -24,7 +24,7 @@ use common::parity::{self, KernelComparison, KernelResults, ids_tensor, masked_c
 use kiln::backend::{Cpu, Vk, VkTrain, VkUnfused};
 use kiln::kernels::attention as attention_kernel;
 use kiln::kernels::cross_entropy as kernel_cross_entropy;
-use kiln::models::attention::{ChunkRows, score_grads, softmax_rows};
+use kiln::models::attention::{ChunkRows, score_grads, softmax_rows_into};
 use kiln::models::deltanet::{
     ChunkPlan, ChunkRecurrence, Direction, DocSegments, recurrence_by_chunk, unit_lower_inverse,
 };
@@ -409,8 +409,12 @@ fn the_attention_kernels_equal_the_tensor_op_softmax_rows() {
                 None => attention,
             };
             let [scores, grad_probs, lse, delta] = chunk_rows_inputs::<Vk>(heads, seq, rows, dtype, &device);
-            let kernel = attention_kernel::attention_probs(scores.clone(), &attention, rows);
-            let [probs, log_sum] = softmax_rows(scores.clone(), &attention, rows);
+            // The forward writes the chunk's rows of the whole sequence's log-sum-exp (here the backward's, still
+            // held, so the kernel writes a copy); the rest of it stays as it was.
+            let lse_before = values(lse.clone());
+            let kernel = attention_kernel::attention_probs(scores.clone(), lse.clone(), &attention, rows);
+            let [probs, log_sum] = softmax_rows_into(scores.clone(), lse.clone(), &attention, rows);
+            assert_eq!(values(lse.clone()), lse_before, "{heads:?} {rows:?}: the log-sum-exp held elsewhere");
             let inputs = [scores.clone(), grad_probs.clone(), lse.clone(), delta.clone()];
             let kernel_grads = attention_kernel::attention_score_grads(inputs, &attention, rows);
             let [grad_p, grad_s] = score_grads(scores, grad_probs, lse, delta, &attention, rows);
@@ -430,6 +434,44 @@ fn the_attention_kernels_equal_the_tensor_op_softmax_rows() {
                 assert!(err <= tolerance * scale, "{heads:?} {rows:?} {dtype:?} {name}: off by {err}");
             }
         }
+    }
+}
+
+/// The key and value gradients' sums over the attention's chunks, kiln's kernel (one launch for both, in place)
+/// against the tensor ops on the same device (a slice, an addition and a slice write each), fused and unfused,
+/// with parts in f32 and f16; a whole still held elsewhere is copied, not written.
+fn add_key_grads_on<B: ModelBackend + attention_kernel::AttentionRowKernels>(part_dtype: FloatDType) {
+    let device = Default::default();
+    let (batch, kv_heads, seq, d) = (2, 3, 70, 16);
+    let tensor = |dims: [usize; 4], seed: u64| {
+        let data = burn::tensor::TensorData::new(spread(dims.iter().product(), seed, -2.0, 2.0), dims);
+        Tensor::<B, 4>::from_data(data, &device)
+    };
+    for (first, keys) in [(0, 70), (5, 40), (69, 1), (30, 33)] {
+        let wholes = || [tensor([batch, kv_heads, seq, d], 1), tensor([batch, kv_heads, seq, d], 2)];
+        let parts = [3, 4].map(|seed| tensor([batch, kv_heads, keys, d], seed).cast(part_dtype));
+        let expected = kiln::models::attention::add_key_grads(wholes(), parts.clone(), first).map(values);
+        // Wholes held nowhere else (written in place), and wholes still held (copied first).
+        let in_place = attention_kernel::attention_add_key_grads(wholes(), parts.clone(), first).map(values);
+        let kept = wholes();
+        let before = kept.clone().map(values);
+        let copied = attention_kernel::attention_add_key_grads(kept.clone(), parts, first).map(values);
+        for (how, kernel) in [("in place", in_place), ("copied", copied)] {
+            for (name, (got, want)) in ["dk", "dv"].iter().zip(kernel.iter().zip(&expected)) {
+                let err = max_abs_diff(got, want);
+                eprintln!("{part_dtype:?} {first} {how} {name} {err:e}");
+                assert!(err <= 1e-6, "{part_dtype:?}, keys {first}..{}, {how}: {name} off by {err}", first + keys);
+            }
+        }
+        assert_eq!(kept.map(values), before, "a whole held elsewhere is left as it was");
+    }
+}
+
+#[test]
+fn the_key_grads_kernel_adds_the_chunks_as_the_tensor_ops() {
+    for dtype in [FloatDType::F32, FloatDType::F16] {
+        add_key_grads_on::<Vk>(dtype);
+        add_key_grads_on::<VkUnfused>(dtype);
     }
 }
 

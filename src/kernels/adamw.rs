@@ -23,7 +23,7 @@ use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer};
 use cubecl::prelude::*;
 
-use super::{CubeLayout, UNITS, grid_row, register_custom, register_float_outputs, row_grid};
+use super::{CubeLayout, UNITS, grid_row, register_custom, register_float_outputs, row_grid, writable};
 use crate::train::optim::{AdamWScalars, AdamWSlot, AdamWUpdated};
 
 /// Parameters one launch updates at most (each takes five or six bindings; devices bound them,
@@ -210,17 +210,6 @@ pub fn adamw_update<B: AdamWKernel>(
         }
     }
     results.into_iter().map(|r| r.expect("every slot updated")).collect()
-}
-
-/// A tensor the kernel writes in place: as is when it is contiguous and held nowhere else, else a copy.
-fn writable<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
-    if !t.is_contiguous() {
-        into_contiguous(t)
-    } else if t.can_mut() {
-        t
-    } else {
-        t.copy()
-    }
 }
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AdamWKernel for CubeBackend<R, F, I, BT> {

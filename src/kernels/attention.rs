@@ -12,6 +12,10 @@
 //!
 //! One cube per score row; its units stride over the keys. `attention::softmax_rows` and
 //! `attention::score_grads` are the references they are tested against (tests/vulkan_backend.rs).
+//!
+//! The backward pass's third kernel adds each chunk's key and value gradients into the whole sequence's in
+//! place, both in one launch (`attention::add_key_grads`, its reference: a slice, an addition and a slice
+//! write each, four kernels a chunk).
 
 // cubecl's prelude has its own `Tensor` (a kernel argument): burn's is `BurnTensor` here.
 use burn::tensor::Tensor as BurnTensor;
@@ -29,7 +33,7 @@ use cubecl::prelude::*;
 
 use super::{
     LOWEST, cube_log_sum_exp, exp_sum_add, float_tensor, grid_row, outputs, register_custom, register_float_outputs,
-    row_grid,
+    row_grid, writable,
 };
 use crate::models::attention::{ChunkRows, DocumentAttention};
 
@@ -92,7 +96,8 @@ fn sees<I: Numeric>(docs: &Tensor<I>, place: &RowPlace, args: &ChunkArgs, key: u
 }
 
 /// Forward: `probs[row, j] = exp(S[row, j]·scale − lse[row])` over the keys the row's query sees (0
-/// elsewhere), `lse[row] = log Σ exp(S·scale)` over them, in f32 from `scores` in `F`.
+/// elsewhere), `lse[row] = log Σ exp(S·scale)` over them, in f32 from `scores` in `F`; `lse` is the whole
+/// sequence's, written at the row's place in it (`RowPlace::sequence_row`).
 #[cube(launch)]
 fn softmax_rows_kernel<F: Float, I: Numeric>(
     scores: &Tensor<F>,
@@ -124,7 +129,7 @@ fn softmax_rows_kernel<F: Float, I: Numeric>(
     }
     let log_sum = cube_log_sum_exp(max, sum, UNITS as usize);
     if unit == 0 {
-        lse[place.row] = log_sum;
+        lse[place.sequence_row] = log_sum;
     }
 
     let mut key = unit;
@@ -175,12 +180,48 @@ fn score_grads_kernel<F: Float, I: Numeric>(
     }
 }
 
+/// Backward: a chunk's key and value gradients added into the whole sequence's, in place and in f32:
+/// `grad_k[b, h, first + j, c] += part_k[b, h, j, c]`, the same for `v`; a unit an element of the part, whose
+/// `[batch · kv_heads]` heads hold `part_head` elements each, the whole's `whole_head` from `offset`.
+#[cube(launch)]
+fn add_key_grads_kernel<F: Float>(
+    grad_k: &mut Tensor<f32>,
+    grad_v: &mut Tensor<f32>,
+    part_k: &Tensor<F>,
+    part_v: &Tensor<F>,
+    part_head: u32,
+    whole_head: u32,
+    offset: u32,
+    #[comptime] _revision: u64,
+    #[define(F)] _dtype: StorageType,
+) {
+    let at = grid_row() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    if at < part_k.len() {
+        let part_head = part_head as usize;
+        let whole = at / part_head * whole_head as usize + offset as usize + at % part_head;
+        grad_k[whole] += f32::cast_from(part_k[at]);
+        grad_v[whole] += f32::cast_from(part_v[at]);
+    }
+}
+
 /// The kernels as backend primitives: `attention_probs` returns `[probs, lse]`, `score_grads`
 /// `[probs, grad_scores]` (shapes and meaning as `ModelBackend::attention_probs` and `attention_score_grads`).
 pub trait AttentionRowKernels: Backend {
-    fn attention_probs(scores: FloatTensor<Self>, docs: IntTensor<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2];
+    fn attention_probs(
+        scores: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        docs: IntTensor<Self>,
+        rows: ChunkRows,
+    ) -> [FloatTensor<Self>; 2];
 
     fn score_grads(inputs: ScoreGradInputs<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2];
+
+    /// `[grad_k, grad_v]` with `parts` added at keys `first..` (`ModelBackend::attention_add_key_grads`).
+    fn add_key_grads(
+        grads: [FloatTensor<Self>; 2],
+        parts: [FloatTensor<Self>; 2],
+        first: usize,
+    ) -> [FloatTensor<Self>; 2];
 }
 
 /// `score_grads`' tensors as backend primitives.
@@ -192,14 +233,16 @@ pub struct ScoreGradInputs<B: Backend> {
     pub docs: IntTensor<B>,
 }
 
-/// `ModelBackend::attention_probs` on a CubeCL backend: one kernel launch.
+/// `ModelBackend::attention_probs` on a CubeCL backend: one kernel launch, the log-sum-exp written into the
+/// whole sequence's in place where its buffer is held nowhere else.
 pub fn attention_probs<B: AttentionRowKernels>(
     scores: BurnTensor<B, 4>,
+    lse: BurnTensor<B, 4>,
     docs: &DocumentAttention<B>,
     rows: ChunkRows,
 ) -> [BurnTensor<B, 4>; 2] {
     let ids = docs.ids().clone().into_primitive();
-    B::attention_probs(scores.into_primitive().tensor(), ids, rows).map(float_tensor)
+    B::attention_probs(scores.into_primitive().tensor(), lse.into_primitive().tensor(), ids, rows).map(float_tensor)
 }
 
 /// `ModelBackend::attention_score_grads` on a CubeCL backend: one kernel launch.
@@ -219,11 +262,19 @@ pub fn attention_score_grads<B: AttentionRowKernels>(
     B::score_grads(inputs, rows).map(float_tensor)
 }
 
-/// The per-row output shape `[.., 1]` of scores `[batch, kv_heads, len · group, keys]`.
-fn per_row_shape(scores: &Shape) -> Shape {
-    let [batch, kv_heads, rows, _] = scores.dims::<4>();
-    Shape::new([batch, kv_heads, rows, 1])
+/// `ModelBackend::attention_add_key_grads` on a CubeCL backend: one kernel launch for both, in place where the
+/// gradients' buffers are held nowhere else.
+pub fn attention_add_key_grads<B: AttentionRowKernels>(
+    grads: [BurnTensor<B, 4>; 2],
+    parts: [BurnTensor<B, 4>; 2],
+    first: usize,
+) -> [BurnTensor<B, 4>; 2] {
+    let primitive = |t: BurnTensor<B, 4>| t.into_primitive().tensor();
+    B::add_key_grads(grads.map(primitive), parts.map(primitive), first).map(float_tensor)
 }
+
+/// Units per cube of the element-wise `add_key_grads_kernel`.
+const ADD_UNITS: u32 = 256;
 
 /// The grid and `ChunkArgs` of a chunk, from the scores' shape and the document ids'.
 fn chunk_launch<R: Runtime>(scores: &Shape, docs: &Shape, chunk: ChunkRows) -> (CubeCount, ChunkArgsLaunch<R>) {
@@ -265,12 +316,17 @@ fn f32_per_row<R: CubeRuntime>(
 }
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionRowKernels for CubeBackend<R, F, I, BT> {
-    fn attention_probs(scores: FloatTensor<Self>, docs: IntTensor<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2] {
+    fn attention_probs(
+        scores: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        docs: IntTensor<Self>,
+        rows: ChunkRows,
+    ) -> [FloatTensor<Self>; 2] {
         let (count, args) = chunk_launch::<R>(&scores.shape(), &docs.shape(), rows);
+        let seq = docs.shape().dims::<2>()[1];
+        let lse = writable(f32_per_row(lse, &scores.shape(), seq, rows, "log-sum-exp"));
         let (client, device, dtype) = (scores.client.clone(), scores.device.clone(), scores.dtype);
-        let probs = empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), scores.shape(), dtype);
-        let lse =
-            empty_device_contiguous_dtype::<R>(client.clone(), device, per_row_shape(&scores.shape()), DType::F32);
+        let probs = empty_device_contiguous_dtype::<R>(client.clone(), device, scores.shape(), dtype);
         let doc_dtype = docs.dtype;
         softmax_rows_kernel::launch::<R>(
             &client,
@@ -313,6 +369,46 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionR
         );
         [probs, grad_scores]
     }
+
+    fn add_key_grads(
+        grads: [FloatTensor<Self>; 2],
+        parts: [FloatTensor<Self>; 2],
+        first: usize,
+    ) -> [FloatTensor<Self>; 2] {
+        let [grad_k, grad_v] = grads.map(writable);
+        let [part_k, part_v] = parts.map(into_contiguous);
+        let whole = grad_k.shape();
+        let [batch, kv_heads, seq, d] = whole.dims::<4>();
+        let [.., keys, part_d] = part_k.shape().dims::<4>();
+        assert!(
+            grad_v.shape() == whole && part_v.shape() == part_k.shape() && grad_k.dtype == DType::F32,
+            "the attention's key and value gradients: f32 [{batch}, {kv_heads}, {seq}, {d}] and parts alike"
+        );
+        assert!(
+            part_d == d && first + keys <= seq,
+            "a chunk's keys {first}..{} past the sequence's {seq}",
+            first + keys
+        );
+        assert_eq!(part_v.dtype, part_k.dtype, "the chunk's key and value gradients in one dtype");
+        let narrow = |n: usize| u32::try_from(n).expect("attention gradient sizes fit in u32");
+        let elements = batch * kv_heads * keys * d;
+        let (client, dtype) = (grad_k.client.clone(), part_k.dtype);
+        add_key_grads_kernel::launch::<R>(
+            &client,
+            row_grid(elements.div_ceil(ADD_UNITS as usize)),
+            CubeDim::new_1d(ADD_UNITS),
+            grad_k.clone().into_tensor_arg(),
+            grad_v.clone().into_tensor_arg(),
+            part_k.into_tensor_arg(),
+            part_v.into_tensor_arg(),
+            narrow(keys * d),
+            narrow(seq * d),
+            narrow(first * d),
+            super::REVISION,
+            dtype.into(),
+        );
+        [grad_k, grad_v]
+    }
 }
 
 /// Which kernel a fused custom operation runs.
@@ -338,13 +434,32 @@ impl<B: FusionBackend + AttentionRowKernels> Operation<B::FusionRuntime> for Fus
         let docs = handles.get_int_tensor::<B>(&inputs[inputs.len() - 1]);
         let mut float = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
         let results = match self.kernel {
-            RowKernel::Probs => B::attention_probs(float(0), docs, self.rows),
+            // The log-sum-exp's last use hands its buffer over (written in place), an earlier one a copy.
+            RowKernel::Probs => B::attention_probs(float(0), float(1), docs, self.rows),
             RowKernel::ScoreGrads => {
                 let inputs =
                     ScoreGradInputs { scores: float(0), grad_probs: float(1), lse: float(2), delta: float(3), docs };
                 B::score_grads(inputs, self.rows)
             }
         };
+        register_float_outputs::<B>(handles, outputs, results);
+    }
+}
+
+/// `add_key_grads` as one custom operation of burn-fusion's stream, on `[grad_k, grad_v, part_k, part_v]`.
+#[derive(Debug, Clone)]
+struct FusedAddKeyGrads<B> {
+    desc: CustomOpIr,
+    first: usize,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: FusionBackend + AttentionRowKernels> Operation<B::FusionRuntime> for FusedAddKeyGrads<B> {
+    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+        let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
+        // The gradients' last use hands their buffers over (written in place), an earlier one a copy.
+        let [grad_k, grad_v, part_k, part_v] = [0, 1, 2, 3].map(|i| handles.get_float_tensor::<B>(&inputs[i]));
+        let results = B::add_key_grads([grad_k, grad_v], [part_k, part_v], self.first);
         register_float_outputs::<B>(handles, outputs, results);
     }
 }
@@ -371,9 +486,14 @@ fn register_row_kernel<B: FusionBackend + AttentionRowKernels>(
 }
 
 impl<B: FusionBackend + AttentionRowKernels> AttentionRowKernels for Fusion<B> {
-    fn attention_probs(scores: FloatTensor<Self>, docs: IntTensor<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2] {
-        let outputs = [(scores.shape(), scores.dtype()), (per_row_shape(&scores.shape()), DType::F32)];
-        register_row_kernel::<B>(RowKernel::Probs, vec![scores], docs, outputs, rows)
+    fn attention_probs(
+        scores: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        docs: IntTensor<Self>,
+        rows: ChunkRows,
+    ) -> [FloatTensor<Self>; 2] {
+        let outputs = [(scores.shape(), scores.dtype()), (lse.shape(), DType::F32)];
+        register_row_kernel::<B>(RowKernel::Probs, vec![scores, lse], docs, outputs, rows)
     }
 
     fn score_grads(inputs: ScoreGradInputs<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2] {
@@ -381,6 +501,21 @@ impl<B: FusionBackend + AttentionRowKernels> AttentionRowKernels for Fusion<B> {
         let (shape, dtype) = (scores.shape(), scores.dtype());
         let floats = vec![scores, grad_probs, lse, delta];
         register_row_kernel::<B>(RowKernel::ScoreGrads, floats, docs, [(shape.clone(), dtype), (shape, dtype)], rows)
+    }
+
+    fn add_key_grads(
+        grads: [FloatTensor<Self>; 2],
+        parts: [FloatTensor<Self>; 2],
+        first: usize,
+    ) -> [FloatTensor<Self>; 2] {
+        let shapes = [0, 1].map(|i| (grads[i].shape(), grads[i].dtype()));
+        let inputs = grads.into_iter().chain(parts).collect();
+        outputs(register_custom::<B, _>(
+            "kiln_attention_add_key_grads",
+            inputs,
+            &shapes,
+            |desc| FusedAddKeyGrads::<B> { desc, first, _backend: std::marker::PhantomData },
+        ))
     }
 }
 
@@ -402,6 +537,22 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
     };
     let mut variants = Vec::new();
     for dtype in [DType::F32, DType::BF16] {
+        variants.push(Variant::new(
+            format!("attention key and value gradients {dtype:?}"),
+            add_key_grads_kernel::AddKeyGradsKernel::<Runtime>::new(
+                settings(ADD_UNITS),
+                client.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                (),
+                (),
+                (),
+                super::REVISION,
+                dtype.into(),
+            ),
+        ));
         let dtypes = [dtype.into(), DType::I32.into()];
         variants.push(Variant::new(
             format!("attention softmax rows {dtype:?}"),

@@ -425,19 +425,16 @@ mod device {
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> CublasMatmul for CubeBackend<CudaRuntime, F, I, BT> {
         fn cublas_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out: Shape) -> FloatTensor<Self> {
+            // A view no call reads is copied dense, the operand named first; at most both are.
             let (mut lhs, mut rhs) = (lhs, rhs);
             let mut planned = plan_of(&lhs, &rhs);
-            if let Err(Unplannable::Layout(which)) = planned {
-                if which == "lhs" {
-                    lhs = into_contiguous(lhs);
-                } else {
-                    rhs = into_contiguous(rhs);
+            for _ in 0..2 {
+                match planned {
+                    Err(Unplannable::Layout("lhs")) => lhs = into_contiguous(lhs),
+                    Err(Unplannable::Layout(_)) => rhs = into_contiguous(rhs),
+                    _ => break,
                 }
                 planned = plan_of(&lhs, &rhs);
-                if let Err(Unplannable::Layout(_)) = planned {
-                    (lhs, rhs) = (into_contiguous(lhs), into_contiguous(rhs));
-                    planned = plan_of(&lhs, &rhs);
-                }
             }
             let Ok(plan) = planned else {
                 return Self::float_matmul(lhs, rhs);

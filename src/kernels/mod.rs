@@ -86,6 +86,19 @@ pub(crate) fn register_float_outputs<B: FusionBackend>(
     }
 }
 
+/// A tensor a kernel writes in place: as is when it is contiguous and held nowhere else, else a copy.
+pub(crate) fn writable<R: burn_cubecl::CubeRuntime>(
+    t: burn_cubecl::tensor::CubeTensor<R>,
+) -> burn_cubecl::tensor::CubeTensor<R> {
+    if !t.is_contiguous() {
+        burn_cubecl::kernel::into_contiguous(t)
+    } else if t.can_mut() {
+        t
+    } else {
+        t.copy()
+    }
+}
+
 /// A kernel's float result as a burn tensor (cubecl's prelude has its own `Tensor`, hence the path).
 pub(crate) fn float_tensor<B: Backend, const D: usize>(t: FloatTensor<B>) -> burn::tensor::Tensor<B, D> {
     burn::tensor::Tensor::from_primitive(TensorPrimitive::Float(t))

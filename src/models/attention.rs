@@ -28,7 +28,7 @@ use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Bool, DType, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 
 use super::SequenceLayout;
 use super::ops::{ModelBackend, record_op};
@@ -40,9 +40,9 @@ pub const CHUNK_SCORE_BYTES: usize = 256 << 20;
 
 /// The environment variable that sets a process's chunk budget in MiB of f32 scores: the trade between the
 /// attention's transient memory (a chunk's scores, probabilities and their gradients) and its kernels (on
-/// lavapipe about 16 a chunk and layer forwards and back with kiln's kernels, 30 without). LFM2.5-1.2B at
-/// sequence 4096 (32 heads) runs 8 chunks a layer at the default 256, 2 at 1024. The results are the same
-/// to f32 rounding (the key and value gradients sum over chunks).
+/// lavapipe about 13 a chunk and layer forwards and back with kiln's kernels, 30 without). LFM2.5-1.2B at
+/// sequence 4096 (32 heads) runs 5 chunks a layer at the default 256 (`chunk_spans`), 2 at 1024. The results
+/// are the same to f32 rounding (the key and value gradients sum over chunks).
 pub const CHUNK_MIB_ENV: &str = "KILN_ATTENTION_CHUNK_MIB";
 
 /// The chunk budget in bytes from `KILN_ATTENTION_CHUNK_MIB` (`CHUNK_SCORE_BYTES` when unset); malformed
@@ -107,8 +107,8 @@ pub struct DocumentAttention<B: Backend> {
     docs: Tensor<B, 2, Int>,
     /// `[batch * seq]`: the first key each query may attend to.
     starts: Vec<usize>,
-    /// Queries per chunk; `None`: as many as keep a chunk's f32 scores within `chunk_score_bytes()`.
-    chunk_rows: Option<usize>,
+    /// How the queries are cut into chunks.
+    chunking: Chunking,
     /// A query sees at most this many keys, itself included (Gemma's sliding-window layers).
     window: Option<usize>,
     /// The scores' scale; `None`: `1/√d`.
@@ -117,12 +117,20 @@ pub struct DocumentAttention<B: Backend> {
     masks: ChunkMasks,
 }
 
+/// How a layout cuts its queries into chunks: within a budget of f32 scores (`chunk_spans`; `None`: the
+/// process's `chunk_score_bytes()`), or a fixed number of queries a chunk.
+#[derive(Debug, Clone, Copy)]
+enum Chunking {
+    Budget(Option<usize>),
+    Rows(usize),
+}
+
 /// The additive chunk masks a layout has built, shared by every layer's forward and backward pass over it
 /// and by its inner backend's copy (`inner`): a `[batch, len, keys]` f32 tensor a chunk, built once a
 /// step, where each layer's chunk built its own forwards and again backwards — on CUDA without kiln's kernels
 /// seven kernels each time (the document comparison, the causal and window masks, their union, the fill).
 /// Keyed by the backend's type and the chunk's `(start, len, first, keys)`; held while any pass that may
-/// read them lives (about 40 MB a sequence of 4096 for LFM2.5-1.2B's 8 chunks, the causal half skipped).
+/// read them lives (about 41 MB a sequence of 4096 for LFM2.5-1.2B's 5 chunks, the causal half skipped).
 #[derive(Clone, Default)]
 struct ChunkMasks(Arc<Mutex<Vec<ChunkMask>>>);
 
@@ -159,7 +167,7 @@ impl<B: Backend> DocumentAttention<B> {
         DocumentAttention {
             docs: Tensor::from_data(TensorData::new(ids, [batch, seq]), device),
             starts,
-            chunk_rows: None,
+            chunking: Chunking::Budget(None),
             window: None,
             scale: None,
             masks: ChunkMasks::default(),
@@ -214,7 +222,13 @@ impl<B: Backend> DocumentAttention<B> {
 
     /// The same with a fixed number of queries per chunk (at least one).
     pub fn with_chunk_rows(mut self, rows: usize) -> Self {
-        self.chunk_rows = Some(rows.max(1));
+        self.chunking = Chunking::Rows(rows.max(1));
+        self
+    }
+
+    /// The same with chunks whose scores stay within `bytes` instead of `chunk_score_bytes()`.
+    pub fn with_chunk_budget(mut self, bytes: usize) -> Self {
+        self.chunking = Chunking::Budget(Some(bytes));
         self
     }
 
@@ -222,8 +236,15 @@ impl<B: Backend> DocumentAttention<B> {
     /// `first_key..start + len`.
     fn chunks(&self, heads: usize) -> Vec<(usize, usize, usize)> {
         let [batch, seq] = self.docs.dims();
-        let rows = self.chunk_rows.unwrap_or_else(|| chunk_rows_for(batch, heads, seq, chunk_score_bytes()));
-        (0..seq).step_by(rows).map(|start| (start, rows.min(seq - start), self.first_key(start))).collect()
+        match self.chunking {
+            Chunking::Rows(rows) => {
+                (0..seq).step_by(rows).map(|start| (start, rows.min(seq - start), self.first_key(start))).collect()
+            }
+            Chunking::Budget(bytes) => {
+                let score_bytes = batch.max(1).saturating_mul(heads.max(1)).saturating_mul(4);
+                chunk_spans(seq, |i| self.first_key(i), score_bytes, bytes.unwrap_or_else(chunk_score_bytes))
+            }
+        }
     }
 
     /// The additive mask `[batch, len, keys]` (0 allowed, -inf blocked) of queries `start..start + len`
@@ -264,7 +285,7 @@ impl<B: AutodiffBackend> DocumentAttention<B> {
         DocumentAttention {
             docs: self.docs.clone().inner(),
             starts: self.starts.clone(),
-            chunk_rows: self.chunk_rows,
+            chunking: self.chunking,
             window: self.window,
             scale: self.scale,
             masks: self.masks.clone(),
@@ -272,13 +293,37 @@ impl<B: AutodiffBackend> DocumentAttention<B> {
     }
 }
 
-/// Queries per chunk so that `batch · heads · rows · seq` f32 scores stay within `budget` bytes, a
-/// multiple of 64 (matmul tiles) when that many fit, never more than the sequence.
-pub fn chunk_rows_for(batch: usize, heads: usize, seq: usize, budget: usize) -> usize {
-    let per_row = batch.max(1).saturating_mul(heads.max(1)).saturating_mul(seq.max(1)).saturating_mul(4);
-    let rows = (budget / per_row).max(1);
-    let rows = if rows >= 64 { rows / 64 * 64 } else { rows };
-    rows.min(seq.max(1))
+/// The query chunks `(start, len, first_key)` of a sequence of `seq` queries whose scores cost
+/// `score_bytes` a query and key (all heads and rows of the batch): each chunk as long as its own scores,
+/// `len · (start + len − first_key(start))`, stay within `budget` bytes. A chunk sees only the keys up to its
+/// last query, so the causal triangle's early chunks take more queries than its late ones (LFM2.5-1.2B at 4096:
+/// 5 chunks of at most 256 MiB where equal chunks sized for all 4096 keys took 8), and packed documents
+/// (a later `first_key`) longer ones still. Lengths are multiples of 16 (matmul tile rows) where 16 fit and
+/// the chunk is not the last; at least one query.
+pub fn chunk_spans(
+    seq: usize,
+    first_key: impl Fn(usize) -> usize,
+    score_bytes: usize,
+    budget: usize,
+) -> Vec<(usize, usize, usize)> {
+    let mut spans = Vec::new();
+    let mut start = 0;
+    while start < seq {
+        let first = first_key(start).min(start);
+        let fits = |len: usize| len.saturating_mul(start + len - first).saturating_mul(score_bytes) <= budget;
+        // The longest length that fits: `fits` holds for 1..=len and fails after it.
+        let (mut len, mut over) = (1, seq - start + 1);
+        while over - len > 1 {
+            let mid = len + (over - len) / 2;
+            if fits(mid) { len = mid } else { over = mid }
+        }
+        if start + len < seq && len >= 16 {
+            len -= len % 16;
+        }
+        spans.push((start, len, first));
+        start += len;
+    }
+    spans
 }
 
 /// The chunked forward pass: the output `[batch, heads, seq, d]` and each query's log-sum-exp of its
@@ -387,8 +432,9 @@ fn masked_scores<B: Backend>(scores: Tensor<B, 4>, docs: &DocumentAttention<B>, 
     (scores.cast(FloatDType::F32) * scale).reshape([batch, kv_heads, len, group, keys]) + mask
 }
 
-/// `ModelBackend::attention_probs` as tensor ops: the softmax of each score row over the keys its query may
-/// see, in the scores' dtype, and its log-sum-exp `[batch, kv_heads, len · group, 1]` in f32.
+/// A chunk's softmax rows as tensor ops (`softmax_rows_into`'s, and the reference of the kernels): the softmax
+/// of each score row over the keys its query may see, in the scores' dtype, and its log-sum-exp
+/// `[batch, kv_heads, len · group, 1]` in f32.
 pub fn softmax_rows<B: Backend>(
     scores: Tensor<B, 4>,
     docs: &DocumentAttention<B>,
@@ -427,6 +473,22 @@ pub fn score_grads<B: Backend>(
     [probs.cast(dtype).reshape(shape), grad_scores.cast(dtype).reshape(shape)]
 }
 
+/// `ModelBackend::attention_add_key_grads` as tensor ops: a chunk's key and value gradients `[batch,
+/// kv_heads, keys, d]` (keys `first..first + keys`) added into the whole sequence's `[batch, kv_heads, seq, d]`
+/// (f32), each a slice, an addition and a slice write.
+pub fn add_key_grads<B: Backend>(
+    [grad_k, grad_v]: [Tensor<B, 4>; 2],
+    [part_k, part_v]: [Tensor<B, 4>; 2],
+    first: usize,
+) -> [Tensor<B, 4>; 2] {
+    let add = |whole: Tensor<B, 4>, part: Tensor<B, 4>| {
+        let [batch, kv_heads, keys, d] = part.dims();
+        let at = [0..batch, 0..kv_heads, first..first + keys, 0..d];
+        whole.clone().slice_assign(at.clone(), whole.slice(at) + part.cast(FloatDType::F32))
+    };
+    [add(grad_k, part_k), add(grad_v, part_v)]
+}
+
 /// The exact attention of `ModelBackend::document_attention`, chunk by chunk, on any backend: the matmuls
 /// as tensor ops, each chunk's softmax rows by the backend (`ModelBackend::attention_probs`).
 pub fn chunked_attention<B: ModelBackend>(
@@ -440,18 +502,30 @@ pub fn chunked_attention<B: ModelBackend>(
     let group = heads / kv_heads;
     let (q_rows, k, v) = (query_rows(q, kv_heads), dense_rows(k), dense_rows(v));
     let mut outs = Vec::new();
-    let mut lses = Vec::new();
+    // Every row is written by the chunk of its query (the chunks cover the sequence).
+    let mut lse = Tensor::<B, 4>::empty([batch, kv_heads, seq * group, 1], (&q_rows.device(), DType::F32));
     for chunk in docs.chunks(heads) {
         let rows = ChunkRows::new(chunk, group, docs, d);
         let Chunk { v, scores, .. } = Chunk::new(&q_rows, &k, &v, rows);
-        let [probs, lse] = B::attention_probs(scores, docs, rows);
+        let probs;
+        [probs, lse] = B::attention_probs(scores, lse, docs, rows);
         outs.push(positions_first(B::matmul(probs, v), group));
-        lses.push(lse);
     }
-    AttentionForward {
-        out: heads_of_positions(outs),
-        lse: Tensor::cat(lses, 2).reshape([batch, kv_heads, seq, group, 1]),
-    }
+    AttentionForward { out: heads_of_positions(outs), lse: lse.reshape([batch, kv_heads, seq, group, 1]) }
+}
+
+/// `ModelBackend::attention_probs` as tensor ops: `softmax_rows`, its log-sum-exp written into the chunk's
+/// rows of the whole sequence's `lse` (a slice write).
+pub fn softmax_rows_into<B: Backend>(
+    scores: Tensor<B, 4>,
+    lse: Tensor<B, 4>,
+    docs: &DocumentAttention<B>,
+    rows: ChunkRows,
+) -> [Tensor<B, 4>; 2] {
+    let [probs, chunk_lse] = softmax_rows(scores, docs, rows);
+    let [batch, kv_heads, ..] = lse.dims();
+    let at = [0..batch, 0..kv_heads, rows.start * rows.group..(rows.start + rows.len) * rows.group, 0..1];
+    [probs, lse.slice_assign(at, chunk_lse)]
 }
 
 /// Gradients of `chunked_attention` with respect to q, k and v (in their dtypes) for the output gradient
@@ -482,7 +556,6 @@ pub fn chunked_attention_backward<B: ModelBackend>(
     let mut grad_q = Vec::new();
     for chunk in docs.chunks(heads) {
         let rows = ChunkRows::new(chunk, group, docs, d);
-        let ChunkRows { start, len, first, .. } = rows;
         let Chunk { q, k, v, scores } = Chunk::new(&q_rows, &k, &v, rows);
         let grad_o = rows.of(&grad_rows);
         let grad_probs = B::matmul(grad_o.clone(), v.swap_dims(2, 3));
@@ -490,9 +563,7 @@ pub fn chunked_attention_backward<B: ModelBackend>(
         let part_v = B::matmul(probs.swap_dims(2, 3), grad_o);
         grad_q.push(positions_first(B::matmul(grad_s.clone(), k), group));
         let part_k = B::matmul(grad_s.swap_dims(2, 3), q);
-        let keys = [0..batch, 0..kv_heads, first..start + len, 0..d];
-        grad_k = grad_k.clone().slice_assign(keys.clone(), grad_k.slice(keys.clone()) + part_k.cast(FloatDType::F32));
-        grad_v = grad_v.clone().slice_assign(keys.clone(), grad_v.slice(keys) + part_v.cast(FloatDType::F32));
+        [grad_k, grad_v] = B::attention_add_key_grads([grad_k, grad_v], [part_k, part_v], rows.first);
     }
     (heads_of_positions(grad_q), grad_k.cast(dtype), grad_v.cast(dtype))
 }
@@ -652,10 +723,12 @@ mod tests {
                 }
             }
         }
-        for rows in [1, 3, 5] {
-            let chunked = docs.clone().with_chunk_rows(rows);
+        let by_rows = [1, 3, 5].map(|rows| docs.clone().with_chunk_rows(rows));
+        for chunked in by_rows.into_iter().chain([20 * 32, 48 * 32].map(|bytes| docs.clone().with_chunk_budget(bytes)))
+        {
             let chunks = chunked.chunks(4);
-            assert_eq!(chunks.iter().map(|c| c.1).sum::<usize>(), 12, "chunks of {rows} cover the sequence");
+            let how = chunked.chunking;
+            assert_eq!(chunks.iter().map(|c| c.1).sum::<usize>(), 12, "{how:?}: the chunks cover the sequence");
             for (start, len, first) in chunks {
                 let mask = values(chunked.chunk_mask(start, len, first, start + len - first));
                 for row in 0..2 {
@@ -668,7 +741,7 @@ mod tests {
                             assert_eq!(
                                 value == 0.0,
                                 allowed(row, q, k),
-                                "window {window:?}, chunk at {start}: row {row} q {q} k {k}"
+                                "{how:?}, window {window:?}, chunk at {start}: row {row} q {q} k {k}"
                             );
                         }
                     }
@@ -681,7 +754,7 @@ mod tests {
     #[allow(clippy::type_complexity)]
     fn both<B: ModelBackend + burn::tensor::backend::AutodiffBackend>(
         dtype: FloatDType,
-        chunk_rows: usize,
+        chunking: Chunking,
         form: Form,
     ) -> ([Vec<f32>; 4], [Vec<f32>; 4]) {
         let device = Default::default();
@@ -693,7 +766,12 @@ mod tests {
         let k = leaf([batch, kv_heads, seq, d], 2);
         let v = leaf([batch, kv_heads, seq, d], 3);
         let weights = normal::<B, 3>([batch, seq, heads * d], 0.0, 1.0, 4, &device).cast(dtype);
-        let docs = form.apply(DocumentAttention::<B>::new(&l, &device).with_chunk_rows(chunk_rows));
+        let docs = DocumentAttention::<B>::new(&l, &device);
+        let docs = form.apply(match chunking {
+            Chunking::Rows(rows) => docs.with_chunk_rows(rows),
+            Chunking::Budget(Some(bytes)) => docs.with_chunk_budget(bytes),
+            Chunking::Budget(None) => docs,
+        });
         let run = |out: Tensor<B, 3>| {
             let grads = (out.clone() * weights.clone()).sum().backward();
             let grad = |t: &Tensor<B, 4>| values(t.grad(&grads).expect("a gradient"));
@@ -726,14 +804,23 @@ mod tests {
 
     #[test]
     fn chunked_attention_and_its_backward_equal_the_single_softmax_in_f32() {
+        // Budgets of 20 and 48 scores a query and key (2 rows, 4 heads: 32 bytes each): chunks of 4, 2, 2, 2, 2
+        // and of 6, 4, 2 queries over the test's documents.
+        let budgets = [20 * 32, 48 * 32];
+        let docs = DocumentAttention::<Cpu>::new(&layout(), &Default::default());
+        for (budget, lengths) in budgets.into_iter().zip([[4, 2, 2, 2, 2].as_slice(), &[6, 4, 2]]) {
+            let spans = docs.clone().with_chunk_budget(budget).chunks(4);
+            assert_eq!(spans.iter().map(|span| span.1).collect::<Vec<_>>(), lengths);
+        }
+        let chunkings = [1, 3, 5, 12].map(Chunking::Rows).into_iter().chain(budgets.map(|b| Chunking::Budget(Some(b))));
         for form in [Form::Documents, Form::Window(3)] {
-            for rows in [1, 3, 5, 12] {
-                let (chunked, plain) = both::<CpuTrain>(FloatDType::F32, rows, form);
+            for chunking in chunkings.clone() {
+                let (chunked, plain) = both::<CpuTrain>(FloatDType::F32, chunking, form);
                 for (name, (a, b)) in NAMES.iter().zip(chunked.iter().zip(&plain)) {
-                    assert_close(&format!("{name}, {form:?}, chunks of {rows}"), a, b, 2e-6);
+                    assert_close(&format!("{name}, {form:?}, {chunking:?}"), a, b, 2e-6);
                 }
             }
-            let (chunked, plain) = both::<CpuTrainCheckpointed>(FloatDType::F32, 5, form);
+            let (chunked, plain) = both::<CpuTrainCheckpointed>(FloatDType::F32, Chunking::Rows(5), form);
             for (name, (a, b)) in NAMES.iter().zip(chunked.iter().zip(&plain)) {
                 assert_close(&format!("{name}, {form:?}, checkpointed"), a, b, 2e-6);
             }
@@ -743,7 +830,7 @@ mod tests {
     #[test]
     fn chunked_attention_in_bf16_stays_within_bf16_rounding_of_the_single_softmax() {
         for form in [Form::Documents, Form::Window(3)] {
-            let (chunked, plain) = both::<CpuTrain>(FloatDType::BF16, 5, form);
+            let (chunked, plain) = both::<CpuTrain>(FloatDType::BF16, Chunking::Rows(5), form);
             // The reference scales the bf16 scores before its f32 softmax, the chunked op after the cast, and
             // rounds probabilities and gradients at other points: agreement to two bf16 ulps (2⁻⁷ each) of
             // the largest value (seen: one ulp, 0.6 % of it).
@@ -765,18 +852,47 @@ mod tests {
         assert_close("output", &plain, &reference, 2e-6);
     }
 
+    /// The spans of `chunk_spans`, checked: they cover the sequence in order, each within the budget (or a
+    /// single query), each but the last a multiple of 16 that 16 more queries would take over the budget.
+    fn checked_spans(seq: usize, first_key: impl Fn(usize) -> usize, score_bytes: usize, budget: usize) -> Vec<usize> {
+        let spans = chunk_spans(seq, &first_key, score_bytes, budget);
+        let scores = |start: usize, len: usize, first: usize| len * (start + len - first) * score_bytes;
+        let mut next = 0;
+        for (i, &(start, len, first)) in spans.iter().enumerate() {
+            assert_eq!((start, first), (next, first_key(start)), "span {i} of {spans:?}");
+            assert!(len == 1 || scores(start, len, first) <= budget, "span {i} over the budget: {spans:?}");
+            if i + 1 < spans.len() && len >= 16 {
+                assert_eq!(len % 16, 0, "span {i}: {spans:?}");
+                assert!(scores(start, len + 16, first) > budget, "span {i} could be longer: {spans:?}");
+            }
+            next = start + len;
+        }
+        assert_eq!(next, seq, "the spans cover the sequence: {spans:?}");
+        spans.iter().map(|span| span.1).collect()
+    }
+
     #[test]
-    fn chunks_hold_a_bounded_share_of_scores() {
-        // LFM2.5-1.2B at 4096: 32 heads → 512 queries a chunk (256 MiB of f32 scores), 2048 at 1 GiB.
+    fn chunks_hold_their_own_scores_within_the_budget() {
         let budget = CHUNK_SCORE_BYTES;
-        assert_eq!(chunk_rows_for(1, 32, 4096, budget), 512);
-        assert_eq!(chunk_rows_for(1, 32, 4096, 1 << 30), 2048);
-        assert_eq!(chunk_rows_for(2, 32, 4096, budget), 256);
-        assert_eq!(chunk_rows_for(1, 16, 8192, budget), 512);
-        assert_eq!(chunk_rows_for(1, 4, 12, budget), 12);
-        assert_eq!(chunk_rows_for(64, 64, 1 << 20, budget), 1);
-        // 1 MiB: 2 queries of 32 heads by 4096 keys, below a tile.
-        assert_eq!(chunk_rows_for(1, 32, 4096, 1 << 20), 2);
+        let one_document = |_: usize| 0;
+        // LFM2.5-1.2B at 4096 (32 heads, f32 scores): 5 chunks, where 8 equal ones sized for every key were.
+        assert_eq!(checked_spans(4096, one_document, 32 * 4, budget), [1440, 896, 688, 576, 496]);
+        // LFM2-350M (16 heads): 3 for 4; Qwen3.5-0.8B (8 heads): 2, as before; 1 GiB: 2 for the 1.2B shape.
+        assert_eq!(checked_spans(4096, one_document, 16 * 4, budget), [2048, 1264, 784]);
+        assert_eq!(checked_spans(4096, one_document, 8 * 4, budget).len(), 2);
+        assert_eq!(checked_spans(4096, one_document, 32 * 4, 1 << 30).len(), 2);
+        // Two rows hold twice the scores a query and key.
+        assert_eq!(checked_spans(4096, one_document, 2 * 32 * 4, budget).len(), 10);
+        // Packed documents of 512 tokens: a chunk's keys start at its first query's document.
+        let packed = checked_spans(4096, |i| i / 512 * 512, 32 * 4, budget);
+        assert!(packed.len() < 5 && packed[0] == 1440, "{packed:?}");
+        // A sliding window of 512 keys (Gemma 4's local layers): past the first, chunks of the same length.
+        let windowed = checked_spans(4096, |i| (i + 1).saturating_sub(512), 32 * 4, budget);
+        assert_eq!(windowed, [1440, 1200, 1200, 256]);
+        // Short sequences take one chunk; a budget below one query's scores takes one query a chunk.
+        assert_eq!(checked_spans(12, one_document, 4 * 4, budget), [12]);
+        assert_eq!(checked_spans(12, one_document, 4 * 4, 1), [1; 12]);
+        assert_eq!(checked_spans(100, one_document, 4, 40 * 4 * 40), [32, 16, 16, 16, 16, 4]);
     }
 
     #[test]

@@ -38,8 +38,8 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 
 use super::attention::{
-    AttentionForward, ChunkRows, DocumentAttention, chunked_attention, chunked_attention_backward,
-    scaled_softmax_attention, score_grads, softmax_rows, tracked_document_attention,
+    AttentionForward, ChunkRows, DocumentAttention, add_key_grads, chunked_attention, chunked_attention_backward,
+    scaled_softmax_attention, score_grads, softmax_rows_into, tracked_document_attention,
 };
 use super::deltanet::{
     self, ChunkPlan, ChunkRecurrence, ChunkedScan, RecurrenceOut, ScanInputs, tracked_gated_delta_rule,
@@ -128,16 +128,18 @@ pub trait ModelBackend: Backend {
         chunked_attention_backward(q, k, v, docs, forward, grad_out)
     }
 
-    /// One attention chunk's probabilities and log-sum-exp from its unscaled scores `q kᵀ`
-    /// `[batch, kv_heads, len · group, keys]`: the softmax of `S/√d` over the keys each query may see, in the
-    /// scores' dtype, and `[.., 1]` in f32 (`attention::softmax_rows`; the CubeCL backends run one kernel,
-    /// `kernels::attention`).
+    /// One attention chunk's probabilities from its unscaled scores `q kᵀ` `[batch, kv_heads, len · group,
+    /// keys]`: the softmax of `S/√d` over the keys each query may see, in the scores' dtype; and the whole
+    /// sequence's log-sum-exp `lse` `[batch, kv_heads, seq · group, 1]` (f32) with the chunk's rows written
+    /// (`attention::softmax_rows_into`; the CubeCL backends run one kernel, `kernels::attention`, which writes
+    /// them in place).
     fn attention_probs(
         scores: Tensor<Self, 4>,
+        lse: Tensor<Self, 4>,
         docs: &DocumentAttention<Self>,
         rows: ChunkRows,
     ) -> [Tensor<Self, 4>; 2] {
-        softmax_rows(scores, docs, rows)
+        softmax_rows_into(scores, lse, docs, rows)
     }
 
     /// The backward pass's probabilities and score gradients of one attention chunk, from the whole
@@ -152,6 +154,18 @@ pub trait ModelBackend: Backend {
         rows: ChunkRows,
     ) -> [Tensor<Self, 4>; 2] {
         score_grads(scores, grad_probs, lse, delta, docs, rows)
+    }
+
+    /// The backward pass's key and value gradients of one attention chunk, `[batch, kv_heads, keys, d]` for keys
+    /// `first..first + keys`, added into the whole sequence's `[batch, kv_heads, seq, d]` (f32): as tensor ops
+    /// (`attention::add_key_grads`) a slice, an addition and a slice write each; the CubeCL backends run one
+    /// kernel for both, in place (`kernels::attention`).
+    fn attention_add_key_grads(
+        grads: [Tensor<Self, 4>; 2],
+        parts: [Tensor<Self, 4>; 2],
+        first: usize,
+    ) -> [Tensor<Self, 4>; 2] {
+        add_key_grads(grads, parts, first)
     }
 
     /// `x · weight` over the last dimension of `x` for a weight `[in, out]`: a projection without its bias, as

@@ -20,14 +20,34 @@ TOLERANCE = {"f32": 1e-4, "bf16": 1e-2, "f16": 1e-2}
 
 def label(run: dict) -> str:
     fusion = {True: ", fused", False: ", unfused"}.get(run.get("fusion"), "")
-    # kiln's CubeCL kernels switched off (tests/bench/fallback.sh); absent on the CPU, which has none.
-    names = {"attention": "attention", "loss": "loss", "norm": "norm", "optim": "optimizer", "scan": "scan",
-             "conv": "conv"}
-    off = [name for key, name in names.items() if run.get(f"{key}_kernel") is False]
-    kernels = f", without the {'/'.join(off)} kernel{'s' if len(off) > 1 else ''}" if off else ""
-    experts = ", a matmul per expert" if run.get("experts_batched") is False else ""
-    masters = ", no masters (stochastic rounding)" if run.get("masters") == "stochastic" else ""
-    return f"{run['device']} {run['precision']}{fusion}{kernels}{experts}{masters}"
+    return f"{run['device']} {run['precision']}{fusion}{kernels(run)}{matmul(run)}" + (
+        ", a matmul per expert" if run.get("experts_batched") is False else "") + (
+        ", no masters (stochastic rounding)" if run.get("masters") == "stochastic" else "")
+
+
+# kiln's CubeCL kernels by their JSON keys; absent on the CPU, which has none.
+KERNELS = {"attention": "attention", "loss": "loss", "norm": "norm", "optim": "optimizer", "scan": "scan",
+           "conv": "conv"}
+
+
+def kernels(run: dict) -> str:
+    """Which of kiln's kernels ran, by the shorter list: those on when fewer are (CUDA's default is none,
+    gpu_session.sh's kernels stage turns them on one at a time), those off otherwise (Vulkan's default is all,
+    tests/bench/fallback.sh turns them off)."""
+    state = {name: run.get(f"{key}_kernel") for key, name in KERNELS.items()}
+    on = [name for name, value in state.items() if value is True]
+    off = [name for name, value in state.items() if value is False]
+    if not off:
+        return ", kiln's kernels" if on else ""
+    if not on:
+        return ", without kiln's kernels"
+    few, phrase = (on, "kiln's {} kernel{} only") if len(on) <= len(off) else (off, "without the {} kernel{}")
+    return ", " + phrase.format("/".join(few), "s" if len(few) > 1 else "")
+
+
+def matmul(run: dict) -> str:
+    # Recorded on CUDA only; cuBLAS's products are not the default there (KILN_MATMUL=cublas).
+    return ", cuBLAS matmuls" if run.get("matmul") == "cublas" else ""
 
 
 def main(paths: list[str]) -> int:
