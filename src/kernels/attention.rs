@@ -28,7 +28,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::stream::Operation;
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
-use burn_ir::{CustomOpIr, HandleContainer};
+use burn_ir::{CustomOpIr, HandleContainer, TensorIr};
 use cubecl::prelude::*;
 
 use super::{
@@ -411,76 +411,85 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionR
     }
 }
 
-/// Which kernel a fused custom operation runs.
+/// Which kernel a fused custom operation runs, with what it knows of its chunk.
 #[derive(Debug, Clone, Copy)]
-enum RowKernel {
-    Probs,
-    ScoreGrads,
+enum AttentionKernel {
+    /// On `[scores, lse, docs]`.
+    Probs(ChunkRows),
+    /// On `[scores, grad_probs, lse, delta, docs]`.
+    ScoreGrads(ChunkRows),
+    /// On `[grad_k, grad_v, part_k, part_v]`, the parts' first key.
+    AddKeyGrads(usize),
 }
 
-/// A kernel as one custom operation of burn-fusion's stream: fusion runs it on the backend under it.
+impl AttentionKernel {
+    fn name(self) -> &'static str {
+        match self {
+            AttentionKernel::Probs(_) => "kiln_attention_probs",
+            AttentionKernel::ScoreGrads(_) => "kiln_attention_score_grads",
+            AttentionKernel::AddKeyGrads(_) => "kiln_attention_add_key_grads",
+        }
+    }
+}
+
+/// A kernel as one custom operation of burn-fusion's stream: fusion runs it on the backend under it. An
+/// input's last use hands its buffer over, so what a kernel writes in place (the log-sum-exp, the key and
+/// value sums) is written there; an earlier use gets a copy.
 #[derive(Debug, Clone)]
-struct FusedRowKernel<B> {
+struct FusedAttentionKernel<B> {
     desc: CustomOpIr,
-    kernel: RowKernel,
-    rows: ChunkRows,
+    kernel: AttentionKernel,
     _backend: std::marker::PhantomData<B>,
 }
 
-impl<B: FusionBackend + AttentionRowKernels> Operation<B::FusionRuntime> for FusedRowKernel<B> {
+impl<B: FusionBackend + AttentionRowKernels> Operation<B::FusionRuntime> for FusedAttentionKernel<B> {
     fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
         let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
-        // The document ids come last.
-        let docs = handles.get_int_tensor::<B>(&inputs[inputs.len() - 1]);
-        let mut float = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
         let results = match self.kernel {
-            // The log-sum-exp's last use hands its buffer over (written in place), an earlier one a copy.
-            RowKernel::Probs => B::attention_probs(float(0), float(1), docs, self.rows),
-            RowKernel::ScoreGrads => {
-                let inputs =
-                    ScoreGradInputs { scores: float(0), grad_probs: float(1), lse: float(2), delta: float(3), docs };
-                B::score_grads(inputs, self.rows)
+            AttentionKernel::Probs(rows) => {
+                let [scores, lse] = first_floats::<B, 2>(handles, inputs);
+                B::attention_probs(scores, lse, last_ints::<B>(handles, inputs), rows)
+            }
+            AttentionKernel::ScoreGrads(rows) => {
+                let [scores, grad_probs, lse, delta] = first_floats::<B, 4>(handles, inputs);
+                let docs = last_ints::<B>(handles, inputs);
+                B::score_grads(ScoreGradInputs { scores, grad_probs, lse, delta, docs }, rows)
+            }
+            AttentionKernel::AddKeyGrads(first) => {
+                let [grad_k, grad_v, part_k, part_v] = first_floats::<B, 4>(handles, inputs);
+                B::add_key_grads([grad_k, grad_v], [part_k, part_v], first)
             }
         };
         register_float_outputs::<B>(handles, outputs, results);
     }
 }
 
-/// `add_key_grads` as one custom operation of burn-fusion's stream, on `[grad_k, grad_v, part_k, part_v]`.
-#[derive(Debug, Clone)]
-struct FusedAddKeyGrads<B> {
-    desc: CustomOpIr,
-    first: usize,
-    _backend: std::marker::PhantomData<B>,
+type FusionHandles<B> = HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
+
+/// A custom operation's first `N` inputs, floats.
+fn first_floats<B: FusionBackend, const N: usize>(
+    handles: &mut FusionHandles<B>,
+    inputs: &[TensorIr],
+) -> [FloatTensor<B>; N] {
+    std::array::from_fn(|i| handles.get_float_tensor::<B>(&inputs[i]))
 }
 
-impl<B: FusionBackend + AttentionRowKernels> Operation<B::FusionRuntime> for FusedAddKeyGrads<B> {
-    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
-        let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
-        // The gradients' last use hands their buffers over (written in place), an earlier one a copy.
-        let [grad_k, grad_v, part_k, part_v] = [0, 1, 2, 3].map(|i| handles.get_float_tensor::<B>(&inputs[i]));
-        let results = B::add_key_grads([grad_k, grad_v], [part_k, part_v], self.first);
-        register_float_outputs::<B>(handles, outputs, results);
-    }
+/// A custom operation's last input, the document ids.
+fn last_ints<B: FusionBackend>(handles: &mut FusionHandles<B>, inputs: &[TensorIr]) -> IntTensor<B> {
+    handles.get_int_tensor::<B>(&inputs[inputs.len() - 1])
 }
 
-/// Registers `kernel` on `floats` and then `docs` in burn-fusion's stream.
-fn register_row_kernel<B: FusionBackend + AttentionRowKernels>(
-    kernel: RowKernel,
+/// Registers `kernel` on `floats` (and then `docs`, where it reads them) in burn-fusion's stream.
+fn register_kernel<B: FusionBackend + AttentionRowKernels>(
+    kernel: AttentionKernel,
     floats: Vec<FloatTensor<Fusion<B>>>,
-    docs: IntTensor<Fusion<B>>,
+    docs: Option<IntTensor<Fusion<B>>>,
     shapes: [(Shape, DType); 2],
-    rows: ChunkRows,
 ) -> [FloatTensor<Fusion<B>>; 2] {
-    let name = match kernel {
-        RowKernel::Probs => "kiln_attention_probs",
-        RowKernel::ScoreGrads => "kiln_attention_score_grads",
-    };
-    let inputs = floats.into_iter().chain([docs]).collect();
-    outputs(register_custom::<B, _>(name, inputs, &shapes, |desc| FusedRowKernel::<B> {
+    let inputs = floats.into_iter().chain(docs).collect();
+    outputs(register_custom::<B, _>(kernel.name(), inputs, &shapes, |desc| FusedAttentionKernel::<B> {
         desc,
         kernel,
-        rows,
         _backend: std::marker::PhantomData,
     }))
 }
@@ -493,14 +502,19 @@ impl<B: FusionBackend + AttentionRowKernels> AttentionRowKernels for Fusion<B> {
         rows: ChunkRows,
     ) -> [FloatTensor<Self>; 2] {
         let outputs = [(scores.shape(), scores.dtype()), (lse.shape(), DType::F32)];
-        register_row_kernel::<B>(RowKernel::Probs, vec![scores, lse], docs, outputs, rows)
+        register_kernel::<B>(AttentionKernel::Probs(rows), vec![scores, lse], Some(docs), outputs)
     }
 
     fn score_grads(inputs: ScoreGradInputs<Self>, rows: ChunkRows) -> [FloatTensor<Self>; 2] {
         let ScoreGradInputs { scores, grad_probs, lse, delta, docs } = inputs;
         let (shape, dtype) = (scores.shape(), scores.dtype());
         let floats = vec![scores, grad_probs, lse, delta];
-        register_row_kernel::<B>(RowKernel::ScoreGrads, floats, docs, [(shape.clone(), dtype), (shape, dtype)], rows)
+        register_kernel::<B>(
+            AttentionKernel::ScoreGrads(rows),
+            floats,
+            Some(docs),
+            [(shape.clone(), dtype), (shape, dtype)],
+        )
     }
 
     fn add_key_grads(
@@ -509,13 +523,8 @@ impl<B: FusionBackend + AttentionRowKernels> AttentionRowKernels for Fusion<B> {
         first: usize,
     ) -> [FloatTensor<Self>; 2] {
         let shapes = [0, 1].map(|i| (grads[i].shape(), grads[i].dtype()));
-        let inputs = grads.into_iter().chain(parts).collect();
-        outputs(register_custom::<B, _>(
-            "kiln_attention_add_key_grads",
-            inputs,
-            &shapes,
-            |desc| FusedAddKeyGrads::<B> { desc, first, _backend: std::marker::PhantomData },
-        ))
+        let floats = grads.into_iter().chain(parts).collect();
+        register_kernel::<B>(AttentionKernel::AddKeyGrads(first), floats, None, shapes)
     }
 }
 
