@@ -15,9 +15,10 @@
 //!
 //! What is pure is `GemmPlan`: a row-major product of strided views (transposed, sliced, batched or
 //! broadcast over the batch) as one column-major `cublasGemmStridedBatchedEx` call, tested on the CPU against
-//! a reading of cuBLAS's documented semantics. A view no single call can read (a batch broadcast over some
-//! dimensions only) runs burn's matmul instead; one whose rows and columns both have strides goes through
-//! `into_contiguous` first.
+//! a reading of cuBLAS's documented semantics. An operand whose rows and columns both have strides, or whose
+//! batch dimensions no one stride steps through (the DeltaNet's chunks of a head-major view), is copied dense
+//! first (`operand_to_copy`); what even that leaves unreadable (a batch broadcast over some dimensions only)
+//! runs burn's matmul.
 
 use burn::tensor::{DType, Tensor};
 
@@ -185,6 +186,16 @@ pub fn plan(lhs: View, rhs: View) -> Result<GemmPlan, Unplannable> {
     Ok(plan)
 }
 
+/// The operand (`"lhs"` or `"rhs"`) whose dense copy may let one call read the product, where `plan` found
+/// none: a layout with strides along both matrix dimensions, or batch dimensions that do not merge into one
+/// stride. A dense copy merges them unless the operand is broadcast over some of them only; `None` for shapes.
+pub fn operand_to_copy(why: &Unplannable) -> Option<&'static str> {
+    match why {
+        Unplannable::Layout(which) | Unplannable::Batch(which) => Some(which),
+        Unplannable::Shapes | Unplannable::TooLarge => None,
+    }
+}
+
 /// The dtypes cuBLAS multiplies here: both operands in one of f32, bf16 and f16.
 pub fn supported(lhs: DType, rhs: DType) -> bool {
     lhs == rhs && matches!(lhs, DType::F32 | DType::BF16 | DType::F16)
@@ -264,7 +275,7 @@ mod device {
     use cudarc::cublas::sys as blas;
     use cudarc::driver::result as driver;
 
-    use super::{CublasMatmul, GemmPlan, Op, Unplannable, View, plan};
+    use super::{CublasMatmul, GemmPlan, Op, Unplannable, View, operand_to_copy, plan};
     use crate::backend::MATMUL_ENV;
     use crate::kernels::{outputs, register_custom, register_float_outputs};
 
@@ -425,14 +436,15 @@ mod device {
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> CublasMatmul for CubeBackend<CudaRuntime, F, I, BT> {
         fn cublas_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out: Shape) -> FloatTensor<Self> {
-            // A view no call reads is copied dense, the operand named first; at most both are.
+            // A view no call reads is copied dense, the operand named first; at most both are (a dense
+            // operand's copy is itself, and the plan's answer stays).
             let (mut lhs, mut rhs) = (lhs, rhs);
             let mut planned = plan_of(&lhs, &rhs);
             for _ in 0..2 {
-                match planned {
-                    Err(Unplannable::Layout("lhs")) => lhs = into_contiguous(lhs),
-                    Err(Unplannable::Layout(_)) => rhs = into_contiguous(rhs),
-                    _ => break,
+                match planned.as_ref().err().and_then(operand_to_copy) {
+                    Some("lhs") => lhs = into_contiguous(lhs),
+                    Some(_) => rhs = into_contiguous(rhs),
+                    None => break,
                 }
                 planned = plan_of(&lhs, &rhs);
             }
@@ -475,8 +487,8 @@ mod device {
     }
 
     /// Checks cuBLAS's products against burn's on `B` before a run relies on them: a plain product, a
-    /// transposed operand, a batch, a batch broadcast on one side, and a projection's shape, in `B`'s float
-    /// dtype. An error says which differed and by how much (or that cuBLAS is missing).
+    /// transposed operand, a batch, a batch broadcast on one side, and batch dimensions copied dense first,
+    /// in `B`'s float dtype. An error says which differed and by how much (or that cuBLAS is missing).
     pub fn self_check<B: CublasMatmul>(device: &B::Device) -> Result<(), String> {
         cublas_library()?;
         let dtype = burn::tensor::get_device_settings::<B>(device).float_dtype;
@@ -494,6 +506,13 @@ mod device {
             let got = super::matmul(lhs, rhs);
             compare(name, got, want, tolerance)?;
         }
+        // Swapped batch dimensions, which no one stride steps through: the operand is copied dense first.
+        let random4 =
+            |dims: [usize; 4]| Tensor::<B, 4>::random(dims, Distribution::Normal(0.0, 1.0), device).cast(dtype);
+        let (lhs, rhs) = (random4([2, 3, 37, 53]).swap_dims(0, 1), random4([3, 2, 53, 29]));
+        let want = lhs.clone().matmul(rhs.clone()).reshape([6, 37, 29]);
+        let got = super::matmul(lhs, rhs).reshape([6, 37, 29]);
+        compare("[2, 3, 37, 53]↔[3, 2, …] · [3, 2, 53, 29]", got, want, tolerance)?;
         Ok(())
     }
 
@@ -693,6 +712,46 @@ mod tests {
         assert_eq!(plan(dims(&[3]).view(), dims(&[3]).view()), Err(Unplannable::Shapes));
         assert_eq!(product_dims(&[5, 2, 3], &[1, 3, 4]), Some(vec![5, 2, 4]));
         assert_eq!(product_dims(&[2, 3], &[4, 5]), None);
+    }
+
+    #[test]
+    fn a_dense_copy_of_the_named_operand_lets_one_call_read_it() {
+        // The DeltaNet's chunks of a head-major view: `[1, seq, heads, d]` seen as `[1, heads, chunks, C, d]`
+        // (swap, then the sequence split into chunks), whose heads and chunks no one stride steps through.
+        let (heads, chunks, size, d) = (3, 4, 2, 5);
+        let seq = chunks * size;
+        let k = Strided {
+            at: 0,
+            dims: vec![1, heads, chunks, size, d],
+            strides: vec![seq * heads * d, d, size * heads * d, heads * d, 1],
+        };
+        let q = Strided::dense(&[1, heads, chunks, size, d]);
+        let why = plan(q.view(), k.swapped(3, 4).view()).expect_err("the chunked view has no batch stride");
+        assert_eq!((why.clone(), operand_to_copy(&why)), (Unplannable::Batch("rhs"), Some("rhs")));
+        let dense_t = Strided::dense(&[1, heads, chunks, size, d]).swapped(3, 4);
+        assert_plans("the chunks copied dense", q, dense_t, (seq * heads * d, seq * heads * d));
+        // Both matrix dimensions strided: the copy reads as a plain matrix.
+        let lhs = Strided { at: 0, dims: vec![3, 4], strides: vec![8, 2] };
+        let why = plan(lhs.view(), Strided::dense(&[4, 2]).view()).expect_err("strided rows and columns");
+        assert_eq!(operand_to_copy(&why), Some("lhs"));
+        assert_plans("the rows copied dense", Strided::dense(&[3, 4]), Strided::dense(&[4, 2]), (12, 8));
+        // Batch dimensions swapped: dense again, they merge.
+        let lhs = Strided::dense(&[2, 3, 4, 5]).swapped(0, 1);
+        let why = plan(lhs.view(), Strided::dense(&[3, 2, 5, 6]).view()).expect_err("swapped batch");
+        assert_eq!(operand_to_copy(&why), Some("lhs"));
+        assert_plans(
+            "the batch copied dense",
+            Strided::dense(&[3, 2, 4, 5]),
+            Strided::dense(&[3, 2, 5, 6]),
+            (120, 180),
+        );
+        // A broadcast over one batch dimension of two stays unreadable when dense: burn's matmul runs it.
+        let (lhs, rhs) = (Strided::dense(&[2, 3, 4, 5]), Strided::dense(&[1, 3, 5, 6]));
+        assert_eq!(plan(lhs.view(), rhs.view()), Err(Unplannable::Batch("rhs")));
+        // Shapes that do not multiply name no operand.
+        let why = plan(Strided::dense(&[2, 3]).view(), Strided::dense(&[4, 5]).view()).expect_err("shapes");
+        assert_eq!(operand_to_copy(&why), None);
+        assert_eq!(operand_to_copy(&Unplannable::TooLarge), None);
     }
 
     #[test]

@@ -392,9 +392,16 @@ impl ChunkRows {
         ChunkRows { start, len, group, first, window: docs.window(), scale: docs.scale(d) }
     }
 
+    /// Where the chunk's rows lie along dim 2 of a `[batch, kv_heads, seq · group, width]` tensor in
+    /// `query_rows`' order.
+    fn row_range(&self) -> std::ops::Range<usize> {
+        self.start * self.group..(self.start + self.len) * self.group
+    }
+
     /// The chunk's rows of a `[batch, kv_heads, seq · group, width]` tensor in `query_rows`' order: a view.
     fn of<B: Backend>(&self, rows: &Tensor<B, 4>) -> Tensor<B, 4> {
-        rows.clone().narrow(2, self.start * self.group, self.len * self.group)
+        let range = self.row_range();
+        rows.clone().narrow(2, range.start, range.len())
     }
 
     /// Keys per score row.
@@ -524,7 +531,7 @@ pub fn softmax_rows_into<B: Backend>(
 ) -> [Tensor<B, 4>; 2] {
     let [probs, chunk_lse] = softmax_rows(scores, docs, rows);
     let [batch, kv_heads, ..] = lse.dims();
-    let at = [0..batch, 0..kv_heads, rows.start * rows.group..(rows.start + rows.len) * rows.group, 0..1];
+    let at = [0..batch, 0..kv_heads, rows.row_range(), 0..1];
     [probs, lse.slice_assign(at, chunk_lse)]
 }
 
