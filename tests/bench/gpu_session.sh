@@ -13,8 +13,9 @@
 #            backend's kernels and layouts checked against the reference before any speed is measured;
 #   kernels  kiln's CubeCL kernels (off by default on CUDA: backend::KernelsByDefault) each alone on, then
 #            all on, then the products through cuBLAS (KILN_MATMUL=cublas, off by default too), KERNEL_REPEATS
-#            runs of three steps of each of KERNEL_CONFIGS in KERNEL_PRECISIONS, losses against the CPU's
-#            (kernels.md): whether dense outputs mended the NaN of 2026-12-04, and if not, where;
+#            runs of three steps of each of KERNEL_CONFIGS in KERNEL_PRECISIONS, KERNEL_JOBS (6) at once,
+#            losses against the CPU's (kernels.md): whether dense outputs mended the NaN of 2026-12-04, and if
+#            not, where;
 #   sanitize the tiny LFM2 with every kernel on under compute-sanitizer (SANITIZE_TOOLS: initcheck, memcheck,
 #            racecheck), two bf16 steps: the kernel and the access at fault; skipped when the kernels
 #            stage before it passed (SANITIZE_WHEN=failed, the default; "always" runs it whatever came before);
@@ -112,6 +113,7 @@ cd "$(dirname "$0")/../.."
 [[ " $SHAPES " == *" qwen3.5-0.8b "* ]] && : "${SCAN_AB=qwen3.5-0.8b}" || : "${SCAN_AB=}"
 : "${ATTN_AB=lfm2.5-1.2b}" "${LOSS_AB=lfm2.5-1.2b}" "${NORM_AB=lfm2.5-1.2b}" "${OPTIM_AB=qwen3.5-0.8b}"
 : "${KERNEL_CONFIGS=configs/models/tiny configs/models/tiny-qwen3.5}" "${KERNEL_PRECISIONS=bf16}" "${KERNEL_REPEATS:=3}"
+: "${KERNEL_JOBS:=6}"
 : "${SANITIZE_TOOLS=initcheck memcheck racecheck}" "${SANITIZE_WHEN:=failed}"
 : "${AUTOTUNE_SHAPES=lfm2.5-1.2b}" "${AUTOTUNE_OPS:=ops}"
 : "${CONV_AB=lfm2.5-1.2b}" "${MOMENTS_SHAPES=lfm2.5-1.2b}" "${FIT_SHAPES=lfm2.5-8b-a1b}" "${FIT_SEQ:=8192}"
@@ -201,30 +203,59 @@ stage_parity() {
 # KERNEL_REPEATS times (the NaN came at a step that changed from run to run), three steps of each of
 # KERNEL_CONFIGS in KERNEL_PRECISIONS, losses against the CPU's (parity.py); then all of them on; then the
 # matrix products through cuBLAS (KILN_MATMUL=cublas, kernels/cublas.rs: never run on a GPU before either). All
-# within tolerance clears them; a failure says which to look at, and `sanitize` where.
+# within tolerance clears them; a failure says which to look at, and `sanitize` where. The runs are small (the
+# device waits on launches, not on work): KERNEL_JOBS of them at once, each shape's CPU run first; a kernel a
+# shape has no layer for (the DeltaNet scan without DeltaNet layers, the conv without conv or DeltaNet layers)
+# is not run for it.
 KERNEL_SWITCHES=(KILN_ATTENTION_KERNEL KILN_LOSS_KERNEL KILN_NORM_KERNEL KILN_OPTIM_KERNEL KILN_SCAN_KERNEL KILN_CONV_KERNEL)
+
+# Whether the model of config directory $2 has a layer kernel switch $1 serves.
+kernel_serves() {
+    local json=$2/config.json
+    case $1 in
+        KILN_SCAN_KERNEL) grep -q '"linear_attention"' "$json" ;;
+        KILN_CONV_KERNEL) grep -q -e '"linear_attention"' -e '"conv"' "$json" ;;
+        *) return 0 ;;
+    esac
+}
+
+# One run of stage_kernels: $1 the switch (a KERNEL_SWITCHES name, all, or cublas), $2 the precision, $3 the tag;
+# $config and $shape from the caller. Its result goes to $OUT/kernels/ as well.
+kernel_run() {
+    local switches="$1=on"
+    [[ $1 == all ]] && switches=$(printf '%s=on ' "${KERNEL_SWITCHES[@]}")
+    [[ $1 == cublas ]] && switches=KILN_MATMUL=cublas
+    with_switches "$switches" parity_run "$DEVICE" "$2" "$3" || echo "$shape $3 failed (parity.log)" >&2
+    cp "$OUT/parity/$shape@$3.json" "$OUT/kernels/" 2>/dev/null
+    return 0
+}
+
 stage_kernels() {
-    step "kiln's kernels alone on $DEVICE: ${KERNEL_CONFIGS// /, } in $KERNEL_PRECISIONS, $KERNEL_REPEATS runs each"
-    mkdir -p "$OUT/kernels"
-    local config shape precision switch repeat tag status=0
+    step "kiln's kernels alone on $DEVICE: ${KERNEL_CONFIGS// /, } in $KERNEL_PRECISIONS, $KERNEL_REPEATS runs each, $KERNEL_JOBS at once"
+    mkdir -p "$OUT/kernels" "$OUT/parity"
+    local config shape precision switch repeat status=0
     for config in $KERNEL_CONFIGS; do
         shape=$(basename "$config")
-        [[ -f $OUT/parity/$shape@cpu-f32.json ]] || { mkdir -p "$OUT/parity"; parity_run cpu f32 cpu-f32; }
-        for precision in $KERNEL_PRECISIONS; do
-            for switch in "${KERNEL_SWITCHES[@]}" all cublas; do
-                for ((repeat = 1; repeat <= KERNEL_REPEATS; repeat++)); do
-                    tag=$DEVICE-$precision-${switch#KILN_}-$repeat
-                    if [[ $switch == all ]]; then
-                        with_switches "$(printf '%s=on ' "${KERNEL_SWITCHES[@]}")" parity_run "$DEVICE" "$precision" "$tag"
-                    elif [[ $switch == cublas ]]; then
-                        with_switches KILN_MATMUL=cublas parity_run "$DEVICE" "$precision" "$tag"
-                    else
-                        with_switches "$switch=on" parity_run "$DEVICE" "$precision" "$tag"
-                    fi || echo "$shape $tag failed (parity.log)" >&2
-                    cp "$OUT/parity/$shape@$tag.json" "$OUT/kernels/" 2>/dev/null
+        [[ -f $OUT/parity/$shape@cpu-f32.json ]] || parity_run cpu f32 cpu-f32 &
+    done
+    wait
+    # Repeats last: the first round's runs differ, so they compile different kernels side by side, and the
+    # repeats load them from the kernel cache.
+    for ((repeat = 1; repeat <= KERNEL_REPEATS; repeat++)); do
+        for config in $KERNEL_CONFIGS; do
+            shape=$(basename "$config")
+            for precision in $KERNEL_PRECISIONS; do
+                for switch in "${KERNEL_SWITCHES[@]}" all cublas; do
+                    kernel_serves "$switch" "$config" || continue
+                    while (($(jobs -rp | wc -l) >= KERNEL_JOBS)); do wait -n; done
+                    kernel_run "$switch" "$precision" "$DEVICE-$precision-${switch#KILN_}-$repeat" &
                 done
             done
         done
+    done
+    wait
+    for config in $KERNEL_CONFIGS; do
+        shape=$(basename "$config")
         local runs=("$OUT/kernels/$shape@"*.json)
         if [[ -f ${runs[0]} ]]; then
             python3 tests/bench/parity.py "$OUT/parity/$shape@cpu-f32.json" "${runs[@]}" >>"$OUT/kernels.md" || status=1
@@ -575,7 +606,7 @@ pack_kernel_cache() {
 # Where the parity, table and train stages note the switches that mended a failed kiln run (fallback.sh;
 # train.sh's FALLBACK_MARK): the later runs take them.
 : "${FALLBACK_MARK:=$OUT/fallback}"
-export KERNEL_CONFIGS KERNEL_PRECISIONS KERNEL_REPEATS SANITIZE_TOOLS SANITIZE_WHEN DEVICE STAGES SHAPES KILN_OPS TRAIN_SHAPE EPOCHS TRAIN_MICRO TRAIN_BATCH TRAIN_LR PROFILE_SHAPES SCAN_AB \
+export KERNEL_CONFIGS KERNEL_PRECISIONS KERNEL_REPEATS KERNEL_JOBS SANITIZE_TOOLS SANITIZE_WHEN DEVICE STAGES SHAPES KILN_OPS TRAIN_SHAPE EPOCHS TRAIN_MICRO TRAIN_BATCH TRAIN_LR PROFILE_SHAPES SCAN_AB \
     MOMENTS_SHAPES FIT_SHAPES FIT_SEQ OUT KILN KILN_AUTOTUNE AUTOTUNE_SHAPES AUTOTUNE_OPS LD_LIBRARY_PATH FALLBACK_MARK
 
 step "machine"
