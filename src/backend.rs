@@ -243,6 +243,48 @@ pub fn cublas_enabled() -> bool {
     matmul_kernels() == MatmulKernels::Cublas
 }
 
+/// What this process's cuBLAS products have cost the host so far: whether the host ordering around them
+/// (module doc) is what a step spends its time on. All zero where none ran.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct CublasTally {
+    pub products: u64,
+    /// Seconds waiting for cubecl's stream before the products: its kernels that had not finished yet (the
+    /// device's work, which the host would otherwise have run ahead of).
+    pub operand_wait_s: f64,
+    /// Seconds from each call to the end of its stream: the products on the device, their launches and
+    /// the waits for them.
+    pub product_s: f64,
+}
+
+impl CublasTally {
+    /// What was tallied after `earlier`.
+    pub fn since(self, earlier: CublasTally) -> CublasTally {
+        CublasTally {
+            products: self.products.saturating_sub(earlier.products),
+            operand_wait_s: self.operand_wait_s - earlier.operand_wait_s,
+            product_s: self.product_s - earlier.product_s,
+        }
+    }
+
+    /// The tally spread over `steps` steps.
+    pub fn per_step(self, steps: usize) -> CublasTally {
+        let n = steps.max(1) as f64;
+        CublasTally {
+            products: self.products / steps.max(1) as u64,
+            operand_wait_s: self.operand_wait_s / n,
+            product_s: self.product_s / n,
+        }
+    }
+}
+
+/// This process's cuBLAS tally so far (`kernels::cublas`); zero in builds without CUDA.
+pub fn cublas_tally() -> CublasTally {
+    #[cfg(feature = "cuda")]
+    return crate::kernels::cublas::tally();
+    #[cfg(not(feature = "cuda"))]
+    CublasTally::default()
+}
+
 /// An on/off switch from the environment: on when unset.
 fn switch(name: &str) -> Result<bool, String> {
     kernel_switch(name).map(|set| set.unwrap_or(true)).map_err(|why| format!("{why} (unset: on)"))
@@ -1014,6 +1056,18 @@ pub fn consecutive_devices<B: Backend>(first: &B::Device, count: usize) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cublas_tally_is_read_as_the_difference_spread_over_the_steps() {
+        let earlier = CublasTally { products: 10, operand_wait_s: 0.5, product_s: 1.0 };
+        let later = CublasTally { products: 40, operand_wait_s: 0.8, product_s: 1.6 };
+        let per_step = later.since(earlier).per_step(3);
+        assert_eq!(per_step.products, 10);
+        assert!((per_step.operand_wait_s - 0.1).abs() < 1e-12 && (per_step.product_s - 0.2).abs() < 1e-12);
+        // Nothing ran through cuBLAS in this process (no product, or a build without CUDA).
+        let before = cublas_tally();
+        assert_eq!(cublas_tally().since(before), CublasTally::default());
+    }
 
     #[test]
     fn cpu_backend_computes() {

@@ -930,8 +930,9 @@ fn the_training_benchmark_measures_every_architecture() {
         assert_eq!(r.tokens_per_step, 2 * 2 * 32, "{shape}");
         assert_eq!((r.warmup_seconds.len(), r.step_seconds.len(), r.losses.len()), (1, 2, 3), "{shape}");
         assert!(r.warmup_seconds.iter().chain(&r.step_seconds).all(|&s| s > 0.0), "{shape}");
-        // Only CUDA rows say whether burn's autotune picked the kernels.
+        // Only CUDA rows say whether burn's autotune picked the kernels, and only cuBLAS's what its products cost.
         assert_eq!(r.run.autotune, None, "{shape}");
+        assert_eq!(r.cublas, None, "{shape}");
         assert_eq!(r.run.precision, if precision == Precision::Bf16 { "bf16" } else { "f32" });
         let uniform = (config.vocab_size() as f64).ln();
         assert!(r.losses.iter().all(|l| (l - uniform).abs() < 0.5), "{shape}: {:?} vs ln V {uniform}", r.losses);

@@ -20,9 +20,35 @@
 //! first (`operand_to_copy`); what even that leaves unreadable (a batch broadcast over some dimensions only)
 //! runs burn's matmul.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
 use burn::tensor::{DType, Tensor};
 
-use crate::backend::cublas_enabled;
+use crate::backend::{CublasTally, cublas_enabled};
+
+static PRODUCTS: AtomicU64 = AtomicU64::new(0);
+static OPERAND_WAIT_NS: AtomicU64 = AtomicU64::new(0);
+static PRODUCT_NS: AtomicU64 = AtomicU64::new(0);
+
+/// The process's tally so far (`backend::cublas_tally`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub fn tally() -> CublasTally {
+    let seconds = |ns: &AtomicU64| ns.load(Ordering::Relaxed) as f64 * 1e-9;
+    CublasTally {
+        products: PRODUCTS.load(Ordering::Relaxed),
+        operand_wait_s: seconds(&OPERAND_WAIT_NS),
+        product_s: seconds(&PRODUCT_NS),
+    }
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn record(operand_wait: Duration, product: Duration) {
+    let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+    PRODUCTS.fetch_add(1, Ordering::Relaxed);
+    OPERAND_WAIT_NS.fetch_add(nanos(operand_wait), Ordering::Relaxed);
+    PRODUCT_NS.fetch_add(nanos(product), Ordering::Relaxed);
+}
 
 /// How cuBLAS transforms an operand: as stored (`N`) or transposed (`T`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -260,6 +286,7 @@ pub use device::{cublas_library, self_check};
 mod device {
     use std::cell::RefCell;
     use std::ffi::c_void;
+    use std::time::Instant;
 
     use burn::tensor::backend::Backend;
     use burn::tensor::ops::{FloatTensor, FloatTensorOps};
@@ -382,7 +409,9 @@ mod device {
         };
         let (a, b, c) = (resource(rhs), resource(lhs), resource(out));
         // The operands' writers, and any reader of the output's memory before it, are done.
+        let started = Instant::now();
         check("waiting for cubecl's stream", cubecl::future::block_on(client.sync()));
+        let operands_ready = Instant::now();
         let dtype = data_type(out.dtype);
         let (alpha, beta) = (1.0f32, 0.0f32);
         let narrow = |v: usize| v as i32; // `plan` checked every size against i32
@@ -422,6 +451,7 @@ mod device {
             // SAFETY: this thread's stream, created in `open`.
             check("waiting for cuBLAS's stream", unsafe { driver::stream::synchronize(blas.stream) });
         });
+        super::record(operands_ready - started, operands_ready.elapsed());
         drop((a, b, c));
     }
 

@@ -15,7 +15,7 @@ use super::step::{MicroBatch, StepRule, WHOLE_ROWS, optimizer_step};
 use super::trainer::{PeakMemory, Precision, StepFlops};
 use super::{TrainError, with_train_backend};
 use crate::backend::DeviceMemory;
-use crate::backend::Kernel;
+use crate::backend::{CublasTally, Kernel, cublas_tally};
 use crate::models::ops::reference_ops;
 use crate::models::{ModelConfig, random_model, set_reference_ops};
 use crate::tokens::shards::Row;
@@ -181,6 +181,10 @@ pub struct BenchResult {
     pub peak_memory_bytes: Option<u64>,
     /// Loss of every step, warmup included (random tokens: near ln(vocab) at first).
     pub losses: Vec<f64>,
+    /// A timed step's cuBLAS products and the host's waits around them (`KILN_MATMUL=cublas`); absent where
+    /// no product ran through cuBLAS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cublas: Option<CublasTally>,
 }
 
 /// A benchmark row that stopped because the device's memory could not hold it (kiln's check of the
@@ -249,7 +253,11 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
     let (mut warmup_seconds, mut step_seconds, mut losses) = (Vec::new(), Vec::new(), Vec::new());
     let mut tokens_per_step = 0;
     let rule = StepRule { lr: cfg.lr, max_norm: Some(1.0), expert_bias_rate: 0.0 };
+    let mut cublas_before_timed = cublas_tally();
     for step in 0..cfg.warmup + cfg.steps {
+        if step == cfg.warmup {
+            cublas_before_timed = cublas_tally();
+        }
         // New tokens every step, made before the clock starts.
         let rows = random_rows(rows_per_step, cfg.seq, cfg.docs_per_row, config.vocab_size(), cfg.seed + step as u64);
         let refs: Vec<&Row> = rows.iter().collect();
@@ -268,6 +276,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
     }
     let median_step_seconds = median(&step_seconds);
     let tokens = tokens_per_step as f64;
+    let cublas = Some(cublas_tally().since(cublas_before_timed)).filter(|t| t.products > 0);
     Ok(BenchResult {
         run: BenchRun::of(config, cfg, device_name),
         params: burn::module::Module::num_params(&model) as u64,
@@ -282,6 +291,7 @@ pub fn bench_train<B: LinearCrossEntropy + DeviceMemory>(
         warmup_seconds,
         step_seconds,
         losses,
+        cublas: cublas.map(|t| t.per_step(cfg.steps)),
     })
 }
 

@@ -189,6 +189,16 @@ def table(files) -> str:
         lines.append(f"| {shape} | {framework} | {r['precision']} | {params} | "
                      f"{r['seq']} × {r['micro_batch']} × {r['accumulation']} | {speed} | {mfu} | "
                      f"{mem} | {state} | {ratio} | {mem_ratio} |")
+    # Where cuBLAS computed the products: what the host's ordering around them (kernels/cublas.rs) cost a step.
+    for r in measured:
+        tally = r.get("cublas")
+        if tally:
+            step = r["median_step_seconds"]
+            lines.append("")
+            lines.append(f"{r.get('shape', r['model_type'])}, kiln with cuBLAS: {tally['products']} products a step, "
+                         f"{tally['operand_wait_s'] * 1e3:.1f} ms waiting for cubecl's stream before them and "
+                         f"{tally['product_s'] * 1e3:.1f} ms from their calls to their streams' ends, of a "
+                         f"{step * 1e3:.1f} ms step (the rest: the host between products)")
     return "\n".join(lines)
 
 
