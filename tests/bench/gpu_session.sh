@@ -209,9 +209,11 @@ stage_parity() {
 # is not run for it.
 KERNEL_SWITCHES=(KILN_ATTENTION_KERNEL KILN_LOSS_KERNEL KILN_NORM_KERNEL KILN_OPTIM_KERNEL KILN_SCAN_KERNEL KILN_CONV_KERNEL)
 
-# Whether the model of config directory $2 has a layer kernel switch $1 serves.
+# Whether the model of config $2 (a directory with a config.json, or the file) has a layer kernel switch $1
+# serves.
 kernel_serves() {
-    local json=$2/config.json
+    local json=$2
+    [[ -d $json ]] && json=$json/config.json
     case $1 in
         KILN_SCAN_KERNEL) grep -q '"linear_attention"' "$json" ;;
         KILN_CONV_KERNEL) grep -q -e '"linear_attention"' -e '"conv"' "$json" ;;
