@@ -244,7 +244,7 @@ pub fn cublas_enabled() -> bool {
 }
 
 /// What this process's cuBLAS products have cost the host so far: whether the host ordering around them
-/// (module doc) is what a step spends its time on. All zero where none ran.
+/// (`kernels::cublas`'s module doc) is what a step spends its time on. All zero where none ran.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CublasTally {
     pub products: u64,

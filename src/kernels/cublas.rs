@@ -16,9 +16,9 @@
 //! What is pure is `GemmPlan`: a row-major product of strided views (transposed, sliced, batched or
 //! broadcast over the batch) as one column-major `cublasGemmStridedBatchedEx` call, tested on the CPU against
 //! a reading of cuBLAS's documented semantics. An operand whose rows and columns both have strides, or whose
-//! batch dimensions no one stride steps through (the DeltaNet's chunks of a head-major view), is copied dense
-//! first (`operand_to_copy`); what even that leaves unreadable (a batch broadcast over some dimensions only)
-//! runs burn's matmul.
+//! batch dimensions no one stride steps through (a head-major view of token-major rows, cut into chunks), is
+//! copied dense first (`operand_to_copy`); what even that leaves unreadable (a batch broadcast over some
+//! dimensions only) runs burn's matmul.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -746,8 +746,8 @@ mod tests {
 
     #[test]
     fn a_dense_copy_of_the_named_operand_lets_one_call_read_it() {
-        // The DeltaNet's chunks of a head-major view: `[1, seq, heads, d]` seen as `[1, heads, chunks, C, d]`
-        // (swap, then the sequence split into chunks), whose heads and chunks no one stride steps through.
+        // A head-major view of token-major rows cut into chunks: `[1, seq, heads, d]` seen as `[1, heads,
+        // chunks, C, d]` (swap, then the sequence split), whose heads and chunks no one stride steps through.
         let (heads, chunks, size, d) = (3, 4, 2, 5);
         let seq = chunks * size;
         let k = Strided {
