@@ -120,7 +120,8 @@ struct SftArgs {
     #[arg(long, default_value = "auto")]
     device: String,
     /// Recompute memory-bound activations in the backward pass (as the model config's
-    /// `train.activation_checkpointing`): less memory, the same training.
+    /// `train.activation_checkpointing`; burn's balanced checkpointing, which keeps the outputs of kiln's
+    /// own ops: next to no memory saved yet), the same training.
     #[arg(long)]
     activation_checkpointing: bool,
     /// Train data-parallel on this many devices (cuda 0..N), as the model config's `train.devices`.
@@ -593,7 +594,8 @@ struct TrainArgs {
     export_dtype: Option<kiln::models::hf::ExportDtype>,
     #[arg(long)]
     peak_tflops: Option<f64>,
-    /// Recompute memory-bound activations in the backward pass instead of keeping them.
+    /// Recompute memory-bound activations in the backward pass instead of keeping them (burn's balanced
+    /// checkpointing: next to no memory saved on kiln's models yet).
     #[arg(long)]
     activation_checkpointing: bool,
     /// Data-parallel replicas, one a device (cuda 0..N): a step's micro-batches are shared among them and their

@@ -398,9 +398,9 @@ stage_moments() {
         # shellcheck disable=SC2086  # MOMENTS_SHAPES is a list
         # Without masters the rounding runs as tensor ops (integer hashes burn does not fuse: on lavapipe 2,662
         # kernels a tiny-LFM2 step instead of 714) unless kiln's AdamW kernel takes it (465, as with masters):
-        # both rows; and with activation checkpointing, the smallest footprint at PyTorch's batch.
+        # both rows.
         local ops=ops
-        [[ $masters == stochastic ]] && ops="ops optim checkpointed"
+        [[ $masters == stochastic ]] && ops="ops optim"
         DEVICE=$DEVICE KILN=$KILN KILN_OPS=$ops MOMENTS=$moments MASTERS=$masters REFERENCE=none \
             OUT=$OUT/bench-moments-$moments-$masters tests/bench/train.sh $MOMENTS_SHAPES >>"$OUT/table-moments.md" \
             || status=1
