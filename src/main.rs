@@ -119,9 +119,9 @@ struct SftArgs {
     /// cpu, cuda, vulkan (--features vulkan; f32), or auto (cuda when this build has it and a GPU is visible).
     #[arg(long, default_value = "auto")]
     device: String,
-    /// Recompute memory-bound activations in the backward pass (as the model config's
-    /// `train.activation_checkpointing`; burn's balanced checkpointing, which keeps the outputs of kiln's
-    /// own ops: next to no memory saved yet), the same training.
+    /// Keep each layer's input alone and recompute the layer in the backward pass (as the model config's
+    /// `train.activation_checkpointing`): less activation memory, about one forward pass more, the same
+    /// training.
     #[arg(long)]
     activation_checkpointing: bool,
     /// Train data-parallel on this many devices (cuda 0..N), as the model config's `train.devices`.
@@ -594,8 +594,8 @@ struct TrainArgs {
     export_dtype: Option<kiln::models::hf::ExportDtype>,
     #[arg(long)]
     peak_tflops: Option<f64>,
-    /// Recompute memory-bound activations in the backward pass instead of keeping them (burn's balanced
-    /// checkpointing: next to no memory saved on kiln's models yet).
+    /// Keep each layer's input alone and recompute the layer in the backward pass: less activation memory,
+    /// about one forward pass more.
     #[arg(long)]
     activation_checkpointing: bool,
     /// Data-parallel replicas, one a device (cuda 0..N): a step's micro-batches are shared among them and their
@@ -653,6 +653,7 @@ struct BenchTrainArgs {
     /// Dense bf16 peak of the accelerator in TFLOP/s, for MFU (H100/H200 SXM: 989).
     #[arg(long)]
     peak_tflops: Option<f64>,
+    /// Keep each layer's input alone and recompute the layer in the backward pass.
     #[arg(long)]
     activation_checkpointing: bool,
     /// How AdamW keeps its moments: f32, bf16 (4 bytes a parameter less) or q8 (block-wise 8-bit, 6 less).

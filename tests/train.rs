@@ -652,10 +652,10 @@ fn activation_checkpointing_gives_the_same_training() {
         &device,
     )
     .unwrap();
+    // The recomputed activations are the forward pass's own: the trained weights are the same to the bit.
     let (a, b) = (hf_tensors(&plain), hf_tensors(&recomputed));
     for (k, t) in &a {
-        let err = t.data.iter().zip(&b[k].data).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-        assert!(err <= 1e-6, "{k}: {err}");
+        assert!(t.data == b[k].data, "{k}: the weights differ with activation checkpointing");
     }
 }
 

@@ -304,7 +304,7 @@ impl<B: ModelBackend> Gemma4Model<B> {
                 }
                 attn.output(B::document_attention(q, k, v, docs))
             };
-            h = layer.forward(h, attend, Self::per_layer_input(&per_layer, i));
+            h = B::layer_output(layer.forward(h, attend, Self::per_layer_input(&per_layer, i)));
         }
         self.norm.forward(h)
     }

@@ -276,7 +276,7 @@ impl<B: ModelBackend> Lfm2Model<B> {
                 FeedForward::Dense(mlp) => mlp.forward(x),
                 FeedForward::Moe(moe) => moe.forward(x),
             };
-            h = h + y;
+            h = B::layer_output(h + y);
         }
         self.embedding_norm.forward(h)
     }

@@ -15,8 +15,10 @@
 //! parts (`split_last`: one gradient for the whole projection, each part written into it, instead of one
 //! zero-filled full-size gradient per part, summed) and the projections themselves (`projection`: the weight
 //! gradient as one matmul over all rows, `xᵀ·g`, where burn's `linear` takes one per batch row and sums them:
-//! a `[batch, in, out]` tensor, and a reduction kernel a projection even at batch 1). Plain backends run the
-//! same forward without a graph. `set_reference_ops` switches autodiff backends back to burn's compositions
+//! a `[batch, in, out]` tensor, and a reduction kernel a projection even at batch 1). The ops cheap to run
+//! again carry their forward pass for activation checkpointing (`record_recomputable`), which recomputes a
+//! layer from its kept input (`ModelBackend::layer_output`). Plain backends run the same forward without a
+//! graph. `set_reference_ops` switches autodiff backends back to burn's compositions
 //! on the thread that records the graph: the A/B switch for measuring what the ops buy, or for ruling them
 //! out when a run misbehaves.
 
@@ -354,6 +356,14 @@ pub trait ModelBackend: Backend {
     fn split_last<const D: usize, const N: usize>(x: Tensor<Self, D>, widths: [usize; N]) -> [Tensor<Self, D>; N] {
         narrow_last(x, widths)
     }
+
+    /// A layer's output, the residual stream `h` the next layer reads: itself. Under activation
+    /// checkpointing the one tensor of a layer the backward pass keeps, from which it recomputes the
+    /// layer's dropped activations (autodiff backends record a compute-bound identity: burn's balanced
+    /// checkpointing keeps the outputs of compute-bound ops and recomputes memory-bound ones back to them).
+    fn layer_output<const D: usize>(h: Tensor<Self, D>) -> Tensor<Self, D> {
+        h
+    }
 }
 
 /// `split_last` as burn composes it: one `narrow` per part.
@@ -528,7 +538,7 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         if reference_ops() {
             return glu_forward(gate, up, act);
         }
-        record_binary(GluBackward::<D>, gate, up, act, |gate, up| B::glu(gate, up, act))
+        record_binary(GluBackward::<D>, gate, up, act, move |gate, up| B::glu(gate, up, act))
     }
 
     fn rms_norm<const D: usize>(
@@ -540,7 +550,7 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         if reference_ops() {
             return rms_norm_forward(x, weight, eps, kind);
         }
-        record_binary(RmsNormBackward::<D>, x, weight, (eps, kind), |x, weight| B::rms_norm(x, weight, eps, kind))
+        record_binary(RmsNormBackward::<D>, x, weight, (eps, kind), move |x, weight| B::rms_norm(x, weight, eps, kind))
     }
 
     fn l2_norm<const D: usize>(x: Tensor<Self, D>, eps: f64) -> Tensor<Self, D> {
@@ -548,10 +558,10 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             return l2_normalize(x, eps);
         }
         let x = x.into_primitive().tensor();
-        let out = l2_normalize(Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x.primitive.clone())), eps)
-            .into_primitive()
-            .tensor();
-        let output = record_op::<C, _, _, _, _>(L2NormBackward::<D>, [&x], out, |[x]| (x, eps));
+        let forward = move |[x]: [FloatTensor<B>; 1]| {
+            l2_normalize(Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x)), eps).into_primitive().tensor()
+        };
+        let output = record_recomputable::<C, _, _, _, _, _>(L2NormBackward::<D>, [&x], forward, |[x]| (x, eps));
         Tensor::from_primitive(TensorPrimitive::Float(output))
     }
 
@@ -561,10 +571,16 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         }
         let tables = tables.inner();
         let x = x.into_primitive().tensor();
-        let out = B::rope(Tensor::from_primitive(TensorPrimitive::Float(x.primitive.clone())), &tables);
-        let out = out.into_primitive().tensor();
-        // The backward pass needs the tables alone: the input is not kept.
-        let output = match RopeBackward.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
+        let kept = tables.clone();
+        let forward = move |[x]: [FloatTensor<B>; 1]| {
+            B::rope(Tensor::from_primitive(TensorPrimitive::Float(x)), &kept).into_primitive().tensor()
+        };
+        let out = forward([x.primitive.clone()]);
+        // The backward pass needs the tables alone: the input is not checkpointed for it, only for a
+        // recomputation of the output.
+        let retro = RetroOp { inputs: [x.node.id], forward, backend: PhantomData::<B> };
+        let prepared = RopeBackward.prepare::<C>([x.node.clone()]).memory_bound().retro_forward(retro).parents([&x]);
+        let output = match prepared.stateful() {
             OpsKind::Tracked(prep) => prep.finish(tables, out),
             OpsKind::UnTracked(prep) => prep.finish(out),
         };
@@ -576,7 +592,8 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             return causal_depthwise_conv(x, kernel, shifts);
         }
         let shifts = shifts.inner();
-        record_binary(CausalConvBackward, x, kernel, shifts.clone(), |x, kernel| B::causal_conv(x, kernel, &shifts))
+        let kept = shifts.clone();
+        record_binary(CausalConvBackward, x, kernel, shifts, move |x, kernel| B::causal_conv(x, kernel, &kept))
     }
 
     fn gated_conv(bcx: Tensor<Self, 3>, kernel: Tensor<Self, 2>, shifts: &ConvShifts<Self>) -> Tensor<Self, 3> {
@@ -584,15 +601,17 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             return gated_conv(bcx, kernel, shifts);
         }
         let shifts = shifts.inner();
-        record_binary(GatedConvBackward, bcx, kernel, shifts.clone(), |bcx, kernel| B::gated_conv(bcx, kernel, &shifts))
+        let kept = shifts.clone();
+        record_binary(GatedConvBackward, bcx, kernel, shifts, move |bcx, kernel| B::gated_conv(bcx, kernel, &kept))
     }
 
     fn grouped_matmul(x: Tensor<Self, 2>, weights: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
         if reference_ops() {
             return grouped_matmul_forward(x, weights, counts);
         }
-        record_binary(GroupedMatmulBackward, x, weights, counts.to_vec(), |x, weights| {
-            B::grouped_matmul(x, weights, counts)
+        let kept = counts.to_vec();
+        record_binary(GroupedMatmulBackward, x, weights, counts.to_vec(), move |x, weights| {
+            B::grouped_matmul(x, weights, &kept)
         })
     }
 
@@ -629,12 +648,20 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             Tensor::from_primitive(TensorPrimitive::Float(out))
         })
     }
+
+    fn layer_output<const D: usize>(h: Tensor<Self, D>) -> Tensor<Self, D> {
+        let h = h.into_primitive().tensor();
+        let out = h.primitive.clone();
+        let output = LayerOutputBackward.prepare::<C>([h.node.clone()]).compute_bound().stateless(out);
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
 }
 
 /// Records `out`, computed on the inner backend from `inputs`, as one autodiff op whose backward pass is
 /// `op`'s; its state is `state` of the inputs' checkpoint ids (kept or recomputed as the checkpointing
-/// strategy says). Untracked inputs record nothing and build no state. Called as `record_op::<C, _, _, _, _>`:
-/// the tensors do not name the checkpointing strategy.
+/// strategy says). Untracked inputs record nothing and build no state. The op is compute-bound: its output
+/// is kept under any strategy (attention, the delta rule, the loss: what a layer's recomputation would
+/// redo at the most cost). Called as `record_op::<C, _, _, _, _>`: the tensors do not name the strategy.
 pub(super) fn record_op<C, B, Op, S, const N: usize>(
     op: Op,
     inputs: [&FloatTensor<Autodiff<B, C>>; N],
@@ -647,7 +674,48 @@ where
     Op: Backward<B, N, State = S>,
     S: Clone + Send + std::fmt::Debug + 'static,
 {
-    match op.prepare::<C>(inputs.map(|t| t.node.clone())).compute_bound().stateful() {
+    finish_op(op.prepare::<C>(inputs.map(|t| t.node.clone())).compute_bound().stateful(), inputs, out, state)
+}
+
+/// `record_op` for an op whose output `forward` recomputes cheaply from its inputs (norms, projections,
+/// gates, convolutions, RoPE): memory-bound, so that under burn's balanced checkpointing
+/// (`--activation-checkpointing`) its output is dropped after the forward pass and recomputed from its
+/// inputs when the backward pass first needs it, back to the layer's kept input (`ModelBackend::layer_output`).
+/// Without checkpointing burn treats it as compute-bound, and nothing changes. Called as
+/// `record_recomputable::<C, _, _, _, _, _>`.
+fn record_recomputable<C, B, Op, S, F, const N: usize>(
+    op: Op,
+    inputs: [&FloatTensor<Autodiff<B, C>>; N],
+    forward: F,
+    state: impl FnOnce([NodeId; N]) -> S,
+) -> FloatTensor<Autodiff<B, C>>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    Op: Backward<B, N, State = S>,
+    S: Clone + Send + std::fmt::Debug + 'static,
+    F: Fn([FloatTensor<B>; N]) -> FloatTensor<B> + Send + 'static,
+{
+    let out = forward(inputs.map(|t| t.primitive.clone()));
+    let retro = RetroOp { inputs: inputs.map(|t| t.node.id), forward, backend: PhantomData::<B> };
+    let prepared = op.prepare::<C>(inputs.map(|t| t.node.clone())).memory_bound().retro_forward(retro).parents(inputs);
+    finish_op(prepared.stateful(), inputs, out, state)
+}
+
+/// Ends a prepared op: tracked, with `state` of the inputs' checkpoint ids; untracked, the output alone.
+fn finish_op<C, B, Op, S, const N: usize>(
+    prepared: OpsKind<Op, B, S, C, N>,
+    inputs: [&FloatTensor<Autodiff<B, C>>; N],
+    out: FloatTensor<B>,
+    state: impl FnOnce([NodeId; N]) -> S,
+) -> FloatTensor<Autodiff<B, C>>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    Op: Backward<B, N, State = S>,
+    S: Clone + Send + std::fmt::Debug + 'static,
+{
+    match prepared {
         OpsKind::Tracked(mut prep) => {
             let ids = inputs.map(|t| prep.checkpoint(t));
             prep.finish(state(ids), out)
@@ -656,14 +724,38 @@ where
     }
 }
 
-/// Records `forward`, run on the inner backend, as one autodiff op of the inputs `a` and `b` whose backward
-/// pass is `op`'s, with both inputs and `extra` as its state (`record_op`).
+/// A recomputable op's forward pass, run again on its inputs as the checkpointer holds or recomputes them.
+struct RetroOp<B, F, const N: usize> {
+    inputs: [NodeId; N],
+    forward: F,
+    backend: PhantomData<B>,
+}
+
+impl<B, F, const N: usize> std::fmt::Debug for RetroOp<B, F, N> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RetroOp").field("inputs", &self.inputs).finish_non_exhaustive()
+    }
+}
+
+impl<B, F, const N: usize> RetroForward for RetroOp<B, F, N>
+where
+    B: Backend,
+    F: Fn([FloatTensor<B>; N]) -> FloatTensor<B> + Send + 'static,
+{
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let inputs = self.inputs.map(|id| states.get_state::<FloatTensor<B>>(&id));
+        states.save(out_node, (self.forward)(inputs));
+    }
+}
+
+/// Records `forward`, run on the inner backend, as one recomputable autodiff op of the inputs `a` and `b`
+/// whose backward pass is `op`'s, with both inputs and `extra` as its state (`record_recomputable`).
 fn record_binary<B, C, Op, E, const DA: usize, const DB: usize, const DO: usize>(
     op: Op,
     a: Tensor<Autodiff<B, C>, DA>,
     b: Tensor<Autodiff<B, C>, DB>,
     extra: E,
-    forward: impl FnOnce(Tensor<B, DA>, Tensor<B, DB>) -> Tensor<B, DO>,
+    forward: impl Fn(Tensor<B, DA>, Tensor<B, DB>) -> Tensor<B, DO> + Send + 'static,
 ) -> Tensor<Autodiff<B, C>, DO>
 where
     B: Backend,
@@ -672,13 +764,11 @@ where
     E: Clone + Send + std::fmt::Debug + 'static,
 {
     let (a, b) = (a.into_primitive().tensor(), b.into_primitive().tensor());
-    let out = forward(
-        Tensor::from_primitive(TensorPrimitive::Float(a.primitive.clone())),
-        Tensor::from_primitive(TensorPrimitive::Float(b.primitive.clone())),
-    )
-    .into_primitive()
-    .tensor();
-    let output = record_op::<C, _, _, _, _>(op, [&a, &b], out, |[a, b]| (a, b, extra));
+    let inner = |t: FloatTensor<B>| TensorPrimitive::Float(t);
+    let forward = move |[a, b]: [FloatTensor<B>; 2]| {
+        forward(Tensor::from_primitive(inner(a)), Tensor::from_primitive(inner(b))).into_primitive().tensor()
+    };
+    let output = record_recomputable::<C, _, _, _, _, _>(op, [&a, &b], forward, |[a, b]| (a, b, extra));
     Tensor::from_primitive(TensorPrimitive::Float(output))
 }
 
@@ -745,6 +835,22 @@ impl<B: ModelBackend> Backward<B, 1> for RopeBackward {
         let Some(node) = parent else { return };
         let grad_x = B::rope_grad(Tensor::from_primitive(TensorPrimitive::Float(grad)), &ops.state);
         grads.register::<B>(node.id, grad_x.into_primitive().tensor());
+    }
+}
+
+/// `layer_output`'s identity: the gradient passes through.
+#[derive(Debug)]
+struct LayerOutputBackward;
+
+impl<B: Backend> Backward<B, 1> for LayerOutputBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = parent {
+            grads.register::<B>(node.id, grad);
+        }
     }
 }
 

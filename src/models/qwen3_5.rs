@@ -244,7 +244,7 @@ impl<B: ModelBackend> Qwen35Model<B> {
                 ),
             };
             h = h + y;
-            h = h.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(h));
+            h = B::layer_output(h.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(h)));
         }
         self.norm.forward(h)
     }

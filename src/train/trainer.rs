@@ -119,9 +119,9 @@ pub struct TrainConfig {
     /// The accelerator's dense peak in TFLOP/s, for MFU (none on the CPU).
     pub peak_tflops: Option<f64>,
     pub precision: Precision,
-    /// Recompute memory-bound activations in the backward pass instead of keeping them (burn's balanced
-    /// checkpointing; kiln's own ops are compute-bound, so it keeps their outputs and saves next to nothing
-    /// on kiln's models): the same updates, so a run may resume with it switched either way.
+    /// Keep each layer's input alone and recompute the layer's activations in the backward pass (burn's
+    /// balanced checkpointing over kiln's recomputable ops, `models::ops`): less memory, about one forward
+    /// pass more, the same updates, so a run may resume with it switched either way.
     pub activation_checkpointing: bool,
     /// Data-parallel replicas, one a device (`cuda` devices 0..N; on the CPU they share its one device, which
     /// checks the path and adds no compute): each runs its share of a step's micro-batches and burn's

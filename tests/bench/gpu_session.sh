@@ -49,8 +49,9 @@
 #            as tensor ops, two to six kernels a parameter, instead of kiln's kernels over many tensors
 #            (KILN_OPS=nooptim: KILN_OPTIM_KERNEL=off), into table-nooptim.md;
 #   moments  for each of MOMENTS_SHAPES, kiln's row again with bf16 and with 8-bit AdamW moments, and with
-#            bf16 moments and no f32 masters (stochastic rounding: PyTorch's plain bf16 AdamW footprint), into
-#            table-moments.md: the peak memory beside the table's f32-moment row and PyTorch's;
+#            bf16 moments and no f32 masters (stochastic rounding: PyTorch's plain bf16 AdamW footprint; also
+#            with activation checkpointing), into table-moments.md: the peak memory beside the table's
+#            f32-moment row and PyTorch's;
 #   autotune for each of AUTOTUNE_SHAPES, kiln's row again (KILN_OPS=$AUTOTUNE_OPS) with the build that has burn's
 #            autotune (KILN_AUTOTUNE: gpu/kiln-autotune.xz, `GPU_FEATURES=autotune make gpu-carry`), into
 #            table-autotune.md: its warm-up steps compile and time each matmul shape's candidate kernels (the
@@ -398,9 +399,10 @@ stage_moments() {
         # shellcheck disable=SC2086  # MOMENTS_SHAPES is a list
         # Without masters the rounding runs as tensor ops (integer hashes burn does not fuse: on lavapipe 2,662
         # kernels a tiny-LFM2 step instead of 714) unless kiln's AdamW kernel takes it (465, as with masters):
-        # both rows.
+        # both rows. With that footprint, the layers recomputed in the backward pass too: the least memory kiln
+        # trains in.
         local ops=ops
-        [[ $masters == stochastic ]] && ops="ops optim"
+        [[ $masters == stochastic ]] && ops="ops optim checkpointed"
         DEVICE=$DEVICE KILN=$KILN KILN_OPS=$ops MOMENTS=$moments MASTERS=$masters REFERENCE=none \
             OUT=$OUT/bench-moments-$moments-$masters tests/bench/train.sh $MOMENTS_SHAPES >>"$OUT/table-moments.md" \
             || status=1
