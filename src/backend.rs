@@ -192,7 +192,9 @@ pub fn experts_batched() -> Result<bool, String> {
 }
 
 /// The switch of the CUDA backends' matrix products: `KILN_MATMUL=cublas` runs them through NVIDIA's cuBLAS
-/// (`kernels::cublas`), `cubecl` (or unset) through burn's own kernels. Other devices ignore it.
+/// (`kernels::cublas`) ordered around cubecl's kernels on the device, `cublas-host` the same products
+/// ordered by the host waiting on both streams (two waits a product), `cubecl` (or unset) through burn's own
+/// kernels. Other devices ignore it.
 pub const MATMUL_ENV: &str = "KILN_MATMUL";
 
 /// Which kernels compute the CUDA backends' matrix products (`MATMUL_ENV`).
@@ -200,13 +202,18 @@ pub const MATMUL_ENV: &str = "KILN_MATMUL";
 pub enum MatmulKernels {
     /// burn's (cubek's) kernels, fused with their neighbours by burn-fusion where it can.
     Cubecl,
-    /// cuBLAS's, loaded at run time.
+    /// cuBLAS's, loaded at run time, on a stream of kiln's that waits for cubecl's on the device and holds
+    /// it until the product is written (`kernels::stream_order`): the host runs ahead as with burn's kernels.
     Cublas,
+    /// cuBLAS's, the host waiting for cubecl's stream before each product and for cuBLAS's after it: the
+    /// plain ordering, to set beside `Cublas` (what the device-side ordering buys, or a fallback where the
+    /// device lacks CUDA's stream memory operations).
+    CublasHostOrdered,
 }
 
 impl MatmulKernels {
-    /// The setting of `KILN_MATMUL`: unset is `Cubecl`; anything but `cubecl` or `cublas` is an error that
-    /// says so (`main` checks before any command runs).
+    /// The setting of `KILN_MATMUL`: unset is `Cubecl`; anything but `cubecl`, `cublas` or `cublas-host` is
+    /// an error that says so (`main` checks before any command runs).
     pub fn from_env() -> Result<Self, String> {
         match std::env::var(MATMUL_ENV) {
             Err(_) => Ok(MatmulKernels::Cubecl),
@@ -218,7 +225,11 @@ impl MatmulKernels {
         match value.trim().to_ascii_lowercase().as_str() {
             "" | "cubecl" => Ok(MatmulKernels::Cubecl),
             "cublas" => Ok(MatmulKernels::Cublas),
-            _ => Err(format!("{MATMUL_ENV}={value:?}: use cubecl (burn's kernels, the default) or cublas")),
+            "cublas-host" => Ok(MatmulKernels::CublasHostOrdered),
+            _ => Err(format!(
+                "{MATMUL_ENV}={value:?}: use cubecl (burn's kernels, the default), cublas or cublas-host (cuBLAS \
+                 ordered by the host)"
+            )),
         }
     }
 
@@ -227,6 +238,7 @@ impl MatmulKernels {
         match self {
             MatmulKernels::Cubecl => "cubecl",
             MatmulKernels::Cublas => "cublas",
+            MatmulKernels::CublasHostOrdered => "cublas-host",
         }
     }
 }
@@ -238,9 +250,9 @@ pub fn matmul_kernels() -> MatmulKernels {
     *KERNELS.get_or_init(|| MatmulKernels::from_env().unwrap_or(MatmulKernels::Cubecl))
 }
 
-/// Whether the CUDA backends' products run through cuBLAS (`matmul_kernels`).
+/// Whether the CUDA backends' products run through cuBLAS (`matmul_kernels`), however ordered.
 pub fn cublas_enabled() -> bool {
-    matmul_kernels() == MatmulKernels::Cublas
+    matches!(matmul_kernels(), MatmulKernels::Cublas | MatmulKernels::CublasHostOrdered)
 }
 
 /// What this process's cuBLAS products have cost the host so far: whether the host ordering around them
@@ -249,10 +261,12 @@ pub fn cublas_enabled() -> bool {
 pub struct CublasTally {
     pub products: u64,
     /// Seconds waiting for cubecl's stream before the products: its kernels that had not finished yet (the
-    /// device's work, which the host would otherwise have run ahead of).
+    /// device's work, which the host would otherwise have run ahead of). Zero when the products are ordered
+    /// on the device (`MatmulKernels::Cublas`).
     pub operand_wait_s: f64,
     /// Seconds from each call to the end of its stream: the products on the device, their launches and
-    /// the waits for them.
+    /// the waits for them; ordered on the device, only what the host spends queueing them and the flag
+    /// kernels around them.
     pub product_s: f64,
 }
 
@@ -1095,9 +1109,13 @@ mod tests {
     fn the_matmul_switch_reads_cubecl_or_cublas_and_rejects_the_rest() {
         assert_eq!(MatmulKernels::parse(""), Ok(MatmulKernels::Cubecl));
         assert_eq!(MatmulKernels::parse(" cuBLAS "), Ok(MatmulKernels::Cublas));
+        assert_eq!(MatmulKernels::parse("cublas-host"), Ok(MatmulKernels::CublasHostOrdered));
         assert_eq!(MatmulKernels::parse("cubecl"), Ok(MatmulKernels::Cubecl));
+        for kernels in [MatmulKernels::Cubecl, MatmulKernels::Cublas, MatmulKernels::CublasHostOrdered] {
+            assert_eq!(MatmulKernels::parse(kernels.name()), Ok(kernels), "the name reads back");
+        }
         let err = MatmulKernels::parse("torch").unwrap_err();
-        assert!(err.starts_with("KILN_MATMUL=\"torch\"") && err.contains("cublas"), "{err}");
+        assert!(err.starts_with("KILN_MATMUL=\"torch\"") && err.contains("cublas-host"), "{err}");
     }
 
     #[test]

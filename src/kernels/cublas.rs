@@ -8,10 +8,14 @@
 //! cuBLAS's; this module gives kiln the same kernels, loaded at run time from the `libcublas.so.<major>` that
 //! PyTorch's wheels ship (cudarc's dynamic loading), so the build still needs no CUDA toolkit.
 //!
-//! cubecl keeps its CUDA stream to itself, so a product here is ordered around cubecl's work from the host:
-//! cubecl's stream is synchronized before cuBLAS reads the operands, and cuBLAS's own stream after it writes
-//! the output. That is two host waits a product, a few hundred a training step (tens of microseconds each):
-//! small beside the products themselves at the shapes kiln trains.
+//! cubecl keeps its CUDA stream to itself, so cuBLAS runs on a stream of kiln's, ordered around cubecl's
+//! work on the device (`KILN_MATMUL=cublas`): a one-unit kernel on cubecl's stream sets a flag once the
+//! operands are written, cuBLAS's stream waits for it (`cuStreamWaitValue32`), multiplies and sets the flag
+//! again, and a kernel on cubecl's stream holds the kernels after it until then (`kernels::stream_order`).
+//! The host waits for neither and runs ahead as it does with burn's kernels. `KILN_MATMUL=cublas-host`
+//! orders them from the host instead: cubecl's stream is synchronized before cuBLAS reads the operands and
+//! cuBLAS's after it writes the output, two host waits a product, a few hundred a training step, each of
+//! which drains the device's queue, so that the device then runs no faster than the host dispatches.
 //!
 //! What is pure is `GemmPlan`: a row-major product of strided views (transposed, sliced, batched or
 //! broadcast over the batch) as one column-major `cublasGemmStridedBatchedEx` call, tested on the CPU against
@@ -286,7 +290,7 @@ pub use device::{cublas_library, self_check};
 mod device {
     use std::cell::RefCell;
     use std::ffi::c_void;
-    use std::time::Instant;
+    use std::time::{Duration, Instant};
 
     use burn::tensor::backend::Backend;
     use burn::tensor::ops::{FloatTensor, FloatTensorOps};
@@ -301,9 +305,11 @@ mod device {
     use cubecl::cuda::CudaRuntime;
     use cudarc::cublas::sys as blas;
     use cudarc::driver::result as driver;
+    use cudarc::driver::sys as stream_sys;
 
     use super::{CublasMatmul, GemmPlan, Op, Unplannable, View, operand_to_copy, plan};
-    use crate::backend::MATMUL_ENV;
+    use crate::backend::{MATMUL_ENV, MatmulKernels, matmul_kernels};
+    use crate::kernels::stream_order::StreamFlag;
     use crate::kernels::{outputs, register_custom, register_float_outputs};
 
     /// Whether cuBLAS loads here: `Ok` with what the loader looked for, or an error that says how to provide
@@ -316,19 +322,22 @@ mod device {
         let names: Vec<String> =
             cudarc::get_lib_name_candidates("cublas").into_iter().filter(|n| n.starts_with("libcublas.so")).collect();
         Err(format!(
-            "{MATMUL_ENV}=cublas, but cuBLAS is not found under the names cudarc loads it by ({}): add the \
+            "{MATMUL_ENV}={}, but cuBLAS is not found under the names cudarc loads it by ({}): add the \
              directory of PyTorch's nvidia-cublas wheel (site-packages/nvidia/cu13/lib or nvidia/cublas/lib) to \
              LD_LIBRARY_PATH, or unset {MATMUL_ENV}",
+            matmul_kernels().name(),
             names.join(", ")
         ))
     }
 
-    /// A cuBLAS handle on its own stream, in one device's primary context (cubecl's), for one thread.
+    /// A cuBLAS handle on its own stream, in one device's primary context (cubecl's), for one thread, and
+    /// the flag that orders the stream around cubecl's (made at the first device-ordered product).
     struct DeviceBlas {
         ordinal: usize,
         context: cudarc::driver::sys::CUcontext,
         handle: blas::cublasHandle_t,
         stream: cudarc::driver::sys::CUstream,
+        flag: RefCell<Option<StreamFlag<CudaRuntime>>>,
     }
 
     thread_local! {
@@ -374,8 +383,13 @@ mod device {
         let handle = handle.unwrap_or_else(|e| panic!("cuBLAS matmul: cublasCreate on device {ordinal}: {e:?}"));
         // SAFETY: the handle and stream were just created in the current context.
         check("cublasSetStream", unsafe { cudarc::cublas::result::set_stream(handle, stream as blas::cudaStream_t) });
-        DeviceBlas { ordinal, context, handle, stream }
+        DeviceBlas { ordinal, context, handle, stream, flag: RefCell::new(None) }
     }
+
+    /// How long `self_check` may take.
+    const CHECK_LIMIT: Duration = Duration::from_secs(120);
+    const WAIT_AT_LEAST: u32 = stream_sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32;
+    const WRITE_DEFAULT: u32 = stream_sys::CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
 
     fn data_type(dtype: DType) -> blas::cudaDataType {
         match dtype {
@@ -394,65 +408,112 @@ mod device {
     }
 
     /// `lhs · rhs` into a dense `out` by one cuBLAS call, ordered after cubecl's work on the operands and
-    /// finished before cubecl's next; accumulated in f32 (exact f32 products for f32, no TF32).
+    /// before cubecl's next; accumulated in f32 (exact f32 products for f32, no TF32).
     fn gemm(
         lhs: &CubeTensor<CudaRuntime>,
         rhs: &CubeTensor<CudaRuntime>,
         out: &CubeTensor<CudaRuntime>,
         plan: &GemmPlan,
     ) {
-        let client = &out.client;
         let resource = |t: &CubeTensor<CudaRuntime>| {
-            client
+            t.client
                 .get_resource(t.handle.clone())
-                .unwrap_or_else(|e| panic!("cuBLAS matmul: an operand's memory: {e:?}"))
+                .unwrap_or_else(|e| panic!("cuBLAS matmul: a tensor's memory: {e:?}"))
         };
         let (a, b, c) = (resource(rhs), resource(lhs), resource(out));
-        // The operands' writers, and any reader of the output's memory before it, are done.
+        let memory = [a.resource().ptr, b.resource().ptr, c.resource().ptr];
         let started = Instant::now();
-        check("waiting for cubecl's stream", cubecl::future::block_on(client.sync()));
-        let operands_ready = Instant::now();
-        let dtype = data_type(out.dtype);
+        if matmul_kernels() == MatmulKernels::CublasHostOrdered {
+            // The operands' writers, and any reader of the output's memory before it, are done.
+            check("waiting for cubecl's stream", cubecl::future::block_on(out.client.sync()));
+            let operands_ready = Instant::now();
+            with_blas(out.device.index, |blas| {
+                launch_gemm(blas, plan, out.dtype, memory);
+                // SAFETY: this thread's stream, created in `open`.
+                check("waiting for cuBLAS's stream", unsafe { driver::stream::synchronize(blas.stream) });
+            });
+            super::record(operands_ready - started, operands_ready.elapsed());
+        } else {
+            with_blas(out.device.index, |blas| {
+                let mut flag = blas.flag.borrow_mut();
+                let flag = flag.get_or_insert_with(|| StreamFlag::new(out.client.clone(), out.device.clone()));
+                let (ready, done) = match flag.next_marks() {
+                    Some(marks) => marks,
+                    None => {
+                        // Both streams idle, so that no wait for the old marks is left queued.
+                        check("waiting for cubecl's stream", cubecl::future::block_on(out.client.sync()));
+                        // SAFETY: this thread's stream, created in `open`.
+                        check("waiting for cuBLAS's stream", unsafe { driver::stream::synchronize(blas.stream) });
+                        flag.restart();
+                        flag.next_marks().expect("marks after a restart")
+                    }
+                };
+                // The order on the device needs only the marks, whenever the host's calls reach the driver:
+                // the set is queued on cubecl's stream after the operands' writers (and any reader of the
+                // output's memory before it), the wait before every kernel queued after this product.
+                flag.set(ready);
+                let at = resource(flag.tensor()).resource().ptr;
+                // SAFETY: the flag's memory, held by `flag` for the thread's life; this thread's stream.
+                let waited = unsafe { stream_sys::cuStreamWaitValue32_v2(blas.stream, at, ready, WAIT_AT_LEAST) };
+                check(
+                    "cuStreamWaitValue32 (KILN_MATMUL=cublas-host orders the products from the host instead)",
+                    waited.result(),
+                );
+                launch_gemm(blas, plan, out.dtype, memory);
+                // SAFETY: as the wait above.
+                let written = unsafe { stream_sys::cuStreamWriteValue32_v2(blas.stream, at, done, WRITE_DEFAULT) };
+                check(
+                    "cuStreamWriteValue32 (KILN_MATMUL=cublas-host orders the products from the host instead)",
+                    written.result(),
+                );
+                flag.wait(done);
+            });
+            super::record(Duration::ZERO, started.elapsed());
+        }
+        // The operands and the output stay held by the caller's tensors; any later cubecl kernel that reuses
+        // their memory once those are dropped is queued after the wait above, or after the host's waits.
+        drop((a, b, c));
+    }
+
+    /// The one cuBLAS call of `plan` on `blas`'s stream over the device memory of `[rhs, lhs, out]` (cuBLAS's
+    /// column-major `A`, `B`, `C`).
+    fn launch_gemm(blas: &DeviceBlas, plan: &GemmPlan, dtype: DType, [a, b, c]: [u64; 3]) {
+        let dtype = data_type(dtype);
         let (alpha, beta) = (1.0f32, 0.0f32);
         let narrow = |v: usize| v as i32; // `plan` checked every size against i32
         let wide = |v: usize| v as i64;
-        with_blas(out.device.index, |blas| {
-            // SAFETY: the pointers are the tensors' memory, held by the resources until after the stream
-            // synchronizes; `plan` sized every argument against the tensors' shapes and strides; alpha and
-            // beta are host f32 values as CUBLAS_COMPUTE_32F reads them.
-            let done = unsafe {
-                cudarc::cublas::result::gemm_strided_batched_ex(
-                    blas.handle,
-                    operation(plan.transa),
-                    operation(plan.transb),
-                    narrow(plan.m),
-                    narrow(plan.n),
-                    narrow(plan.k),
-                    (&alpha as *const f32).cast::<c_void>(),
-                    a.resource().ptr as *const c_void,
-                    dtype,
-                    narrow(plan.lda),
-                    wide(plan.stride_a),
-                    b.resource().ptr as *const c_void,
-                    dtype,
-                    narrow(plan.ldb),
-                    wide(plan.stride_b),
-                    (&beta as *const f32).cast::<c_void>(),
-                    c.resource().ptr as *mut c_void,
-                    dtype,
-                    narrow(plan.ldc),
-                    wide(plan.stride_c),
-                    narrow(plan.batch),
-                    blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            };
-            check("cublasGemmStridedBatchedEx", done);
-            // SAFETY: this thread's stream, created in `open`.
-            check("waiting for cuBLAS's stream", unsafe { driver::stream::synchronize(blas.stream) });
-        });
-        super::record(operands_ready - started, operands_ready.elapsed());
-        drop((a, b, c));
+        // SAFETY: the pointers are the tensors' memory, held by the resources and the caller's tensors
+        // until the product is ordered before any reuse; `plan` sized every argument against the
+        // tensors' shapes and strides; alpha and beta are host f32 values as CUBLAS_COMPUTE_32F reads
+        // them (cuBLAS reads host scalars before the call returns).
+        let done = unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                blas.handle,
+                operation(plan.transa),
+                operation(plan.transb),
+                narrow(plan.m),
+                narrow(plan.n),
+                narrow(plan.k),
+                (&alpha as *const f32).cast::<c_void>(),
+                a as *const c_void,
+                dtype,
+                narrow(plan.lda),
+                wide(plan.stride_a),
+                b as *const c_void,
+                dtype,
+                narrow(plan.ldb),
+                wide(plan.stride_b),
+                (&beta as *const f32).cast::<c_void>(),
+                c as *mut c_void,
+                dtype,
+                narrow(plan.ldc),
+                wide(plan.stride_c),
+                narrow(plan.batch),
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        check("cublasGemmStridedBatchedEx", done);
     }
 
     fn view(t: &CubeTensor<CudaRuntime>) -> (Vec<usize>, Vec<usize>) {
@@ -518,9 +579,24 @@ mod device {
 
     /// Checks cuBLAS's products against burn's on `B` before a run relies on them: a plain product, a
     /// transposed operand, a batch, a batch broadcast on one side, and batch dimensions copied dense first,
-    /// in `B`'s float dtype. An error says which differed and by how much (or that cuBLAS is missing).
+    /// in `B`'s float dtype. An error says which differed and by how much (or that cuBLAS is missing). A
+    /// check still running after `CHECK_LIMIT` (its kernels' compilation included) ends the process with
+    /// what hung, rather than leaving a run waiting on a device that will not answer.
     pub fn self_check<B: CublasMatmul>(device: &B::Device) -> Result<(), String> {
         cublas_library()?;
+        let (_finished, watch) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if watch.recv_timeout(CHECK_LIMIT) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+                eprintln!(
+                    "error: the check of cuBLAS's products ({MATMUL_ENV}={}) had not finished after {} s: the \
+                     products or their ordering around cubecl's kernels hang on this device (set \
+                     {MATMUL_ENV}=cublas-host to order them from the host, or unset it)",
+                    matmul_kernels().name(),
+                    CHECK_LIMIT.as_secs()
+                );
+                std::process::exit(1);
+            }
+        });
         let dtype = burn::tensor::get_device_settings::<B>(device).float_dtype;
         let tolerance = if dtype == burn::tensor::FloatDType::F32 { 1e-4 } else { 3e-2 };
         let random =

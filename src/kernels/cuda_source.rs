@@ -188,6 +188,7 @@ mod tests {
             super::super::grad_norm::cuda_variants,
             super::super::norm::cuda_variants,
             super::super::scan::cuda_variants,
+            super::super::stream_order::cuda_variants,
         ]
         .iter()
         .flat_map(|f| f(&client))

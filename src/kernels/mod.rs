@@ -7,7 +7,8 @@
 //! rows (`cross_entropy`), the RMSNorms (`norm`), the causal depthwise convolution (`conv`), the gradients'
 //! squared norm (`grad_norm`) and AdamW's update (`adamw`).
 //! `cuda_source` (a test) writes every one's CUDA launches as CUDA C++ and compiles them with NVRTC, no GPU needed.
-//! `cublas` is no CubeCL kernel: the CUDA backends' matrix products through NVIDIA's cuBLAS (`KILN_MATMUL`).
+//! `cublas` is no CubeCL kernel: the CUDA backends' matrix products through NVIDIA's cuBLAS (`KILN_MATMUL`),
+//! ordered around cubecl's stream on the device by `stream_order`'s flag kernels.
 //! `backend` wires them into `ModelBackend`, `train::linear_ce::CrossEntropyRows` and
 //! `train::optim::OptimizerOps`, each behind an environment switch.
 //!
@@ -29,6 +30,7 @@ mod cuda_source;
 pub mod grad_norm;
 pub mod norm;
 pub mod scan;
+pub mod stream_order;
 
 /// The revision of kiln's kernels: a hash of their sources (and of `train::rounding`, whose constants the AdamW
 /// kernel compiles in), passed to every kernel as a compile-time value. CubeCL keys a compiled kernel by its
@@ -44,6 +46,7 @@ pub(crate) const REVISION: u64 = crate::kernel_cache::fnv1a(&[
     include_bytes!("grad_norm.rs"),
     include_bytes!("norm.rs"),
     include_bytes!("scan.rs"),
+    include_bytes!("stream_order.rs"),
     include_bytes!("../train/rounding.rs"),
 ]);
 

@@ -12,7 +12,8 @@
 #            (tests/bench/parity.py: f32 within 1e-4 relative of the CPU, bf16 within 1e-2) — the fused
 #            backend's kernels and layouts checked against the reference before any speed is measured;
 #   kernels  kiln's CubeCL kernels (off by default on CUDA: backend::KernelsByDefault) each alone on, then
-#            all on, then the products through cuBLAS (KILN_MATMUL=cublas, off by default too), KERNEL_REPEATS
+#            all on, then the products through cuBLAS (KILN_MATMUL=cublas, off by default too; ordered on the
+#            device, and cublas-host, ordered by the host's waits), KERNEL_REPEATS
 #            runs of three steps of each of KERNEL_CONFIGS in KERNEL_PRECISIONS, KERNEL_JOBS (6) at once,
 #            losses against the CPU's (kernels.md): whether dense outputs mended the NaN of 2026-12-04, and if
 #            not, where;
@@ -203,7 +204,8 @@ stage_parity() {
 # (2026-12-04, backend::KernelsByDefault; their outputs were pitched there, dense since): each alone on,
 # KERNEL_REPEATS times (the NaN came at a step that changed from run to run), three steps of each of
 # KERNEL_CONFIGS in KERNEL_PRECISIONS, losses against the CPU's (parity.py); then all of them on; then the
-# matrix products through cuBLAS (KILN_MATMUL=cublas, kernels/cublas.rs: never run on a GPU before either). All
+# matrix products through cuBLAS (KILN_MATMUL=cublas and cublas-host, kernels/cublas.rs: never run on a GPU
+# before either; `cublas` orders them around cubecl's kernels with kernels/stream_order.rs' flag). All
 # within tolerance clears them; a failure says which to look at, and `sanitize` where. The runs are small (the
 # device waits on launches, not on work): KERNEL_JOBS of them at once, each shape's CPU run first; a kernel a
 # shape has no layer for (the DeltaNet scan without DeltaNet layers, the conv without conv or DeltaNet layers)
@@ -222,12 +224,13 @@ kernel_serves() {
     esac
 }
 
-# One run of stage_kernels: $1 the switch (a KERNEL_SWITCHES name, all, or cublas), $2 the precision, $3 the tag;
+# One run of stage_kernels: $1 the switch (a KERNEL_SWITCHES name, all, cublas or cublas-host), $2 the precision,
+# $3 the tag;
 # $config and $shape from the caller. Its result goes to $OUT/kernels/ as well.
 kernel_run() {
     local switches="$1=on"
     [[ $1 == all ]] && switches=$(printf '%s=on ' "${KERNEL_SWITCHES[@]}")
-    [[ $1 == cublas ]] && switches=KILN_MATMUL=cublas
+    [[ $1 == cublas* ]] && switches=KILN_MATMUL=$1
     with_switches "$switches" parity_run "$DEVICE" "$2" "$3" || echo "$shape $3 failed (parity.log)" >&2
     cp "$OUT/parity/$shape@$3.json" "$OUT/kernels/" 2>/dev/null
     return 0
@@ -248,7 +251,7 @@ stage_kernels() {
         for config in $KERNEL_CONFIGS; do
             shape=$(basename "$config")
             for precision in $KERNEL_PRECISIONS; do
-                for switch in "${KERNEL_SWITCHES[@]}" all cublas; do
+                for switch in "${KERNEL_SWITCHES[@]}" all cublas cublas-host; do
                     kernel_serves "$switch" "$config" || continue
                     while (($(jobs -rp | wc -l) >= KERNEL_JOBS)); do wait -n; done
                     kernel_run "$switch" "$precision" "$DEVICE-$precision-${switch#KILN_}-$repeat" &

@@ -46,8 +46,10 @@ def kernels(run: dict) -> str:
 
 
 def matmul(run: dict) -> str:
-    # Recorded on CUDA only; cuBLAS's products are not the default there (KILN_MATMUL=cublas).
-    return ", cuBLAS matmuls" if run.get("matmul") == "cublas" else ""
+    # Recorded on CUDA only; cuBLAS's products are not the default there (KILN_MATMUL=cublas, ordered on the
+    # device, or cublas-host, ordered by the host's waits).
+    return {"cublas": ", cuBLAS matmuls", "cublas-host": ", cuBLAS matmuls ordered by the host"}.get(
+        run.get("matmul"), "")
 
 
 def main(paths: list[str]) -> int:

@@ -26,8 +26,9 @@
 #               "checkpointed" (the ops with --activation-checkpointing); "chunk<MiB>" (the ops with the
 #               attention's query chunks holding up to that many MiB of f32 scores, KILN_ATTENTION_CHUNK_MIB;
 #               256 by default: chunk1024 trades memory for fewer kernels); "cublas" (the ops with the matrix
-#               products through cuBLAS, KILN_MATMUL=cublas: CUDA only), "cublas-kernels" (that and every one
-#               of kiln's CubeCL kernels on); or several:
+#               products through cuBLAS, KILN_MATMUL=cublas: CUDA only, ordered on the device), "cublas-host"
+#               (the same products ordered by the host's waits, KILN_MATMUL=cublas-host), "cublas-kernels" (cublas
+#               and every one of kiln's CubeCL kernels on); or several:
 #               "ops reference unfused noscan noattn noloss nonorm noconv nooptim noexperts checkpointed chunk1024 cublas"
 #   REFERENCE   the PyTorch precisions to run ("bf16 amp" on cuda, "f32" on cpu; see train_python.py), or none
 #   PYTHON      a python with torch and transformers (python3); without them the reference is skipped
@@ -131,8 +132,9 @@ for shape in "${shapes[@]}"; do
             checkpointed) out=$OUT/$shape-kiln-checkpointed.json; switch=(--activation-checkpointing) ;;
             chunk[1-9]*) out=$OUT/$shape-kiln-$ops.json; chunk=${ops#chunk} ;;
             cublas) out=$OUT/$shape-kiln-cublas.json; matmul=cublas ;;
+            cublas-host) out=$OUT/$shape-kiln-cublas-host.json; matmul=cublas-host ;;
             cublas-kernels) out=$OUT/$shape-kiln-cublas-kernels.json; matmul=cublas; scan=on attn=on loss=on norm=on conv=on optim=on ;;
-            *) echo "KILN_OPS: unknown '$ops' (ops, kernels, optim, reference, unfused, noscan, noattn, noloss, nonorm, noconv, nooptim, noexperts, checkpointed, chunk<MiB>, cublas or cublas-kernels)" >&2; exit 2 ;;
+            *) echo "KILN_OPS: unknown '$ops' (ops, kernels, optim, reference, unfused, noscan, noattn, noloss, nonorm, noconv, nooptim, noexperts, checkpointed, chunk<MiB>, cublas, cublas-host or cublas-kernels)" >&2; exit 2 ;;
         esac
         # What failed before (in this shape's rows, or in the parity stage's tiny runs) stays off.
         marked=$(marked_switches "$FALLBACK_MARK" "$shape")

@@ -169,6 +169,7 @@ def table(files) -> str:
             + (" (unfused)" if r.get("fusion") is False else "") \
             + (" (burn's autotune)" if r.get("autotune") else "") \
             + (" (cuBLAS matmuls)" if r.get("matmul") == "cublas" else "") \
+            + (" (cuBLAS matmuls ordered by the host)" if r.get("matmul") == "cublas-host" else "") \
             + (" (no scan kernel)" if r.get("scan_kernel") is False else "") \
             + (" (no attention kernels)" if r.get("attention_kernel") is False else "") \
             + (" (no loss kernel)" if r.get("loss_kernel") is False else "") \
@@ -189,16 +190,22 @@ def table(files) -> str:
         lines.append(f"| {shape} | {framework} | {r['precision']} | {params} | "
                      f"{r['seq']} × {r['micro_batch']} × {r['accumulation']} | {speed} | {mfu} | "
                      f"{mem} | {state} | {ratio} | {mem_ratio} |")
-    # Where cuBLAS computed the products: what the host's ordering around them (kernels/cublas.rs) cost a step.
+    # Where cuBLAS computed the products: what the ordering around them (kernels/cublas.rs) cost the host a step.
     for r in measured:
         tally = r.get("cublas")
-        if tally:
-            step = r["median_step_seconds"]
-            lines.append("")
-            lines.append(f"{r.get('shape', r['model_type'])}, kiln with cuBLAS: {tally['products']} products a step, "
+        if not tally:
+            continue
+        step, shape = r["median_step_seconds"], r.get("shape", r["model_type"])
+        lines.append("")
+        if r.get("matmul") == "cublas-host":
+            lines.append(f"{shape}, kiln with cuBLAS ordered by the host: {tally['products']} products a step, "
                          f"{tally['operand_wait_s'] * 1e3:.1f} ms waiting for cubecl's stream before them and "
                          f"{tally['product_s'] * 1e3:.1f} ms from their calls to their streams' ends, of a "
                          f"{step * 1e3:.1f} ms step (the rest: the host between products)")
+        else:
+            lines.append(f"{shape}, kiln with cuBLAS ordered on the device: {tally['products']} products a step, "
+                         f"{tally['product_s'] * 1e3:.1f} ms of the host's time queueing them and their flag "
+                         f"kernels, of a {step * 1e3:.1f} ms step")
     return "\n".join(lines)
 
 
