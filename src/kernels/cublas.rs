@@ -302,7 +302,8 @@ mod device {
     use burn_fusion::stream::Operation;
     use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
     use burn_ir::{CustomOpIr, HandleContainer};
-    use cubecl::cuda::CudaRuntime;
+    use cubecl::client::ComputeClient;
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
     use cudarc::cublas::sys as blas;
     use cudarc::driver::result as driver;
     use cudarc::driver::sys as stream_sys;
@@ -337,7 +338,30 @@ mod device {
         context: cudarc::driver::sys::CUcontext,
         handle: blas::cublasHandle_t,
         stream: cudarc::driver::sys::CUstream,
-        flag: RefCell<Option<StreamFlag<CudaRuntime>>>,
+        flag: RefCell<Option<OrderFlag>>,
+    }
+
+    /// The flag that orders cuBLAS's stream around cubecl's, and its device address: fixed while the flag's
+    /// tensor holds the memory, so asked of cubecl's device thread (a blocking round trip) once, not per
+    /// product.
+    struct OrderFlag {
+        flag: StreamFlag<CudaRuntime>,
+        at: u64,
+    }
+
+    impl OrderFlag {
+        fn new(client: ComputeClient<CudaRuntime>, device: CudaDevice) -> Self {
+            let flag = StreamFlag::new(client, device);
+            let at = device_address(flag.tensor());
+            OrderFlag { flag, at }
+        }
+    }
+
+    /// The address of `t`'s device memory, valid while `t` (or a clone of its handle) holds that memory:
+    /// cubecl's pools never move a live allocation.
+    fn device_address(t: &CubeTensor<CudaRuntime>) -> u64 {
+        let memory = t.client.get_resource(t.handle.clone());
+        memory.unwrap_or_else(|e| panic!("cuBLAS matmul: a tensor's memory: {e:?}")).resource().ptr
     }
 
     thread_local! {
@@ -415,13 +439,7 @@ mod device {
         out: &CubeTensor<CudaRuntime>,
         plan: &GemmPlan,
     ) {
-        let resource = |t: &CubeTensor<CudaRuntime>| {
-            t.client
-                .get_resource(t.handle.clone())
-                .unwrap_or_else(|e| panic!("cuBLAS matmul: a tensor's memory: {e:?}"))
-        };
-        let (a, b, c) = (resource(rhs), resource(lhs), resource(out));
-        let memory = [a.resource().ptr, b.resource().ptr, c.resource().ptr];
+        let memory = [device_address(rhs), device_address(lhs), device_address(out)];
         let started = Instant::now();
         if matmul_kernels() == MatmulKernels::CublasHostOrdered {
             // The operands' writers, and any reader of the output's memory before it, are done.
@@ -435,8 +453,10 @@ mod device {
             super::record(operands_ready - started, operands_ready.elapsed());
         } else {
             with_blas(out.device.index, |blas| {
-                let mut flag = blas.flag.borrow_mut();
-                let flag = flag.get_or_insert_with(|| StreamFlag::new(out.client.clone(), out.device.clone()));
+                let mut order = blas.flag.borrow_mut();
+                let OrderFlag { flag, at } =
+                    order.get_or_insert_with(|| OrderFlag::new(out.client.clone(), out.device.clone()));
+                let at = *at;
                 let (ready, done) = match flag.next_marks() {
                     Some(marks) => marks,
                     None => {
@@ -452,7 +472,6 @@ mod device {
                 // the set is queued on cubecl's stream after the operands' writers (and any reader of the
                 // output's memory before it), the wait before every kernel queued after this product.
                 flag.set(ready);
-                let at = resource(flag.tensor()).resource().ptr;
                 // SAFETY: the flag's memory, held by `flag` for the thread's life; this thread's stream.
                 let waited = unsafe { stream_sys::cuStreamWaitValue32_v2(blas.stream, at, ready, WAIT_AT_LEAST) };
                 check(
@@ -472,7 +491,6 @@ mod device {
         }
         // The operands and the output stay held by the caller's tensors; any later cubecl kernel that reuses
         // their memory once those are dropped is queued after the wait above, or after the host's waits.
-        drop((a, b, c));
     }
 
     /// The one cuBLAS call of `plan` on `blas`'s stream over the device memory of `[rhs, lhs, out]` (cuBLAS's
@@ -482,7 +500,7 @@ mod device {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let narrow = |v: usize| v as i32; // `plan` checked every size against i32
         let wide = |v: usize| v as i64;
-        // SAFETY: the pointers are the tensors' memory, held by the resources and the caller's tensors
+        // SAFETY: the pointers are the tensors' memory, held by the caller's tensors
         // until the product is ordered before any reuse; `plan` sized every argument against the
         // tensors' shapes and strides; alpha and beta are host f32 values as CUBLAS_COMPUTE_32F reads
         // them (cuBLAS reads host scalars before the call returns).
