@@ -643,7 +643,7 @@ fn the_batched_experts_equal_a_matmul_per_expert_on_the_device() {
         kiln::backend::host_tensor::<B, 1>(spread(len, seed, -1.0, 1.0), [len], FloatDType::F32, &Default::default())
             .reshape(shape)
     }
-    fn batched<B: burn::tensor::backend::Backend>(
+    fn batched<B: kiln::models::ops::ModelBackend>(
         counts: &[usize],
         capacity: usize,
         dims: [usize; 2],

@@ -1,6 +1,6 @@
 //! Matrix products through NVIDIA's cuBLAS on the CUDA backends, behind `KILN_MATMUL=cublas`: the models'
-//! projections and their gradients, the attention's chunk products and the loss's head products
-//! (`ModelBackend::matmul`, `ModelBackend::projection`).
+//! projections and their gradients, the attention's chunk products, the loss's head products and the MoE's
+//! expert products (`ModelBackend::matmul`, `ModelBackend::projection`).
 //!
 //! Without burn's autotune, burn 0.21 runs every matmul on CUDA with one cubek kernel (single-buffered
 //! tensor-core tiles); the third GPU session's steps ran 5.6× (LFM2-350M) to 8.7× (LFM2.5-1.2B) slower than
@@ -815,6 +815,19 @@ mod tests {
         // Batch dimensions that merge into one stride after a swap of the matrix dimensions.
         let lhs = Strided::dense(&[2, 3, 5, 4]).swapped(2, 3);
         assert_plans("merged batch", lhs, Strided::dense(&[2, 3, 5, 2]), (120, 60));
+        // The MoE's experts batched (`models::experts`): padded rows · every expert's weights, then the
+        // weights' gradient `x_padᵀ · grad_pad` and the rows' `grad_pad · Wᵀ`, all in place.
+        let p = assert_plans("experts", Strided::dense(&[3, 4, 5]), Strided::dense(&[3, 5, 2]), (60, 30));
+        assert_eq!((p.batch, p.stride_b, p.stride_a), (3, 20, 10));
+        let x_t = Strided::dense(&[3, 4, 5]).swapped(1, 2);
+        let p = assert_plans("experts' weight gradient", x_t, Strided::dense(&[3, 4, 2]), (60, 24));
+        assert_eq!((p.transa, p.transb, p.batch), (Op::N, Op::T, 3));
+        let w_t = Strided::dense(&[3, 5, 2]).swapped(1, 2);
+        let p = assert_plans("experts' row gradient", Strided::dense(&[3, 4, 2]), w_t, (24, 30));
+        assert_eq!((p.transa, p.transb, p.batch), (Op::T, Op::N, 3));
+        // A group past the batch's capacity: its block of rows · its expert's weights (one of the stack).
+        let expert = Strided { at: 10, dims: vec![5, 2], strides: vec![2, 1] };
+        assert_plans("one expert's overflow", Strided::dense(&[9, 5]).narrowed(0, 2, 4), expert, (45, 30));
     }
 
     #[test]

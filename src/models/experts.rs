@@ -13,21 +13,29 @@
 //! Padding is wasted arithmetic, so the plan weighs it against the ops it saves, with a launch costed as
 //! `LAUNCH_FLOPS` of arithmetic. That constant is an estimate, not a measurement (`KILN_EXPERTS_BATCHED=off`
 //! runs the per-expert form on the CubeCL backends, for the GPU to measure against).
+//!
+//! Every product of both forms is `ModelBackend::matmul`: on CUDA with `KILN_MATMUL=cublas`, cuBLAS's
+//! strided batched GEMM (`kernels::cublas`), the expert weights and their transposes read in place.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::backend::zeros_in;
+use crate::models::ops::ModelBackend;
 
 /// The grouped matmul as burn composes it: one slice of rows and one expert's weights per group.
-pub fn grouped_matmul_forward<B: Backend>(x: Tensor<B, 2>, weights: Tensor<B, 3>, counts: &[usize]) -> Tensor<B, 2> {
+pub fn grouped_matmul_forward<B: ModelBackend>(
+    x: Tensor<B, 2>,
+    weights: Tensor<B, 3>,
+    counts: &[usize],
+) -> Tensor<B, 2> {
     let [experts, _, out] = weights.dims();
     assert_eq!(counts.len(), experts, "one row count per expert");
     assert_eq!(counts.iter().sum::<usize>(), x.dims()[0], "the counts cover every row");
     let mut start = 0;
     let mut groups = Vec::new();
     for (e, &n) in counts.iter().enumerate().filter(|(_, n)| **n > 0) {
-        groups.push(x.clone().narrow(0, start, n).matmul(expert_weights(&weights, e)));
+        groups.push(B::matmul(x.clone().narrow(0, start, n), expert_weights(&weights, e)));
         start += n;
     }
     if groups.is_empty() {
@@ -39,7 +47,7 @@ pub fn grouped_matmul_forward<B: Backend>(x: Tensor<B, 2>, weights: Tensor<B, 3>
 /// Gradients of `grouped_matmul_forward` for the output gradient `grad` `[n, out]`: per group
 /// `d x_e = grad_e W_eᵀ`, `d W_e = x_eᵀ grad_e` (zero for experts without rows), written once as the whole
 /// `[experts, in, out]` gradient instead of one full-size gradient per expert slice.
-pub fn grouped_matmul_backward<B: Backend>(
+pub fn grouped_matmul_backward<B: ModelBackend>(
     x: Tensor<B, 2>,
     weights: Tensor<B, 3>,
     counts: &[usize],
@@ -57,8 +65,8 @@ pub fn grouped_matmul_backward<B: Backend>(
         let rows = x.clone().narrow(0, start, n);
         let grad_rows = grad.clone().narrow(0, start, n);
         let expert = expert_weights(&weights, e);
-        grad_x.push(grad_rows.clone().matmul(expert.transpose()));
-        grad_w.push(rows.transpose().matmul(grad_rows));
+        grad_x.push(B::matmul(grad_rows.clone(), expert.transpose()));
+        grad_w.push(B::matmul(rows.transpose(), grad_rows));
         start += n;
     }
     let grad_x = if grad_x.is_empty() { x.zeros_like() } else { Tensor::cat(grad_x, 0) };
@@ -191,15 +199,15 @@ fn unpadded<B: Backend>(batched: Tensor<B, 3>, overflow: Vec<Tensor<B, 2>>, batc
 
 /// `grouped_matmul_forward` as one batched matmul over `batch`'s padded groups (the padding slots hold copies
 /// of row 0, whose outputs are dropped), plus a matmul per overflow group.
-pub fn batched_forward<B: Backend>(x: Tensor<B, 2>, weights: Tensor<B, 3>, batch: &ExpertBatch) -> Tensor<B, 2> {
+pub fn batched_forward<B: ModelBackend>(x: Tensor<B, 2>, weights: Tensor<B, 3>, batch: &ExpertBatch) -> Tensor<B, 2> {
     assert_eq!(batch.counts.len(), weights.dims()[0], "one row count per expert");
     assert_eq!(batch.rows(), x.dims()[0], "the counts cover every row");
     let overflow = batch
         .overflow
         .iter()
-        .map(|&(e, first, n)| x.clone().narrow(0, first, n).matmul(expert_weights(&weights, e)))
+        .map(|&(e, first, n)| B::matmul(x.clone().narrow(0, first, n), expert_weights(&weights, e)))
         .collect();
-    let batched = padded(x, batch, 0).matmul(weights);
+    let batched = B::matmul(padded(x, batch, 0), weights);
     unpadded(batched, overflow, batch)
 }
 
@@ -207,7 +215,7 @@ pub fn batched_forward<B: Backend>(x: Tensor<B, 2>, weights: Tensor<B, 3>, batch
 /// zero rows (so the row-0 copies in the padding add nothing to `d W`), `d W = x_padᵀ grad_pad` for all
 /// experts in one batched matmul, `d x` back through the weights as the forward pass went, and each overflow
 /// group's terms added to its expert.
-pub fn batched_backward<B: Backend>(
+pub fn batched_backward<B: ModelBackend>(
     x: Tensor<B, 2>,
     weights: Tensor<B, 3>,
     batch: &ExpertBatch,
@@ -217,17 +225,17 @@ pub fn batched_backward<B: Backend>(
     let width = weights.dims()[1];
     let zero_row = zeros_in([1, out], grad.dtype().into(), &grad.device());
     let grad_padded = padded(Tensor::cat(vec![grad.clone(), zero_row], 0), batch, n);
-    let mut grad_w = padded(x.clone(), batch, 0).swap_dims(1, 2).matmul(grad_padded.clone());
+    let mut grad_w = B::matmul(padded(x.clone(), batch, 0).swap_dims(1, 2), grad_padded.clone());
     let mut overflow = Vec::with_capacity(batch.overflow.len());
     for &(e, first, rows) in &batch.overflow {
         let expert = expert_weights(&weights, e);
         let grad_rows = grad.clone().narrow(0, first, rows);
-        overflow.push(grad_rows.clone().matmul(expert.transpose()));
-        let extra = x.clone().narrow(0, first, rows).transpose().matmul(grad_rows).reshape([1, width, out]);
+        overflow.push(B::matmul(grad_rows.clone(), expert.transpose()));
+        let extra = B::matmul(x.clone().narrow(0, first, rows).transpose(), grad_rows).reshape([1, width, out]);
         let summed = grad_w.clone().narrow(0, e, 1) + extra;
         grad_w = grad_w.slice_assign([e..e + 1, 0..width, 0..out], summed);
     }
-    let grad_x = unpadded(grad_padded.matmul(weights.swap_dims(1, 2)), overflow, batch);
+    let grad_x = unpadded(B::matmul(grad_padded, weights.swap_dims(1, 2)), overflow, batch);
     (grad_x, grad_w)
 }
 
@@ -238,7 +246,7 @@ fn batch_for<B: Backend>(counts: &[usize], weights: &Tensor<B, 3>, batched: bool
 }
 
 /// The grouped matmul in the form `batched` asks for, where a padded batch pays (`ExpertBatch::plan`).
-pub fn grouped_matmul<B: Backend>(
+pub fn grouped_matmul<B: ModelBackend>(
     x: Tensor<B, 2>,
     weights: Tensor<B, 3>,
     counts: &[usize],
@@ -251,7 +259,7 @@ pub fn grouped_matmul<B: Backend>(
 }
 
 /// The gradients of `grouped_matmul` in the form its forward pass took.
-pub fn grouped_matmul_grads<B: Backend>(
+pub fn grouped_matmul_grads<B: ModelBackend>(
     x: Tensor<B, 2>,
     weights: Tensor<B, 3>,
     counts: &[usize],

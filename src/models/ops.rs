@@ -178,8 +178,8 @@ pub trait ModelBackend: Backend {
     }
 
     /// `lhs · rhs` over the last two dimensions, batch dimensions broadcast, as burn's `matmul` computes it:
-    /// the products inside the ops (the projections' gradients, the attention's chunks, the loss's head). On
-    /// CUDA with `KILN_MATMUL=cublas`, cuBLAS computes them (`kernels::cublas`).
+    /// the products inside the ops (the projections' gradients, the attention's chunks, the loss's head, the
+    /// MoE's experts). On CUDA with `KILN_MATMUL=cublas`, cuBLAS computes them (`kernels::cublas`).
     fn matmul<const D: usize>(lhs: Tensor<Self, D>, rhs: Tensor<Self, D>) -> Tensor<Self, D> {
         lhs.matmul(rhs)
     }
