@@ -338,7 +338,7 @@ mod device {
         context: cudarc::driver::sys::CUcontext,
         handle: blas::cublasHandle_t,
         stream: cudarc::driver::sys::CUstream,
-        flag: RefCell<Option<OrderFlag>>,
+        order: RefCell<Option<OrderFlag>>,
     }
 
     /// The flag that orders cuBLAS's stream around cubecl's, and its device address: fixed while the flag's
@@ -407,7 +407,7 @@ mod device {
         let handle = handle.unwrap_or_else(|e| panic!("cuBLAS matmul: cublasCreate on device {ordinal}: {e:?}"));
         // SAFETY: the handle and stream were just created in the current context.
         check("cublasSetStream", unsafe { cudarc::cublas::result::set_stream(handle, stream as blas::cudaStream_t) });
-        DeviceBlas { ordinal, context, handle, stream, flag: RefCell::new(None) }
+        DeviceBlas { ordinal, context, handle, stream, order: RefCell::new(None) }
     }
 
     /// How long `self_check` may take.
@@ -453,10 +453,9 @@ mod device {
             super::record(operands_ready - started, operands_ready.elapsed());
         } else {
             with_blas(out.device.index, |blas| {
-                let mut order = blas.flag.borrow_mut();
-                let OrderFlag { flag, at } =
-                    order.get_or_insert_with(|| OrderFlag::new(out.client.clone(), out.device.clone()));
-                let at = *at;
+                let mut order = blas.order.borrow_mut();
+                let order = order.get_or_insert_with(|| OrderFlag::new(out.client.clone(), out.device.clone()));
+                let (flag, at) = (&mut order.flag, order.at);
                 let (ready, done) = match flag.next_marks() {
                     Some(marks) => marks,
                     None => {
@@ -500,10 +499,10 @@ mod device {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let narrow = |v: usize| v as i32; // `plan` checked every size against i32
         let wide = |v: usize| v as i64;
-        // SAFETY: the pointers are the tensors' memory, held by the caller's tensors
-        // until the product is ordered before any reuse; `plan` sized every argument against the
-        // tensors' shapes and strides; alpha and beta are host f32 values as CUBLAS_COMPUTE_32F reads
-        // them (cuBLAS reads host scalars before the call returns).
+        // SAFETY: the pointers are the tensors' memory, held by the caller's tensors until the product is
+        // ordered before any reuse; `plan` sized every argument against the tensors' shapes and strides;
+        // alpha and beta are host f32 values as CUBLAS_COMPUTE_32F reads them (cuBLAS reads host scalars
+        // before the call returns).
         let done = unsafe {
             cudarc::cublas::result::gemm_strided_batched_ex(
                 blas.handle,

@@ -5,13 +5,13 @@
 //!
 //! cubecl keeps its CUDA stream to itself (no handle to record an event on, no blocking stream the legacy
 //! default stream would order), so the only way into its order is a kernel. For product `n` the flag goes
-//! `2n + 1` ("operands ready": `set_flag` on cubecl's stream, after their writers) → the other stream waits
-//! for it, runs the product, writes `2n + 2` ("done") → `wait_flag` on cubecl's stream holds every later
-//! kernel until then. The values only grow, so every wait is "at least", and a flag read early or late
+//! `2n + 1` ("operands ready": `StreamFlag::set` on cubecl's stream, after their writers) → the other stream
+//! waits for it, runs the product, writes `2n + 2` ("done") → `StreamFlag::wait` on cubecl's stream holds
+//! every later kernel until then. The values only grow, so every wait is "at least", and a flag read early or late
 //! cannot pass a wait it should not; after 2³¹ − 1 products the marks run out, and the caller starts the
 //! flag again from zero with both streams idle (`restart`).
 //!
-//! `wait_flag` spins one unit on one multiprocessor while the product runs on the others; its reads are
+//! The wait spins one unit on one multiprocessor while the product runs on the others; its reads are
 //! atomic (`atomicAdd(p, 0)` in CUDA C++: the compiler cannot hoist them out of the loop).
 
 use burn::tensor::DType;
