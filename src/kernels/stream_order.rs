@@ -8,8 +8,10 @@
 //! `2n + 1` ("operands ready": `StreamFlag::set` on cubecl's stream, after their writers) → the other stream
 //! waits for it, runs the product, writes `2n + 2` ("done") → `StreamFlag::wait` on cubecl's stream holds
 //! every later kernel until then. The values only grow, so every wait is "at least", and a flag read early or late
-//! cannot pass a wait it should not; after 2³¹ − 1 products the marks run out, and the caller starts the
-//! flag again from zero with both streams idle (`restart`).
+//! cannot pass a wait it should not (a wait finds the flag at its mark or one below: CUDA's cyclic "at least",
+//! `(int32)(flag − value) ≥ 0`, is then plain ≥); after 2³¹ − 1 products the marks run out, and the caller
+//! starts the flag again from zero with both streams idle (`restart`). A new or restarted flag's zero is in
+//! device memory before either returns, so the other stream's next wait cannot read what was there before.
 //!
 //! The wait spins one unit on one multiprocessor while the product runs on the others; its reads are
 //! atomic (`atomicAdd(p, 0)` in CUDA C++: the compiler cannot hoist them out of the loop).
@@ -43,11 +45,16 @@ pub struct StreamFlag<R: CubeRuntime> {
 }
 
 impl<R: CubeRuntime> StreamFlag<R> {
-    /// A flag at zero (written on cubecl's stream before anything waits on it).
+    /// A flag at zero, in device memory when this returns: cubecl writes it with an asynchronous copy on its
+    /// stream, and the other stream's first wait, queued on no order of cubecl's, could otherwise read the
+    /// memory before the zero lands (whatever an earlier tensor left there, a pass at once, and the zero
+    /// written over the product's "done" mark afterwards: a wait that never returns).
     pub fn new(client: ComputeClient<R>, device: R::Device) -> Self {
         let handle = client.create_from_slice(&0u32.to_ne_bytes());
         let flag = CubeTensor::new_contiguous(client, device, [1].into(), handle, DType::U32);
-        StreamFlag { flag, last: 0 }
+        let flag = StreamFlag { flag, last: 0 };
+        flag.written();
+        flag
     }
 
     /// The next product's marks `(ready, done)`; none when they would wrap (`restart` first).
@@ -58,11 +65,20 @@ impl<R: CubeRuntime> StreamFlag<R> {
         Some((ready, done))
     }
 
-    /// Sets the flag back to zero. Only while neither stream has work that reads or writes it: a wait for
-    /// a high mark still queued would pass at once on the old value or hang on the new one.
+    /// Sets the flag back to zero, in device memory when this returns (as `new`). Only while neither
+    /// stream has work that reads or writes it: a wait for a high mark still queued would pass at once on
+    /// the old value or hang on the new one.
     pub fn restart(&mut self) {
         self.set(0);
+        self.written();
         self.last = 0;
+    }
+
+    /// Returns once cubecl's stream has done everything queued on it, the flag's last write included.
+    fn written(&self) {
+        if let Err(e) = cubecl::future::block_on(self.flag.client.sync()) {
+            panic!("stream order: waiting for the flag's write on cubecl's stream failed: {e:?}");
+        }
     }
 
     /// The flag's tensor (its device address is what the other stream waits on and writes).
