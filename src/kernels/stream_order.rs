@@ -47,13 +47,13 @@ pub struct StreamFlag<R: CubeRuntime> {
 impl<R: CubeRuntime> StreamFlag<R> {
     /// A flag at zero, in device memory when this returns: cubecl writes it with an asynchronous copy on its
     /// stream, and the other stream's first wait, queued on no order of cubecl's, could otherwise read the
-    /// memory before the zero lands (whatever an earlier tensor left there, a pass at once, and the zero
-    /// written over the product's "done" mark afterwards: a wait that never returns).
+    /// memory before the zero lands: what an earlier tensor left there may pass the wait at once, and a zero
+    /// landing after the product's "done" mark leaves the spin waiting for that mark forever.
     pub fn new(client: ComputeClient<R>, device: R::Device) -> Self {
         let handle = client.create_from_slice(&0u32.to_ne_bytes());
         let flag = CubeTensor::new_contiguous(client, device, [1].into(), handle, DType::U32);
         let flag = StreamFlag { flag, last: 0 };
-        flag.written();
+        flag.wait_until_written();
         flag
     }
 
@@ -70,12 +70,12 @@ impl<R: CubeRuntime> StreamFlag<R> {
     /// the old value or hang on the new one.
     pub fn restart(&mut self) {
         self.set(0);
-        self.written();
+        self.wait_until_written();
         self.last = 0;
     }
 
     /// Returns once cubecl's stream has done everything queued on it, the flag's last write included.
-    fn written(&self) {
+    fn wait_until_written(&self) {
         if let Err(e) = cubecl::future::block_on(self.flag.client.sync()) {
             panic!("stream order: waiting for the flag's write on cubecl's stream failed: {e:?}");
         }
