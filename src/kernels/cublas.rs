@@ -439,11 +439,11 @@ mod device {
         out: &CubeTensor<CudaRuntime>,
         plan: &GemmPlan,
     ) {
-        let memory = [device_address(rhs), device_address(lhs), device_address(out)];
         let started = Instant::now();
         if matmul_kernels() == MatmulKernels::CublasHostOrdered {
             // The operands' writers, and any reader of the output's memory before it, are done.
             check("waiting for cubecl's stream", cubecl::future::block_on(out.client.sync()));
+            let memory = operand_memory(lhs, rhs, out);
             let operands_ready = Instant::now();
             with_blas(out.device.index, |blas| {
                 launch_gemm(blas, plan, out.dtype, memory);
@@ -459,18 +459,20 @@ mod device {
                 let (ready, done) = match flag.next_marks() {
                     Some(marks) => marks,
                     None => {
-                        // Both streams idle, so that no wait for the old marks is left queued.
-                        check("waiting for cubecl's stream", cubecl::future::block_on(out.client.sync()));
+                        // cuBLAS's stream idle: every "done" written, so no wait for an old mark is left queued
+                        // on either stream once `restart` has drained cubecl's.
                         // SAFETY: this thread's stream, created in `open`.
                         check("waiting for cuBLAS's stream", unsafe { driver::stream::synchronize(blas.stream) });
                         flag.restart();
                         flag.next_marks().expect("marks after a restart")
                     }
                 };
-                // The order on the device needs only the marks, whenever the host's calls reach the driver:
-                // the set is queued on cubecl's stream after the operands' writers (and any reader of the
-                // output's memory before it), the wait before every kernel queued after this product.
+                // Queued on cubecl's stream after the operands' writers (and any reader of the output's memory
+                // before it). The addresses are blocking round trips to cubecl's device thread, which takes its
+                // commands in order: once they return, the set is on cubecl's stream, before the wait for it
+                // is queued below (`stream_order`: no wait is queued before what satisfies it).
                 flag.set(ready);
+                let memory = operand_memory(lhs, rhs, out);
                 // SAFETY: the flag's memory, held by `flag` for the thread's life; this thread's stream.
                 let waited = unsafe { stream_sys::cuStreamWaitValue32_v2(blas.stream, at, ready, WAIT_AT_LEAST) };
                 check(
@@ -484,12 +486,22 @@ mod device {
                     "cuStreamWriteValue32 (KILN_MATMUL=cublas-host orders the products from the host instead)",
                     written.result(),
                 );
+                // Queued only now that the "done" it waits for is on cuBLAS's stream.
                 flag.wait(done);
             });
             super::record(Duration::ZERO, started.elapsed());
         }
         // The operands and the output stay held by the caller's tensors; any later cubecl kernel that reuses
         // their memory once those are dropped is queued after the wait above, or after the host's waits.
+    }
+
+    /// The device memory of `[rhs, lhs, out]`: cuBLAS's column-major `A`, `B` and `C`.
+    fn operand_memory(
+        lhs: &CubeTensor<CudaRuntime>,
+        rhs: &CubeTensor<CudaRuntime>,
+        out: &CubeTensor<CudaRuntime>,
+    ) -> [u64; 3] {
+        [device_address(rhs), device_address(lhs), device_address(out)]
     }
 
     /// The one cuBLAS call of `plan` on `blas`'s stream over the device memory of `[rhs, lhs, out]` (cuBLAS's

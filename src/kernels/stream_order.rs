@@ -13,6 +13,14 @@
 //! starts the flag again from zero with both streams idle (`restart`). A new or restarted flag's zero is in
 //! device memory before either returns, so the other stream's next wait cannot read what was there before.
 //!
+//! No wait is queued before what satisfies it is on its stream: the other stream's wait for "ready" only once
+//! the set is on cubecl's stream (cubecl launches from its device thread, in the order of the client's calls,
+//! so a blocking call on the client after `set` is that point), and `wait` for "done" only once the other
+//! stream's write is queued. The order the host queues them in is then an order the device can run them in,
+//! one after another. CUDA does not see these dependencies: a context-wide synchronization (a kernel's lazy
+//! loading at its first launch, Linux's default since CUDA 12.2; `cuMemFree`) waits for every queued wait,
+//! and two streams may share one hardware queue; a wait queued before its satisfier would then wait forever.
+//!
 //! The wait spins one unit on one multiprocessor while the product runs on the others; its reads are
 //! atomic (`atomicAdd(p, 0)` in CUDA C++: the compiler cannot hoist them out of the loop).
 
@@ -86,7 +94,8 @@ impl<R: CubeRuntime> StreamFlag<R> {
         &self.flag
     }
 
-    /// Queues on cubecl's stream the setting of the flag to `value`.
+    /// Queues on cubecl's stream the setting of the flag to `value`: on the stream once a blocking call on
+    /// the same client after this one (a resource look-up, a read) has returned.
     pub fn set(&self, value: u32) {
         self.launch(value, false);
     }
