@@ -10,7 +10,7 @@
 //! every later kernel until then. The values only grow, so every wait is "at least", and a flag read early or late
 //! cannot pass a wait it should not (a wait finds the flag at its mark or one below: CUDA's cyclic "at least",
 //! `(int32)(flag − value) ≥ 0`, is then plain ≥); after 2³¹ − 1 products the marks run out, and the caller
-//! starts the flag again from zero with both streams idle (`restart`). A new or restarted flag's zero is in
+//! starts the flag again from zero once the other stream is idle (`restart`). A new or restarted flag's zero is in
 //! device memory before either returns, so the other stream's next wait cannot read what was there before.
 //!
 //! No wait is queued before what satisfies it is on its stream: the other stream's wait for "ready" only once
@@ -73,9 +73,10 @@ impl<R: CubeRuntime> StreamFlag<R> {
         Some((ready, done))
     }
 
-    /// Sets the flag back to zero, in device memory when this returns (as `new`). Only while neither
-    /// stream has work that reads or writes it: a wait for a high mark still queued would pass at once on
-    /// the old value or hang on the new one.
+    /// Sets the flag back to zero, in device memory when this returns (as `new`). Only while the other
+    /// stream has no work that reads or writes it: a wait for a high mark still queued there would pass at
+    /// once on the old value or hang on the new one. cubecl's own queued waits run before the zero, in its
+    /// stream's order, and pass once the other stream's last "done" is written.
     pub fn restart(&mut self) {
         self.set(0);
         self.wait_until_written();
