@@ -617,3 +617,113 @@ fn dedupe_keeps_each_conversation_once_across_recipes() {
     assert_eq!(once[1]["sources"][0]["dropped"], serde_json::json!({"duplicate": 2}), "{once}");
     assert_eq!(ids, ["a1", "a2", "a4", "a5", "b3", "b3#1"], "the first of each is kept, then weighted");
 }
+
+/// A checkpoint folder for `kiln sft --base`: `config` (a tiny config of the architecture, its vocabulary widened
+/// to `vocab`) randomly initialized, beside `template` from ../shared/templates and `tokenizer_dir`'s tokenizer.
+fn base_with_template(
+    dir: &Path,
+    config: &str,
+    vocab: Option<u64>,
+    template: &str,
+    tokenizer_dir: &Path,
+) -> std::path::PathBuf {
+    let name = template.trim_end_matches(".jinja");
+    let source = dir.join(format!("source-{name}"));
+    std::fs::create_dir_all(&source).unwrap();
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(project_dir().join(config)).unwrap()).unwrap();
+    if let Some(vocab) = vocab {
+        config["vocab_size"] = vocab.into();
+        config["hidden_size"] = 16.into();
+    }
+    std::fs::write(source.join("config.json"), config.to_string()).unwrap();
+    std::fs::copy(project_dir().join("../shared/templates").join(template), source.join("chat_template.jinja"))
+        .unwrap();
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tokenizer_dir.join(file), source.join(file)).unwrap();
+    }
+    let base = dir.join(format!("base-{name}"));
+    let args = ["--quiet", "init-model", "--from", source.to_str().unwrap(), "--out", base.to_str().unwrap()];
+    let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
+    assert!(ok, "{stderr}");
+    base
+}
+
+/// Every Hub model config's template policy, run through `kiln sft` with its model's own chat template
+/// (../shared/templates) and a tokenizer with its special tokens, renders every turn of the Terminus-2 and
+/// ToolBench-form data for training: nothing is left out because inference would prompt it otherwise. The
+/// small Qwen3.5 models' generation prompt closes an empty think block, and with the reasoning of their
+/// supervised turns kept every Terminus-2 turn was left out; the report says so when it happens.
+#[test]
+fn model_configs_render_every_turn_with_their_models_own_templates() {
+    let dir = tempfile::tempdir().unwrap();
+    let pipeline = dir.path().join("sft.toml");
+    let text = std::fs::read_to_string(project_dir().join("pipelines/sft.toml")).unwrap();
+    let runs = format!("runs_dir = \"{}\"", dir.path().join("runs").display());
+    std::fs::write(&pipeline, text.replace("runs_dir = \"runs\"", &runs)).unwrap();
+    // The Qwen3.5-derived tokenizer has no tokenizer_config.json: the template's special tokens, as Qwen's has.
+    let qwen_tokenizer = dir.path().join("qwen-tokenizer");
+    std::fs::create_dir_all(&qwen_tokenizer).unwrap();
+    std::fs::copy(
+        project_dir().join("../shared/tokenizers/qwen3.5-derived/tokenizer.json"),
+        qwen_tokenizer.join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::write(
+        qwen_tokenizer.join("tokenizer_config.json"),
+        r#"{"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}"#,
+    )
+    .unwrap();
+    let tiny = project_dir().join("configs/models/tiny");
+    let base = |config: &str, vocab: Option<u64>, template: &str, tokenizer: &Path| {
+        base_with_template(dir.path(), config, vocab, template, tokenizer)
+    };
+    let lfm2 = base("configs/models/tiny/config.json", None, "lfm2.jinja", &tiny);
+    let lfm2_5 = base("configs/models/tiny/config.json", None, "lfm2.5.jinja", &tiny);
+    let lfm2_5_moe = base("configs/models/tiny-moe/config.json", None, "LFM2.5-8B-A1B.jinja", &tiny);
+    let qwen_config = "configs/models/tiny-qwen3.5/config.json";
+    let qwen_small = base(qwen_config, Some(248_320), "qwen3_5_small_nothink.jinja", &qwen_tokenizer);
+    let qwen = base(qwen_config, Some(248_320), "qwen3_5.jinja", &qwen_tokenizer);
+
+    let sft = |model: &str, base: &Path, extra: &[&str]| -> (Value, String) {
+        let run = format!("{model}{}", extra.len());
+        let mut args = vec!["--quiet", "sft", "--model", model, "--pipeline", pipeline.to_str().unwrap()];
+        args.extend(["--base", base.to_str().unwrap(), "--run", run.as_str(), "--until", "inspect"]);
+        args.extend(["--device", "cpu", "--set", "model.gpu=false", "--set", "data.validation_share=0"]);
+        args.extend(["--set", r#"data.recipes=["terminal-synth", "toolbench-synth"]"#]);
+        args.extend(["--set", "data.weights={terminal-synth = 0.1, toolbench-synth = 0.1}"]);
+        args.extend(["--set", r#"data.decontaminate=["datasets/samples/replay.jsonl"]"#]);
+        args.extend(extra);
+        let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
+        assert!(ok, "{model}: {stderr}");
+        let stats = dir.path().join("runs").join(&run).join("data/stats.json");
+        (serde_json::from_str(&std::fs::read_to_string(stats).unwrap()).unwrap(), stderr)
+    };
+    for (model, base) in [
+        ("lfm2-350m", &lfm2),
+        ("lfm2.5-1.2b", &lfm2_5),
+        ("lfm2.5-8b", &lfm2_5_moe),
+        ("qwen3.5-0.8b", &qwen_small),
+        ("qwen3.5-2b", &qwen_small),
+        ("qwen3.5-9b", &qwen),
+    ] {
+        let (stats, stderr) = sft(model, base, &[]);
+        assert!(stats["dropped"].as_object().unwrap().is_empty(), "{model}: {}", stats["error_examples"]);
+        for source in ["terminal", "toolbench"] {
+            assert!(stats["per_source"][source]["supervised_tokens"].as_u64().unwrap() > 0, "{model}: {stats}");
+        }
+        assert!(!stderr.contains("could not render"), "{model}: {stderr}");
+    }
+
+    // The small models with the reasoning kept in the supervised turn: every Terminus-2 conversation is left
+    // out, and the inspection says so with the first error.
+    let (stats, stderr) = sft("qwen3.5-0.8b", &qwen_small, &["--set", "template.thinking=strip-history"]);
+    let left_out = stats["dropped"]["template_error"].as_u64().unwrap();
+    assert!(stats["per_source"]["terminal"].is_null() && left_out > 0, "{stats}");
+    assert!(
+        stderr.contains(&format!("could not render for training (template_error: {left_out}; of "))
+            && stderr.contains("the generation prompt ends \"\\n</think>\\n\\n\"")
+            && stderr.contains("`thinking = \"drop\"` in the model config's [template]"),
+        "{stderr}"
+    );
+}

@@ -286,7 +286,7 @@ impl Renderer<'_> {
                 let at = full.text.bytes().zip(prompt.text.bytes()).take_while(|(a, b)| a == b).count();
                 let excerpt = |t: &str| t.get(at..).unwrap_or("").chars().take(40).collect::<String>();
                 return Err(no_target(&format!(
-                    "the generation prompt ends {:?} but the turn renders {:?} there: training it would teach what inference never prompts (set enable_thinking to match the data, or use --thinking drop)",
+                    "the generation prompt ends {:?} but the turn renders {:?} there: training it would teach what inference never prompts (set enable_thinking to match the data, or drop the reasoning: `thinking = \"drop\"` in the model config's [template], `--thinking drop` for kiln prepare)",
                     excerpt(&prompt.text),
                     excerpt(&full.text)
                 )));

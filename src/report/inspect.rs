@@ -484,6 +484,26 @@ fn cross_check(ins: &mut Inspection, stats: &PrepareStats) {
             ins.warnings.push(format!("the shards hold {shards} {what} but stats.json records {recorded}"));
         }
     }
+    ins.warnings.extend(unrenderable_warning(stats));
+}
+
+/// Conversations or turns prepare could not render for training (every reason but a length limit): the run
+/// trains without them, and a template policy at odds with the data (a no-thinking generation prompt before
+/// turns that reason) leaves out a whole source this way, so the report says so beside its first error.
+fn unrenderable_warning(stats: &PrepareStats) -> Option<String> {
+    let reasons: Vec<String> =
+        stats.dropped.iter().filter(|(reason, _)| *reason != "too_long").map(|(r, n)| format!("{r}: {n}")).collect();
+    if reasons.is_empty() {
+        return None;
+    }
+    let first = stats.error_examples.first().map_or(String::new(), |e| format!(" The first: {e}."));
+    Some(format!(
+        "prepare left out what it could not render for training ({}; of {} conversations), and the run trains \
+         without it: the model config's [template] policy (thinking, mode, vars) and the data disagree, or the data \
+         is malformed (docs/CHAT.md).{first}",
+        reasons.join(", "),
+        stats.conversations
+    ))
 }
 
 /// Cuts an example into decoded pieces: a token whose bytes do not end a character is joined with the
@@ -524,6 +544,22 @@ mod tests {
         let path = format!("/h/hub/models--LiquidAI--LFM2-350M/snapshots/{commit}/chat_template.jinja");
         assert_eq!(hub_revision(&path).as_deref(), Some(commit));
         assert_eq!(hub_revision("configs/models/tiny/chat_template.jinja"), None);
+    }
+
+    #[test]
+    fn only_what_could_not_be_rendered_is_warned_of() {
+        let mut stats = PrepareStats { conversations: 9, ..Default::default() };
+        stats.dropped.insert("too_long".into(), 4);
+        assert_eq!(unrenderable_warning(&stats), None, "a length limit is the config's choice, not a fault");
+        stats.dropped.insert("template_error".into(), 2);
+        stats.dropped.insert("mask_error".into(), 1);
+        stats.error_examples.push("conversation 'c', message 1: the turn renders …".into());
+        let warning = unrenderable_warning(&stats).unwrap();
+        assert!(warning.contains("(mask_error: 1, template_error: 2; of 9 conversations)"), "{warning}");
+        assert!(
+            warning.ends_with("The first: conversation 'c', message 1: the turn renders ….")
+                && !warning.contains("too_long")
+        );
     }
 
     #[test]
