@@ -448,6 +448,9 @@ struct EvalOptionArgs {
     max_tokens: usize,
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
+    /// At most this many prompt tokens a batch (its rows times its longest prompt; one row at least).
+    #[arg(long, default_value_t = kiln::eval::run::default_batch_tokens())]
+    batch_tokens: usize,
     /// Template thinking switch (`enable_thinking`); default: the template's own.
     #[arg(long)]
     enable_thinking: Option<bool>,
@@ -475,6 +478,7 @@ impl EvalOptionArgs {
         kiln::eval::run::EvalOptions {
             max_tokens: self.max_tokens,
             batch_size: self.batch_size,
+            batch_tokens: self.batch_tokens,
             enable_thinking: self.enable_thinking,
             strip_thinking_history: self.strip_thinking_history,
             scorer: self.scorer,

@@ -24,6 +24,10 @@ use crate::tokens::TextTokenizer;
 pub struct EvalOptions {
     pub max_tokens: usize,
     pub batch_size: usize,
+    /// A batch holds at most this many prompt tokens (its rows times its longest prompt; one row at least):
+    /// a prefill's activations grow with them, and the replay's longest prompts run a few at a time.
+    #[serde(default = "default_batch_tokens")]
+    pub batch_tokens: usize,
     /// Passed to the template as `enable_thinking` when set.
     pub enable_thinking: Option<bool>,
     /// Strip `<think>` blocks (and Gemma thought channels) from assistant history messages.
@@ -38,6 +42,7 @@ impl Default for EvalOptions {
         EvalOptions {
             max_tokens: 1024,
             batch_size: 8,
+            batch_tokens: default_batch_tokens(),
             enable_thinking: None,
             strip_thinking_history: false,
             scorer: ScorerVersion::V2,
@@ -45,6 +50,31 @@ impl Default for EvalOptions {
             tasks: Vec::new(),
         }
     }
+}
+
+/// 128 Ki prompt tokens a batch: 16 rows of TB2-lite's median prompt (6.6k tokens with Qwen3.5's tokenizer),
+/// five of its longest (23.5k).
+pub fn default_batch_tokens() -> usize {
+    131_072
+}
+
+/// The batches of `order` (steps by prompt length, longest first): consecutive runs of at most `batch_size`
+/// steps whose rows times their first (longest) prompt stay within `batch_tokens`, one step at least.
+fn token_batches<'a>(
+    order: &'a [usize],
+    lengths: &[usize],
+    batch_size: usize,
+    batch_tokens: usize,
+) -> Vec<&'a [usize]> {
+    let mut batches = Vec::new();
+    let mut rest = order;
+    while let Some(&first) = rest.first() {
+        let rows = (batch_tokens / lengths[first].max(1)).clamp(1, batch_size.max(1)).min(rest.len());
+        let (batch, after) = rest.split_at(rows);
+        batches.push(batch);
+        rest = after;
+    }
+    batches
 }
 
 /// The ChatML fallback of the reference evaluator for a template that cannot render (tool → user).
@@ -77,6 +107,9 @@ impl EvalOptions {
         }
         if self.batch_size == 0 {
             return Err("batch_size is 0: it must be at least 1".into());
+        }
+        if self.batch_tokens == 0 {
+            return Err("batch_tokens is 0: it must be at least 1".into());
         }
         if self.limit == Some(0) {
             return Err("limit is 0: it selects no step".into());
@@ -267,7 +300,8 @@ pub fn evaluate<B: ModelBackend>(
         bar.set_position(done as u64);
         bar.set_message(format!("Score so far {:.2}", 100.0 * f1_sum / done.max(1) as f64));
     };
-    let batches: Vec<&[usize]> = order.chunks(opts.batch_size.max(1)).collect();
+    let prompt_lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    let batches = token_batches(&order, &prompt_lengths, opts.batch_size, opts.batch_tokens);
     let mut to_decode = Vec::with_capacity(batches.len());
     for batch in batches {
         match journal.as_ref().and_then(|j| j.finished(batch)) {
@@ -427,9 +461,23 @@ mod tests {
         for (bad, what) in [
             (EvalOptions { max_tokens: 0, ..Default::default() }, "max_tokens is 0"),
             (EvalOptions { batch_size: 0, ..Default::default() }, "batch_size is 0"),
+            (EvalOptions { batch_tokens: 0, ..Default::default() }, "batch_tokens is 0"),
         ] {
             assert!(select_steps(steps.clone(), &bad).unwrap_err().starts_with(what), "{what}");
         }
+    }
+
+    #[test]
+    fn batches_hold_at_most_batch_size_rows_and_batch_tokens_prompt_tokens() {
+        let lengths = [40_000, 9_000, 9_000, 8_000, 300, 300, 200, 100];
+        let order: Vec<usize> = (0..lengths.len()).collect();
+        let sizes = |size, tokens| -> Vec<Vec<usize>> {
+            token_batches(&order, &lengths, size, tokens).into_iter().map(<[usize]>::to_vec).collect()
+        };
+        // A prompt longer than the budget runs alone; the others fill each batch up to the budget or the size.
+        assert_eq!(sizes(16, 20_000), [vec![0], vec![1, 2], vec![3, 4], vec![5, 6, 7]]);
+        assert_eq!(sizes(3, 1 << 20), [vec![0, 1, 2], vec![3, 4, 5], vec![6, 7]]);
+        assert_eq!(sizes(16, 1), (0..8).map(|i| vec![i]).collect::<Vec<_>>());
     }
 
     /// Each of seven prompts of different lengths and last tokens, decoded in batches of two (four batches,

@@ -12,9 +12,10 @@
 //! once a pass so that each chunk's rows are one block (`query_rows`), and the chunks write the output
 //! positions first (`positions_first`): no chunk copies its operands.
 //!
-//! `grouped_attention` (one softmax over an explicit additive mask) stays the path of cached decoding and
-//! the reference the tests hold the chunked computation to. The models reach this through
-//! `ops::ModelBackend::document_attention`.
+//! `grouped_attention` (one softmax over an explicit additive mask) is the reference the tests hold the
+//! chunked computation to; cached decoding's calls that continue a cache attend through such a mask
+//! (`ModelBackend::masked_attention`), and its prompts into an empty cache through the chunked path
+//! (`models::decode`). The models reach this through `ops::ModelBackend::document_attention`.
 
 use std::any::{Any, TypeId};
 use std::sync::{Arc, Mutex};

@@ -1,12 +1,15 @@
 //! Cached decoding: per layer a KV cache (attention; Gemma 4's KV-sharing layers read their source's), the
 //! last `L-1` conv inputs (LFM2 conv, DeltaNet conv) and the `[dk × dv]` state per head (DeltaNet); batched
 //! prompts of different lengths (left-padded; padding is masked out and never enters an attention cache)
-//! and generation, greedy or sampled (`sampling`). Incremental logits equal the full forward's.
+//! and generation, greedy or sampled (`sampling`). A prompt into an empty cache attends as the full forward
+//! does, in chunks of queries; later calls through a mask over the cache (`StepAttention`). Incremental
+//! logits equal the full forward's.
 
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
+use super::attention::{DocumentAttention, merge_heads};
 use super::deltanet::{self, ChunkPlan, DocSegments};
 use super::gemma4::Gemma4Model;
 use super::layers::{Project, RopeTables, SequenceLayout, causal_depthwise_conv_cached, head_logits, soft_cap};
@@ -24,13 +27,40 @@ struct History {
     lengths: Vec<usize>,
 }
 
-/// The positions, attention mask and padding mask of one decoding call.
+/// The positions, attention and padding mask of one decoding call.
 struct Step<B: Backend> {
     layout: SequenceLayout,
-    /// `[batch, 1, seq, cached + seq]`: a new token sees earlier real tokens and itself.
-    mask: Tensor<B, 4>,
+    /// What a new token sees: earlier real tokens and itself.
+    attention: StepAttention<B>,
     /// `[batch, seq, 1]`: 1 for real tokens.
     valid: Tensor<B, 3>,
+}
+
+/// How the tokens of one decoding call attend. Prompts run into an empty cache (left-padded) attend within
+/// themselves as a training forward does (`ModelBackend::document_attention`, a chunk of queries at a time):
+/// an explicit mask and the scores of a whole prompt are `[seq, seq]` a row and a head, 2.2 GB of f32 mask a
+/// row for TB2-lite's longest prompt (23.5k tokens). A call continuing a cache (the next token, a chat's next turn) attends to
+/// every cached position through an additive mask `[batch, 1, seq, cached + seq]`, small while `seq` is.
+enum StepAttention<B: Backend> {
+    Prompt(DocumentAttention<B>),
+    Cached {
+        mask: Tensor<B, 4>,
+        /// The scores' scale; `None`: `1/√d`.
+        scale: Option<f64>,
+    },
+}
+
+impl<B: ModelBackend> StepAttention<B> {
+    /// Each head's output `[batch, heads, seq, d]` for the new tokens' queries and every cached key and value.
+    fn attend(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 4> {
+        match self {
+            StepAttention::Prompt(docs) => B::document_attention(q, k, v, docs),
+            StepAttention::Cached { mask, scale } => {
+                let scale = scale.unwrap_or_else(|| 1.0 / (q.dims()[3] as f64).sqrt());
+                B::masked_attention(q, k, v, mask, scale)
+            }
+        }
+    }
 }
 
 impl History {
@@ -38,26 +68,62 @@ impl History {
         History { valid: vec![Vec::new(); batch], lengths: vec![0; batch] }
     }
 
-    /// The layout, mask and validity of the next tokens, in `dtype` (the model's).
-    fn step<B: Backend>(&self, valid: &[Vec<bool>], dtype: FloatDType, device: &B::Device) -> Step<B> {
+    /// The layout, attention and validity of the next tokens, in `dtype` (the model's); `scale`: the attention
+    /// scores' (`None`: `1/√d`).
+    fn step<B: ModelBackend>(
+        &self,
+        valid: &[Vec<bool>],
+        scale: Option<f64>,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> Step<B> {
         let batch = valid.len();
         let seq = valid.first().map_or(0, Vec::len);
-        // Positions continue each row's real-token count; padding takes position 0.
-        let mut positions = Vec::with_capacity(batch * seq);
+        // Positions continue each row's real-token count; padding takes position 0. Real tokens are document
+        // 0, each padding token a document of its own (what attention over a prompt keeps apart).
+        let (mut positions, mut doc_ids) = (Vec::with_capacity(batch * seq), Vec::with_capacity(batch * seq));
         for (row_valid, &done) in valid.iter().zip(&self.lengths) {
             let mut n = done;
-            for &ok in row_valid {
+            for (at, &ok) in row_valid.iter().enumerate() {
                 positions.push(if ok { n as u32 } else { 0 });
+                doc_ids.push(if ok { 0 } else { at as u32 + 1 });
                 n += usize::from(ok);
             }
         }
-        let layout = SequenceLayout { batch, seq, doc_ids: vec![0; batch * seq], positions };
+        let layout = SequenceLayout { batch, seq, doc_ids, positions };
         let valid_f: Vec<f32> = valid.iter().flatten().map(|&v| if v { 1.0 } else { 0.0 }).collect();
         Step {
+            attention: self.attention(valid, &layout, None, scale, dtype, device),
             layout,
-            mask: self.mask(valid, None, dtype, device),
             valid: host_tensor(valid_f, [batch, seq, 1], dtype, device),
         }
+    }
+
+    /// How the next tokens (laid out as `layout`) attend, within `window` real tokens where given: a prompt into
+    /// an empty cache, left-padded, as a training forward; anything else through `mask`.
+    fn attention<B: ModelBackend>(
+        &self,
+        valid: &[Vec<bool>],
+        layout: &SequenceLayout,
+        window: Option<usize>,
+        scale: Option<f64>,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> StepAttention<B> {
+        let empty = self.valid.iter().all(Vec::is_empty);
+        let left_padded = valid.iter().all(|row| row.iter().skip_while(|&&ok| !ok).all(|&ok| ok));
+        if !(empty && left_padded) {
+            return StepAttention::Cached { mask: self.mask(valid, window, dtype, device), scale };
+        }
+        let docs = DocumentAttention::new(layout, device);
+        let docs = match window {
+            Some(window) => docs.with_window(window),
+            None => docs,
+        };
+        StepAttention::Prompt(match scale {
+            Some(scale) => docs.with_scale(scale),
+            None => docs,
+        })
     }
 
     /// The additive mask `[batch, 1, seq, cached + seq]` of the next tokens: a new token sees earlier real
@@ -232,12 +298,12 @@ impl<B: ModelBackend> Attention<B> {
         &self,
         x: Tensor<B, 3>,
         rope: &RopeTables<B>,
-        mask: &Tensor<B, 4>,
+        attention: &StepAttention<B>,
         cache: &mut KvCache<B>,
     ) -> Tensor<B, 3> {
         let (q, k, v) = self.qkv(x, rope);
         let (k, v) = cache.append(k, v);
-        self.attend(q, k, v, mask)
+        self.out_proj.project(merge_heads(attention.attend(q, k, v)))
     }
 }
 
@@ -266,7 +332,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Lfm2Model<B> {
         let [batch, seq] = ids.dims();
         let hidden = self.embed_tokens.dims()[1];
         let dtype = FloatDType::from(self.embed_tokens.val().dtype());
-        let step = cache.history.step::<B>(valid, dtype, &device);
+        let step = cache.history.step::<B>(valid, None, dtype, &device);
         let rope = RopeTables::<B>::new(&step.layout, self.head_dim, self.head_dim, self.rope_theta, dtype, &device);
         let mut h = self.embed_tokens.val().select(0, ids.reshape([batch * seq])).reshape([batch, seq, hidden]);
         for (layer, state) in self.layers.iter().zip(cache.layers.iter_mut()) {
@@ -274,7 +340,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Lfm2Model<B> {
             let y = match (&layer.mixer, state) {
                 (Mixer::Conv(conv), Lfm2LayerCache::Conv(s)) => conv.forward_cached(x, &step.valid, s),
                 (Mixer::Attention(attn), Lfm2LayerCache::Attention(kv)) => {
-                    attn.forward_cached(x, &rope, &step.mask, kv)
+                    attn.forward_cached(x, &rope, &step.attention, kv)
                 }
                 _ => unreachable!("the cache is built from this model's layers"),
             };
@@ -362,12 +428,12 @@ impl<B: ModelBackend> GatedAttention<B> {
         &self,
         x: Tensor<B, 3>,
         rope: &RopeTables<B>,
-        mask: &Tensor<B, 4>,
+        attention: &StepAttention<B>,
         cache: &mut KvCache<B>,
     ) -> Tensor<B, 3> {
         let (q, k, v, gate) = self.qkv_gate(x, rope);
         let (k, v) = cache.append(k, v);
-        self.attend(q, k, v, gate, mask)
+        self.gated_output(attention.attend(q, k, v), gate)
     }
 }
 
@@ -400,7 +466,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
     ) -> Tensor<B, 3> {
         let device = ids.device();
         let dtype = FloatDType::from(self.head_weight().dtype());
-        let step = cache.history.step::<B>(valid, dtype, &device);
+        let step = cache.history.step::<B>(valid, None, dtype, &device);
         let rope = self.rope_tables(&step.layout, dtype, &device);
         let segments = decoding_segments(valid);
         // Prefill runs the whole-sequence scan (`ModelBackend::delta_rule_scan`), single tokens the recurrent one.
@@ -414,7 +480,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Qwen35Model<B> {
                     net.forward_cached(x * step.valid.clone(), &segments, plan.as_ref(), conv, state)
                 }
                 (Qwen35Mixer::Full(attn), QwenLayerCache::Attention(kv)) => {
-                    attn.forward_cached(x, &rope, &step.mask, kv)
+                    attn.forward_cached(x, &rope, &step.attention, kv)
                 }
                 _ => unreachable!("the cache is built from this model's layers"),
             };
@@ -456,14 +522,16 @@ impl<B: ModelBackend> CachedDecoding<B> for Gemma4Model<B> {
     ) -> Tensor<B, 3> {
         let device = ids.device();
         let dtype = FloatDType::from(self.head_weight().dtype());
-        let step = cache.history.step::<B>(valid, dtype, &device);
-        let sliding_mask = cache.history.mask::<B>(valid, Some(self.sliding_window), dtype, &device);
+        // Scores are not scaled: the q and k norms set their size.
+        let step = cache.history.step::<B>(valid, Some(1.0), dtype, &device);
+        let sliding =
+            cache.history.attention::<B>(valid, &step.layout, Some(self.sliding_window), Some(1.0), dtype, &device);
         let ropes = self.rope_set(&step.layout, dtype, &device);
         let (mut h, per_layer) = self.embed(ids);
         for (i, layer) in self.layers.iter().enumerate() {
             let attn = &layer.self_attn;
             let rope = ropes.get(attn);
-            let mask = if attn.sliding { &sliding_mask } else { &step.mask };
+            let attention = if attn.sliding { &sliding } else { &step.attention };
             let layers = &mut cache.layers;
             let attend = |x: Tensor<B, 3>| {
                 let q = attn.queries(x.clone(), rope);
@@ -475,7 +543,7 @@ impl<B: ModelBackend> CachedDecoding<B> for Gemma4Model<B> {
                     (Some(j), _) => layers[j].as_ref().and_then(KvCache::filled).expect("a KV source runs first"),
                     (None, None) => unreachable!("the cache is built from this model's layers"),
                 };
-                attn.output(B::masked_attention(q, k, v, mask, 1.0))
+                attn.output(attention.attend(q, k, v))
             };
             h = layer.forward(h, attend, Self::per_layer_input(&per_layer, i));
         }

@@ -9,7 +9,7 @@ use burn::tensor::activation::sigmoid;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
-use super::attention::{DocumentAttention, grouped_attention, merge_heads};
+use super::attention::{DocumentAttention, merge_heads};
 use super::config::{LayerKind, Lfm2Config};
 use super::layers::{ConvShifts, Project, RmsNorm, RopeTables, SequenceLayout, SwiGlu, head_logits};
 use super::ops::{GateActivation, ModelBackend};
@@ -74,11 +74,6 @@ impl<B: ModelBackend> Attention<B> {
         let k = heads(self.k_proj.project(x.clone()), Some(&self.k_layernorm), self.num_kv_heads);
         let v = heads(self.v_proj.project(x), None, self.num_kv_heads);
         (B::rope(q, rope), B::rope(k, rope), v)
-    }
-
-    /// `out_proj(softmax(q kᵀ / √d + mask) v)` over grouped kv heads.
-    pub fn attend(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, mask: &Tensor<B, 4>) -> Tensor<B, 3> {
-        self.out_proj.project(grouped_attention(q, k, v, mask))
     }
 
     /// Attention over the whole sequence, inside each document (the training and full-forward path).

@@ -9,7 +9,7 @@ use burn::tensor::activation::{sigmoid, silu};
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor};
 
-use super::attention::{DocumentAttention, grouped_attention, merge_heads};
+use super::attention::{DocumentAttention, merge_heads};
 use super::config::{Qwen35Config, Qwen35LayerKind};
 use super::deltanet::{ChunkPlan, DocSegments, ScanInputs};
 use super::layers::{
@@ -130,21 +130,15 @@ impl<B: ModelBackend> GatedAttention<B> {
         (B::rope(q, rope), B::rope(k, rope), v, gate)
     }
 
-    pub fn attend(
-        &self,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        gate: Tensor<B, 3>,
-        mask: &Tensor<B, 4>,
-    ) -> Tensor<B, 3> {
-        self.o_proj.project(grouped_attention(q, k, v, mask) * sigmoid(gate))
+    /// `o_proj(heads · sigmoid(gate))`: the heads' outputs `[batch, heads, seq, d]` merged and gated.
+    pub fn gated_output(&self, heads: Tensor<B, 4>, gate: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.o_proj.project(merge_heads(heads) * sigmoid(gate))
     }
 
     /// Attention over the whole sequence, inside each document (the training and full-forward path).
     pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, docs: &DocumentAttention<B>) -> Tensor<B, 3> {
         let (q, k, v, gate) = self.qkv_gate(x, rope);
-        self.o_proj.project(merge_heads(B::document_attention(q, k, v, docs)) * sigmoid(gate))
+        self.gated_output(B::document_attention(q, k, v, docs), gate)
     }
 }
 

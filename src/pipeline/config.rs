@@ -124,6 +124,9 @@ pub struct EvalPlan {
     pub max_tokens: usize,
     #[serde(default = "default_eval_batch")]
     pub batch_size: usize,
+    /// At most this many prompt tokens a batch (`EvalOptions::batch_tokens`).
+    #[serde(default = "crate::eval::run::default_batch_tokens")]
+    pub batch_tokens: usize,
     #[serde(default)]
     pub scorer: ScorerVersion,
     pub enable_thinking: Option<bool>,
@@ -139,6 +142,7 @@ impl EvalPlan {
         crate::eval::run::EvalOptions {
             max_tokens: self.max_tokens,
             batch_size: self.batch_size,
+            batch_tokens: self.batch_tokens,
             enable_thinking: self.enable_thinking,
             strip_thinking_history: self.strip_thinking_history,
             scorer: self.scorer,
