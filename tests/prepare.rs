@@ -618,8 +618,9 @@ fn dedupe_keeps_each_conversation_once_across_recipes() {
     assert_eq!(ids, ["a1", "a2", "a4", "a5", "b3", "b3#1"], "the first of each is kept, then weighted");
 }
 
-/// A checkpoint folder for `kiln sft --base`: `config` (a tiny config of the architecture, its vocabulary widened
-/// to `vocab`) randomly initialized, beside `template` from ../shared/templates and `tokenizer_dir`'s tokenizer.
+/// A checkpoint folder for `kiln sft --base`: `config` (a tiny config of the architecture) randomly initialized,
+/// beside `template` from ../shared/templates and `tokenizer_dir`'s tokenizer. A `vocab` widens the vocabulary and
+/// narrows `hidden_size` to 16, so the embedding of a real tokenizer's vocabulary stays small.
 fn base_with_template(
     dir: &Path,
     config: &str,

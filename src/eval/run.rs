@@ -270,12 +270,13 @@ pub fn evaluate<B: ModelBackend>(
         }
         prompts.push(ids);
     }
-    let mut lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    let prompt_lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    let mut lengths = prompt_lengths.clone();
     lengths.sort_unstable();
 
     // Batched greedy decoding, longest prompts first so each batch pads little.
     let mut order: Vec<usize> = (0..steps.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(prompts[i].len()));
+    order.sort_by_key(|&i| std::cmp::Reverse(prompt_lengths[i]));
     let mut stop = vec![tokenizer.end_of_turn_id];
     stop.extend(config.eos_token_id());
     let bar = if show_progress { ProgressBar::new(steps.len() as u64) } else { ProgressBar::hidden() };
@@ -300,7 +301,6 @@ pub fn evaluate<B: ModelBackend>(
         bar.set_position(done as u64);
         bar.set_message(format!("Score so far {:.2}", 100.0 * f1_sum / done.max(1) as f64));
     };
-    let prompt_lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
     let batches = token_batches(&order, &prompt_lengths, opts.batch_size, opts.batch_tokens);
     let mut to_decode = Vec::with_capacity(batches.len());
     for batch in batches {

@@ -67,6 +67,11 @@ fn parse_chunk_mib(value: &str) -> Result<usize, String> {
     }
 }
 
+/// The scores' scale `1/√d` for heads of `d` dims, unless an architecture sets its own.
+pub fn default_scale(d: usize) -> f64 {
+    1.0 / (d as f64).sqrt()
+}
+
 /// `chunk_score_budget()` read once, for the models (the CLI has rejected a malformed value before they run).
 pub fn chunk_score_bytes() -> usize {
     static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -201,7 +206,7 @@ impl<B: Backend> DocumentAttention<B> {
 
     /// The scores' scale for heads of `d` dims.
     pub fn scale(&self, d: usize) -> f64 {
-        self.scale.unwrap_or_else(|| 1.0 / (d as f64).sqrt())
+        self.scale.unwrap_or_else(|| default_scale(d))
     }
 
     /// The `[batch, seq]` document ids on the device: a query sees the keys of its own document up to itself.
@@ -659,7 +664,7 @@ pub fn grouped_attention<B: ModelBackend>(
     v: Tensor<B, 4>,
     mask: &Tensor<B, 4>,
 ) -> Tensor<B, 3> {
-    let scale = 1.0 / (q.dims()[3] as f64).sqrt();
+    let scale = default_scale(q.dims()[3]);
     merge_heads(B::masked_attention(q, k, v, mask, scale))
 }
 

@@ -9,7 +9,7 @@ use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 
-use super::attention::{DocumentAttention, merge_heads};
+use super::attention::{DocumentAttention, default_scale, merge_heads};
 use super::deltanet::{self, ChunkPlan, DocSegments};
 use super::gemma4::Gemma4Model;
 use super::layers::{Project, RopeTables, SequenceLayout, causal_depthwise_conv_cached, head_logits, soft_cap};
@@ -56,7 +56,7 @@ impl<B: ModelBackend> StepAttention<B> {
         match self {
             StepAttention::Prompt(docs) => B::document_attention(q, k, v, docs),
             StepAttention::Cached { mask, scale } => {
-                let scale = scale.unwrap_or_else(|| 1.0 / (q.dims()[3] as f64).sqrt());
+                let scale = scale.unwrap_or_else(|| default_scale(q.dims()[3]));
                 B::masked_attention(q, k, v, mask, scale)
             }
         }
