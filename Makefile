@@ -101,6 +101,9 @@ bench: build
 # GPU_FEATURES=autotune builds burn's autotune in (see Cargo.toml: its first steps compile ~10 kernels a matmul
 # shape) as gpu/kiln-autotune.xz, in a target directory of its own so that neither build undoes the other.
 GPU_FEATURES ?= cuda
+# The models whose random-init base the GPU session's pipeline stage builds on the device (PIPELINE_MODELS):
+# each one's shape, template and packed tokenizer as gpu/from-<model> (tests/bench/base_source.sh; needs ../shared).
+GPU_BASES ?= qwen3.5-0.8b
 GPU_VARIANT := $(if $(filter autotune,$(GPU_FEATURES)),-autotune)
 GPU_CARRY := gpu/kiln$(GPU_VARIANT).xz
 GPU_TARGET := target$(if $(GPU_VARIANT),/autotune)
@@ -109,6 +112,7 @@ gpu-carry:
 	CARGO_TARGET_DIR=$(GPU_TARGET) $(CARGO) build --release --features $(GPU_FEATURES)
 	mkdir -p gpu
 	xz -9 -c $(GPU_TARGET)/release/kiln > $(GPU_CARRY).partial && mv $(GPU_CARRY).partial $(GPU_CARRY)
+	for model in $(GPU_BASES); do tests/bench/base_source.sh $$model gpu/from-$$model || exit 1; done
 	@# Which source the binary is, for a later session deciding whether to rebuild it.
 	@git describe --always --dirty > $(GPU_CARRY).commit 2>/dev/null || true
 	@size=$$(du -cb gpu | tail -1 | cut -f1); echo "$(GPU_CARRY): $$(wc -c < $(GPU_CARRY)) bytes, from $$(cat $(GPU_CARRY).commit 2>/dev/null); gpu/ holds $$size bytes"; \

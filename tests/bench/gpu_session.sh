@@ -27,7 +27,12 @@
 #            default; the tiny tokenizer's ids fit any vocabulary): metrics, per-epoch exports; a failure or
 #            a non-finite loss there re-runs it with KILN_CUDA_FUSION=off (burn's unfused backend) to tell a
 #            fusion bug from a model bug;
-#   pipeline the whole tiny pipeline on the device (prepare → train → eval → select → card);
+#   pipeline the whole pipeline (`kiln sft`: prepare → train → export → eval → select → card) on the device for
+#            each of PIPELINE_MODELS: tiny as `make sft` runs it; another model config (qwen3.5-0.8b: issue
+#            10's end to end where no Hub is) on a random-init bf16 base of its benchmark shape, with its own
+#            template and tokenizer (PIPELINE_BASES/from-<model>, which `make gpu-carry` packs for GPU_BASES),
+#            on the synthetic data and the shipped replay sample (PIPELINE_SET): the chunked prompt attention of
+#            eval's decoding, the export and the selection on the device; sft-<model>.log and sft-<model>/;
 #   profile  per-kernel device times of one training step for each of PROFILE_SHAPES
 #            (tests/bench/kernel_profile.sh: CubeCL's profiler switched on by a cubecl.toml in a scratch
 #            directory, the log tabulated): what the step spends its time on, and beside the table's row of
@@ -100,7 +105,8 @@
 # ("lfm2.5-1.2b qwen3.5-0.8b", at SEQ or 4096); SCAN_AB and OPTIM_AB (qwen3.5-0.8b); ATTN_AB, LOSS_AB,
 # NORM_AB, CONV_AB and MOMENTS_SHAPES (lfm2.5-1.2b); KILN_AUTOTUNE (gpu/kiln-autotune.xz where it exists),
 # AUTOTUNE_SHAPES (lfm2.5-1.2b) and AUTOTUNE_OPS ("ops");
-# FIT_SHAPES (lfm2.5-8b-a1b), FIT_SEQ (8192); OUT (runs/gpu-session), where
+# FIT_SHAPES (lfm2.5-8b-a1b), FIT_SEQ (8192); PIPELINE_MODELS (tiny), PIPELINE_BASES (gpu) and PIPELINE_SET
+# (the other models' `kiln sft --set` list, space-separated: below); OUT (runs/gpu-session), where
 # everything worth keeping is copied; PACK, a .tgz path to pack OUT into at the end (the device tool brings
 # back at most 8 files).
 set -uo pipefail
@@ -110,6 +116,12 @@ cd "$(dirname "$0")/../.."
 : "${SHAPES=lfm2-350m lfm2.5-1.2b qwen3.5-0.8b}" "${KILN_OPS:=ops reference}"
 : "${TRAIN_SHAPE:=lfm2-350m}" "${EPOCHS:=2}" "${TRAIN_MICRO:=4}" "${TRAIN_BATCH:=8}" "${TRAIN_LR:=2e-5}"
 : "${PROFILE_SHAPES=lfm2.5-1.2b qwen3.5-0.8b}" "${OUT:=runs/gpu-session}" "${PACK:=}"
+: "${PIPELINE_MODELS=tiny}" "${PIPELINE_BASES:=gpu}"
+# The model configs' mixes and replay need the Hub; the synthetic data and the replay sample are in the project.
+synthetic_pipeline='data.recipes=["terminal-synth","toolbench-synth"] data.weights={terminal-synth=0.1,toolbench-synth=0.1}
+    data.decontaminate=["datasets/samples/replay.jsonl"] data.seq_len=4096 eval.replay=datasets/samples/replay.jsonl
+    train.global_batch=8 eval.max_tokens=64 eval.limit=16'
+: "${PIPELINE_SET=${synthetic_pipeline//$'\n'/ }}"
 : "${PARITY_CONFIGS=configs/models/tiny configs/models/tiny-qwen3.5 configs/models/tiny-gemma4 tests/fixtures/lfm2/lfm2-moe-tiny}"
 : "${PARITY_PRECISIONS=f32 bf16}"
 [[ " $SHAPES " == *" qwen3.5-0.8b "* ]] && : "${SCAN_AB=qwen3.5-0.8b}" || : "${SCAN_AB=}"
@@ -516,18 +528,64 @@ stage_train() {
 }
 
 stage_pipeline() {
-    step "the tiny pipeline on $DEVICE"
+    local model status=0
+    for model in $PIPELINE_MODELS; do
+        pipeline_of "$model" || status=1
+    done
+    return $status
+}
+
+# `kiln sft` of model $1 on DEVICE, everything from prepare to the card: tiny as `make sft` runs it; any other
+# model on a random-init bf16 base of its benchmark shape (init-model from $PIPELINE_BASES/from-$1, which
+# base_source.sh makes: its own template, a tokenizer with its special tokens) with PIPELINE_SET.
+pipeline_of() {
+    local model=$1 name=$run suffix="" args=() settings=() setting
+    if [[ $model != tiny ]]; then
+        name=$run-$model suffix=-$model
+        local from=$PIPELINE_BASES/from-$model base=runs/$run-$model-base
+        [[ -d $from ]] || { echo "no $from: make gpu-carry GPU_BASES=$model (tests/bench/base_source.sh)" >&2; return 1; }
+        rm -rf "$base" "$base-from" && cp -r "$from" "$base-from"
+        if [[ -f $base-from/tokenizer.json.xz ]]; then
+            unpack_file "$base-from/tokenizer.json.xz" "$base-from/tokenizer.json" || return 1
+            rm "$base-from/tokenizer.json.xz"
+        fi
+        if ! "$KILN" --quiet init-model --from "$base-from" --out "$base" --dtype bf16 >"$OUT/sft$suffix.log" 2>&1; then
+            echo "kiln init-model $model failed (see sft$suffix.log)" >&2
+            tail -5 "$OUT/sft$suffix.log" >&2
+            return 1
+        fi
+        args=(--base "$base")
+        read -ra settings <<<"$PIPELINE_SET" # no pathname expansion of the settings' brackets
+        for setting in "${settings[@]}"; do args+=(--set "$setting"); done
+    fi
+    step "the $model pipeline on $DEVICE"
     local status=0
-    if "$KILN" --quiet sft --model tiny --run "$run" --device "$DEVICE" >"$OUT/sft.log" 2>&1; then
-        tail -1 "$OUT/sft.log"
+    rm -rf "runs/$name" # every stage runs, none is skipped as done by an earlier call on this machine
+    if "$KILN" --quiet sft --model "$model" --run "$name" --device "$DEVICE" "${args[@]}" >>"$OUT/sft$suffix.log" 2>&1; then
+        tail -1 "$OUT/sft$suffix.log"
     else
         status=1
-        echo "kiln sft failed (see sft.log)" >&2
-        tail -5 "$OUT/sft.log" >&2
+        echo "kiln sft $model failed (see sft$suffix.log)" >&2
+        tail -5 "$OUT/sft$suffix.log" >&2
     fi
-    mkdir -p "$OUT/sft"
-    cp -r "runs/$run/eval" "runs/$run/README.md" "runs/$run/train/metrics.jsonl" "$OUT/sft/" 2>/dev/null
+    mkdir -p "$OUT/sft$suffix"
+    cp -r "runs/$name/eval" "runs/$name/README.md" "runs/$name/train/metrics.jsonl" "runs/$name/data/stats.json" \
+        "$OUT/sft$suffix/" 2>/dev/null
     return $status
+}
+
+# Unpack file $1 (xz, by python's lzma where the machine has no xz; or gzip) into $2.
+unpack_file() {
+    case $1 in
+        *.xz)
+            if command -v xz >/dev/null; then
+                xz -dc "$1" >"$2"
+            else
+                python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' "$1" >"$2"
+            fi ;;
+        *.gz) gzip -dc "$1" >"$2" ;;
+        *) false ;;
+    esac || { echo "cannot unpack $1" >&2; return 1; }
 }
 
 # One stage, in a process of its own so that the parent can time it out (the parent has set up KILN and OUT).
@@ -537,7 +595,8 @@ if [[ ${1:-} == --stage ]]; then
     if [[ $DEVICE == cuda && " train pipeline profile " == *" $2 "* ]]; then
         case $2 in
             train) marked=$(marked_switches "$FALLBACK_MARK" "$TRAIN_SHAPE") ;;
-            pipeline) marked=$(marked_switches "$FALLBACK_MARK" tiny) ;;
+            # shellcheck disable=SC2086  # PIPELINE_MODELS is a list
+            pipeline) marked=$(marked_for_shapes "$FALLBACK_MARK" $PIPELINE_MODELS) ;;
             # shellcheck disable=SC2086  # PROFILE_SHAPES is a list
             profile) marked=$(marked_for_shapes "$FALLBACK_MARK" $PROFILE_SHAPES) ;;
         esac
@@ -562,18 +621,11 @@ trap 'rm -rf "$unpack_dir"; ((made_cubecl_toml)) && rm -f cubecl.toml' EXIT
 # The path of binary $1, unpacked into $unpack_dir first where it is packed (xz or gzip).
 unpacked_binary() {
     local unpacked
-    unpacked=$unpack_dir/$(basename "${1%.*}")
     case $1 in
-        *.xz)
-            if command -v xz >/dev/null; then
-                xz -dc "$1" >"$unpacked"
-            else
-                python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' "$1" >"$unpacked"
-            fi ;;
-        *.gz) gzip -dc "$1" >"$unpacked" ;;
+        *.xz | *.gz) unpacked=$unpack_dir/$(basename "${1%.*}") ;;
         *) realpath "$1"; return ;;
-    esac || { echo "cannot unpack $1" >&2; return 1; }
-    chmod +x "$unpacked" && realpath "$unpacked"
+    esac
+    unpack_file "$1" "$unpacked" && chmod +x "$unpacked" && realpath "$unpacked"
 }
 KILN=$(unpacked_binary "${KILN:-target/release/kiln}") || exit 2
 [[ -z ${KILN_AUTOTUNE+set} && -f gpu/kiln-autotune.xz ]] && KILN_AUTOTUNE=gpu/kiln-autotune.xz
@@ -614,7 +666,7 @@ pack_kernel_cache() {
 # train.sh's FALLBACK_MARK): the later runs take them.
 : "${FALLBACK_MARK:=$OUT/fallback}"
 export KERNEL_CONFIGS KERNEL_PRECISIONS KERNEL_REPEATS KERNEL_JOBS SANITIZE_TOOLS SANITIZE_WHEN DEVICE STAGES SHAPES KILN_OPS TRAIN_SHAPE EPOCHS TRAIN_MICRO TRAIN_BATCH TRAIN_LR PROFILE_SHAPES SCAN_AB \
-    MOMENTS_SHAPES FIT_SHAPES FIT_SEQ OUT KILN KILN_AUTOTUNE AUTOTUNE_SHAPES AUTOTUNE_OPS LD_LIBRARY_PATH FALLBACK_MARK
+    PIPELINE_MODELS PIPELINE_BASES PIPELINE_SET MOMENTS_SHAPES FIT_SHAPES FIT_SEQ OUT KILN KILN_AUTOTUNE AUTOTUNE_SHAPES AUTOTUNE_OPS LD_LIBRARY_PATH FALLBACK_MARK
 
 step "machine"
 {
