@@ -8,7 +8,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
-use kiln::chat::{ChatInput, ChatTemplate, PinnedClock, SampleMode, SamplePolicy, Thinking, build_samples};
+use kiln::chat::{
+    ChatInput, ChatTemplate, PinnedClock, SampleMode, SamplePolicy, Thinking, ToolResults, build_samples,
+};
 use kiln::data::{DataError, EvalIndex, Recipe};
 use kiln::hub::{Hub, HubConfig, PulledRepo, RepoKind, RepoSpec};
 use kiln::synth::{SynthConfig, write_all};
@@ -261,6 +263,10 @@ struct TemplateArgs {
     /// The token that closes an assistant turn (default: read from the tokenizer).
     #[arg(long)]
     end_of_turn: Option<String>,
+    /// What the template gets for results of calls written in the text (ReAct): `tool` messages as they are,
+    /// or `user` messages (for templates that render tool messages only after structured calls: Gemma 4's).
+    #[arg(long, value_enum, default_value = "tool")]
+    tool_results: ToolResults,
 }
 
 fn parse_var(s: &str) -> Result<(String, serde_json::Value), String> {
@@ -1199,7 +1205,12 @@ fn load_template(args: &TemplateArgs) -> Result<Loaded> {
         &date,
         args.end_of_turn.as_deref(),
     )?;
-    let policy = SamplePolicy { mode: args.mode, thinking: args.thinking, kwargs: args.vars.iter().cloned().collect() };
+    let policy = SamplePolicy {
+        mode: args.mode,
+        thinking: args.thinking,
+        kwargs: args.vars.iter().cloned().collect(),
+        tool_results: args.tool_results,
+    };
     Ok(Loaded { template, tokenizer, policy, date })
 }
 

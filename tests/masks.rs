@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use kiln::chat::{
     ChatInput, ChatTemplate, PinnedClock, SampleMode, SamplePolicy, SpecialTokens, TemplateSource, Thinking,
-    build_samples,
+    ToolResults, build_samples,
 };
 use kiln::tokens::{TextTokenizer, tokenize_sample};
 use serde_json::{Value, json};
@@ -90,7 +90,7 @@ fn every_sample_satisfies_the_mask_invariants() {
         for mode in [SampleMode::Auto, SampleMode::PerTurn, SampleMode::Conversation] {
             for thinking in [Thinking::StripHistory, Thinking::Keep, Thinking::Drop] {
                 for (input, kwargs) in &convs {
-                    let policy = SamplePolicy { mode, thinking, kwargs: kwargs.clone() };
+                    let policy = SamplePolicy { mode, thinking, kwargs: kwargs.clone(), ..Default::default() };
                     let at = format!("{file} {mode:?} {thinking:?} {}", input.id);
                     let samples = match build_samples(&template, input, &policy) {
                         Ok(s) => s,
@@ -273,6 +273,79 @@ fn function_calls_from_the_data_are_supervised_in_each_templates_own_format() {
             .contains("conversation 'calls:0', message 1: the template renders none of the turn's 1 tool call(s)"),
         "{err}"
     );
+}
+
+#[test]
+fn results_of_calls_written_in_the_text_reach_the_model_or_the_turn_is_refused() {
+    // ToolBench's ReAct form: the call is text, its result a `tool` message.
+    let messages: Vec<Value> = serde_json::from_str(
+        r#"[{"role": "system", "content": "Reply as Thought / Action / Action Input."},
+            {"role": "user", "content": "Weather in Quito?"},
+            {"role": "assistant", "content": "Thought: look it up.\nAction: get_weather\nAction Input: {\"city\": \"Quito\"}"},
+            {"role": "tool", "content": "{\"temperature_c\": 28}"},
+            {"role": "assistant", "content": "Thought: done.\nAction: Finish\nAction Input: {\"final_answer\": \"28 C\"}"}]"#,
+    )
+    .unwrap();
+    let input = ChatInput { id: "react".into(), messages, tools: None, source: None, meta: Default::default() };
+    let clock = PinnedClock::parse("2026-01-01").unwrap();
+    let special =
+        |pairs: &[(&str, &str)]| SpecialTokens(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+    let shared = common::project_dir().join("../shared/templates");
+    let load = |file: &str, special| {
+        ChatTemplate::new(TemplateSource::from_file(&shared.join(file)).unwrap(), special, clock).unwrap()
+    };
+    let per_turn = SamplePolicy { mode: SampleMode::PerTurn, ..Default::default() };
+    let as_user = SamplePolicy { tool_results: ToolResults::User, ..per_turn.clone() };
+
+    // Gemma 4 renders tool messages only after structured calls: the result is gone from the render, and the
+    // turn after it is refused, saying what to set.
+    let gemma = load("gemma4_v4.trl_vendored.jinja", special(&[("bos_token", "<bos>")]));
+    let err = build_samples(&gemma, &input, &SamplePolicy::default()).unwrap_err();
+    assert_eq!(err.drop_reason(), "tool_results_unrendered");
+    let text = err.to_string();
+    assert!(
+        text.contains("conversation 'react', message 4: the template leaves out the tool result in message 3")
+            && text.contains("`tool_results = \"user\"`"),
+        "{text}"
+    );
+    // As a user message the result is the prompt of the next turn, as an agent loop on Gemma sends it.
+    let samples = build_samples(&gemma, &input, &as_user).unwrap();
+    assert_eq!(samples.len(), 2);
+    let second = &samples[1];
+    let prompt = &second.text[..second.targets[0].start];
+    assert!(prompt.ends_with("<|turn>user\n{\"temperature_c\": 28}<turn|>\n<|turn>model\n"), "{prompt:?}");
+    assert!(second.text[second.targets[0].clone()].starts_with("Thought: done."));
+
+    // Templates that render the tool message keep it as it is; the policy changes nothing where the calls are
+    // structured (Gemma 4 renders those results itself).
+    for (file, special) in [
+        ("lfm2.5.jinja", special(&[("bos_token", "<|startoftext|>"), ("eos_token", "<|im_end|>")])),
+        ("qwen3_5_small_nothink.jinja", special(&[("eos_token", "<|im_end|>")])),
+    ] {
+        let samples = build_samples(&load(file, special), &input, &per_turn).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let second = samples.last().unwrap();
+        assert!(second.text[..second.targets[0].start].contains("{\"temperature_c\": 28}"), "{file}");
+    }
+    let mut structured = input.clone();
+    structured.messages[2] = json!({"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Quito"}}}]});
+    structured.messages[3]["tool_call_id"] = json!("c1");
+    let native = build_samples(&gemma, &structured, &per_turn).unwrap();
+    assert_eq!(native, build_samples(&gemma, &structured, &as_user).unwrap());
+    assert!(native[1].text.contains("<|tool_response>response:get_weather{"), "{}", native[1].text);
+
+    // A template that escapes the result (not verbatim in the render) still renders it: the probe tells.
+    let escaping = ChatTemplate::new(
+        TemplateSource::new(
+            "{% for m in messages %}{{ m.role }}: {{ m.content | tojson }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}".into(),
+            "inline".into(),
+        ),
+        SpecialTokens::default(),
+        clock,
+    )
+    .unwrap();
+    let samples = build_samples(&escaping, &input, &per_turn).unwrap();
+    assert!(samples.last().unwrap().text.contains(r#"tool: "{\"temperature_c\": 28}""#));
 }
 
 #[test]

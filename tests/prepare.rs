@@ -618,13 +618,13 @@ fn dedupe_keeps_each_conversation_once_across_recipes() {
     assert_eq!(ids, ["a1", "a2", "a4", "a5", "b3", "b3#1"], "the first of each is kept, then weighted");
 }
 
-/// A checkpoint folder for `kiln sft --base`: `config` (a tiny config of the architecture) randomly initialized,
-/// beside `template` from ../shared/templates and `tokenizer_dir`'s tokenizer. A `vocab` widens the vocabulary and
-/// narrows `hidden_size` to 16, so the embedding of a real tokenizer's vocabulary stays small.
+/// A checkpoint folder for `kiln sft --base`: `config` (a tiny config of the architecture, with the `changes`
+/// to its keys: a real tokenizer's vocabulary, say) randomly initialized, beside `template` from
+/// ../shared/templates and `tokenizer_dir`'s tokenizer.
 fn base_with_template(
     dir: &Path,
     config: &str,
-    vocab: Option<u64>,
+    changes: &[(&str, u64)],
     template: &str,
     tokenizer_dir: &Path,
 ) -> std::path::PathBuf {
@@ -633,9 +633,8 @@ fn base_with_template(
     std::fs::create_dir_all(&source).unwrap();
     let mut config: Value =
         serde_json::from_str(&std::fs::read_to_string(project_dir().join(config)).unwrap()).unwrap();
-    if let Some(vocab) = vocab {
-        config["vocab_size"] = vocab.into();
-        config["hidden_size"] = 16.into();
+    for &(key, value) in changes {
+        config[key] = value.into();
     }
     std::fs::write(source.join("config.json"), config.to_string()).unwrap();
     std::fs::copy(project_dir().join("../shared/templates").join(template), source.join("chat_template.jinja"))
@@ -648,6 +647,48 @@ fn base_with_template(
     let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
     assert!(ok, "{stderr}");
     base
+}
+
+/// A tokenizer folder with Gemma 4's special tokens (no Gemma 4 tokenizer ships in ../shared): the tiny
+/// tokenizer's special tokens renamed to Gemma's, so the ids stay inside its vocabulary; the turn ends with
+/// `<turn|>`, as Gemma 4's do.
+fn gemma4_like_tokenizer(dir: &Path) -> std::path::PathBuf {
+    const NAMES: [(&str, &str); 16] = [
+        ("<|pad|>", "<pad>"),
+        ("<|startoftext|>", "<bos>"),
+        ("<|endoftext|>", "<eos>"),
+        ("<|fim_pre|>", "<|\"|>"),
+        ("<|fim_mid|>", "<|think|>"),
+        ("<|fim_suf|>", "<|tool>"),
+        ("<|im_start|>", "<|turn>"),
+        ("<|im_end|>", "<turn|>"),
+        ("<|tool_list_start|>", "<tool|>"),
+        ("<|tool_list_end|>", "<|channel>"),
+        ("<|tool_call_start|>", "<|tool_call>"),
+        ("<|tool_call_end|>", "<tool_call|>"),
+        ("<|tool_response_start|>", "<|tool_response>"),
+        ("<|tool_response_end|>", "<tool_response|>"),
+        ("<think>", "<channel|>"),
+        ("</think>", "<|image|>"),
+    ];
+    let tiny = project_dir().join("configs/models/tiny");
+    let mut tokenizer: Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny.join("tokenizer.json")).unwrap()).unwrap();
+    for token in tokenizer["added_tokens"].as_array_mut().unwrap() {
+        let name = NAMES.iter().find(|(tiny, _)| token["content"] == *tiny).unwrap().1;
+        token["content"] = name.into();
+    }
+    let vocab = tokenizer["model"]["vocab"].as_object_mut().unwrap();
+    for (tiny, gemma) in NAMES {
+        if let Some(id) = vocab.remove(tiny) {
+            vocab.insert(gemma.into(), id);
+        }
+    }
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let config = r#"{"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}"#;
+    std::fs::write(dir.join("tokenizer_config.json"), config).unwrap();
+    dir.to_path_buf()
 }
 
 /// Every Hub model config's template policy, run through `kiln sft` with its model's own chat template
@@ -676,15 +717,19 @@ fn model_configs_render_every_turn_with_their_models_own_templates() {
     )
     .unwrap();
     let tiny = project_dir().join("configs/models/tiny");
-    let base = |config: &str, vocab: Option<u64>, template: &str, tokenizer: &Path| {
-        base_with_template(dir.path(), config, vocab, template, tokenizer)
+    let base = |config: &str, changes: &[(&str, u64)], template: &str, tokenizer: &Path| {
+        base_with_template(dir.path(), config, changes, template, tokenizer)
     };
-    let lfm2 = base("configs/models/tiny/config.json", None, "lfm2.jinja", &tiny);
-    let lfm2_5 = base("configs/models/tiny/config.json", None, "lfm2.5.jinja", &tiny);
-    let lfm2_5_moe = base("configs/models/tiny-moe/config.json", None, "LFM2.5-8B-A1B.jinja", &tiny);
+    let lfm2 = base("configs/models/tiny/config.json", &[], "lfm2.jinja", &tiny);
+    let lfm2_5 = base("configs/models/tiny/config.json", &[], "lfm2.5.jinja", &tiny);
+    let lfm2_5_moe = base("configs/models/tiny-moe/config.json", &[], "LFM2.5-8B-A1B.jinja", &tiny);
     let qwen_config = "configs/models/tiny-qwen3.5/config.json";
-    let qwen_small = base(qwen_config, Some(248_320), "qwen3_5_small_nothink.jinja", &qwen_tokenizer);
-    let qwen = base(qwen_config, Some(248_320), "qwen3_5.jinja", &qwen_tokenizer);
+    // The real vocabulary in a narrow embedding (16 wide): 4 M parameters, not 34 M.
+    let qwen_shape = [("vocab_size", 248_320), ("hidden_size", 16)];
+    let qwen_small = base(qwen_config, &qwen_shape, "qwen3_5_small_nothink.jinja", &qwen_tokenizer);
+    let qwen = base(qwen_config, &qwen_shape, "qwen3_5.jinja", &qwen_tokenizer);
+    let gemma_tokenizer = gemma4_like_tokenizer(&dir.path().join("gemma-tokenizer"));
+    let gemma = base("configs/models/tiny-gemma4/config.json", &[], "gemma4_v4.trl_vendored.jinja", &gemma_tokenizer);
 
     let sft = |model: &str, base: &Path, extra: &[&str]| -> (Value, String) {
         let run = format!("{model}{}", extra.len());
@@ -707,6 +752,7 @@ fn model_configs_render_every_turn_with_their_models_own_templates() {
         ("qwen3.5-0.8b", &qwen_small),
         ("qwen3.5-2b", &qwen_small),
         ("qwen3.5-9b", &qwen),
+        ("gemma-4-e4b", &gemma),
     ] {
         let (stats, stderr) = sft(model, base, &[]);
         assert!(stats["dropped"].as_object().unwrap().is_empty(), "{model}: {}", stats["error_examples"]);
@@ -725,6 +771,16 @@ fn model_configs_render_every_turn_with_their_models_own_templates() {
         stderr.contains(&format!("could not render for training (template_error: {left_out}; of "))
             && stderr.contains("the generation prompt ends \"\\n</think>\\n\\n\"")
             && stderr.contains("`thinking = \"drop\"` in the model config's [template]"),
+        "{stderr}"
+    );
+    // Gemma 4 with the results of ReAct calls as tool messages: every multi-step ToolBench conversation is left
+    // out, as its results would be gone from the render.
+    let (stats, stderr) = sft("gemma-4-e4b", &gemma, &["--set", "template.tool_results=tool"]);
+    let left_out = stats["dropped"]["tool_results_unrendered"].as_u64().unwrap();
+    assert!(left_out > 0 && stats["per_source"]["terminal"]["supervised_tokens"].as_u64().unwrap() > 0, "{stats}");
+    assert!(
+        stderr.contains(&format!("could not render for training (tool_results_unrendered: {left_out}; of "))
+            && stderr.contains("`tool_results = \"user\"`"),
         "{stderr}"
     );
 }

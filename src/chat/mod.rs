@@ -12,7 +12,9 @@ pub mod template;
 use std::path::{Path, PathBuf};
 
 pub use env::PinnedClock;
-pub use samples::{ChatInput, SampleMode, SamplePolicy, TextSample, Thinking, build_samples, strip_thinking};
+pub use samples::{
+    ChatInput, SampleMode, SamplePolicy, TextSample, Thinking, ToolResults, build_samples, strip_thinking,
+};
 pub use template::{ChatTemplate, Rendered, SpecialTokens, TemplateSource};
 
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +51,24 @@ pub enum ChatError {
         /// The calls (index in the turn, function name) whose removal leaves the render unchanged.
         ignored: Vec<(usize, String)>,
     },
+    #[error(
+        "the template leaves out the tool result{} in message{} {}: the text is the same without {}, so training this turn would teach it without what its calls returned. {}",
+        if messages.len() == 1 { "" } else { "s" },
+        if messages.len() == 1 { "" } else { "s" },
+        messages.iter().map(usize::to_string).collect::<Vec<_>>().join(", "),
+        if messages.len() == 1 { "it" } else { "them" },
+        if *calls_in_text {
+            "The turn before wrote its calls in its text (no `tool_calls`), and this template renders tool messages only after structured calls: send such results as user messages (`tool_results = \"user\"` in the model config's [template], `--tool-results user` for kiln prepare), or write the calls as `tool_calls`"
+        } else {
+            "Render with a template that shows tool results"
+        }
+    )]
+    ToolResultsUnrendered {
+        /// The indices of the `tool` messages the render does not show.
+        messages: Vec<usize>,
+        /// Whether the assistant turn they answer wrote its calls in its text rather than `tool_calls`.
+        calls_in_text: bool,
+    },
     #[error("conversation '{id}'{}: {source}", message_index.map(|i| format!(", message {i}")).unwrap_or_default())]
     Sample { id: String, message_index: Option<usize>, source: Box<ChatError> },
 }
@@ -79,6 +99,7 @@ impl ChatError {
         match self {
             ChatError::Sample { source, .. } => source.drop_reason(),
             ChatError::ToolCallsIgnored { .. } => "tool_calls_unrendered",
+            ChatError::ToolResultsUnrendered { .. } => "tool_results_unrendered",
             _ => "template_error",
         }
     }

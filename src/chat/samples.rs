@@ -34,6 +34,26 @@ pub enum Thinking {
     Drop,
 }
 
+/// What the template gets for a `tool` message that answers calls written in the text of the assistant turn
+/// before it (ReAct's `Action:` lines, as ToolBench writes them) rather than in its `tool_calls`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum ToolResults {
+    /// The `tool` message as it is.
+    #[default]
+    Tool,
+    /// A `user` message with its content: for templates that render tool messages only after structured calls
+    /// (Gemma 4's leaves them out otherwise), so the result reaches the model as the next user turn, as an
+    /// agent loop on such a template must send it.
+    User,
+}
+
+impl ToolResults {
+    pub fn is_tool(&self) -> bool {
+        *self == ToolResults::Tool
+    }
+}
+
 /// How conversations become samples: the model config's template policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SamplePolicy {
@@ -42,11 +62,18 @@ pub struct SamplePolicy {
     /// Extra template variables (`enable_thinking`, `preserve_thinking`, …).
     #[serde(default)]
     pub kwargs: Map<String, Value>,
+    #[serde(default)]
+    pub tool_results: ToolResults,
 }
 
 impl Default for SamplePolicy {
     fn default() -> Self {
-        SamplePolicy { mode: SampleMode::Auto, thinking: Thinking::StripHistory, kwargs: Map::new() }
+        SamplePolicy {
+            mode: SampleMode::Auto,
+            thinking: Thinking::StripHistory,
+            kwargs: Map::new(),
+            tool_results: ToolResults::Tool,
+        }
     }
 }
 
@@ -98,6 +125,9 @@ pub struct TextSample {
     /// Turns trained in a form that differs from their inference-time rendering (forced conversation mode).
     pub turns_unlike_inference: usize,
 }
+
+/// What a tool result is replaced by to see whether the template renders it.
+const RESULT_PROBE: &str = "kiln: is this tool result rendered?";
 
 const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
@@ -152,6 +182,27 @@ fn without_train_flags(messages: &[Value]) -> Cow<'_, [Value]> {
         }
     }
     Cow::Owned(owned)
+}
+
+/// The messages with each `tool` message that answers a turn writing its calls in the text (no `tool_calls`)
+/// turned into a `user` message of the same content; `None` when there is none (conversations without tools).
+fn text_call_results_as_user(messages: &[Value]) -> Option<Vec<Value>> {
+    let answers_text_calls = |i: usize| {
+        role(&messages[i]) == "tool"
+            && messages[..i].iter().rev().find(|m| role(m) != "tool").is_some_and(|m| {
+                role(m) == "assistant" && m.get("tool_calls").and_then(Value::as_array).is_none_or(Vec::is_empty)
+            })
+    };
+    let answering: Vec<usize> = (0..messages.len()).filter(|&i| answers_text_calls(i)).collect();
+    if answering.is_empty() {
+        return None;
+    }
+    let mut owned = messages.to_vec();
+    for i in answering {
+        let content = owned[i].get("content").cloned().unwrap_or(Value::Null);
+        owned[i] = serde_json::json!({"role": "user", "content": content});
+    }
+    Some(owned)
 }
 
 /// Strips thinking from one message (content and separate reasoning fields); returns blocks removed.
@@ -265,6 +316,31 @@ impl Renderer<'_> {
         Ok(ignored)
     }
 
+    /// The results the turn answers (the `tool` messages since the assistant turn before it) that its render
+    /// `full` does not show: the text is the same with the result's content replaced. A result whose text shows
+    /// in the render verbatim is shown; only the others cost a render.
+    fn unrendered_results(&self, messages: &[Value], full: &str) -> Result<Vec<usize>, ChatError> {
+        let turn = messages.len() - 1;
+        let since = messages[..turn].iter().rposition(|m| role(m) == "assistant").map_or(0, |i| i + 1);
+        let mut unrendered = Vec::new();
+        for i in (since..turn).filter(|&i| role(&messages[i]) == "tool") {
+            let content = messages[i].get("content");
+            match content {
+                None | Some(Value::Null) => continue,
+                Some(Value::String(text)) if text.trim().is_empty() || full.contains(text.as_str()) => continue,
+                _ => {}
+            }
+            let mut probe = messages.to_vec();
+            if let Some(obj) = probe[i].as_object_mut() {
+                obj.insert("content".into(), Value::String(RESULT_PROBE.into()));
+            }
+            if self.render(&probe, false)?.text == full {
+                unrendered.push(i);
+            }
+        }
+        Ok(unrendered)
+    }
+
     /// The supervised byte span of the last message (an assistant turn) of `messages`, and the full render.
     fn target_span(&self, messages: &[Value]) -> Result<(Rendered, Range<usize>), ChatError> {
         let full = self.render(messages, false)?;
@@ -275,6 +351,16 @@ impl Renderer<'_> {
             source: Box::new(e),
         };
         let no_target = |why: &str| at_turn(ChatError::Mask(why.to_string()));
+        // Before the prefix rule: a template that leaves a result out may also prompt unlike the render (Gemma 4
+        // opens a new turn after a text-call result, and continues the model's turn in the render).
+        let unrendered = self.unrendered_results(messages, &full.text)?;
+        if !unrendered.is_empty() {
+            let calls_in_text = messages[..turn]
+                .iter()
+                .rfind(|m| role(m) == "assistant")
+                .is_some_and(|m| m.get("tool_calls").and_then(Value::as_array).is_none_or(Vec::is_empty));
+            return Err(at_turn(ChatError::ToolResultsUnrendered { messages: unrendered, calls_in_text }));
+        }
         let span = if self.template.has_generation {
             full.spans
                 .last()
@@ -316,6 +402,10 @@ pub fn build_samples(
     let turns: Vec<usize> = input.messages.iter().enumerate().filter(|(_, m)| trained(m)).map(|(i, _)| i).collect();
     let assistant_turns = input.messages.iter().filter(|m| role(m) == "assistant").count();
     let all_messages = without_train_flags(&input.messages);
+    let all_messages = match policy.tool_results {
+        ToolResults::Tool => all_messages,
+        ToolResults::User => text_call_results_as_user(&all_messages).map_or(all_messages, Cow::Owned),
+    };
     if turns.is_empty() {
         return Err(ChatError::Sample {
             id: input.id.clone(),
@@ -402,6 +492,27 @@ pub fn build_samples(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_results_of_calls_written_in_the_text_become_user_messages() {
+        let tool = |content: &str| serde_json::json!({"role": "tool", "tool_call_id": "c", "content": content});
+        let messages = vec![
+            serde_json::json!({"role": "user", "content": "u"}),
+            serde_json::json!({"role": "assistant", "content": "Action: ls"}),
+            tool("a"),
+            tool("b"),
+            serde_json::json!({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "ls"}}]}),
+            tool("c"),
+            serde_json::json!({"role": "assistant", "content": "x", "tool_calls": []}),
+            tool("d"),
+        ];
+        let out = text_call_results_as_user(&messages).unwrap();
+        let roles: Vec<&str> = out.iter().map(role).collect();
+        assert_eq!(roles, ["user", "assistant", "user", "user", "assistant", "tool", "assistant", "user"]);
+        assert_eq!(out[3], serde_json::json!({"role": "user", "content": "b"}));
+        assert_eq!(out[5], messages[5], "a result of a structured call stays a tool message");
+        assert_eq!(text_call_results_as_user(&messages[4..6]), None, "nothing to change");
+    }
 
     #[test]
     fn strips_think_blocks_and_channels() {

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::PipelineError;
-use crate::chat::{SampleMode, Thinking};
+use crate::chat::{SampleMode, Thinking, ToolResults};
 use crate::eval::ScorerVersion;
 use crate::tokens::mask::Truncation;
 use crate::tokens::shards::Layout;
@@ -64,6 +64,10 @@ pub struct TemplatePolicy {
     /// A template file used instead of the checkpoint's (relative to the project).
     pub file: Option<PathBuf>,
     pub end_of_turn: Option<String>,
+    /// What the template gets for results of calls written in the text (ReAct): `tool` (as they are) or
+    /// `user` messages. Left out of the stage fingerprint when `tool`, so older runs stay up to date.
+    #[serde(default, skip_serializing_if = "ToolResults::is_tool")]
+    pub tool_results: ToolResults,
 }
 
 fn default_thinking() -> Thinking {

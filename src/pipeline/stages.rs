@@ -435,6 +435,7 @@ fn prepare(ctx: &Context) -> Result<StageOutcome, PipelineError> {
             mode: c.template.mode,
             thinking: c.template.thinking,
             kwargs: c.template.vars.clone(),
+            tool_results: c.template.tool_results,
         },
         chunk: 256,
         template_date: c.data.template_date.clone(),
