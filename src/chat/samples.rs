@@ -62,6 +62,7 @@ pub struct SamplePolicy {
     /// Extra template variables (`enable_thinking`, `preserve_thinking`, …).
     #[serde(default)]
     pub kwargs: Map<String, Value>,
+    /// What the template gets for results of calls written in the text.
     #[serde(default)]
     pub tool_results: ToolResults,
 }
@@ -184,14 +185,17 @@ fn without_train_flags(messages: &[Value]) -> Cow<'_, [Value]> {
     Cow::Owned(owned)
 }
 
+/// An assistant turn without structured `tool_calls`: whatever calls it makes are in its text (ReAct).
+fn calls_in_text(m: &Value) -> bool {
+    role(m) == "assistant" && m.get("tool_calls").and_then(Value::as_array).is_none_or(Vec::is_empty)
+}
+
 /// The messages with each `tool` message that answers a turn writing its calls in the text (no `tool_calls`)
 /// turned into a `user` message of the same content; `None` when there is none (conversations without tools).
 fn text_call_results_as_user(messages: &[Value]) -> Option<Vec<Value>> {
     let answers_text_calls = |i: usize| {
         role(&messages[i]) == "tool"
-            && messages[..i].iter().rev().find(|m| role(m) != "tool").is_some_and(|m| {
-                role(m) == "assistant" && m.get("tool_calls").and_then(Value::as_array).is_none_or(Vec::is_empty)
-            })
+            && messages[..i].iter().rev().find(|m| role(m) != "tool").is_some_and(calls_in_text)
     };
     let answering: Vec<usize> = (0..messages.len()).filter(|&i| answers_text_calls(i)).collect();
     if answering.is_empty() {
@@ -355,10 +359,8 @@ impl Renderer<'_> {
         // opens a new turn after a text-call result, and continues the model's turn in the render).
         let unrendered = self.unrendered_results(messages, &full.text)?;
         if !unrendered.is_empty() {
-            let calls_in_text = messages[..turn]
-                .iter()
-                .rfind(|m| role(m) == "assistant")
-                .is_some_and(|m| m.get("tool_calls").and_then(Value::as_array).is_none_or(Vec::is_empty));
+            let answered = messages[..turn].iter().rfind(|m| role(m) == "assistant");
+            let calls_in_text = answered.is_some_and(calls_in_text);
             return Err(at_turn(ChatError::ToolResultsUnrendered { messages: unrendered, calls_in_text }));
         }
         let span = if self.template.has_generation {
