@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use kiln::chat::{
-    ChatInput, ChatTemplate, PinnedClock, SampleMode, SamplePolicy, Thinking, ToolResults, build_samples,
+    ChatInput, ChatTemplate, PinnedClock, PromptRule, SampleMode, SamplePolicy, Thinking, ToolResults, build_samples,
 };
 use kiln::data::{DataError, EvalIndex, Recipe};
 use kiln::hub::{Hub, HubConfig, PulledRepo, RepoKind, RepoSpec};
@@ -267,6 +267,10 @@ struct TemplateArgs {
     /// or `user` messages (for templates that render tool messages only after structured calls: Gemma 4's).
     #[arg(long, value_enum, default_value = "tool")]
     tool_results: ToolResults,
+    /// Where the generation prompt is not a prefix of a turn's render: refuse the turn, or `splice` its text
+    /// after the prompt (for prompts that add what a turn's render leaves out: Gemma 4's empty thought channel).
+    #[arg(long, value_enum, default_value = "prefix")]
+    prompt_rule: PromptRule,
 }
 
 fn parse_var(s: &str) -> Result<(String, serde_json::Value), String> {
@@ -1210,6 +1214,7 @@ fn load_template(args: &TemplateArgs) -> Result<Loaded> {
         thinking: args.thinking,
         kwargs: args.vars.iter().cloned().collect(),
         tool_results: args.tool_results,
+        prompt_rule: args.prompt_rule,
     };
     Ok(Loaded { template, tokenizer, policy, date })
 }

@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use kiln::chat::{
-    ChatInput, ChatTemplate, PinnedClock, SampleMode, SamplePolicy, SpecialTokens, TemplateSource, Thinking,
-    ToolResults, build_samples,
+    ChatInput, ChatTemplate, PinnedClock, PromptRule, SampleMode, SamplePolicy, SpecialTokens, TemplateSource,
+    Thinking, ToolResults, build_samples,
 };
 use kiln::tokens::{TextTokenizer, tokenize_sample};
 use serde_json::{Value, json};
@@ -346,6 +346,78 @@ fn results_of_calls_written_in_the_text_reach_the_model_or_the_turn_is_refused()
     .unwrap();
     let samples = build_samples(&escaping, &input, &per_turn).unwrap();
     assert!(samples.last().unwrap().text.contains(r#"tool: "{\"temperature_c\": 28}""#));
+}
+
+#[test]
+fn a_generation_prompt_that_adds_to_the_turn_s_render_is_spliced_only_when_asked() {
+    let messages: Vec<Value> = serde_json::from_str(
+        r#"[{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "List the files."},
+            {"role": "assistant", "content": "<think>ls will do.</think>Run `ls`."},
+            {"role": "user", "content": "And the hidden ones?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": "shell", "arguments": {"cmd": "ls -a"}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": ".env"},
+            {"role": "assistant", "content": "Run `ls -a`: `.env`."}]"#,
+    )
+    .unwrap();
+    let input = ChatInput { id: "older".into(), messages, tools: None, source: None, meta: Default::default() };
+    let clock = PinnedClock::parse("2026-01-01").unwrap();
+    let shared = common::project_dir().join("../shared/templates");
+    let load = |file: &str| {
+        let special = SpecialTokens([("bos_token".to_string(), "<bos>".to_string())].into_iter().collect());
+        ChatTemplate::new(TemplateSource::from_file(&shared.join(file)).unwrap(), special, clock).unwrap()
+    };
+    let prefix = SamplePolicy { mode: SampleMode::PerTurn, thinking: Thinking::Drop, ..Default::default() };
+    let splice = SamplePolicy { prompt_rule: PromptRule::Splice, ..prefix.clone() };
+    let targets = |samples: &[kiln::chat::TextSample]| -> Vec<String> {
+        samples.iter().flat_map(|s| s.targets.iter().map(|t| s.text[t.clone()].to_string())).collect()
+    };
+    // The newest revision prompts what each turn's render extends: splicing changes nothing.
+    let newest = load("gemma4_v4.trl_vendored.jinja");
+    let expected = build_samples(&newest, &input, &prefix).unwrap();
+    assert_eq!(build_samples(&newest, &input, &splice).unwrap(), expected);
+    assert_eq!(targets(&expected)[0], "Run `ls`.<turn|>\n");
+
+    // The older ones close an empty thought channel in the prompt and strip channels from the render.
+    for file in ["gemma4.jinja", "google-gemma-4-31B-it.jinja"] {
+        let older = load(file);
+        let err = build_samples(&older, &input, &prefix).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("message 2: the generation prompt ends \"<|channel>thought\\n<channel|>\"")
+                && text.contains("`prompt_rule = \"splice\"`"),
+            "{file}: {text}"
+        );
+        let samples = build_samples(&older, &input, &splice).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert_eq!(samples.len(), 3, "{file}");
+        // The answers are trained as with the newest revision, each after the prompt inference writes; the
+        // revisions end a call's turn each their own way.
+        let (trained, newest) = (targets(&samples), targets(&expected));
+        assert_eq!([&trained[0], &trained[2]], [&newest[0], &newest[2]], "{file}");
+        assert!(trained[1].starts_with("<|tool_call>call:shell{cmd:<|\"|>ls -a<|\"|>}<tool_call|>"), "{file}");
+        let mut dropped = input.messages.clone();
+        dropped[2]["content"] = json!("Run `ls`.");
+        for sample in &samples {
+            let prompt = older.render(&dropped[..sample.turns[0]], None, true, &splice.kwargs).unwrap();
+            assert_eq!(sample.text[..sample.targets[0].start], prompt.text, "{file}");
+        }
+        assert!(samples[0].text.ends_with("<|turn>model\n<|channel>thought\n<channel|>Run `ls`.<turn|>\n"));
+    }
+
+    // A prompt that opens the turn unlike its render (another role header) is refused under either rule.
+    let unlike = ChatTemplate::new(
+        TemplateSource::new(
+            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}bot: {% endif %}".into(),
+            "inline".into(),
+        ),
+        SpecialTokens::default(),
+        clock,
+    )
+    .unwrap();
+    let err = build_samples(&unlike, &input, &splice).unwrap_err();
+    assert!(err.to_string().contains("the generation prompt ends \"bot: \""), "{err}");
+    assert!(!err.to_string().contains("prompt_rule"), "splice is already set: {err}");
 }
 
 #[test]

@@ -205,19 +205,24 @@ fn a_validation_share_holds_out_whole_tasks() {
     assert_eq!(n(&none, "samples"), n(&whole, "samples"));
 }
 
-/// A model folder with a real template and tokenizer from ../shared.
-fn qwen_model_dir(dir: &Path) -> std::path::PathBuf {
-    let model = dir.join("qwen3.5");
-    std::fs::create_dir_all(&model).unwrap();
-    let shared = project_dir().join("../shared");
+/// A folder with ../shared's Qwen3.5-derived tokenizer, which has no tokenizer_config.json: the special tokens
+/// Qwen's template names, as Qwen's has.
+fn qwen_tokenizer_dir(dir: &Path) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
     std::os::unix::fs::symlink(
-        shared.join("tokenizers/qwen3.5-derived/tokenizer.json").canonicalize().unwrap(),
-        model.join("tokenizer.json"),
+        project_dir().join("../shared/tokenizers/qwen3.5-derived/tokenizer.json").canonicalize().unwrap(),
+        dir.join("tokenizer.json"),
     )
     .unwrap();
-    std::fs::copy(shared.join("templates/qwen3_5.jinja"), model.join("chat_template.jinja")).unwrap();
-    std::fs::write(model.join("tokenizer_config.json"), r#"{"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}"#)
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}"#)
         .unwrap();
+    dir.to_path_buf()
+}
+
+/// A model folder with a real template and tokenizer from ../shared.
+fn qwen_model_dir(dir: &Path) -> std::path::PathBuf {
+    let model = qwen_tokenizer_dir(&dir.join("qwen3.5"));
+    std::fs::copy(project_dir().join("../shared/templates/qwen3_5.jinja"), model.join("chat_template.jinja")).unwrap();
     model
 }
 
@@ -703,19 +708,7 @@ fn model_configs_render_every_turn_with_their_models_own_templates() {
     let text = std::fs::read_to_string(project_dir().join("pipelines/sft.toml")).unwrap();
     let runs = format!("runs_dir = \"{}\"", dir.path().join("runs").display());
     std::fs::write(&pipeline, text.replace("runs_dir = \"runs\"", &runs)).unwrap();
-    // The Qwen3.5-derived tokenizer has no tokenizer_config.json: the template's special tokens, as Qwen's has.
-    let qwen_tokenizer = dir.path().join("qwen-tokenizer");
-    std::fs::create_dir_all(&qwen_tokenizer).unwrap();
-    std::fs::copy(
-        project_dir().join("../shared/tokenizers/qwen3.5-derived/tokenizer.json"),
-        qwen_tokenizer.join("tokenizer.json"),
-    )
-    .unwrap();
-    std::fs::write(
-        qwen_tokenizer.join("tokenizer_config.json"),
-        r#"{"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}"#,
-    )
-    .unwrap();
+    let qwen_tokenizer = qwen_tokenizer_dir(&dir.path().join("qwen-tokenizer"));
     let tiny = project_dir().join("configs/models/tiny");
     let base = |config: &str, changes: &[(&str, u64)], template: &str, tokenizer: &Path| {
         base_with_template(dir.path(), config, changes, template, tokenizer)
@@ -729,10 +722,13 @@ fn model_configs_render_every_turn_with_their_models_own_templates() {
     let qwen_small = base(qwen_config, &qwen_shape, "qwen3_5_small_nothink.jinja", &qwen_tokenizer);
     let qwen = base(qwen_config, &qwen_shape, "qwen3_5.jinja", &qwen_tokenizer);
     let gemma_tokenizer = gemma4_like_tokenizer(&dir.path().join("gemma-tokenizer"));
-    let gemma = base("configs/models/tiny-gemma4/config.json", &[], "gemma4_v4.trl_vendored.jinja", &gemma_tokenizer);
+    let gemma_config = "configs/models/tiny-gemma4/config.json";
+    let gemma = base(gemma_config, &[], "gemma4_v4.trl_vendored.jinja", &gemma_tokenizer);
+    // An older revision (llama.cpp's): its generation prompt closes an empty thought channel.
+    let gemma_older = base(gemma_config, &[], "gemma4.jinja", &gemma_tokenizer);
 
-    let sft = |model: &str, base: &Path, extra: &[&str]| -> (Value, String) {
-        let run = format!("{model}{}", extra.len());
+    let try_sft = |model: &str, base: &Path, extra: &[&str]| -> (bool, String, String) {
+        let run = format!("{model}-{}-{}", base.file_name().unwrap().to_string_lossy(), extra.len());
         let mut args = vec!["--quiet", "sft", "--model", model, "--pipeline", pipeline.to_str().unwrap()];
         args.extend(["--base", base.to_str().unwrap(), "--run", run.as_str(), "--until", "inspect"]);
         args.extend(["--device", "cpu", "--set", "model.gpu=false", "--set", "data.validation_share=0"]);
@@ -741,6 +737,10 @@ fn model_configs_render_every_turn_with_their_models_own_templates() {
         args.extend(["--set", r#"data.decontaminate=["datasets/samples/replay.jsonl"]"#]);
         args.extend(extra);
         let (ok, _, stderr) = run_kiln(&args, &[], &project_dir());
+        (ok, run, stderr)
+    };
+    let sft = |model: &str, base: &Path, extra: &[&str]| -> (Value, String) {
+        let (ok, run, stderr) = try_sft(model, base, extra);
         assert!(ok, "{model}: {stderr}");
         let stats = dir.path().join("runs").join(&run).join("data/stats.json");
         (serde_json::from_str(&std::fs::read_to_string(stats).unwrap()).unwrap(), stderr)
@@ -753,6 +753,7 @@ fn model_configs_render_every_turn_with_their_models_own_templates() {
         ("qwen3.5-2b", &qwen_small),
         ("qwen3.5-9b", &qwen),
         ("gemma-4-e4b", &gemma),
+        ("gemma-4-e4b", &gemma_older),
     ] {
         let (stats, stderr) = sft(model, base, &[]);
         assert!(stats["dropped"].as_object().unwrap().is_empty(), "{model}: {}", stats["error_examples"]);
@@ -781,6 +782,15 @@ fn model_configs_render_every_turn_with_their_models_own_templates() {
     assert!(
         stderr.contains(&format!("could not render for training (tool_results_unrendered: {left_out}; of "))
             && stderr.contains("`tool_results = \"user\"`"),
+        "{stderr}"
+    );
+    // The older revision under the prefix rule: every turn is refused, and the error names the prompt's empty
+    // thought channel and the rule that trains after it.
+    let (ok, _, stderr) = try_sft("gemma-4-e4b", &gemma_older, &["--set", "template.prompt_rule=prefix"]);
+    assert!(
+        !ok && stderr.contains("no sample from")
+            && stderr.contains("the generation prompt ends \"<|channel>thought\\n<channel|>\"")
+            && stderr.contains("`prompt_rule = \"splice\"`"),
         "{stderr}"
     );
 }

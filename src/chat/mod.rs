@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 pub use env::PinnedClock;
 pub use samples::{
-    ChatInput, SampleMode, SamplePolicy, TextSample, Thinking, ToolResults, build_samples, strip_thinking,
+    ChatInput, PromptRule, SampleMode, SamplePolicy, TextSample, Thinking, ToolResults, build_samples, strip_thinking,
 };
 pub use template::{ChatTemplate, Rendered, SpecialTokens, TemplateSource};
 

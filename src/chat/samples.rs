@@ -54,6 +54,27 @@ impl ToolResults {
     }
 }
 
+/// What to do when the generation prompt is not where the turn's render begins: the prefix rule refuses the
+/// turn, and some templates' prompts add text the render of a turn leaves out (Gemma 4's older revisions close
+/// an empty thought channel in the prompt when thinking is off, and strip channels from every rendered turn).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum PromptRule {
+    /// The render of history and turn must extend the generation prompt; the turn is refused otherwise.
+    #[default]
+    Prefix,
+    /// Where it does not, the turn's own text (its render past the role header) follows the generation prompt
+    /// as inference will prompt it: the prompt's additions are context, not target. Refused when the render and
+    /// the prompt do not share history and role header.
+    Splice,
+}
+
+impl PromptRule {
+    pub fn is_prefix(&self) -> bool {
+        *self == PromptRule::Prefix
+    }
+}
+
 /// How conversations become samples: the model config's template policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SamplePolicy {
@@ -65,6 +86,9 @@ pub struct SamplePolicy {
     /// What the template gets for results of calls written in the text.
     #[serde(default)]
     pub tool_results: ToolResults,
+    /// Where the generation prompt is not a prefix of the turn's render.
+    #[serde(default)]
+    pub prompt_rule: PromptRule,
 }
 
 impl Default for SamplePolicy {
@@ -74,6 +98,7 @@ impl Default for SamplePolicy {
             thinking: Thinking::StripHistory,
             kwargs: Map::new(),
             tool_results: ToolResults::Tool,
+            prompt_rule: PromptRule::Prefix,
         }
     }
 }
@@ -129,6 +154,8 @@ pub struct TextSample {
 
 /// What a tool result is replaced by to see whether the template renders it.
 const RESULT_PROBE: &str = "kiln: is this tool result rendered?";
+/// The content of an assistant turn rendered to find where a turn's own text begins (past its role header).
+const TURN_PROBE: &str = "kiln: where does the turn's text begin?";
 
 const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
@@ -273,6 +300,7 @@ struct Renderer<'a> {
     template: &'a ChatTemplate,
     input: &'a ChatInput,
     kwargs: &'a Map<String, Value>,
+    prompt_rule: PromptRule,
 }
 
 impl Renderer<'_> {
@@ -363,23 +391,34 @@ impl Renderer<'_> {
             let calls_in_text = answered.is_some_and(calls_in_text);
             return Err(at_turn(ChatError::ToolResultsUnrendered { messages: unrendered, calls_in_text }));
         }
-        let span = if self.template.has_generation {
-            full.spans
+        let (text, span) = if self.template.has_generation {
+            let span = full
+                .spans
                 .last()
                 .cloned()
-                .ok_or_else(|| no_target("the template marked no {% generation %} block for this turn"))?
+                .ok_or_else(|| no_target("the template marked no {% generation %} block for this turn"))?;
+            (None, span)
         } else {
             let prompt = self.render(&messages[..turn], true)?;
-            if !full.text.starts_with(&prompt.text) {
+            if full.text.starts_with(&prompt.text) {
+                (None, prompt.text.len()..full.text.len())
+            } else if let Some(text) = self.splice(messages, &prompt.text, &full.text)? {
+                let span = prompt.text.len()..text.len();
+                (Some(text), span)
+            } else {
                 let at = full.text.bytes().zip(prompt.text.bytes()).take_while(|(a, b)| a == b).count();
                 let excerpt = |t: &str| t.get(at..).unwrap_or("").chars().take(40).collect::<String>();
+                let splice = if self.prompt_rule.is_prefix() {
+                    "; or, where the prompt adds what the render of a turn leaves out (Gemma 4's empty thought channel), train the turn's text after it: `prompt_rule = \"splice\"`, `--prompt-rule splice`"
+                } else {
+                    ""
+                };
                 return Err(no_target(&format!(
-                    "the generation prompt ends {:?} but the turn renders {:?} there: training it would teach what inference never prompts (set enable_thinking to match the data, or drop the reasoning: `thinking = \"drop\"` in the model config's [template], `--thinking drop` for kiln prepare)",
+                    "the generation prompt ends {:?} but the turn renders {:?} there: training it would teach what inference never prompts (set enable_thinking to match the data, or drop the reasoning: `thinking = \"drop\"` in the model config's [template], `--thinking drop` for kiln prepare{splice})",
                     excerpt(&prompt.text),
                     excerpt(&full.text)
                 )));
             }
-            prompt.text.len()..full.text.len()
         };
         if span.is_empty() {
             return Err(no_target("the supervised turn renders to no text"));
@@ -390,7 +429,31 @@ impl Renderer<'_> {
                 return Err(at_turn(ChatError::ToolCallsIgnored { calls: calls.len(), ignored }));
             }
         }
-        Ok((full, span))
+        Ok((text.map_or(full, |text| Rendered { text, spans: Vec::new() }), span))
+    }
+
+    /// Under `PromptRule::Splice`, the sample that puts the last turn's own text (its render `full` past history
+    /// and role header) after the generation prompt `prompt`; `None` under the prefix rule, or when the render and
+    /// the prompt do not both open the turn with the history and the header an assistant turn renders with.
+    fn splice(&self, messages: &[Value], prompt: &str, full: &str) -> Result<Option<String>, ChatError> {
+        if self.prompt_rule.is_prefix() {
+            return Ok(None);
+        }
+        let history = &messages[..messages.len() - 1];
+        let before = self.render(history, false)?.text;
+        let mut probe = history.to_vec();
+        probe.push(serde_json::json!({"role": "assistant", "content": TURN_PROBE}));
+        let probed = self.render(&probe, false)?.text;
+        let Some(header) =
+            probed.strip_prefix(before.as_str()).and_then(|rest| rest.find(TURN_PROBE).map(|at| &rest[..at]))
+        else {
+            return Ok(None);
+        };
+        let opened = format!("{before}{header}");
+        if !full.starts_with(&opened) || !prompt.starts_with(&opened) {
+            return Ok(None);
+        }
+        Ok(Some(format!("{prompt}{}", &full[opened.len()..])))
     }
 }
 
@@ -400,7 +463,7 @@ pub fn build_samples(
     input: &ChatInput,
     policy: &SamplePolicy,
 ) -> Result<Vec<TextSample>, ChatError> {
-    let renderer = Renderer { template, input, kwargs: &policy.kwargs };
+    let renderer = Renderer { template, input, kwargs: &policy.kwargs, prompt_rule: policy.prompt_rule };
     let turns: Vec<usize> = input.messages.iter().enumerate().filter(|(_, m)| trained(m)).map(|(i, _)| i).collect();
     let assistant_turns = input.messages.iter().filter(|m| role(m) == "assistant").count();
     let all_messages = without_train_flags(&input.messages);

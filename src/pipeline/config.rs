@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::PipelineError;
-use crate::chat::{SampleMode, Thinking, ToolResults};
+use crate::chat::{PromptRule, SampleMode, Thinking, ToolResults};
 use crate::eval::ScorerVersion;
 use crate::tokens::mask::Truncation;
 use crate::tokens::shards::Layout;
@@ -68,6 +68,10 @@ pub struct TemplatePolicy {
     /// `user` messages. Left out of the stage fingerprint when `tool`, so older runs stay up to date.
     #[serde(default, skip_serializing_if = "ToolResults::is_tool")]
     pub tool_results: ToolResults,
+    /// Where the generation prompt is not a prefix of a turn's render: refuse the turn (`prefix`) or train its
+    /// text after the prompt (`splice`). Left out of the stage fingerprint when `prefix`, as `tool_results`.
+    #[serde(default, skip_serializing_if = "PromptRule::is_prefix")]
+    pub prompt_rule: PromptRule,
 }
 
 fn default_thinking() -> Thinking {

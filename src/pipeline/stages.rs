@@ -436,6 +436,7 @@ fn prepare(ctx: &Context) -> Result<StageOutcome, PipelineError> {
             thinking: c.template.thinking,
             kwargs: c.template.vars.clone(),
             tool_results: c.template.tool_results,
+            prompt_rule: c.template.prompt_rule,
         },
         chunk: 256,
         template_date: c.data.template_date.clone(),
