@@ -23,15 +23,13 @@ OUT=${OUT:-runs/bench-chat}
 model=$OUT/$(basename "$SHAPE" .json)
 if [[ ! -f $model/model.safetensors && ! -f $model/model.safetensors.index.json ]]; then
     source=$OUT/source-$(basename "$SHAPE" .json)
-    mkdir -p "$source"
     if grep -q '"qwen3_5' "$SHAPE"; then
-        cp ../shared/tokenizers/qwen3.5-derived/tokenizer.json "$source/"
-        cp ../shared/templates/qwen3_5_small_nothink.jinja "$source/chat_template.jinja"
-        echo '{"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}' >"$source/tokenizer_config.json"
+        CONFIG=$SHAPE PACK=none tests/bench/base_source.sh qwen3.5-0.8b "$source" >/dev/null
     else
+        mkdir -p "$source"
         cp configs/models/tiny/{chat_template.jinja,tokenizer.json,tokenizer_config.json} "$source/"
+        cp "$SHAPE" "$source/config.json"
     fi
-    cp "$SHAPE" "$source/config.json"
     "$KILN" --quiet init-model --from "$source" --out "$model" --seed 0
 fi
 
