@@ -700,7 +700,8 @@ fn gemma4_like_tokenizer(dir: &Path) -> std::path::PathBuf {
 /// (../shared/templates) and a tokenizer with its special tokens, renders every turn of the Terminus-2 and
 /// ToolBench-form data for training: nothing is left out because inference would prompt it otherwise. The
 /// small Qwen3.5 models' generation prompt closes an empty think block, and with the reasoning of their
-/// supervised turns kept every Terminus-2 turn was left out; the report says so when it happens.
+/// supervised turns kept every Terminus-2 turn was left out; the report says so when it happens. Gemma 4 E4B
+/// runs with its newest template and with an older one whose generation prompt closes an empty thought channel.
 #[test]
 fn model_configs_render_every_turn_with_their_models_own_templates() {
     let dir = tempfile::tempdir().unwrap();

@@ -499,8 +499,8 @@ fn unrenderable_warning(stats: &PrepareStats) -> Option<String> {
     let first = stats.error_examples.first().map_or(String::new(), |e| format!(" The first: {e}."));
     Some(format!(
         "prepare left out what it could not render for training ({}; of {} conversations), and the run trains \
-         without it: the model config's [template] policy (thinking, mode, vars, tool_results, prompt_rule) and the data \
-         disagree, or the data is malformed (docs/CHAT.md).{first}",
+         without it: the model config's [template] policy (thinking, mode, vars, tool_results, prompt_rule) and \
+         the data disagree, or the data is malformed (docs/CHAT.md).{first}",
         reasons.join(", "),
         stats.conversations
     ))
