@@ -56,6 +56,17 @@ fn setups() -> Vec<(&'static str, Option<PathBuf>, BTreeMap<String, String>)> {
     ]
 }
 
+/// Special tokens from (name, token) pairs.
+fn special(pairs: &[(&str, &str)]) -> SpecialTokens {
+    SpecialTokens(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect())
+}
+
+/// A template from ../shared/templates, rendering at the tests' pinned date.
+fn shared_template(file: &str, special: SpecialTokens) -> ChatTemplate {
+    let source = TemplateSource::from_file(&common::project_dir().join("../shared/templates").join(file)).unwrap();
+    ChatTemplate::new(source, special, PinnedClock::parse("2026-01-01").unwrap()).unwrap()
+}
+
 fn content_of(m: &Value) -> String {
     match &m["content"] {
         Value::String(s) => s.clone(),
@@ -218,8 +229,6 @@ fn function_calls_from_the_data_are_supervised_in_each_templates_own_format() {
     let conv = mapping.normalize(&row, "calls", "calls:0").unwrap();
     let input = ChatInput::from(&conv);
     let clock = PinnedClock::parse("2026-01-01").unwrap();
-    let special =
-        |pairs: &[(&str, &str)]| SpecialTokens(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
     let lfm = special(&[("bos_token", "<|startoftext|>"), ("eos_token", "<|im_end|>")]);
     let shared = common::project_dir().join("../shared/templates");
     let cases = [
@@ -265,7 +274,7 @@ fn function_calls_from_the_data_are_supervised_in_each_templates_own_format() {
         assert!(second.targets.iter().all(|t| !t.contains(&answer)), "{at}");
     }
     // LFM2's template ignores `tool_calls`: the turn is refused, not trained as an empty answer.
-    let lfm2 = ChatTemplate::new(TemplateSource::from_file(&shared.join("lfm2.jinja")).unwrap(), lfm, clock).unwrap();
+    let lfm2 = shared_template("lfm2.jinja", lfm);
     let err = build_samples(&lfm2, &input, &SamplePolicy::default()).unwrap_err();
     assert_eq!(err.drop_reason(), "tool_calls_unrendered");
     assert!(
@@ -288,18 +297,12 @@ fn results_of_calls_written_in_the_text_reach_the_model_or_the_turn_is_refused()
     .unwrap();
     let input = ChatInput { id: "react".into(), messages, tools: None, source: None, meta: Default::default() };
     let clock = PinnedClock::parse("2026-01-01").unwrap();
-    let special =
-        |pairs: &[(&str, &str)]| SpecialTokens(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
-    let shared = common::project_dir().join("../shared/templates");
-    let load = |file: &str, special| {
-        ChatTemplate::new(TemplateSource::from_file(&shared.join(file)).unwrap(), special, clock).unwrap()
-    };
     let per_turn = SamplePolicy { mode: SampleMode::PerTurn, ..Default::default() };
     let as_user = SamplePolicy { tool_results: ToolResults::User, ..per_turn.clone() };
 
     // Gemma 4 renders tool messages only after structured calls: the result is gone from the render, and the
     // turn after it is refused, saying what to set.
-    let gemma = load("gemma4_v4.trl_vendored.jinja", special(&[("bos_token", "<bos>")]));
+    let gemma = shared_template("gemma4_v4.trl_vendored.jinja", special(&[("bos_token", "<bos>")]));
     let err = build_samples(&gemma, &input, &SamplePolicy::default()).unwrap_err();
     assert_eq!(err.drop_reason(), "tool_results_unrendered");
     let text = err.to_string();
@@ -322,7 +325,8 @@ fn results_of_calls_written_in_the_text_reach_the_model_or_the_turn_is_refused()
         ("lfm2.5.jinja", special(&[("bos_token", "<|startoftext|>"), ("eos_token", "<|im_end|>")])),
         ("qwen3_5_small_nothink.jinja", special(&[("eos_token", "<|im_end|>")])),
     ] {
-        let samples = build_samples(&load(file, special), &input, &per_turn).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let samples =
+            build_samples(&shared_template(file, special), &input, &per_turn).unwrap_or_else(|e| panic!("{file}: {e}"));
         let second = samples.last().unwrap();
         assert!(second.text[..second.targets[0].start].contains("{\"temperature_c\": 28}"), "{file}");
     }
@@ -363,11 +367,7 @@ fn a_generation_prompt_that_adds_to_the_turn_s_render_is_spliced_only_when_asked
     .unwrap();
     let input = ChatInput { id: "older".into(), messages, tools: None, source: None, meta: Default::default() };
     let clock = PinnedClock::parse("2026-01-01").unwrap();
-    let shared = common::project_dir().join("../shared/templates");
-    let load = |file: &str| {
-        let special = SpecialTokens([("bos_token".to_string(), "<bos>".to_string())].into_iter().collect());
-        ChatTemplate::new(TemplateSource::from_file(&shared.join(file)).unwrap(), special, clock).unwrap()
-    };
+    let load = |file: &str| shared_template(file, special(&[("bos_token", "<bos>")]));
     let prefix = SamplePolicy { mode: SampleMode::PerTurn, thinking: Thinking::Drop, ..Default::default() };
     let splice = SamplePolicy { prompt_rule: PromptRule::Splice, ..prefix.clone() };
     let targets = |samples: &[kiln::chat::TextSample]| -> Vec<String> {
