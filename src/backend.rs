@@ -125,7 +125,8 @@ pub fn cuda_fusion() -> Result<bool, String> {
 /// `off`/`0`/`false` runs its tensor ops instead; unset: the runtime's `KernelsByDefault`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
-    /// The DeltaNet's scan across chunks and its chunk solve (`kernels::scan`, `kernels::chunk_solve`).
+    /// The DeltaNet's scan across chunks, its chunk solve and its backward pass's decay gradients
+    /// (`kernels::scan`, `kernels::chunk_solve`, `kernels::decay_grads`).
     Scan,
     /// The attention's softmax rows (`kernels::attention`).
     Attention,
@@ -440,8 +441,8 @@ cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused
 // gate, the RMSNorms, RoPE, the split parts' gradients and the loss rows in one pass each, and makes the parts
 // of a split projection contiguous (`models::cpu_elementwise`); the CubeCL backends (and the CPU in other
 // dtypes) use the chunked tensor ops (the trait's defaults); their autodiff wrappers record each with its backward (`models::attention`, `models::deltanet`).
-// The CubeCL backends run the DeltaNet scan across chunks and the chunk solve as kernels (`kernels::scan`,
-// `kernels::chunk_solve`) unless `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels
+// The CubeCL backends run the DeltaNet scan across chunks, the chunk solve and the decay gradients as kernels
+// (`kernels::scan`, `kernels::chunk_solve`, `kernels::decay_grads`) unless `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels
 // (`kernels::attention`) unless `KILN_ATTENTION_KERNEL=off`, the cross-entropy's rows as one
 // (`kernels::cross_entropy`) unless `KILN_LOSS_KERNEL=off`, the RMSNorms as kernels (`kernels::norm`)
 // unless `KILN_NORM_KERNEL=off`, the causal depthwise convolution as kernels (`kernels::conv`) unless
@@ -821,6 +822,17 @@ macro_rules! cubecl_model_backend {
                     crate::kernels::chunk_solve::unit_lower_inverse(lower)
                 } else {
                     crate::models::deltanet::unit_lower_inverse(lower, plan)
+                }
+            }
+
+            fn delta_rule_decay_grads(
+                inputs: crate::models::deltanet::DecayGradInputs<Self>,
+                plan: &crate::models::deltanet::ChunkPlan<Self>,
+            ) -> [Tensor<Self, 4>; 2] {
+                if Kernel::Scan.enabled($kernels) {
+                    crate::kernels::decay_grads::decay_grads(inputs)
+                } else {
+                    crate::models::deltanet::decay_grads(inputs, plan)
                 }
             }
         }

@@ -4,7 +4,7 @@
 //! or the kernel profiler that goes wrong on a fused CubeCL backend shows here before any GPU session:
 //! the architectures against transformers (logits and gradients), the trainer against PyTorch's AdamW run,
 //! resume, data-parallel replicas through burn's collective, every tiny shape's training steps against the
-//! CPU's, activation checkpointing's recomputed layers and the memory they give back, kiln's own CubeCL kernels (the DeltaNet scan and chunk solve, the attention's softmax rows, the
+//! CPU's, activation checkpointing's recomputed layers and the memory they give back, kiln's own CubeCL kernels (the DeltaNet scan, chunk solve and decay gradients, the attention's softmax rows, the
 //! cross-entropy's rows, the RMSNorms, the causal conv, the gradients' squared norm, AdamW's update) against
 //! the tensor ops they replace, the MoE's experts batched into one matmul against a matmul per expert, and the
 //! per-kernel profile that tests/bench/gpu_session.sh takes on the GPU.
@@ -26,7 +26,8 @@ use kiln::kernels::attention as attention_kernel;
 use kiln::kernels::cross_entropy as kernel_cross_entropy;
 use kiln::models::attention::{ChunkRows, score_grads, softmax_rows_into};
 use kiln::models::deltanet::{
-    ChunkPlan, ChunkRecurrence, Direction, DocSegments, recurrence_by_chunk, unit_lower_inverse,
+    ChunkPlan, ChunkRecurrence, DecayGradInputs, Direction, DocSegments, decay_grads, recurrence_by_chunk,
+    unit_lower_inverse,
 };
 use kiln::models::hf::hf_gradients;
 use kiln::models::ops::NormKind;
@@ -245,6 +246,66 @@ fn the_chunk_solve_kernel_equals_the_block_doubling() {
             "{dims:?}: {a:.2e}, {b:.2e}, {c:.2e} (fused vs device doubling, vs CPU; unfused vs CPU; largest {size:.2})"
         );
         assert!(errors.iter().all(|&e| e <= 1e-5 * size), "{dims:?}: off by {errors:?} (largest entry {size})");
+    }
+}
+
+/// What the chunked backward's decay gradients read, `[b, h, n, c, ·]` with entries in ±1 (the pairs, the
+/// decays' gradient, the chunk decays' gradient) or in (0, 1] (the decays), and the plan the tensor ops take.
+fn decay_grad_inputs<B: ModelBackend>(
+    [b, h, n, c, dk, dv]: [usize; 6],
+    device: &B::Device,
+) -> (DecayGradInputs<B>, ChunkPlan<B>) {
+    let tensor = |seed, shape: [usize; 5], low: f32| {
+        let count = shape.iter().product();
+        kiln::backend::host_tensor::<B, 1>(spread(count, seed, low, 1.0), [count], FloatDType::F32, device)
+            .reshape(shape)
+    };
+    let keys = |seed| tensor(seed, [b, h, n, c, dk], -1.0);
+    let decays = |seed| tensor(seed, [b, h, n, c, 1], 0.05).reshape([b, h, n, c]);
+    let segments = DocSegments::from_doc_ids(b, n * c, vec![0; b * n * c]);
+    let inputs = DecayGradInputs {
+        d_k_decayed: keys(11),
+        k: keys(12),
+        d_q_decayed: keys(13),
+        q: keys(14),
+        neg_d_keys_from_start: keys(15),
+        k_beta: keys(16),
+        d_k_beta: keys(17),
+        d_v_beta: tensor(18, [b, h, n, c, dv], -1.0),
+        v: tensor(19, [b, h, n, c, dv], -1.0),
+        d_gap: tensor(20, [b, h, n, c, c], -1.0),
+        to_end: decays(21),
+        from_start: decays(22),
+        d_chunk_decay: tensor(23, [b, h, n, 1, 1], -1.0).reshape([b, h, n, 1]),
+    };
+    (inputs, ChunkPlan::new(&segments, c, device))
+}
+
+/// kiln's decay-gradient kernel (`kernels::decay_grads`) against the tensor ops it replaces, on the fused and
+/// unfused device backends and on the CPU: a small chunk with key and value widths that differ, the model's
+/// chunk of 64, and more chunks than a grid row holds (65,600: the grid wraps).
+#[test]
+fn the_decay_grads_kernel_equals_the_tensor_ops() {
+    for dims in [[2, 3, 5, 8, 16, 12], [1, 2, 3, 64, 32, 40], [1, 1, 65_600, 4, 2, 3]] {
+        let (inputs, plan) = decay_grad_inputs::<Vk>(dims, &Default::default());
+        let [fused_g, fused_beta] = Vk::delta_rule_decay_grads(inputs, &plan).map(values);
+        let (inputs, plan) = decay_grad_inputs::<VkUnfused>(dims, &Default::default());
+        let [unfused_g, unfused_beta] = VkUnfused::delta_rule_decay_grads(inputs, &plan).map(values);
+        let (inputs, plan) = decay_grad_inputs::<Vk>(dims, &Default::default());
+        let [ops_g, ops_beta] = decay_grads(inputs, &plan).map(values);
+        let (inputs, plan) = decay_grad_inputs::<Cpu>(dims, &Default::default());
+        let [cpu_g, cpu_beta] = decay_grads(inputs, &plan).map(values);
+        let parts =
+            [("d g", fused_g, unfused_g, ops_g, cpu_g), ("d beta", fused_beta, unfused_beta, ops_beta, cpu_beta)];
+        for (name, fused, unfused, ops, cpu) in parts {
+            let scale = cpu.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+            let errors = [max_abs_diff(&fused, &ops), max_abs_diff(&fused, &cpu), max_abs_diff(&unfused, &cpu)];
+            let [a, b, c] = errors;
+            eprintln!(
+                "{dims:?} {name}: {a:.2e}, {b:.2e}, {c:.2e} (fused vs the device's tensor ops, vs CPU; unfused vs CPU; largest {scale:.1})"
+            );
+            assert!(errors.iter().all(|&e| e <= 1e-5 * scale), "{dims:?} {name}: off by {errors:?} (largest {scale})");
+        }
     }
 }
 

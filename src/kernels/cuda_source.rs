@@ -185,6 +185,7 @@ mod tests {
             super::super::chunk_solve::cuda_variants,
             super::super::conv::cuda_variants,
             super::super::cross_entropy::cuda_variants,
+            super::super::decay_grads::cuda_variants,
             super::super::grad_norm::cuda_variants,
             super::super::norm::cuda_variants,
             super::super::scan::cuda_variants,

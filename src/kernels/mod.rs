@@ -3,9 +3,9 @@
 //! cube per row, and the sources' `REVISION` every kernel takes (so no kernel cache serves an older body).
 //! Each kernel replaces a tensor-op composition that stays the reference it is tested against
 //! (tests/vulkan_backend.rs) and the path of every other backend: the DeltaNet scan across chunks
-//! (`scan`) and chunk solve (`chunk_solve`), the attention's softmax rows (`attention`), the cross-entropy's
-//! rows (`cross_entropy`), the RMSNorms (`norm`), the causal depthwise convolution (`conv`), the gradients'
-//! squared norm (`grad_norm`) and AdamW's update (`adamw`).
+//! (`scan`), chunk solve (`chunk_solve`) and decay gradients (`decay_grads`), the attention's softmax rows
+//! (`attention`), the cross-entropy's rows (`cross_entropy`), the RMSNorms (`norm`), the causal depthwise
+//! convolution (`conv`), the gradients' squared norm (`grad_norm`) and AdamW's update (`adamw`).
 //! `cuda_source` (a test) writes every one's CUDA launches as CUDA C++ and compiles them with NVRTC, no GPU needed.
 //! `cublas` is no CubeCL kernel: the CUDA backends' matrix products through NVIDIA's cuBLAS (`KILN_MATMUL`),
 //! ordered around cubecl's stream on the device by `stream_order`'s flag kernels.
@@ -27,6 +27,7 @@ pub mod cross_entropy;
 pub mod cublas;
 #[cfg(all(test, feature = "vulkan"))]
 mod cuda_source;
+pub mod decay_grads;
 pub mod grad_norm;
 pub mod norm;
 pub mod scan;
@@ -43,6 +44,7 @@ pub(crate) const REVISION: u64 = crate::kernel_cache::fnv1a(&[
     include_bytes!("chunk_solve.rs"),
     include_bytes!("conv.rs"),
     include_bytes!("cross_entropy.rs"),
+    include_bytes!("decay_grads.rs"),
     include_bytes!("grad_norm.rs"),
     include_bytes!("norm.rs"),
     include_bytes!("scan.rs"),

@@ -594,6 +594,48 @@ fn row_sums<B: Backend>(x: Tensor<B, 5>) -> Tensor<B, 4> {
     x.sum_dim(4).reshape([b, h, n, c])
 }
 
+/// What the per-position gradients of `chunked_backward` read, all f32 and cut into chunks: pairs of
+/// `[batch, heads, chunks, C, d]` tensors whose rows' dot products they take, the gradient of the decays'
+/// exponents `d_gap` `[.., C, C]`, the per-position decays `[batch, heads, chunks, C]`, and the gradient of
+/// each chunk's decay `[batch, heads, chunks, 1]` (from the states, reduced where they are last read).
+pub struct DecayGradInputs<B: Backend> {
+    pub d_k_decayed: Tensor<B, 5>,
+    pub k: Tensor<B, 5>,
+    pub d_q_decayed: Tensor<B, 5>,
+    pub q: Tensor<B, 5>,
+    pub neg_d_keys_from_start: Tensor<B, 5>,
+    pub k_beta: Tensor<B, 5>,
+    pub d_k_beta: Tensor<B, 5>,
+    pub d_v_beta: Tensor<B, 5>,
+    pub v: Tensor<B, 5>,
+    pub d_gap: Tensor<B, 5>,
+    pub to_end: Tensor<B, 4>,
+    pub from_start: Tensor<B, 4>,
+    pub d_chunk_decay: Tensor<B, 4>,
+}
+
+/// The gradients of the log-decays `g` and the rates `β` per position, `[batch, heads, chunks, C]` each (f32):
+/// the rows' dot products, the decays' exponents through the within-chunk cumulative sum (`dg` is the
+/// reverse cumulative sum of `d cum`), as tensor ops. The CubeCL backends run it as one kernel
+/// (`kernels::decay_grads`), where these are some twenty kernels a DeltaNet layer.
+pub fn decay_grads<B: Backend>(x: DecayGradInputs<B>, plan: &ChunkPlan<B>) -> [Tensor<B, 4>; 2] {
+    // Per position: to_end = exp(cum_last − cum) on the last document, from_start = exp(cum) (0 after a
+    // document start), whose last entry is the chunk's decay; both added at the last position as a one-hot
+    // product (a slice and a concatenation would be three kernels).
+    let d_end_gap = row_sums(x.d_k_decayed * x.k.clone()) * x.to_end;
+    let d_from_start = row_sums(x.d_q_decayed * x.q) - row_sums(x.neg_d_keys_from_start * x.k_beta)
+        + x.d_chunk_decay * plan.last_position.clone();
+    let d_beta = row_sums(x.d_k_beta * x.k) + row_sums(x.d_v_beta * x.v);
+    let [b, h, n, c, _] = x.d_gap.dims();
+    let (gap_rows, gap_columns) =
+        (x.d_gap.clone().sum_dim(4).reshape([b, h, n, c]), x.d_gap.sum_dim(3).reshape([b, h, n, c]));
+    let d_last = d_end_gap.clone().sum_dim(3);
+    let d_cum =
+        d_end_gap.neg() + gap_rows - gap_columns + d_from_start * x.from_start + d_last * plan.last_position.clone();
+    // cum = cumsum(g) within the chunk.
+    [d_cum.flip([3]).cumsum(3).flip([3]), d_beta]
+}
+
 /// Gradients of `chunked_scan(inputs, plan, None).out` for the output gradient `grad_out`
 /// `[batch, heads, seq, dv]`, given the state every chunk started from (`chunk_states`), as `ScanInputs`
 /// in the inputs' dtypes. Everything inside the chunks is recomputed; across chunks the state gradient
@@ -665,22 +707,24 @@ pub fn chunked_backward<B: ModelBackend>(
     let d_k =
         d_k_decayed.clone() * along(&f.to_end) + d_k_of_scores + d_k_of_products + d_k_beta.clone() * beta.clone();
     let d_v = d_v_beta.clone() * beta;
-
-    // Per position: to_end = exp(cum_last − cum) on the last document, from_start = exp(cum) (0 after a
-    // document start), whose last entry is the chunk's decay; both added at the last position as a one-hot
-    // product (a slice and a concatenation would be three kernels).
-    let d_end_gap = row_sums(d_k_decayed * f.k.clone()) * f.to_end;
-    let d_from_start = row_sums(d_q_decayed * f.q.clone()) - row_sums(neg_d_keys_from_start * f.k_beta)
-        + d_chunk_decay * plan.last_position.clone();
-    let d_beta = row_sums(d_k_beta * f.k) + row_sums(d_v_beta * f.v);
-    let [b, h, n, c, _] = d_gap.dims();
-    let (gap_rows, gap_columns) =
-        (d_gap.clone().sum_dim(4).reshape([b, h, n, c]), d_gap.sum_dim(3).reshape([b, h, n, c]));
-    let d_last = d_end_gap.clone().sum_dim(3);
-    let d_cum =
-        d_end_gap.neg() + gap_rows - gap_columns + d_from_start * f.from_start + d_last * plan.last_position.clone();
-    // cum = cumsum(g) within the chunk.
-    let d_g = d_cum.flip([3]).cumsum(3).flip([3]);
+    let [d_g, d_beta] = B::delta_rule_decay_grads(
+        DecayGradInputs {
+            d_k_decayed,
+            k: f.k,
+            d_q_decayed,
+            q: f.q,
+            neg_d_keys_from_start,
+            k_beta: f.k_beta,
+            d_k_beta,
+            d_v_beta,
+            v: f.v,
+            d_gap,
+            to_end: f.to_end,
+            from_start: f.from_start,
+            d_chunk_decay,
+        },
+        plan,
+    );
     let per_position = |x: Tensor<B, 4>| x.reshape([batch, heads, chunks * size]).narrow(2, 0, seq);
     ScanInputs {
         q: from_chunks(d_q, seq).cast(dtypes[0]),

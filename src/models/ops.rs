@@ -44,7 +44,7 @@ use super::attention::{
     scaled_softmax_attention, score_grads, softmax_rows_into, tracked_document_attention,
 };
 use super::deltanet::{
-    self, ChunkPlan, ChunkRecurrence, ChunkedScan, RecurrenceOut, ScanInputs, tracked_gated_delta_rule,
+    self, ChunkPlan, ChunkRecurrence, ChunkedScan, DecayGradInputs, RecurrenceOut, ScanInputs, tracked_gated_delta_rule,
 };
 use super::experts::{grouped_matmul_backward, grouped_matmul_forward};
 use super::layers::{
@@ -310,6 +310,13 @@ pub trait ModelBackend: Backend {
         grad_out: Tensor<Self, 4>,
     ) -> ScanInputs<Self> {
         deltanet::chunked_backward(inputs, plan, chunk_states, grad_out)
+    }
+
+    /// The per-position gradients of the log-decays and rates in the chunked form's backward pass
+    /// (`deltanet::decay_grads`, tensor ops); the CubeCL backends run them as one kernel
+    /// (`kernels::decay_grads`).
+    fn delta_rule_decay_grads(inputs: DecayGradInputs<Self>, plan: &ChunkPlan<Self>) -> [Tensor<Self, 4>; 2] {
+        deltanet::decay_grads(inputs, plan)
     }
 
     /// `(I + L)⁻¹` for every chunk's strictly lower `L` `[batch, heads, chunks, C, C]` in f32, the chunked

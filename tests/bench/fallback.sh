@@ -3,7 +3,7 @@
 #
 # Two parts of kiln's CUDA step have never run on a GPU: burn's fusion (it panicked in every step of the first
 # GPU session, tracel-ai/burn#5292; fixed since and checked on lavapipe) and kiln's own CubeCL kernels (the
-# attention's and the loss's softmax rows, the DeltaNet scan and chunk solve, the RMSNorms, the causal conv,
+# attention's and the loss's softmax rows, the DeltaNet's three, the RMSNorms, the causal conv,
 # the optimizer's gradient norm and AdamW update: checked on lavapipe, and compiled by NVRTC 13.0 for sm_90a
 # without a GPU (src/kernels/cuda_source.rs), but never launched on one).
 # Since the third GPU session (2026-12-04) kiln's kernels are off by default on CUDA (their outputs were pitched

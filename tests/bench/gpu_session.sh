@@ -40,7 +40,7 @@
 #            on the host;
 #   (The kernel A/B stages below switch one kernel off against the device's default: on CUDA, where the
 #   kernels are off by default, they change nothing until the kernels are cleared and on again.)
-#   noscan   for each of SCAN_AB, kiln's row again with the DeltaNet scan and chunk solve as tensor ops
+#   noscan   for each of SCAN_AB, kiln's row again with the DeltaNet's three kernels as tensor ops
 #            instead of kiln's kernels (KILN_OPS=noscan: KILN_SCAN_KERNEL=off), into table-noscan.md: what
 #            the kernels buy;
 #   noattn   for each of ATTN_AB, kiln's row again with the attention's softmax rows as tensor ops instead
@@ -368,7 +368,7 @@ kernel_ab() {
 }
 
 stage_noscan() {
-    step "the DeltaNet scan and chunk solve as tensor ops: ${SCAN_AB:-no shape}"
+    step "the DeltaNet scan, chunk solve and decay gradients as tensor ops: ${SCAN_AB:-no shape}"
     # shellcheck disable=SC2086  # SCAN_AB is a list
     kernel_ab noscan $SCAN_AB
 }

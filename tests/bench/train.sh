@@ -17,7 +17,7 @@
 #               KILN_OPTIM_KERNEL=on: stochastic rounding in AdamW's launch), "reference" (burn's plain
 #               compositions, `--reference-ops`), "unfused" (the ops without burn's fusion on CUDA,
 #               KILN_CUDA_FUSION=off), or the ops with one of kiln's CubeCL kernels switched off for its tensor
-#               ops: "noscan" (the DeltaNet scan and chunk solve, KILN_SCAN_KERNEL=off), "noattn" (the
+#               ops: "noscan" (the DeltaNet kernels, KILN_SCAN_KERNEL=off), "noattn" (the
 #               attention's softmax rows, KILN_ATTENTION_KERNEL=off), "noloss" (the cross-entropy's rows,
 #               KILN_LOSS_KERNEL=off), "nonorm" (the RMSNorms, KILN_NORM_KERNEL=off), "noconv" (the causal
 #               conv, KILN_CONV_KERNEL=off), "nooptim" (the optimizer's
