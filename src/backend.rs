@@ -132,7 +132,7 @@ pub enum Kernel {
     Attention,
     /// The cross-entropy's rows (`kernels::cross_entropy`).
     Loss,
-    /// The RMSNorms (`kernels::norm`).
+    /// The RMSNorms and the L2 norms (`kernels::norm`).
     Norm,
     /// The causal depthwise convolution (`kernels::conv`).
     Conv,
@@ -444,7 +444,7 @@ cubecl_device_memory!(cubecl::wgpu::WgpuRuntime, |_| None; Vk, VkHalf, VkUnfused
 // The CubeCL backends run the DeltaNet scan across chunks, the chunk solve and the decay gradients as kernels
 // (`kernels::scan`, `kernels::chunk_solve`, `kernels::decay_grads`) unless `KILN_SCAN_KERNEL=off`, the attention's softmax rows as kernels
 // (`kernels::attention`) unless `KILN_ATTENTION_KERNEL=off`, the cross-entropy's rows as one
-// (`kernels::cross_entropy`) unless `KILN_LOSS_KERNEL=off`, the RMSNorms as kernels (`kernels::norm`)
+// (`kernels::cross_entropy`) unless `KILN_LOSS_KERNEL=off`, the RMSNorms and L2 norms as kernels (`kernels::norm`)
 // unless `KILN_NORM_KERNEL=off`, the causal depthwise convolution as kernels (`kernels::conv`) unless
 // `KILN_CONV_KERNEL=off`, the MoE's experts as one batched matmul over padded groups (`models::experts`)
 // unless `KILN_EXPERTS_BATCHED=off`, and the optimizer's gradient norm and AdamW update as kernels over many
@@ -748,6 +748,22 @@ macro_rules! cubecl_model_backend {
                     crate::kernels::norm::rms_norm_grads(x, weight, eps, kind, grad)
                 } else {
                     crate::models::ops::rms_norm_backward(x, weight, eps, kind, grad)
+                }
+            }
+
+            fn l2_norm<const D: usize>(x: Tensor<Self, D>, eps: f64) -> Tensor<Self, D> {
+                if Kernel::Norm.enabled($kernels) {
+                    crate::kernels::norm::l2_norm(x, eps)
+                } else {
+                    crate::models::layers::l2_normalize(x, eps)
+                }
+            }
+
+            fn l2_norm_grads<const D: usize>(x: Tensor<Self, D>, eps: f64, grad: Tensor<Self, D>) -> Tensor<Self, D> {
+                if Kernel::Norm.enabled($kernels) {
+                    crate::kernels::norm::l2_norm_grads(x, eps, grad)
+                } else {
+                    crate::models::layers::l2_normalize_backward(x, eps, grad)
                 }
             }
 

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use burn::tensor::FloatDType;
 use burn::tensor::Tensor;
 use common::convs::{conv_parts, conv_parts_by_tensor_ops, gated_conv_parts, gated_conv_parts_by_tensor_ops};
-use common::norms::{norm_parts, norm_parts_by_tensor_ops};
+use common::norms::{l2_parts, l2_parts_by_tensor_ops, norm_parts, norm_parts_by_tensor_ops};
 use common::parity::{self, KernelComparison, KernelResults, ids_tensor, masked_ce, max_abs_diff, spread, values};
 use kiln::backend::{Cpu, Vk, VkTrain, VkUnfused};
 use kiln::kernels::attention as attention_kernel;
@@ -333,6 +333,26 @@ fn the_norm_kernels_equal_the_tensor_op_norms() {
     }
 }
 
+/// kiln's L2-norm kernels (`kernels::norm`, Qwen3.5's DeltaNet q and k) against the tensor ops they replace,
+/// on the fused and unfused device backends and on the CPU: a key head's width, a narrow width with idle
+/// units, a width that is not a power of two, and more rows than a grid row holds.
+#[test]
+fn the_l2_norm_kernels_equal_the_tensor_op_norms() {
+    for dims in [[3, 5, 128], [2, 9, 16], [1, 7, 96], [1, 70_000, 8]] {
+        let f32 = FloatDType::F32;
+        let fused = l2_parts::<Vk>(dims, f32);
+        let unfused = l2_parts::<VkUnfused>(dims, f32);
+        let device_ops = l2_parts_by_tensor_ops::<Vk>(dims, f32);
+        let cpu = l2_parts_by_tensor_ops::<Cpu>(dims, f32);
+        parity::assert_kernel_results(
+            &format!("{dims:?} L2"),
+            ["output", "d x"],
+            &kernel_comparisons(&fused, &unfused, &device_ops, &cpu),
+            [2e-6, 2e-6],
+        );
+    }
+}
+
 /// kiln's causal-conv kernels (`kernels::conv`) against the tensor ops they replace, on the fused and
 /// unfused device backends and on the CPU (`common::convs::conv_cases`: 3 and 4 taps, packed rows with
 /// padding, part-filled and several cubes of channels, several backward blocks).
@@ -377,12 +397,12 @@ fn the_gated_conv_kernels_equal_the_tensor_ops() {
 
 /// What a kernel test compares: the fused kernels with the tensor ops on the device and on the CPU, and the
 /// unfused kernels with the CPU's.
-fn kernel_comparisons<'a>(
-    fused: &'a KernelResults,
-    unfused: &'a KernelResults,
-    device_ops: &'a KernelResults,
-    cpu: &'a KernelResults,
-) -> [KernelComparison<'a>; 3] {
+fn kernel_comparisons<'a, const N: usize>(
+    fused: &'a KernelResults<N>,
+    unfused: &'a KernelResults<N>,
+    device_ops: &'a KernelResults<N>,
+    cpu: &'a KernelResults<N>,
+) -> [KernelComparison<'a, N>; 3] {
     [("fused vs device ops", fused, device_ops), ("fused vs CPU", fused, cpu), ("unfused vs CPU", unfused, cpu)]
 }
 

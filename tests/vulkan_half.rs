@@ -10,7 +10,7 @@ mod common;
 
 use burn::tensor::FloatDType;
 use common::convs::{conv_parts, conv_parts_by_tensor_ops, gated_conv_parts, gated_conv_parts_by_tensor_ops};
-use common::norms::{norm_parts, norm_parts_by_tensor_ops};
+use common::norms::{l2_parts, l2_parts_by_tensor_ops, norm_parts, norm_parts_by_tensor_ops};
 use common::parity::{self, ids_tensor, values};
 use kiln::backend::{VkHalf, VkHalfTrain};
 use kiln::models::ops::NormKind;
@@ -86,6 +86,26 @@ fn the_norm_kernels_equal_the_tensor_op_norms_in_half_precision() {
                 [1.0 / 512.0; 3],
             );
         }
+    }
+}
+
+/// kiln's L2-norm kernels on an f16 input (Qwen3.5's DeltaNet q and k in half-precision training) against the
+/// tensor ops they replace on the same device, fused and unfused: the output is f32 from f32 sums, the input
+/// gradient rounded once to f16.
+#[test]
+fn the_l2_norm_kernels_equal_the_tensor_op_norms_in_half_precision() {
+    claim_f16();
+    for dims in [[3, 5, 128], [2, 9, 16]] {
+        let f16 = FloatDType::F16;
+        let fused = l2_parts::<VkHalf>(dims, f16);
+        let unfused = l2_parts::<kiln::backend::VkHalfUnfused>(dims, f16);
+        let device_ops = l2_parts_by_tensor_ops::<VkHalf>(dims, f16);
+        parity::assert_kernel_results(
+            &format!("{dims:?} L2"),
+            ["output", "d x"],
+            &[("fused", &fused, &device_ops), ("unfused", &unfused, &device_ops)],
+            [2e-6, 1.0 / 512.0],
+        );
     }
 }
 

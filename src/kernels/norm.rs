@@ -9,6 +9,11 @@
 //! kernel over blocks of rows (per row both sums in one pass, then `d x`, and the block's share of `d w`) and
 //! a sum over the blocks' shares. The arithmetic is the tensor ops' in f32 with their roundings to the
 //! input's dtype; only the order of the sums differs. Tested against them (tests/vulkan_backend.rs).
+//!
+//! The L2 norm of Qwen3.5's DeltaNet q and k (`layers::l2_normalize`, `l2_normalize_backward`: no weight,
+//! a sum where the RMSNorm takes a mean, the output in f32) runs the same way: a cube per row forward and
+//! backward, where the tensor ops make a reduction each way that burn-fusion leaves unfused and, backward, a
+//! second one (`Σ g · y`) that it runs as a chain of reductions.
 
 use burn::tensor::Tensor as BurnTensor;
 use burn::tensor::backend::Backend;
@@ -63,6 +68,31 @@ fn scaled_value<F: Float>(normed: f32, #[comptime] rounds_first: bool) -> f32 {
     value
 }
 
+/// `1 / sqrt(Σx² + eps)` of the row of `width` values at `base` (the L2 norm's), or with the mean of the
+/// squares (`averages`: the RMSNorm's), summed by the cube's `units` units in f32.
+#[cube]
+fn inverse_norm<F: Float>(
+    x: &Tensor<F>,
+    base: usize,
+    width: usize,
+    eps: f32,
+    #[comptime] averages: bool,
+    #[comptime] units: usize,
+) -> f32 {
+    let mut squares = 0.0f32;
+    let mut column = UNIT_POS_X as usize;
+    while column < width {
+        let v = f32::cast_from(x[base + column]);
+        squares += v * v;
+        column += units;
+    }
+    let mut sum = cube_sum(squares, units);
+    if averages {
+        sum /= width as f32;
+    }
+    1.0 / (sum + eps).sqrt()
+}
+
 /// Forward, one cube per row: `out = scaled(x · r)` with `r = 1 / sqrt(mean(x²) + eps)`, written in `O`
 /// (the input's dtype, or f32 for a plain norm with an f32 weight on a half-precision input).
 #[cube(launch)]
@@ -84,14 +114,7 @@ fn rms_norm_kernel<F: Float, W: Float, O: Float>(
     }
     let width = args.width as usize;
     let base = row * width;
-    let mut squares = 0.0f32;
-    let mut column = UNIT_POS_X as usize;
-    while column < width {
-        let v = f32::cast_from(x[base + column]);
-        squares += v * v;
-        column += units;
-    }
-    let inverse = 1.0 / (cube_sum(squares, units) / width as f32 + args.eps).sqrt();
+    let inverse = inverse_norm(x, base, width, args.eps, true, units);
     let mut column = UNIT_POS_X as usize;
     while column < width {
         let normed = f32::cast_from(x[base + column]) * inverse;
@@ -167,8 +190,72 @@ fn rms_norm_grads_kernel<F: Float, W: Float, O: Float>(
     }
 }
 
+/// The L2 norm's forward pass, one cube per row: `out = x · r` with `r = 1 / sqrt(Σx² + eps)`, in `O`
+/// (f32, as `layers::l2_normalize` computes it).
+#[cube(launch)]
+fn l2_norm_kernel<F: Float, O: Float>(
+    x: &Tensor<F>,
+    out: &mut Tensor<O>,
+    args: NormArgs,
+    #[comptime] units: usize,
+    #[comptime] _revision: u64,
+    #[define(F, O)] _dtypes: [StorageType; 2],
+) {
+    let row = grid_row();
+    if row >= args.rows as usize {
+        terminate!();
+    }
+    let width = args.width as usize;
+    let base = row * width;
+    let inverse = inverse_norm(x, base, width, args.eps, false, units);
+    let mut column = UNIT_POS_X as usize;
+    while column < width {
+        out[base + column] = O::cast_from(f32::cast_from(x[base + column]) * inverse);
+        column += units;
+    }
+}
+
+/// The L2 norm's backward pass, one cube per row: with `y = x · r`, `d x = r · (g − y · Σ(g · y))` in `F`
+/// (`layers::l2_normalize_backward`; `Σ(g · y)` summed as `r · Σ(g · x)`).
+#[cube(launch)]
+fn l2_norm_grads_kernel<F: Float, O: Float>(
+    x: &Tensor<F>,
+    grad: &Tensor<O>,
+    grad_x: &mut Tensor<F>,
+    args: NormArgs,
+    #[comptime] units: usize,
+    #[comptime] _revision: u64,
+    #[define(F, O)] _dtypes: [StorageType; 2],
+) {
+    let row = grid_row();
+    if row >= args.rows as usize {
+        terminate!();
+    }
+    let width = args.width as usize;
+    let base = row * width;
+    let mut squares = 0.0f32;
+    let mut dot = 0.0f32;
+    let mut column = UNIT_POS_X as usize;
+    while column < width {
+        let v = f32::cast_from(x[base + column]);
+        squares += v * v;
+        dot += f32::cast_from(grad[base + column]) * v;
+        column += units;
+    }
+    let inverse = 1.0 / (cube_sum(squares, units) + args.eps).sqrt();
+    let projection = cube_sum(dot, units) * inverse;
+    let mut column = UNIT_POS_X as usize;
+    while column < width {
+        let normed = f32::cast_from(x[base + column]) * inverse;
+        let g = f32::cast_from(grad[base + column]);
+        grad_x[base + column] = F::cast_from((g - normed * projection) * inverse);
+        column += units;
+    }
+}
+
 /// The kernels as backend primitives on `[rows, width]` tensors: `rms_norm` returns the normalized rows,
-/// `rms_norm_grads` `[d x, the blocks' shares of d w]` (`[rows / ROWS_PER_CUBE, width]`, f32).
+/// `rms_norm_grads` `[d x, the blocks' shares of d w]` (`[rows / ROWS_PER_CUBE, width]`, f32); `l2_norm`
+/// the L2-normalized rows in f32, `l2_norm_grads` `d x` in `x`'s dtype.
 pub trait NormKernels: Backend {
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64, kind: NormKind) -> FloatTensor<Self>;
 
@@ -179,6 +266,10 @@ pub trait NormKernels: Backend {
         eps: f64,
         kind: NormKind,
     ) -> [FloatTensor<Self>; 2];
+
+    fn l2_norm(x: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
+
+    fn l2_norm_grads(x: FloatTensor<Self>, grad: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
 }
 
 /// `x` `[.., width]` as `[rows, width]`.
@@ -216,6 +307,24 @@ pub fn rms_norm_grads<B: NormKernels, const D: usize>(
     let grad_x: BurnTensor<B, 2> = float_tensor(grad_x);
     let shares: BurnTensor<B, 2> = float_tensor(shares);
     (grad_x.reshape(dims), column_sums(shares).cast(weight_dtype))
+}
+
+/// `ModelBackend::l2_norm` on a CubeCL backend: one kernel launch.
+pub fn l2_norm<B: NormKernels, const D: usize>(x: BurnTensor<B, D>, eps: f64) -> BurnTensor<B, D> {
+    let dims = x.dims();
+    let out: BurnTensor<B, 2> = float_tensor(B::l2_norm(rows_of(x), eps));
+    out.reshape(dims)
+}
+
+/// `ModelBackend::l2_norm_grads` on a CubeCL backend: one kernel launch.
+pub fn l2_norm_grads<B: NormKernels, const D: usize>(
+    x: BurnTensor<B, D>,
+    eps: f64,
+    grad: BurnTensor<B, D>,
+) -> BurnTensor<B, D> {
+    let dims = x.dims();
+    let grad_x: BurnTensor<B, 2> = float_tensor(B::l2_norm_grads(rows_of(x), rows_of(grad), eps));
+    grad_x.reshape(dims)
 }
 
 /// The rows of the weight-gradient shares for `rows` rows: one per backward cube (one at least, so that the
@@ -298,6 +407,60 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> NormKernel
         }
         [grad_x, shares]
     }
+
+    fn l2_norm(x: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        let (rows, width, args) = norm_args::<R>(&x.shape(), eps);
+        let (client, device) = (x.client.clone(), x.device.clone());
+        let dtypes = [x.dtype, DType::F32];
+        let out = empty_device_contiguous_dtype::<R>(client.clone(), device, x.shape(), DType::F32);
+        if rows > 0 {
+            let units = units_for(width);
+            l2_norm_kernel::launch::<R>(
+                &client,
+                row_grid(rows),
+                CubeDim::new_1d(units as u32),
+                into_contiguous(x).into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                args,
+                units,
+                super::REVISION,
+                dtypes.map(Into::into),
+            );
+        }
+        out
+    }
+
+    fn l2_norm_grads(x: FloatTensor<Self>, grad: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        let (rows, width, args) = norm_args::<R>(&x.shape(), eps);
+        let (client, device) = (x.client.clone(), x.device.clone());
+        let dtypes = [x.dtype, grad.dtype];
+        let grad_x = empty_device_contiguous_dtype::<R>(client.clone(), device, x.shape(), x.dtype);
+        if rows > 0 {
+            let units = units_for(width);
+            l2_norm_grads_kernel::launch::<R>(
+                &client,
+                row_grid(rows),
+                CubeDim::new_1d(units as u32),
+                into_contiguous(x).into_tensor_arg(),
+                into_contiguous(grad).into_tensor_arg(),
+                grad_x.clone().into_tensor_arg(),
+                args,
+                units,
+                super::REVISION,
+                dtypes.map(Into::into),
+            );
+        }
+        grad_x
+    }
+}
+
+/// Which of the kernels a `FusedNorm` runs.
+#[derive(Debug, Clone, Copy)]
+enum NormOp {
+    Rms(NormKind),
+    RmsGrads(NormKind),
+    L2,
+    L2Grads,
 }
 
 /// A kernel as one custom operation of burn-fusion's stream: fusion runs it on the backend under it.
@@ -305,8 +468,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> NormKernel
 struct FusedNorm<B> {
     desc: CustomOpIr,
     eps: f64,
-    kind: NormKind,
-    grads: bool,
+    op: NormOp,
     _backend: std::marker::PhantomData<B>,
 }
 
@@ -314,27 +476,48 @@ impl<B: FusionBackend + NormKernels> Operation<B::FusionRuntime> for FusedNorm<B
     fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
         let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
         let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
-        let (x, weight) = (get(0), get(1));
-        if self.grads {
-            let grad = get(2);
-            register_float_outputs::<B>(handles, outputs, B::rms_norm_grads(x, weight, grad, self.eps, self.kind));
-        } else {
-            register_float_outputs::<B>(handles, outputs, [B::rms_norm(x, weight, self.eps, self.kind)]);
+        let eps = self.eps;
+        match self.op {
+            NormOp::Rms(kind) => {
+                let (x, weight) = (get(0), get(1));
+                register_float_outputs::<B>(handles, outputs, [B::rms_norm(x, weight, eps, kind)]);
+            }
+            NormOp::RmsGrads(kind) => {
+                let (x, weight, grad) = (get(0), get(1), get(2));
+                register_float_outputs::<B>(handles, outputs, B::rms_norm_grads(x, weight, grad, eps, kind));
+            }
+            NormOp::L2 => {
+                let x = get(0);
+                register_float_outputs::<B>(handles, outputs, [B::l2_norm(x, eps)]);
+            }
+            NormOp::L2Grads => {
+                let (x, grad) = (get(0), get(1));
+                register_float_outputs::<B>(handles, outputs, [B::l2_norm_grads(x, grad, eps)]);
+            }
         }
     }
+}
+
+/// Registers `op` on `inputs` with outputs `shapes` in burn-fusion's stream.
+fn fused_norm<B: FusionBackend + NormKernels>(
+    name: &'static str,
+    inputs: Vec<FloatTensor<Fusion<B>>>,
+    shapes: &[(Shape, DType)],
+    eps: f64,
+    op: NormOp,
+) -> Vec<FloatTensor<Fusion<B>>> {
+    register_custom::<B, _>(name, inputs, shapes, |desc| FusedNorm::<B> {
+        desc,
+        eps,
+        op,
+        _backend: std::marker::PhantomData,
+    })
 }
 
 impl<B: FusionBackend + NormKernels> NormKernels for Fusion<B> {
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64, kind: NormKind) -> FloatTensor<Self> {
         let out = (x.shape(), kind.output_dtype(x.dtype(), weight.dtype()));
-        let [normed] =
-            outputs(register_custom::<B, _>("kiln_rms_norm", vec![x, weight], &[out], |desc| FusedNorm::<B> {
-                desc,
-                eps,
-                kind,
-                grads: false,
-                _backend: std::marker::PhantomData,
-            }));
+        let [normed] = outputs(fused_norm::<B>("kiln_rms_norm", vec![x, weight], &[out], eps, NormOp::Rms(kind)));
         normed
     }
 
@@ -347,13 +530,19 @@ impl<B: FusionBackend + NormKernels> NormKernels for Fusion<B> {
     ) -> [FloatTensor<Self>; 2] {
         let [rows, width] = x.shape().dims::<2>();
         let shapes = [(x.shape(), x.dtype()), (Shape::new([share_rows(rows), width]), DType::F32)];
-        outputs(register_custom::<B, _>("kiln_rms_norm_grads", vec![x, weight, grad], &shapes, |desc| FusedNorm::<B> {
-            desc,
-            eps,
-            kind,
-            grads: true,
-            _backend: std::marker::PhantomData,
-        }))
+        outputs(fused_norm::<B>("kiln_rms_norm_grads", vec![x, weight, grad], &shapes, eps, NormOp::RmsGrads(kind)))
+    }
+
+    fn l2_norm(x: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        let out = (x.shape(), DType::F32);
+        let [normed] = outputs(fused_norm::<B>("kiln_l2_norm", vec![x], &[out], eps, NormOp::L2));
+        normed
+    }
+
+    fn l2_norm_grads(x: FloatTensor<Self>, grad: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        let out = (x.shape(), x.dtype());
+        let [grad_x] = outputs(fused_norm::<B>("kiln_l2_norm_grads", vec![x, grad], &[out], eps, NormOp::L2Grads));
+        grad_x
     }
 }
 
@@ -406,6 +595,42 @@ pub(super) fn cuda_variants(client: &super::cuda_source::Client) -> Vec<super::c
                     ),
                 ));
             }
+        }
+    }
+    // The L2 norm's: Qwen3.5's key width (128) and a narrow one with idle units.
+    for x in [DType::F32, DType::BF16] {
+        let dtypes: [StorageType; 2] = [x, DType::F32].map(Into::into);
+        for width in [16, 128] {
+            let units = units_for(width);
+            let args = || NormArgsCompilationArg { rows: (), width: (), eps: () };
+            let name = format!("l2_norm {x:?} width {width}");
+            variants.push(Variant::new(
+                format!("{name} forward"),
+                l2_norm_kernel::L2NormKernel::<Runtime>::new(
+                    settings(units as u32),
+                    client.clone(),
+                    tensor(),
+                    tensor(),
+                    args(),
+                    units,
+                    super::REVISION,
+                    dtypes,
+                ),
+            ));
+            variants.push(Variant::new(
+                format!("{name} backward"),
+                l2_norm_grads_kernel::L2NormGradsKernel::<Runtime>::new(
+                    settings(units as u32),
+                    client.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    args(),
+                    units,
+                    super::REVISION,
+                    dtypes,
+                ),
+            ));
         }
     }
     variants

@@ -224,9 +224,15 @@ pub trait ModelBackend: Backend {
     }
 
     /// `x / sqrt(Σx² + eps)` over the last dimension, in f32 (`layers::l2_normalize`; Qwen3.5's DeltaNet
-    /// q and k).
+    /// q and k). The CubeCL backends run it as one kernel (`kernels::norm`).
     fn l2_norm<const D: usize>(x: Tensor<Self, D>, eps: f64) -> Tensor<Self, D> {
         l2_normalize(x, eps)
+    }
+
+    /// The gradient of `l2_norm` with respect to `x` for the output gradient `grad`
+    /// (`layers::l2_normalize_backward`; the CubeCL backends' kernel, `kernels::norm`).
+    fn l2_norm_grads<const D: usize>(x: Tensor<Self, D>, eps: f64, grad: Tensor<Self, D>) -> Tensor<Self, D> {
+        l2_normalize_backward(x, eps, grad)
     }
 
     /// The causal depthwise convolution over each document (`layers::causal_depthwise_conv`; LFM2's short
@@ -566,7 +572,7 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         }
         let x = x.into_primitive().tensor();
         let forward = move |[x]: [FloatTensor<B>; 1]| {
-            l2_normalize(Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x)), eps).into_primitive().tensor()
+            B::l2_norm(Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x)), eps).into_primitive().tensor()
         };
         let output = record_recomputable::<C, _, _, _, _, _>(L2NormBackward::<D>, [&x], forward, |[x]| (x, eps));
         Tensor::from_primitive(TensorPrimitive::Float(output))
@@ -811,7 +817,7 @@ fn backward_binary<B: Backend, E, const DA: usize, const DB: usize, const DO: us
 #[derive(Debug)]
 struct L2NormBackward<const D: usize>;
 
-impl<B: Backend, const D: usize> Backward<B, 1> for L2NormBackward<D> {
+impl<B: ModelBackend, const D: usize> Backward<B, 1> for L2NormBackward<D> {
     /// The input through the checkpointer, eps.
     type State = (NodeId, f64);
 
@@ -821,7 +827,7 @@ impl<B: Backend, const D: usize> Backward<B, 1> for L2NormBackward<D> {
         let grad = grads.consume::<B>(&ops.node);
         let Some(node) = parent else { return };
         let x: FloatTensor<B> = checkpointer.retrieve_node_output(x);
-        let grad_x = l2_normalize_backward(
+        let grad_x = B::l2_norm_grads(
             Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x)),
             eps,
             Tensor::<B, D>::from_primitive(TensorPrimitive::Float(grad)),

@@ -101,7 +101,7 @@ pub struct BenchRun {
     /// `KILN_LOSS_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_kernel: Option<bool>,
-    /// Whether the RMSNorms ran as kiln's kernels (kiln on a CubeCL device only: `KILN_NORM_KERNEL`).
+    /// Whether the RMSNorms and L2 norms ran as kiln's kernels (kiln on a CubeCL device only: `KILN_NORM_KERNEL`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub norm_kernel: Option<bool>,
     /// Whether the causal conv ran as kiln's kernels (kiln on a CubeCL device only: `KILN_CONV_KERNEL`).

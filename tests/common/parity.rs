@@ -79,16 +79,21 @@ pub fn error_relative_to_largest(want: &[f32], got: &[f32]) -> f32 {
     max_abs_diff(got, want) / want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-12)
 }
 
-/// A kernel's output and two gradients, as host values.
-pub type KernelResults = [Vec<f32>; 3];
+/// A kernel's output and gradients (most kernels': two), as host values.
+pub type KernelResults<const N: usize = 3> = [Vec<f32>; N];
 
 /// One comparison of `assert_kernel_results`: what it compares, the kernel's results, the reference's.
-pub type KernelComparison<'a> = (&'a str, &'a KernelResults, &'a KernelResults);
+pub type KernelComparison<'a, const N: usize = 3> = (&'a str, &'a KernelResults<N>, &'a KernelResults<N>);
 
-/// A kernel's three results (`names`: its output and two gradients) against references: each comparison is
+/// A kernel's results (`names`: its output and gradients) against references: each comparison is
 /// (what it compares, the kernel's results, the reference's), and each result must lie within `relative[i]`
 /// of the reference's largest magnitude (at least 1) of it. `case` names the inputs in messages.
-pub fn assert_kernel_results(case: &str, names: [&str; 3], comparisons: &[KernelComparison], relative: [f32; 3]) {
+pub fn assert_kernel_results<const N: usize>(
+    case: &str,
+    names: [&str; N],
+    comparisons: &[KernelComparison<N>],
+    relative: [f32; N],
+) {
     for (i, name) in names.into_iter().enumerate() {
         for (what, got, want) in comparisons {
             let scale = want[i].iter().fold(1.0f32, |m, x| m.max(x.abs()));
