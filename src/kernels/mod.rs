@@ -17,7 +17,9 @@
 //! asks CubeCL for the runtime's "optimized" layout, which on CUDA pitches each row to a power-of-two byte
 //! width (a row of 48 f32 takes 256 bytes; cubecl-runtime's `PitchedMemoryLayoutPolicy`) and on Vulkan is
 //! dense, so lavapipe could not show it. On an H200 the pitched outputs made the tiny shapes' losses wrong
-//! in f32 and NaN in bf16 (docs/BENCHMARKS.md, "Third GPU session").
+//! in f32 and NaN in bf16 (docs/BENCHMARKS.md, "Third GPU session"). burn's `CubeTensor::copy` allocates
+//! its result that way too, so the copy of a tensor a kernel writes in place while another handle holds it
+//! is made dense (`writable`).
 
 pub mod adamw;
 pub mod attention;
@@ -91,7 +93,7 @@ pub(crate) fn register_float_outputs<B: FusionBackend>(
     }
 }
 
-/// A tensor a kernel writes in place: as is when it is contiguous and held nowhere else, else a copy.
+/// A tensor a kernel writes in place: as is when it is contiguous and held nowhere else, else a dense copy.
 pub(crate) fn writable<R: burn_cubecl::CubeRuntime>(
     t: burn_cubecl::tensor::CubeTensor<R>,
 ) -> burn_cubecl::tensor::CubeTensor<R> {
@@ -100,8 +102,19 @@ pub(crate) fn writable<R: burn_cubecl::CubeRuntime>(
     } else if t.can_mut() {
         t
     } else {
-        t.copy()
+        dense_copy(t)
     }
+}
+
+/// A copy of `t` in a dense buffer of its own. burn's `CubeTensor::copy` allocates its result in the
+/// runtime's optimized layout, which CUDA pitches (module comment); cubecl's `into_contiguous` always copies
+/// into a dense buffer (burn's wrapper of it hands a contiguous tensor back as it is).
+fn dense_copy<R: burn_cubecl::CubeRuntime>(
+    t: burn_cubecl::tensor::CubeTensor<R>,
+) -> burn_cubecl::tensor::CubeTensor<R> {
+    let (client, device, dtype) = (t.client.clone(), t.device.clone(), t.dtype);
+    let copy = cubecl::std::tensor::into_contiguous(&client, t.binding(), dtype.into());
+    burn_cubecl::tensor::CubeTensor::new(client, copy.handle, *copy.metadata, device, dtype)
 }
 
 /// A kernel's float result as a burn tensor (cubecl's prelude has its own `Tensor`, hence the path).
@@ -271,17 +284,43 @@ mod tests {
 
     #[test]
     fn kernel_outputs_are_allocated_dense() {
-        // The pitched allocation (module comment) by name, split so that this file does not hold it.
-        let pitched = concat!("empty_device", "_dtype");
+        // The pitched allocations (module comment) by name, split so that this file does not hold them:
+        // burn's plain empty tensor, and `CubeTensor::copy`, whose result it allocates.
+        let pitched = [concat!("empty_device", "_dtype"), concat!(".co", "py()")];
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernels");
         let mut files = 0;
         for entry in std::fs::read_dir(&dir).expect("src/kernels is readable") {
             let path = entry.expect("a directory entry").path();
             let source = std::fs::read_to_string(&path).expect("a kernel source is readable");
-            assert!(!source.contains(pitched), "{} allocates with {pitched}: CUDA may pitch its rows", path.display());
+            for call in pitched {
+                assert!(!source.contains(call), "{} allocates with {call}: CUDA may pitch its rows", path.display());
+            }
             files += 1;
         }
         assert!(files >= 9, "{files} files in {}", dir.display());
+    }
+
+    /// A tensor another handle still holds is written in a copy: dense (on CUDA too, where burn's own copy
+    /// would pitch these 48-wide rows), in a buffer of its own, with the same values; the held one untouched.
+    #[cfg(feature = "vulkan")]
+    #[test]
+    fn a_shared_tensor_is_written_in_a_dense_copy_of_its_own() {
+        use burn::tensor::{Tensor, TensorData};
+        type Lavapipe = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
+        if let Err(why) = crate::backend::vulkan_ready(false) {
+            eprintln!("skipped: {why}");
+            return;
+        }
+        let values: Vec<f32> = (0..6 * 48).map(|i| i as f32 * 0.5).collect();
+        let data = TensorData::new(values.clone(), [6, 48]);
+        let held = Tensor::<Lavapipe, 2>::from_data(data, &Default::default()).into_primitive().tensor();
+        let written = writable(held.clone());
+        assert_eq!(written.meta.strides().to_vec(), [48, 1]);
+        assert!(written.is_contiguous_buffer());
+        assert!(written.can_mut(), "the copy shares no buffer");
+        let read = |t| Tensor::<Lavapipe, 2>::from_primitive(TensorPrimitive::Float(t)).into_data().to_vec::<f32>();
+        assert_eq!(read(written).expect("f32 values"), values);
+        assert_eq!(read(held).expect("f32 values"), values);
     }
 
     #[test]
