@@ -310,7 +310,10 @@ impl<B: ModelBackend> Project<B> for Linear<B> {
     fn project<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let y = B::projection(x, self.weight.val());
         match &self.bias {
-            Some(bias) => y + bias.val().unsqueeze(),
+            Some(bias) => {
+                let dims = y.dims();
+                y + B::broadcast_rows(bias.val(), dims)
+            }
             None => y,
         }
     }

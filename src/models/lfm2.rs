@@ -37,7 +37,8 @@ impl<B: ModelBackend> ShortConv<B> {
         // A conv bias (no released LFM2 has one) sits between the conv and the output gate.
         let hidden = self.out_proj.weight.dims()[0];
         let [b, c, xx] = B::split_last(bcx, [hidden; 3]);
-        let y = B::causal_conv(b * xx, self.conv.val(), shifts) + bias.val().reshape([1, 1, hidden]);
+        let y = B::causal_conv(b * xx, self.conv.val(), shifts);
+        let y = y.clone() + B::broadcast_rows(bias.val(), y.dims());
         self.out_proj.project(c * y)
     }
 }

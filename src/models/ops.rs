@@ -37,7 +37,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::activation::{sigmoid, silu, tanh};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Tensor, TensorMetadata, TensorPrimitive};
 
 use super::attention::{
     AttentionForward, ChunkRows, DocumentAttention, add_key_grads, chunked_attention, chunked_attention_backward,
@@ -175,6 +175,15 @@ pub trait ModelBackend: Backend {
     /// `kernels::cublas`).
     fn projection<const D: usize>(x: Tensor<Self, D>, weight: Tensor<Self, 2>) -> Tensor<Self, D> {
         burn::tensor::module::linear(x, weight, None)
+    }
+
+    /// `v` `[n]` repeated along the leading dimensions of `dims` (whose last is `n`): a bias or a per-channel
+    /// parameter meeting every row. As one autodiff op its gradient is the output gradient's `column_sums`,
+    /// folded, where burn's broadcast backward reduces each leading dimension with one `sum_dim`: on CUDA
+    /// without burn's autotune that is a thread per 4 channels reading every row (Qwen3.5's `dt_bias` and
+    /// `A_log`: 4 threads over 4096 rows each, twice a DeltaNet layer).
+    fn broadcast_rows<const D: usize>(v: Tensor<Self, 1>, dims: [usize; D]) -> Tensor<Self, D> {
+        v.unsqueeze::<D>().expand(dims)
     }
 
     /// `lhs · rhs` over the last two dimensions, batch dimensions broadcast, as burn's `matmul` computes it:
@@ -492,24 +501,41 @@ pub fn rms_norm_backward<B: Backend, const D: usize>(
     (grad_x.cast(x_dtype), grad_weight.cast(weight_dtype))
 }
 
-/// `Σ` over the rows of `x` `[rows, width]`, as `[width]`. burn 0.21's reductions along a dimension drop
-/// what lies past about 65,530 elements of it on wgpu (lavapipe, fused and unfused: `sum_dim(0)` of
-/// `[70_000, 1]` misses its last 4,500 rows; a whole-tensor `sum` is right; whether CUDA's do is not known):
-/// longer columns are summed in pieces of 32,768 rows. A norm's weight gradient sums over every token, and a
-/// q/k norm's over every token and head (131,072 rows for LFM2.5-1.2B at sequence 4096).
+/// `Σ` over the rows of `x` `[rows, width]`, as `[width]`, folded `COLUMN_FOLD` rows at a time: groups of
+/// that many consecutive rows are summed into one row, and the group sums again, until one group is left (a
+/// remainder of fewer rows is summed apart and added at the end). Why not one `sum_dim(0)`:
+/// - burn 0.21 without its `autotune` feature (kiln's CUDA build) runs every reduction with cubek's unit
+///   routine, one thread per output vector of 4 that reads the whole reduced axis in turn: a q/k norm's weight
+///   gradient (`[131_072, 64]` for LFM2.5-1.2B at sequence 4096) was 16 threads reading 131,072 rows each,
+///   one dependent load a row, where folded each thread reads at most `COLUMN_FOLD` rows;
+/// - burn 0.21's reductions along a dimension longer than about 65,530 drop the rest on wgpu (lavapipe, fused
+///   and unfused: `sum_dim(0)` of `[70_000, 1]` misses its last 4,500 rows; a whole-tensor `sum` is right).
 pub fn column_sums<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 1> {
-    const PIECE: usize = 32_768;
-    let [rows, width] = x.dims();
-    if rows <= PIECE {
-        return x.sum_dim(0).reshape([width]);
+    let [mut rows, width] = x.dims();
+    let (mut x, mut remainder): (Tensor<B, 2>, Option<Tensor<B, 2>>) = (x, None);
+    while rows > COLUMN_FOLD {
+        let (groups, whole) = (rows / COLUMN_FOLD, rows / COLUMN_FOLD * COLUMN_FOLD);
+        if whole < rows {
+            let rest = x.clone().narrow(0, whole, rows - whole).sum_dim(0);
+            remainder = Some(match remainder {
+                Some(sum) => sum + rest,
+                None => rest,
+            });
+            x = x.narrow(0, 0, whole);
+        }
+        x = x.reshape([groups, COLUMN_FOLD, width]).sum_dim(1).reshape([groups, width]);
+        rows = groups;
     }
-    (0..rows)
-        .step_by(PIECE)
-        .map(|start| x.clone().narrow(0, start, PIECE.min(rows - start)).sum_dim(0))
-        .reduce(|sum, piece| sum + piece)
-        .expect("one piece at least")
-        .reshape([width])
+    let sums = x.sum_dim(0);
+    match remainder {
+        Some(rest) => sums + rest,
+        None => sums,
+    }
+    .reshape([width])
 }
+
+/// The rows `column_sums` sums at once (a power of two: sequences of 4096 tokens fold in whole groups).
+pub const COLUMN_FOLD: usize = 64;
 
 /// `ModelBackend::write_cache_rows` as burn's `slice_assign`.
 pub fn write_cache_rows_composed<B: Backend>(cache: Tensor<B, 4>, at: usize, rows: Tensor<B, 4>) -> Tensor<B, 4> {
@@ -538,6 +564,18 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             return scaled_softmax_attention(q, k, v, &mask, scale);
         }
         tracked_document_attention(q, k, v, docs)
+    }
+
+    fn broadcast_rows<const D: usize>(v: Tensor<Self, 1>, dims: [usize; D]) -> Tensor<Self, D> {
+        if reference_ops() {
+            return v.unsqueeze::<D>().expand(dims);
+        }
+        let v = v.into_primitive().tensor();
+        let forward = move |[v]: [FloatTensor<B>; 1]| {
+            B::broadcast_rows(Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(v)), dims).into_primitive().tensor()
+        };
+        let output = record_recomputable::<C, _, _, _, _, _>(BroadcastRowsBackward, [&v], forward, |_| ());
+        Tensor::from_primitive(TensorPrimitive::Float(output))
     }
 
     fn projection<const D: usize>(x: Tensor<Self, D>, weight: Tensor<Self, 2>) -> Tensor<Self, D> {
@@ -811,6 +849,26 @@ fn backward_binary<B: Backend, E, const DA: usize, const DB: usize, const DO: us
     }
     if let Some(node) = parent_b {
         grads.register::<B>(node.id, grad_b.into_primitive().tensor());
+    }
+}
+
+#[derive(Debug)]
+struct BroadcastRowsBackward;
+
+impl<B: ModelBackend> Backward<B, 1> for BroadcastRowsBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let Some(node) = parent else { return };
+        let shape = grad.shape();
+        let width = shape[shape.num_dims() - 1];
+        let rows = shape.num_elements() / width.max(1);
+        let dtype = FloatDType::from(grad.dtype());
+        // Summed in f32 whatever the vector's dtype: the folds' partial sums are rounded once, at the end.
+        let grad = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::float_reshape(grad, [rows, width].into())));
+        grads.register::<B>(node.id, column_sums(grad.cast(FloatDType::F32)).cast(dtype).into_primitive().tensor());
     }
 }
 
@@ -1122,6 +1180,50 @@ mod tests {
             GateActivation::GeluTanh => gelu_tanh(gate.clone()),
         };
         (run(B::glu(gate.clone(), up.clone(), act)), run(composed * up.clone()))
+    }
+
+    /// Every row counted once, whether the rows fold in whole groups, leave a remainder at one level or at
+    /// several, or fit one group; against f64 sums on the host.
+    #[test]
+    fn column_sums_add_every_row_once() {
+        let device = Default::default();
+        let f = COLUMN_FOLD;
+        for rows in [1, 7, f, f + 1, f * f, f * f + 3, f * f * 2 + f + 5, 70_000] {
+            for width in [1, 3] {
+                let x = normal::<Cpu, 2>([rows, width], 0.5, 1.0, rows as u64, &device);
+                let host = values(x.clone());
+                let expected: Vec<f32> = (0..width)
+                    .map(|c| host.iter().skip(c).step_by(width).map(|&v| f64::from(v)).sum::<f64>() as f32)
+                    .collect();
+                // f32 sums of N values of about 0.5 ± 1: a few ulps of N / 2 at most, folded.
+                assert_close(&format!("{rows} × {width}"), &values(column_sums(x)), &expected, 1e-5);
+            }
+        }
+    }
+
+    /// The op's output and gradient against burn's broadcast of the same leaf, in f32 and in bf16 (whose
+    /// gradient the op sums in f32), with and without checkpointing.
+    fn broadcast_rows_against_burns<B: ModelBackend + AutodiffBackend>(dtype: FloatDType, tolerance: f32) {
+        let device = Default::default();
+        let dims = [2, 70, 5];
+        let v = normal::<B, 1>([5], 0.0, 1.0, 7, &device).cast(dtype).require_grad();
+        let r = normal::<B, 3>(dims, 0.0, 1.0, 8, &device).cast(dtype);
+        let run = |out: Tensor<B, 3>| {
+            let grads = (out.clone().cast(FloatDType::F32) * r.clone().cast(FloatDType::F32)).sum().backward();
+            [values(out), values(v.grad(&grads).expect("a gradient"))]
+        };
+        let [out, grad] = run(B::broadcast_rows(v.clone(), dims));
+        let [burns_out, burns_grad] = run(v.clone().unsqueeze::<3>().expand(dims));
+        assert_eq!(out, burns_out, "{dtype:?}: the output is the vector on every row");
+        assert_close(&format!("{dtype:?}: d v"), &grad, &burns_grad, tolerance);
+    }
+
+    #[test]
+    fn broadcast_rows_sums_its_gradient_over_every_row() {
+        broadcast_rows_against_burns::<CpuTrain>(FloatDType::F32, 1e-6);
+        broadcast_rows_against_burns::<CpuTrainCheckpointed>(FloatDType::F32, 1e-6);
+        // 140 rows: burn's sum rounds to bf16 once as well; the two orders may differ by an ulp.
+        broadcast_rows_against_burns::<CpuTrain>(FloatDType::BF16, 1.0 / 128.0);
     }
 
     const NAMES: [&str; 3] = ["output", "d gate", "d up"];

@@ -71,9 +71,9 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
         let v = v.reshape([batch, seq, nv, dv]).swap_dims(1, 2);
         let z = self.in_proj_z.project(x.clone()).reshape([batch, seq, nv, dv]);
         let beta = sigmoid(self.in_proj_b.project(x.clone())).swap_dims(1, 2);
-        let a =
-            self.in_proj_a.project(x).cast(FloatDType::F32) + self.dt_bias.val().cast(FloatDType::F32).unsqueeze::<3>();
-        let rate = self.a_log.val().cast(FloatDType::F32).exp().unsqueeze::<3>();
+        let per_head = |p: Tensor<B, 1>| B::broadcast_rows(p, [batch, seq, nv]);
+        let a = self.in_proj_a.project(x).cast(FloatDType::F32) + per_head(self.dt_bias.val().cast(FloatDType::F32));
+        let rate = per_head(self.a_log.val().cast(FloatDType::F32).exp());
         let g = (softplus(a) * rate).neg().swap_dims(1, 2);
         DeltaNetInputs { scan: ScanInputs { q, k, v, g, beta }, z }
     }
