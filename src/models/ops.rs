@@ -510,24 +510,23 @@ pub fn rms_norm_backward<B: Backend, const D: usize>(
 ///   one dependent load a row, where folded each thread reads at most `COLUMN_FOLD` rows;
 /// - burn 0.21's reductions along a dimension longer than about 65,530 drop the rest on wgpu (lavapipe, fused
 ///   and unfused: `sum_dim(0)` of `[70_000, 1]` misses its last 4,500 rows; a whole-tensor `sum` is right).
-pub fn column_sums<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 1> {
-    let [mut rows, width] = x.dims();
-    let (mut x, mut remainder): (Tensor<B, 2>, Option<Tensor<B, 2>>) = (x, None);
-    while rows > COLUMN_FOLD {
+pub fn column_sums<B: Backend>(mut x: Tensor<B, 2>) -> Tensor<B, 1> {
+    let width = x.dims()[1];
+    let mut remainders = Vec::new();
+    loop {
+        let rows = x.dims()[0];
+        if rows <= COLUMN_FOLD {
+            break;
+        }
         let (groups, whole) = (rows / COLUMN_FOLD, rows / COLUMN_FOLD * COLUMN_FOLD);
         if whole < rows {
-            let rest = x.clone().narrow(0, whole, rows - whole).sum_dim(0);
-            remainder = Some(match remainder {
-                Some(sum) => sum + rest,
-                None => rest,
-            });
+            remainders.push(x.clone().narrow(0, whole, rows - whole).sum_dim(0));
             x = x.narrow(0, 0, whole);
         }
         x = x.reshape([groups, COLUMN_FOLD, width]).sum_dim(1).reshape([groups, width]);
-        rows = groups;
     }
     let sums = x.sum_dim(0);
-    match remainder {
+    match remainders.into_iter().reduce(|sum, rest| sum + rest) {
         Some(rest) => sums + rest,
         None => sums,
     }
